@@ -1,0 +1,31 @@
+from setuptools import setup
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="Compact Megatron-style 3D-parallel transformer training with Triton kernels",
+    python_requires=">=3.10",
+    packages=[
+        "megalite",
+        "megalite.tensor_parallel",
+        "megalite.transformer",
+        "megalite.models",
+        "megalite.pipeline",
+        "megalite.distributed",
+        "megalite.optimizer",
+        "megalite.data",
+        "kernels",
+    ],
+    install_requires=[
+        "torch>=2.4",
+        "triton>=3.0; platform_system == 'Linux'",
+        "numpy",
+        "sentencepiece",
+        "datasets",
+    ],
+    extras_require={
+        "test": ["pytest"],
+        "hf": ["transformers", "safetensors"],
+        "tensorboard": ["tensorboard"],
+    },
+)
