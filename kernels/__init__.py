@@ -1,0 +1,9 @@
+"""Fused Triton kernels (each an autograd.Function) with plain-torch fallbacks.
+
+Dispatch: Triton for CUDA tensors, torch for CPU tensors; `set_backend` / `use_backend`
+force one path ("triton" on CPU needs TRITON_INTERPRET=1 set before import).
+Depends on torch and triton only.
+"""
+from ._dispatch import get_backend, set_backend, use_backend
+from .layer_norm import layer_norm
+from .rms_norm import rms_norm
