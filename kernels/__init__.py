@@ -7,3 +7,6 @@ Depends on torch and triton only.
 from ._dispatch import get_backend, set_backend, use_backend
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
+from .softmax import softmax
+from .bias_gelu import bias_gelu
+from .swiglu import swiglu
