@@ -1,0 +1,3 @@
+from megalite.models.gpt import GPTModel
+
+__all__ = ["GPTModel"]

@@ -1,0 +1,136 @@
+"""Configuration dataclasses and their validation.
+
+Every check raises ConfigError with one line naming the values and what to change; the
+entry points print that line on every rank and exit non-zero before any heavy work.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None  # default 4h (or 8h/3 rounded for SwiGLU)
+    num_query_groups: Optional[int] = None  # None: = heads (plain multi-head attention)
+    kv_channels: Optional[int] = None  # default hidden / heads
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = None
+    vocab_size: int = 1024  # real (unpadded) vocabulary
+    make_vocab_size_divisible_by: int = 128
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    untie_embeddings_and_output_weights: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None  # None, "full" or "selective"
+    params_dtype: torch.dtype = torch.float32
+    fused_kernels: bool = True  # Triton kernels on CUDA; CPU always uses the torch path
+    seed: int = 1234  # initialisation seed (topology independent)
+
+    def __post_init__(self):
+        h, a = self.hidden_size, self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = a
+        if self.kv_channels is None:
+            if h % a:
+                raise ConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads {a}; "
+                                  "pick sizes with hidden = heads x head dim")
+            self.kv_channels = h // a
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * h if not self.swiglu else int((8 * h / 3 + 63) // 64 * 64)
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if a % self.num_query_groups:
+            raise ConfigError(f"--num-attention-heads {a} is not divisible by --num-query-groups "
+                              f"{self.num_query_groups}")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ConfigError(f"--position-embedding-type {self.position_embedding_type!r} is not one of "
+                              "learned_absolute, rope")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"--normalization {self.normalization!r} is not one of LayerNorm, RMSNorm")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r} is not one of full, selective")
+        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
+            raise ConfigError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                              f"{self.max_position_embeddings}")
+        if self.position_embedding_type == "rope" and self.kv_channels % 2:
+            raise ConfigError(f"rotary embeddings need an even head dim, got {self.kv_channels}")
+
+    def check_parallel(self, tp):
+        """Checks that depend on the tensor-parallel size."""
+        if self.num_attention_heads % tp:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}")
+        if self.num_query_groups % tp:
+            raise ConfigError(f"--num-query-groups {self.num_query_groups} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}")
+        if self.ffn_hidden_size % tp:
+            raise ConfigError(f"--ffn-hidden-size {self.ffn_hidden_size} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}")
+        if self.sequence_parallel and tp > 1 and self.seq_length % tp:
+            raise ConfigError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by "
+                              f"--tensor-model-parallel-size {tp}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    data_parallel_size: int = 1  # derived from the world size
+    grad_bucket_size: int = 40_000_000  # elements per DP all-reduce bucket
+    overlap_grad_reduce: bool = True
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None
+    train_iters: int = 10
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"  # constant, linear, cosine
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    bf16: bool = False
+    fp16: bool = False
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    log_interval: int = 1
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    seed: int = 1234
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def params_dtype(self):
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    def num_microbatches(self, dp):
+        g, m = self.global_batch_size, self.micro_batch_size
+        if g % (m * dp):
+            raise ConfigError(f"--global-batch-size {g} is not divisible by --micro-batch-size {m} x "
+                              f"data-parallel size {dp} = {m * dp}")
+        return g // (m * dp)

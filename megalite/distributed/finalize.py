@@ -1,0 +1,61 @@
+"""What must happen to gradients after the DP reduction and before the optimizer step."""
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state as ps
+
+
+def _grad(p):
+    return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+
+
+def allreduce_sequence_parallel_grads(params):
+    """Params applied to sequence-sharded activations (norms, row biases, position
+    embeddings under SP) hold partial gradients on each TP rank: sum them over TP."""
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [_grad(p) for p in params if getattr(p, "sequence_parallel", False) and _grad(p) is not None]
+    if not grads:
+        return
+    flat = dist_flatten(grads)
+    dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+    dist_unflatten(flat, grads)
+
+
+def allreduce_embedding_grads(model_chunks):
+    """Tied word embeddings live on the first and last pipeline stages: sum their grads."""
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return
+    if ps.global_rank() not in ps.get_embedding_ranks():
+        return
+    for m in model_chunks:
+        m = getattr(m, "module", m)
+        if not getattr(m, "share_embeddings_and_output_weights", False):
+            continue
+        w = m.shared_embedding_or_output_weight()
+        if w is not None:
+            dist.all_reduce(_grad(w), group=ps.get_embedding_group())
+
+
+def dist_flatten(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def dist_unflatten(flat, tensors):
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def finalize_model_grads(model_chunks):
+    """DP sync (wait on the overlapped buckets), then the SP and embedding reductions."""
+    params = []
+    for m in model_chunks:
+        if hasattr(m, "finish_grad_sync"):
+            m.finish_grad_sync()
+        params.extend(p for p in m.parameters() if p.requires_grad)
+    allreduce_sequence_parallel_grads(params)
+    allreduce_embedding_grads(model_chunks)

@@ -1,0 +1,140 @@
+"""A GPT (decoder-only) model built from megalite's transformer and tensor-parallel layers.
+
+forward(input_ids [b, s], labels [b, s] or None) returns the per-token loss [b, s] (fp32)
+when labels are given, else this rank's vocabulary shard of the logits [b, s, V/TP].
+With pipeline parallelism a stage is built with pre_process (embedding) and/or
+post_process (final norm, output layer, loss); intermediate stages take their input
+through set_input_tensor().
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+
+from megalite import parallel_state as ps
+from megalite.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    get_rng_tracker,
+    padded_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+from megalite.tensor_parallel.layers import init_master, init_normal
+from megalite.transformer import TransformerBlock
+from megalite.transformer.rope import rotary_cos_sin
+from megalite.transformer.utils import param_seed
+
+
+def _init_real_rows(std, real):
+    """Normal init for the real vocabulary rows, zeros for padding rows."""
+    def init_(t):
+        t.zero_()
+        nn.init.normal_(t[:real], mean=0.0, std=std)
+    return init_
+
+
+class GPTEmbedding(nn.Module):
+    def __init__(self, config, padded_vocab):
+        super().__init__()
+        c = config
+        self.config = c
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab, c.hidden_size, init_method=init_normal(c.init_method_std), real_vocab_size=c.vocab_size,
+            init_seed=param_seed(c.seed, "embedding.word_embeddings"), reduce_scatter=c.sequence_parallel,
+            params_dtype=c.params_dtype)
+        self.position_embeddings = None
+        if c.position_embedding_type == "learned_absolute":
+            w = init_master((c.max_position_embeddings, c.hidden_size), init_normal(c.init_method_std),
+                            param_seed(c.seed, "embedding.position_embeddings"))
+            self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size,
+                                                    device=ps.get_device(), dtype=c.params_dtype)
+            with torch.no_grad():
+                self.position_embeddings.weight.copy_(w)
+            # Under SP each rank adds only its sequence slice: partial grads, summed over TP.
+            self.position_embeddings.weight.sequence_parallel = c.sequence_parallel and \
+                ps.get_tensor_model_parallel_world_size() > 1
+
+    def forward(self, input_ids, position_ids=None):
+        c = self.config
+        x = self.word_embeddings(input_ids.t())  # [s(/TP under SP), b, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            pos = position_ids.t()  # [s, b or 1]
+            if self.word_embeddings.reduce_scatter:
+                n, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+                pos = pos.chunk(n, dim=0)[r]
+            x = x + self.position_embeddings(pos)
+        sp = self.word_embeddings.reduce_scatter
+        with get_rng_tracker().fork() if sp else contextlib.nullcontext():
+            x = nn.functional.dropout(x, p=c.hidden_dropout, training=self.training)
+        return x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=0):
+        super().__init__()
+        c = config
+        tp = ps.get_tensor_model_parallel_world_size()
+        c.check_parallel(tp)
+        self.config = c
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = not c.untie_embeddings_and_output_weights
+        self.padded_vocab_size = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, tp)
+        self.input_tensor = None
+        if pre_process:
+            self.embedding = GPTEmbedding(c, self.padded_vocab_size)
+        self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset,
+                                        post_process=post_process)
+        if post_process:
+            std = c.init_method_std
+            self.output_layer = ColumnParallelLinear(
+                c.hidden_size, self.padded_vocab_size, bias=False,
+                init_method=_init_real_rows(std, c.vocab_size),
+                sequence_parallel=c.sequence_parallel,
+                init_seed=param_seed(c.seed, "embedding.word_embeddings" if self.share_embeddings_and_output_weights
+                                     else "output_layer"),
+                params_dtype=c.params_dtype)
+            if self.share_embeddings_and_output_weights:
+                if pre_process:
+                    # One parameter used twice; the output layer's own copy is dropped.
+                    del self.output_layer.weight
+                    self.output_layer.weight = None
+                else:
+                    # Last stage's copy of the word embeddings (initialised identically);
+                    # its gradient is all-reduced with the first stage's every step.
+                    self.output_layer.weight.shared_embedding = True
+
+    def set_input_tensor(self, tensor):
+        """Pipeline stages after the first receive their input here instead of input_ids."""
+        self.input_tensor = tensor
+
+    def shared_embedding_or_output_weight(self):
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def forward(self, input_ids, position_ids=None, labels=None):
+        c = self.config
+        if self.pre_process:
+            x = self.embedding(input_ids, position_ids)
+        else:
+            x = self.input_tensor
+        rotary = None
+        if c.position_embedding_type == "rope":
+            rotary = rotary_cos_sin(c.seq_length if input_ids is None else input_ids.shape[1], c.kv_channels,
+                                    c.rotary_base, x.device)
+        x = self.decoder(x, rotary)
+        if not self.post_process:
+            return x
+        weight = None
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            weight = self.embedding.word_embeddings.weight
+        logits = self.output_layer(x, weight=weight)  # [s, b, V/TP]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=c.vocab_size)
+        return loss.transpose(0, 1).contiguous()

@@ -1,0 +1,225 @@
+"""The process-group grid: tensor (TP) x data (DP) x pipeline (PP) parallel.
+
+Rank order follows Megatron-LM: TP varies fastest, then DP, then PP,
+    rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+so that a TP group is made of neighbouring ranks (one node). A context-parallel axis
+would slot in between TP and DP (rank = tp + TP * (cp + CP * (dp + DP * pp))); it is
+accepted as size 1 today so the grid's coordinates already have a place for it.
+
+Without torch.distributed initialised the grid is a single process: every size is 1,
+every group is None and the communication primitives become identities. Tests use this
+to compute single-process references.
+"""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_GRID = None
+
+
+class _Grid:
+    def __init__(self, tp, pp, dp, cp, vpp):
+        self.tp, self.pp, self.dp, self.cp, self.vpp = tp, pp, dp, cp, vpp
+        self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.emb_group = None
+        self.tp_rank = self.pp_rank = self.dp_rank = 0
+        self.pp_ranks = [0]
+        self.dp_ranks = [0]
+        self.emb_ranks = [0]
+        self.virtual_rank = 0
+
+
+def rank_of(tp_rank, dp_rank, pp_rank, tp, dp):
+    """Global rank of a grid coordinate (Megatron's order)."""
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def initialize_distributed(backend=None, timeout_s=600):
+    """Initialise torch.distributed from torchrun's environment if it is not yet.
+
+    NCCL when CUDA is present, gloo otherwise, unless `backend` says.
+    """
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        return  # plain `python script.py`: single process, no groups
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              virtual_pipeline_model_parallel_size=None, context_parallel_size=1):
+    """Build the TP/PP/DP/model-parallel/embedding groups for the current world."""
+    global _GRID
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    if cp != 1:
+        raise ValueError(f"context parallelism is not implemented yet (context_parallel_size={cp}); use 1")
+    for name, v in (("tensor", tp), ("pipeline", pp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}-model-parallel size must be a positive integer, got {v}")
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor-model-parallel size {tp} x "
+            f"pipeline-model-parallel size {pp} = {tp * pp}; change --nproc-per-node or the parallel sizes")
+    dp = world // (tp * pp)
+    grid = _Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
+    if not dist.is_initialized():
+        _GRID = grid
+        return
+    rank = dist.get_rank()
+    grid.tp_rank = rank % tp
+    grid.dp_rank = (rank // tp) % dp
+    grid.pp_rank = rank // (tp * dp)
+    # Every rank must create every group, in the same order.
+    for d in range(dp):
+        for p in range(pp):
+            ranks = [rank_of(t, d, p, tp, dp) for t in range(tp)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                grid.tp_group = g
+    for t in range(tp):
+        for p in range(pp):
+            ranks = [rank_of(t, d, p, tp, dp) for d in range(dp)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                grid.dp_group, grid.dp_ranks = g, ranks
+    for t in range(tp):
+        for d in range(dp):
+            ranks = [rank_of(t, d, p, tp, dp) for p in range(pp)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                grid.pp_group, grid.pp_ranks = g, ranks
+            emb = [ranks[0], ranks[-1]] if pp > 1 else [ranks[0]]
+            g = dist.new_group(emb)
+            if rank in emb:
+                grid.emb_group, grid.emb_ranks = g, emb
+    for d in range(dp):
+        ranks = [rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)]
+        g = dist.new_group(sorted(ranks))
+        if rank in ranks:
+            grid.mp_group = g
+    _GRID = grid
+
+
+def model_parallel_is_initialized():
+    return _GRID is not None
+
+
+def destroy_model_parallel():
+    """Forget the grid (groups are released with the default group); re-initialisable."""
+    global _GRID
+    _GRID = None
+
+
+def _grid():
+    if _GRID is None:
+        raise RuntimeError("megalite.parallel_state is not initialised: call initialize_model_parallel() first")
+    return _GRID
+
+
+def get_tensor_model_parallel_group():
+    return _grid().tp_group
+
+
+def get_tensor_model_parallel_rank():
+    return _grid().tp_rank
+
+
+def get_tensor_model_parallel_world_size():
+    return _grid().tp
+
+
+def get_pipeline_model_parallel_group():
+    return _grid().pp_group
+
+
+def get_pipeline_model_parallel_rank():
+    return _grid().pp_rank
+
+
+def get_pipeline_model_parallel_world_size():
+    return _grid().pp
+
+
+def get_pipeline_model_parallel_ranks():
+    return list(_grid().pp_ranks)
+
+
+def get_data_parallel_group():
+    return _grid().dp_group
+
+
+def get_data_parallel_rank():
+    return _grid().dp_rank
+
+
+def get_data_parallel_world_size():
+    return _grid().dp
+
+
+def get_data_parallel_ranks():
+    return list(_grid().dp_ranks)
+
+
+def get_model_parallel_group():
+    return _grid().mp_group
+
+
+def get_embedding_group():
+    return _grid().emb_group
+
+
+def get_embedding_ranks():
+    return list(_grid().emb_ranks)
+
+
+def get_virtual_pipeline_model_parallel_world_size():
+    return _grid().vpp
+
+
+def get_virtual_pipeline_model_parallel_rank():
+    return _grid().virtual_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank):
+    _grid().virtual_rank = rank
+
+
+def is_pipeline_first_stage(ignore_virtual=False):
+    g = _grid()
+    if not ignore_virtual and g.vpp is not None and g.virtual_rank != 0:
+        return False
+    return g.pp_rank == 0
+
+
+def is_pipeline_last_stage(ignore_virtual=False):
+    g = _grid()
+    if not ignore_virtual and g.vpp is not None and g.virtual_rank != g.vpp - 1:
+        return False
+    return g.pp_rank == g.pp - 1
+
+
+def get_device():
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def global_rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1

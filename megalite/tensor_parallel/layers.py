@@ -1,0 +1,198 @@
+"""Tensor-parallel linear and embedding layers.
+
+Initialisation never depends on the TP size: each layer initialises the full ("master")
+weight from a seed, then keeps its own shard. A model built with TP=4 therefore holds
+exactly the slices of the TP=1 model's weights, which is what parity tests compare.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import parallel_state as ps
+from megalite.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+
+def init_normal(std):
+    def init_(t):
+        return nn.init.normal_(t, mean=0.0, std=std)
+    return init_
+
+
+def init_master(shape, init_method, seed):
+    """The full weight, drawn from `seed` (or from the current default RNG if None).
+
+    A per-parameter seed makes the weights independent of which layers a pipeline stage
+    builds and in which order.
+    """
+    w = torch.empty(shape, dtype=torch.float32)
+    if seed is None:
+        init_method(w)
+        return w
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        init_method(w)
+    return w
+
+
+def shard_rows(master, tp, rank, chunks=1):
+    """This rank's rows of `master`. With chunks > 1 the rows are `chunks` stacked blocks
+    (e.g. [gate; up] for SwiGLU) and the rank takes its slice of each block."""
+    blocks = master.chunk(chunks, dim=0)
+    return torch.cat([b.chunk(tp, dim=0)[rank] for b in blocks], dim=0)
+
+
+def _set_tp_attrs(param, is_parallel, dim):
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = dim
+
+
+def _divide(n, d, what):
+    if n % d:
+        raise ValueError(f"{what} {n} is not divisible by tensor-model-parallel size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A split by columns (output features) across TP ranks.
+
+    gather_output: all-gather Y so every rank has the full output.
+    skip_bias_add: return (Y, b) so the caller can fuse the bias into the next op.
+    sequence_parallel: the input is sequence-sharded; it is all-gathered here.
+    shard_chunks: the output features are `shard_chunks` stacked blocks sharded blockwise.
+    """
+
+    def __init__(self, input_size, output_size, bias=True, gather_output=False, init_method=None,
+                 skip_bias_add=False, sequence_parallel=False, init_seed=None, shard_chunks=1,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = _divide(output_size, tp * shard_chunks, "output size / chunks") * shard_chunks
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.sequence_parallel = sequence_parallel and tp > 1
+        device = device or ps.get_device()
+        init_method = init_method or init_normal(0.02)
+        master = init_master((output_size, input_size), init_method, init_seed)
+        w = shard_rows(master, tp, rank, shard_chunks)
+        self.weight = nn.Parameter(w.to(device=device, dtype=params_dtype))
+        _set_tp_attrs(self.weight, True, 0)
+        self.weight.shard_chunks = shard_chunks
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, device=device, dtype=params_dtype))
+            _set_tp_attrs(self.bias, True, 0)
+            self.bias.shard_chunks = shard_chunks
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x, weight=None):
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        bias = None if self.skip_bias_add else self.bias
+        y = F.linear(x, weight, bias)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y)
+        if self.skip_bias_add:
+            return y, self.bias
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A split by rows (input features) across TP ranks.
+
+    input_is_parallel: X already arrives split along its last dim (from a column layer).
+    sequence_parallel: the partial outputs are reduce-scattered along the sequence.
+    """
+
+    def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, init_method=None,
+                 skip_bias_add=False, sequence_parallel=False, init_seed=None,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = _divide(input_size, tp, "input size")
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.sequence_parallel = sequence_parallel and tp > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
+        device = device or ps.get_device()
+        init_method = init_method or init_normal(0.02)
+        master = init_master((output_size, input_size), init_method, init_seed)
+        w = master.chunk(tp, dim=1)[rank].contiguous()
+        self.weight = nn.Parameter(w.to(device=device, dtype=params_dtype))
+        _set_tp_attrs(self.weight, True, 1)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=params_dtype))
+            _set_tp_attrs(self.bias, False, -1)
+            # Under SP the bias is added to this rank's sequence slice only: its gradient
+            # is partial and must be summed over TP (see distributed.finalize_grads).
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y)
+        if self.skip_bias_add:
+            return y, self.bias
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows across TP ranks.
+
+    `num_embeddings` is the padded vocabulary (a multiple of TP); rows at or above
+    `real_vocab_size` are padding, initialised to zero and never looked up.
+    With `reduce_scatter` the partial lookups are reduce-scattered along dim 0 (the
+    sequence, for sequence parallelism) instead of all-reduced.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, init_method=None, real_vocab_size=None,
+                 init_seed=None, reduce_scatter=False, params_dtype=torch.float32, device=None):
+        super().__init__()
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        per = _divide(num_embeddings, tp, "padded vocabulary size")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start_index, self.vocab_end_index = rank * per, (rank + 1) * per
+        self.reduce_scatter = reduce_scatter and tp > 1
+        real = real_vocab_size or num_embeddings
+        init_method = init_method or init_normal(0.02)
+        master = torch.zeros(num_embeddings, embedding_dim)
+        master[:real] = init_master((real, embedding_dim), init_method, init_seed)
+        w = master[self.vocab_start_index:self.vocab_end_index].contiguous()
+        self.weight = nn.Parameter(w.to(device=device or ps.get_device(), dtype=params_dtype))
+        _set_tp_attrs(self.weight, True, 0)
+
+    def forward(self, ids):
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+            local = (ids - self.vocab_start_index).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.reduce_scatter:
+            return reduce_scatter_to_sequence_parallel_region(out)
+        return reduce_from_tensor_model_parallel_region(out)
+
+
+def padded_vocab_size(vocab_size, divisible_by, tp):
+    """Megatron's padding: round up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)

@@ -1,0 +1,202 @@
+"""Autograd communication primitives for the tensor-parallel region.
+
+Activations inside the transformer are laid out [sequence, batch, hidden] (Megatron's
+layout), so the sequence-parallel split is along dim 0 and contiguous; the tensor-parallel
+split of features is along the last dim. Each primitive's backward is its forward's adjoint.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state as ps
+
+
+def _tp():
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+
+
+def _reduce(x):
+    n, group = _tp()
+    if n == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x):
+    n, _ = _tp()
+    if n == 1:
+        return x
+    if x.shape[-1] % n:
+        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by tensor-parallel size {n}")
+    return x.chunk(n, dim=-1)[ps.get_tensor_model_parallel_rank()].contiguous()
+
+
+def _gather_last(x):
+    n, group = _tp()
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_first(x):
+    n, _ = _tp()
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {n} "
+                         "(needed by --sequence-parallel)")
+    return x.chunk(n, dim=0)[ps.get_tensor_model_parallel_rank()].contiguous()
+
+
+def _gather_first(x):
+    n, group = _tp()
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_first(x):
+    n, group = _tp()
+    if n == 1:
+        return x
+    if x.shape[0] % n:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {n} "
+                         "(needed by --sequence-parallel)")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce(g)
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce(x.clone()) if _tp()[0] > 1 else x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _ScatterLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split_last(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_last(g)
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_last(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split_last(g)
+
+
+class _ScatterFirst(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split_first(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g)
+
+
+class _GatherFirst(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tensor_parallel_output_grad):
+        ctx.tp_out_grad = tensor_parallel_output_grad
+        return _gather_first(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        # If the consumer of the gathered tensor is itself tensor-parallel (e.g. a column
+        # layer), each rank holds only a partial gradient: sum them while scattering.
+        if ctx.tp_out_grad:
+            return _reduce_scatter_first(g), None
+        return _split_first(g), None
+
+
+class _ReduceScatterFirst(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter_first(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_first(g)
+
+
+def copy_to_tensor_model_parallel_region(x):
+    """Identity forward; all-reduce of the gradient over TP backward."""
+    return _Copy.apply(x)
+
+
+def reduce_from_tensor_model_parallel_region(x):
+    """All-reduce over TP forward; identity backward."""
+    return _Reduce.apply(x)
+
+
+def scatter_to_tensor_model_parallel_region(x):
+    """Keep this rank's slice of the last dim forward; all-gather backward."""
+    return _ScatterLast.apply(x)
+
+
+def gather_from_tensor_model_parallel_region(x):
+    """All-gather along the last dim forward; keep this rank's slice backward."""
+    return _GatherLast.apply(x)
+
+
+def scatter_to_sequence_parallel_region(x):
+    """Keep this rank's slice of the sequence (dim 0) forward; all-gather backward."""
+    return _ScatterFirst.apply(x)
+
+
+def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True):
+    """All-gather along the sequence (dim 0) forward; reduce-scatter (or split) backward."""
+    return _GatherFirst.apply(x, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x):
+    """Reduce-scatter along the sequence (dim 0) forward; all-gather backward."""
+    return _ReduceScatterFirst.apply(x)
+
+
+def all_reduce_max_tp(x):
+    """In-place max over the TP group (no autograd; used by the vocab-parallel loss)."""
+    n, group = _tp()
+    if n > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def all_reduce_sum_tp(x):
+    """In-place sum over the TP group (no autograd)."""
+    n, group = _tp()
+    if n > 1:
+        dist.all_reduce(x, group=group)
+    return x

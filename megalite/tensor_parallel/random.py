@@ -1,0 +1,143 @@
+"""RNG streams for tensor parallelism and activation recomputation.
+
+Two streams, as in Megatron-LM:
+- the default torch generator, seeded identically on every TP rank, for dropout on
+  activations that are replicated across TP (so every rank drops the same elements);
+- the tracked 'model-parallel-rng' stream, seeded differently per TP rank, for dropout on
+  activations that are split across TP (attention probabilities of this rank's heads,
+  sequence-parallel slices), entered with `get_rng_tracker().fork()`.
+`checkpoint` recomputes a function in backward with both streams restored, so dropout
+masks in the recomputation equal those of the forward.
+"""
+
+import contextlib
+
+import torch
+
+from megalite import parallel_state as ps
+
+_MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def _on_cuda():
+    return ps.get_device().type == "cuda" if ps.model_parallel_is_initialized() else False
+
+
+def _get_state():
+    return torch.cuda.get_rng_state() if _on_cuda() else torch.get_rng_state()
+
+
+def _set_state(state):
+    if _on_cuda():
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named RNG states that can be swapped in around a block of code."""
+
+    def __init__(self):
+        self.states = {}
+
+    def reset(self):
+        self.states = {}
+
+    def get_states(self):
+        return dict(self.states)
+
+    def set_states(self, states):
+        self.states = dict(states)
+
+    def add(self, name, seed):
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        saved = _get_state()
+        if _on_cuda():
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = _get_state()
+        _set_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name=_MODEL_PARALLEL_RNG):
+        if name not in self.states:
+            raise KeyError(f"RNG state {name!r} was never added: call model_parallel_manual_seed(seed) first")
+        saved = _get_state()
+        _set_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state()
+            _set_state(saved)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker():
+    return _TRACKER
+
+
+def model_parallel_manual_seed(seed):
+    """Seed both streams: default identical across TP, tracked one distinct per TP rank.
+
+    Pipeline stages get distinct default seeds (their layers differ anyway).
+    """
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    default_seed = seed + 100 * pp_rank
+    torch.manual_seed(default_seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(default_seed)
+    _TRACKER.reset()
+    _TRACKER.add(_MODEL_PARALLEL_RNG, default_seed + 2718 + tp_rank)
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_function, *args):
+        ctx.run_function = run_function
+        ctx.fwd_rng = _get_state()
+        ctx.fwd_tracker = _TRACKER.get_states()
+        with torch.no_grad():
+            outputs = run_function(*args)
+        tensors = [a if torch.is_tensor(a) else None for a in args]
+        ctx.non_tensors = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*[t for t in tensors if t is not None])
+        ctx.is_tensor = [t is not None for t in tensors]
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = iter(ctx.saved_tensors)
+        args = []
+        for is_t, nt in zip(ctx.is_tensor, ctx.non_tensors):
+            if is_t:
+                t = next(saved)
+                d = t.detach()
+                d.requires_grad_(t.requires_grad)
+                args.append(d)
+            else:
+                args.append(nt)
+        # Recompute under the forward's RNG states, then put the current ones back.
+        cur_rng, cur_tracker = _get_state(), _TRACKER.get_states()
+        _set_state(ctx.fwd_rng)
+        _TRACKER.set_states(ctx.fwd_tracker)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run_function(*args)
+        finally:
+            _set_state(cur_rng)
+            _TRACKER.set_states(cur_tracker)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
+
+
+def checkpoint(function, *args):
+    """Run `function(*args)` without keeping its activations; recompute them in backward."""
+    return _CheckpointFunction.apply(function, *args)

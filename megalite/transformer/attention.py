@@ -1,0 +1,70 @@
+"""Self-attention with heads (and query groups, for GQA/MQA) sharded across TP ranks."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import parallel_state as ps
+from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
+from megalite.tensor_parallel.layers import init_normal
+from megalite.transformer.rope import apply_rotary
+from megalite.transformer.utils import output_init_std, param_seed
+
+
+def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None):
+    """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given."""
+    if fused and q.is_cuda and dropout_p == 0.0 and attn_mask is None:
+        import kernels
+        return kernels.flash_attention(q, k, v, causal=True)
+    if k.shape[2] != q.shape[2]:
+        rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    p = dropout_p if training else 0.0
+    # Dropout on attention probabilities: this rank's heads only, so the per-TP-rank stream.
+    with get_rng_tracker().fork():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=attn_mask, dropout_p=p, is_causal=attn_mask is None)
+    return out.transpose(1, 2)
+
+
+class SelfAttention(nn.Module):
+    """QKV rows are laid out per query group: [q heads of group g | k_g | v_g] for each g,
+    so a contiguous TP shard holds whole groups with their queries."""
+
+    def __init__(self, config, prefix):
+        super().__init__()
+        c = config
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.config = c
+        self.d = c.kv_channels
+        self.groups_local = c.num_query_groups // tp
+        self.q_per_group = c.num_attention_heads // c.num_query_groups
+        qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * self.d
+        self.linear_qkv = ColumnParallelLinear(
+            c.hidden_size, qkv_out, bias=c.add_bias_linear, init_method=init_normal(c.init_method_std),
+            sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_qkv"),
+            params_dtype=c.params_dtype)
+        self.linear_proj = RowParallelLinear(
+            c.num_attention_heads * self.d, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
+            init_method=init_normal(output_init_std(c)), skip_bias_add=True,
+            sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_proj"),
+            params_dtype=c.params_dtype)
+
+    def forward(self, x, rotary=None, attn_mask=None):
+        """x [s, b, h] (sequence-sharded under SP) -> (out [s, b, h], bias or None)."""
+        c = self.config
+        qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.d).transpose(0, 1)
+        q = qkv[:, :, :, :self.q_per_group].reshape(b, s, self.groups_local * self.q_per_group, self.d)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [b, s, groups_local, d]
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin, c.fused_kernels), apply_rotary(k, cos, sin, c.fused_kernels)
+        args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask)
+        if c.recompute_granularity == "selective":
+            ctx = checkpoint(core_attention, *args)
+        else:
+            ctx = core_attention(*args)
+        ctx = ctx.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, heads_local * d]
+        return self.linear_proj(ctx)

@@ -1,0 +1,37 @@
+"""A pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+
+import contextlib
+
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.tensor_parallel import get_rng_tracker
+from megalite.transformer.attention import SelfAttention
+from megalite.transformer.mlp import MLP
+from megalite.transformer.norm import build_norm
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config, layer_number, prefix):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number  # global, 1-based (as Megatron), whatever the stage
+        self.input_layernorm = build_norm(config, config.hidden_size)
+        self.self_attention = SelfAttention(config, prefix + ".self_attention")
+        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
+        self.mlp = MLP(config, prefix + ".mlp")
+
+    def _bias_dropout_add(self, out_bias, residual):
+        out, bias = out_bias
+        if bias is not None:
+            out = out + bias
+        # Replicated activations drop identically on all TP ranks (default stream);
+        # sequence-parallel slices are distinct data, so they take the per-rank stream.
+        rng = get_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
+        with rng:
+            out = F.dropout(out, p=self.config.hidden_dropout, training=self.training)
+        return residual + out
+
+    def forward(self, x, rotary=None, attn_mask=None):
+        x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), rotary, attn_mask), x)
+        return self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)

@@ -1,0 +1,50 @@
+"""The feed-forward block: h -> ffn (GeLU, or SwiGLU with [gate | up]) -> h, sharded over TP."""
+
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megalite.tensor_parallel.layers import init_normal
+from megalite.transformer.utils import output_init_std, param_seed
+
+
+def bias_gelu(x, bias, fused):
+    if fused and x.is_cuda:
+        import kernels
+        return kernels.bias_gelu(x, bias) if bias is not None else kernels.bias_gelu(x, None)
+    if bias is not None:
+        x = x + bias
+    return F.gelu(x, approximate="tanh")
+
+
+def swiglu(x, bias, fused):
+    if bias is not None:
+        x = x + bias
+    if fused and x.is_cuda:
+        import kernels
+        return kernels.swiglu(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    def __init__(self, config, prefix):
+        super().__init__()
+        c = config
+        self.config = c
+        fc1_out = c.ffn_hidden_size * (2 if c.swiglu else 1)
+        self.linear_fc1 = ColumnParallelLinear(
+            c.hidden_size, fc1_out, bias=c.add_bias_linear, init_method=init_normal(c.init_method_std),
+            skip_bias_add=True, sequence_parallel=c.sequence_parallel,
+            init_seed=param_seed(c.seed, prefix + ".linear_fc1"), shard_chunks=2 if c.swiglu else 1,
+            params_dtype=c.params_dtype)
+        self.linear_fc2 = RowParallelLinear(
+            c.ffn_hidden_size, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
+            init_method=init_normal(output_init_std(c)), skip_bias_add=True,
+            sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_fc2"),
+            params_dtype=c.params_dtype)
+
+    def forward(self, x):
+        h, b = self.linear_fc1(x)
+        h = swiglu(h, b, self.config.fused_kernels) if self.config.swiglu else bias_gelu(h, b, self.config.fused_kernels)
+        return self.linear_fc2(h)

@@ -1,0 +1,49 @@
+"""LayerNorm / RMSNorm with fp32 statistics; Triton kernels on CUDA when enabled."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _fused(x, enabled):
+    return enabled and x.is_cuda
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=False, fused=True, dtype=torch.float32,
+                 device=None):
+        super().__init__()
+        self.eps, self.fused = eps, fused
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+        for p in (self.weight, self.bias):
+            p.sequence_parallel = sequence_parallel  # grads are partial under SP: summed over TP
+
+    def forward(self, x):
+        if _fused(x, self.fused):
+            import kernels
+            return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=False, fused=True, dtype=torch.float32,
+                 device=None):
+        super().__init__()
+        self.eps, self.fused = eps, fused
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        if _fused(x, self.fused):
+            import kernels
+            return kernels.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def build_norm(config, hidden_size, device=None):
+    cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+    return cls(hidden_size, eps=config.layernorm_epsilon, sequence_parallel=config.sequence_parallel,
+               fused=config.fused_kernels, dtype=config.params_dtype, device=device)

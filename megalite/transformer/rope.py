@@ -1,0 +1,26 @@
+"""Rotary position embeddings, rotate-half (GPT-NeoX / Llama) layout."""
+
+import torch
+
+
+def rotary_cos_sin(seq_length, dim, base, device, dtype=torch.float32):
+    """cos, sin of shape [seq, dim] (the frequencies repeated for both halves)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    t = torch.arange(seq_length, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x, cos, sin, fused=False):
+    """x [b, s, heads, dim]; cos/sin [s, dim]."""
+    if fused and x.is_cuda:
+        import kernels
+        return kernels.rotary(x, cos, sin)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return (x.float() * c + rotate_half(x.float()) * s).to(x.dtype)

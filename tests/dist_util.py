@@ -1,0 +1,87 @@
+"""Run a test body on N spawned CPU ranks (gloo).
+
+`run_on_ranks(fn, world_size, *args)` starts N processes, each with torch.distributed
+initialised (gloo, a free port, one thread), calls `fn(*args)` and returns the list of the
+ranks' return values. A rank's exception surfaces with its traceback; a run that exceeds
+`timeout` is killed and reported instead of hanging the suite.
+"""
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from megalite import parallel_state as ps
+    result = None
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = ("ok", fn(*args))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        result = ("error", traceback.format_exc())
+    finally:
+        ps.destroy_model_parallel()
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(fn, world_size, *args, timeout=180):
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline_hit = False
+        for p in procs:
+            p.join(timeout)
+            if p.is_alive():
+                deadline_hit = True
+                break
+        if deadline_hit:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {r} raised:\n{value}")
+            results.append(value)
+        if deadline_hit:
+            errors.insert(0, f"timed out after {timeout}s (a hang?)")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b|: relative to the reference's scale."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
