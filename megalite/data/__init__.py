@@ -1,0 +1,13 @@
+"""Data pipeline: tokenizers, Megatron mmap indexed datasets, GPT/blended datasets,
+the pretraining sampler and the built-in default corpus. Deliberately free of
+torch.distributed and of other megalite packages: callers pass `is_builder`/`barrier`."""
+
+from .blended_dataset import BlendedDataset
+from .builder import build_gpt_datasets, parse_data_path
+from .gpt_dataset import GPTDataset
+from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from .samplers import MegatronPretrainingSampler
+from .tokenizer import build_tokenizer
+
+__all__ = ["BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder",
+           "MegatronPretrainingSampler", "build_gpt_datasets", "build_tokenizer", "parse_data_path"]
