@@ -10,3 +10,5 @@ from .rms_norm import rms_norm
 from .softmax import softmax
 from .bias_gelu import bias_gelu
 from .swiglu import swiglu
+from .rotary import rotary
+from .cross_entropy import cross_entropy
