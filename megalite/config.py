@@ -38,6 +38,8 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = False
     sequence_parallel: bool = False
     recompute_granularity: Optional[str] = None  # None, "full" or "selective"
+    recompute_method: Optional[str] = None  # with "full": "uniform" (chunks of N layers) or "block" (first N)
+    recompute_num_layers: Optional[int] = None
     params_dtype: torch.dtype = torch.float32
     fused_kernels: bool = True  # Triton kernels on CUDA; CPU always uses the torch path
     seed: int = 1234  # initialisation seed (topology independent)
@@ -65,6 +67,12 @@ class ModelConfig:
             raise ConfigError(f"--normalization {self.normalization!r} is not one of LayerNorm, RMSNorm")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r} is not one of full, selective")
+        if self.recompute_granularity == "full":
+            self.recompute_method = self.recompute_method or "uniform"
+            self.recompute_num_layers = self.recompute_num_layers or 1
+            if self.recompute_method not in ("uniform", "block") or self.recompute_num_layers < 1:
+                raise ConfigError(f"--recompute-method {self.recompute_method!r} / --recompute-num-layers "
+                                  f"{self.recompute_num_layers}: need uniform or block and a positive count")
         if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
             raise ConfigError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                               f"{self.max_position_embeddings}")
@@ -114,6 +122,7 @@ class TrainingConfig:
     adam_eps: float = 1e-8
     bf16: bool = False
     fp16: bool = False
+    loss_scale: Optional[float] = None  # constant fp16 scale; None = dynamic
     initial_loss_scale: float = 2.0 ** 32
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000

@@ -20,11 +20,28 @@ class TransformerBlock(nn.Module):
             TransformerLayer(config, layer_offset + i + 1, f"{prefix}.layers.{layer_offset + i}") for i in range(n))
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
 
+    def _run(self, start, end):
+        def run(x, rotary, attn_mask):
+            for layer in self.layers[start:end]:
+                x = layer(x, rotary, attn_mask)
+            return x
+        return run
+
     def forward(self, x, rotary=None, attn_mask=None):
-        for layer in self.layers:
-            if self.config.recompute_granularity == "full" and self.training:
-                x = checkpoint(layer, x, rotary, attn_mask)
+        c, n = self.config, len(self.layers)
+        if c.recompute_granularity == "full" and self.training:
+            k = c.recompute_num_layers
+            if c.recompute_method == "uniform":
+                # Checkpoint chunks of k layers: only chunk inputs stay alive.
+                for start in range(0, n, k):
+                    x = checkpoint(self._run(start, min(start + k, n)), x, rotary, attn_mask)
             else:
+                # "block": recompute the first k layers of this stage, keep the rest.
+                for i in range(n):
+                    x = checkpoint(self._run(i, i + 1), x, rotary, attn_mask) if i < k else \
+                        self.layers[i](x, rotary, attn_mask)
+        else:
+            for layer in self.layers:
                 x = layer(x, rotary, attn_mask)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)

@@ -1,0 +1,199 @@
+"""Megatron-LM-compatible command line -> args namespace -> config dataclasses.
+
+Flags megalite implements keep Megatron's names and meanings. A Megatron flag megalite
+does not implement yet is an error that says so; an unknown flag is an error too.
+Validation runs on every rank from the environment alone (WORLD_SIZE), before any
+process group exists, so a bad command fails fast everywhere instead of hanging.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+from megalite.config import ConfigError, ModelConfig, TrainingConfig
+
+# Megatron flags that megalite recognises but does not implement (yet).
+NOT_IMPLEMENTED = {
+    "--num-layers-per-virtual-pipeline-stage", "--use-distributed-optimizer", "--save", "--load",
+    "--save-interval", "--context-parallel-size", "--expert-model-parallel-size", "--num-experts",
+    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--overlap-param-gather",
+    "--fp8-format", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--apply-query-key-layer-scaling", "--use-checkpoint-args",
+    "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--exit-interval",
+    "--lr-warmup-fraction", "--train-samples", "--rampup-batch-size", "--finetune", "--no-load-optim",
+    "--no-load-rng", "--tokenizer-model-type", "--vocab-file", "--merge-file", "--qk-layernorm",
+    "--apply-residual-connection-post-layernorm", "--squared-relu", "--use-rotary-position-embeddings",
+    "--rotary-percent", "--openai-gelu", "--onnx-safe", "--bert-no-binary-head", "--defer-embedding-wgrad-compute",
+    "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--ckpt-format", "--wandb-project",
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="megalite pretraining (Megatron-LM flags)", allow_abbrev=False)
+    a = p.add_argument
+    # model
+    a("--num-layers", type=int, default=4)
+    a("--hidden-size", type=int, default=256)
+    a("--ffn-hidden-size", type=int, default=None)
+    a("--num-attention-heads", type=int, default=4)
+    a("--kv-channels", type=int, default=None)
+    a("--group-query-attention", action="store_true")
+    a("--num-query-groups", type=int, default=1)
+    a("--seq-length", type=int, default=128)
+    a("--max-position-embeddings", type=int, default=None)
+    a("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    a("--rotary-base", type=float, default=10000.0)
+    a("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    a("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    a("--swiglu", action="store_true")
+    a("--untie-embeddings-and-output-weights", action="store_true")
+    a("--disable-bias-linear", action="store_true")
+    a("--hidden-dropout", type=float, default=0.1)
+    a("--attention-dropout", type=float, default=0.1)
+    a("--init-method-std", type=float, default=0.02)
+    a("--make-vocab-size-divisible-by", type=int, default=128)
+    a("--recompute-granularity", default=None, choices=["full", "selective"])
+    a("--recompute-method", default=None, choices=["uniform", "block"])
+    a("--recompute-num-layers", type=int, default=None)
+    a("--no-fused-kernels", action="store_true", help="use plain torch ops instead of Triton kernels on CUDA")
+    a("--transformer-impl", default="local", choices=["local"])
+    a("--use-mcore-models", action="store_true", help="accepted for compatibility: megalite has one model code")
+    a("--attention-softmax-in-fp32", action="store_true", help="accepted: softmax always accumulates in fp32")
+    # parallelism
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--sequence-parallel", action="store_true")
+    a("--distributed-backend", default=None, choices=["nccl", "gloo"])
+    a("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true", default=True)
+    a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
+    a("--ddp-bucket-size", type=int, default=40_000_000)
+    # training
+    a("--micro-batch-size", type=int, default=4)
+    a("--global-batch-size", type=int, default=None)
+    a("--train-iters", type=int, default=100)
+    a("--lr", type=float, default=3e-4)
+    a("--min-lr", type=float, default=3e-5)
+    a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
+    a("--lr-warmup-iters", type=int, default=0)
+    a("--lr-decay-iters", type=int, default=None)
+    a("--weight-decay", type=float, default=0.01)
+    a("--clip-grad", type=float, default=1.0)
+    a("--adam-beta1", type=float, default=0.9)
+    a("--adam-beta2", type=float, default=0.999)
+    a("--adam-eps", type=float, default=1e-8)
+    a("--bf16", action="store_true")
+    a("--fp16", action="store_true")
+    a("--loss-scale", type=float, default=None, help="constant fp16 loss scale (default: dynamic)")
+    a("--initial-loss-scale", type=float, default=2.0 ** 32)
+    a("--min-loss-scale", type=float, default=1.0)
+    a("--loss-scale-window", type=int, default=1000)
+    a("--hysteresis", type=int, default=2)
+    a("--seed", type=int, default=1234)
+    # logging / evaluation
+    a("--log-interval", type=int, default=10)
+    a("--eval-interval", type=int, default=1000)
+    a("--eval-iters", type=int, default=10)
+    a("--tensorboard-dir", default=None)
+    # data
+    a("--data-path", nargs="*", default=None)
+    a("--split", default="969,30,1")
+    a("--data-cache-path", default=None)
+    a("--mock-data", action="store_true")
+    a("--tokenizer-type", default=None,
+      choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    a("--tokenizer-model", default=None)
+    a("--vocab-size", type=int, default=None)
+    return p
+
+
+def parse_args(argv=None, world_size=None):
+    """Parse and validate; on a user error print one line and exit non-zero."""
+    try:
+        return _parse(argv, world_size)
+    except ConfigError as e:
+        rank = os.environ.get("RANK", "0")
+        print(f"megalite: error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _parse(argv, world_size):
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    for tok in unknown:
+        if tok.startswith("--"):
+            flag = tok.split("=", 1)[0]
+            if flag in NOT_IMPLEMENTED:
+                raise ConfigError(f"Megatron flag {flag} is not implemented in megalite yet; remove it")
+            raise ConfigError(f"unrecognized argument {flag} (see --help)")
+        raise ConfigError(f"unexpected argument {tok!r} (see --help)")
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    validate_args(args)
+    return args
+
+
+def validate_args(args):
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp})")
+    if args.world_size % (tp * pp):
+        raise ConfigError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--pipeline-model-parallel-size {pp} = {tp * pp}; change --nproc-per-node or the sizes")
+    if pp > 1:
+        raise ConfigError("--pipeline-model-parallel-size > 1 is not implemented in megalite yet; use 1")
+    args.data_parallel_size = args.world_size // (tp * pp)
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron: nothing to split
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ConfigError("--recompute-method needs --recompute-granularity full")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        args.recompute_method, args.recompute_num_layers = "uniform", args.recompute_num_layers or 1
+    if args.mock_data and args.data_path:
+        raise ConfigError("--mock-data and --data-path are exclusive; pick one")
+    if not args.group_query_attention:
+        args.num_query_groups = None
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                          f"{args.num_attention_heads}; pick sizes with hidden = heads x head dim")
+    if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
+        args.vocab_size = 1024
+    training_config(args).num_microbatches(args.data_parallel_size)
+    if args.vocab_size is not None:  # the model config can be checked now; else after the tokenizer
+        model_config(args, args.vocab_size).check_parallel(tp)
+
+
+def model_config(args, vocab_size):
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings, vocab_size=vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
+        add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        params_dtype=dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed)
+
+
+def training_config(args):
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        bf16=args.bf16, fp16=args.fp16,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, log_interval=args.log_interval, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, seed=args.seed)

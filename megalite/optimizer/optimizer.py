@@ -1,0 +1,101 @@
+"""AdamW over fp32 main parameters, with Megatron's weight-decay groups.
+
+fp32 models step their own parameters. bf16/fp16 models keep fp32 master copies (the
+"main params"); gradients are read from the fp32 `main_grad` buffer the DDP wrapper
+fills, so low-precision gradients are never accumulated. fp16 scales the loss and skips
+a step (counted) whenever any rank of the model-parallel group saw inf/nan.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state as ps
+from megalite.optimizer.clip_grads import clip_grads, get_grad_norm
+from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
+
+
+def no_weight_decay(name, param):
+    """Megatron's rule: biases and norm weights (all 1-D parameters) are not decayed."""
+    return param.ndim < 2 or name.endswith(".bias")
+
+
+class MixedPrecisionOptimizer:
+    def __init__(self, model_chunks, config):
+        c = config
+        self.config = c
+        named = [(n, p) for m in model_chunks for n, p in m.named_parameters() if p.requires_grad]
+        self.model_params = [p for _, p in named]
+        low_precision = c.bf16 or c.fp16
+        self.main_params = [p.detach().float().clone() if low_precision else p for p in self.model_params]
+        for mp in self.main_params:
+            mp.requires_grad_(True)
+        decay = [m for (n, p), m in zip(named, self.main_params) if not no_weight_decay(n, p)]
+        nodecay = [m for (n, p), m in zip(named, self.main_params) if no_weight_decay(n, p)]
+        groups = [g for g in ({"params": decay, "weight_decay": c.weight_decay},
+                              {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
+        self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+        if c.fp16 and c.loss_scale:
+            self.scaler = ConstantLossScaler(c.loss_scale)
+        elif c.fp16:
+            self.scaler = DynamicLossScaler(c.initial_loss_scale, c.min_loss_scale,
+                                            growth_interval=c.loss_scale_window, hysteresis=c.hysteresis)
+        else:
+            self.scaler = ConstantLossScaler(1.0)
+        self.param_groups = self.optimizer.param_groups
+
+    @property
+    def loss_scale(self):
+        return self.scaler.scale
+
+    def scale_loss(self, loss):
+        return loss * self.scaler.scale
+
+    def _grads(self):
+        return [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in self.model_params]
+
+    def _found_inf(self, grads):
+        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        for g in grads:
+            if not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        group = ps.get_model_parallel_group()
+        if group is not None:
+            # Every rank must take the same decision to skip, or the grid diverges.
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def step(self):
+        """Returns (stepped, grad_norm); stepped is False for a skipped fp16 iteration."""
+        grads = self._grads()
+        if self.config.fp16:
+            inv = 1.0 / self.scaler.scale
+            for g in grads:
+                g.mul_(inv)
+            found_inf = self._found_inf(grads)
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        grad_norm = get_grad_norm(self.model_params, grads)
+        clip_grads(grads, self.config.clip_grad, grad_norm)
+        for mp, g in zip(self.main_params, grads):
+            mp.grad = g if g.dtype == torch.float32 else g.float()
+        self.optimizer.step()
+        for mp in self.main_params:
+            mp.grad = None
+        if self.main_params[0] is not self.model_params[0]:
+            for p, mp in zip(self.model_params, self.main_params):
+                p.copy_(mp)
+        return True, grad_norm
+
+    def state_dict(self):
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                "main_params": [m.detach() for m in self.main_params]}
+
+    def load_state_dict(self, sd):
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scaler.load_state_dict(sd["scaler"])
+        with torch.no_grad():
+            for m, s in zip(self.main_params, sd["main_params"]):
+                m.copy_(s)

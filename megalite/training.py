@@ -1,0 +1,179 @@
+"""pretrain(): set up the grid, model, optimizer and data, then the training loop.
+
+Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in Megatron:
+    datasets_provider(args, num_samples) -> (train, valid, test)   (may set args.vocab_size)
+    model_provider(model_config, pre_process, post_process) -> model
+    forward_step_func(data_iterator, model) -> (output, loss_func)
+"""
+
+import math
+import os
+import sys
+import time
+
+import torch
+
+from megalite import parallel_state as ps
+from megalite.arguments import model_config, parse_args, training_config
+from megalite.config import ConfigError
+from megalite.distributed import DistributedDataParallel, finalize_model_grads
+from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank
+from megalite.flops import num_floating_point_operations
+from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
+from megalite.pipeline.schedules import get_forward_backward_func
+from megalite.tensor_parallel import model_parallel_manual_seed
+
+
+def print_rank_last(msg):
+    """Megatron logs from the last rank: it holds the loss (last pipeline stage)."""
+    if ps.global_rank() == ps.world_size() - 1:
+        print(msg, flush=True)
+
+
+def _fail(msg):
+    print(f"megalite: error (rank {os.environ.get('RANK', '0')}): {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def build_data_iterator(dataset, consumed_samples, args):
+    """Yield {"text": LongTensor [micro, seq+1]} for this DP rank, resuming at consumed_samples."""
+    if dataset is None:
+        return None
+    from megalite.data import MegatronPretrainingSampler
+    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
+                                         ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    device = ps.get_device()
+
+    def gen():
+        for indices in sampler:
+            text = torch.stack([torch.as_tensor(dataset[i]["text"], dtype=torch.long) for i in indices])
+            yield {"text": text.to(device, non_blocking=True)}
+    return gen()
+
+
+def setup(args, model_provider):
+    tcfg = training_config(args)
+    mcfg = model_config(args, args.vocab_size)
+    mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
+    model = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    model = DistributedDataParallel(model, bucket_size=args.ddp_bucket_size,
+                                    overlap_grad_reduce=args.overlap_grad_reduce)
+    optimizer = MixedPrecisionOptimizer([model], tcfg)
+    scheduler = LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters,
+                            tcfg.lr_decay_iters or tcfg.train_iters, tcfg.lr_decay_style)
+    return mcfg, tcfg, model, optimizer, scheduler
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, num_microbatches):
+    model.zero_grad_buffer()
+    fwd_bwd = get_forward_backward_func()
+    reported = fwd_bwd(forward_step_func, data_iterator, model, num_microbatches,
+                       loss_scale=optimizer.loss_scale)
+    finalize_model_grads([model])
+    stepped, grad_norm = optimizer.step()
+    return reported, stepped, grad_norm
+
+
+def _mean_loss(reported):
+    """Mean over micro-batches and DP ranks, the same number on every rank."""
+    dev = ps.get_device()
+    if reported:
+        vals = torch.stack([r["lm loss"].float() for r in reported]).mean().reshape(1).to(dev)
+        vals = average_over_data_parallel(vals)
+    else:  # a stage without the loss (pipeline)
+        vals = torch.zeros(1, device=dev)
+    return broadcast_from_last_rank(vals).item()
+
+
+def evaluate(forward_step_func, data_iterator, model, num_microbatches, eval_iters):
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            fwd_bwd = get_forward_backward_func()
+            reported = fwd_bwd(forward_step_func, data_iterator, model, num_microbatches, forward_only=True)
+            losses.append(_mean_loss(reported))
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _tensorboard(args):
+    if not args.tensorboard_dir or ps.global_rank() != ps.world_size() - 1:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        _fail("--tensorboard-dir needs the tensorboard package: pip install 'megalite[tensorboard]'")
+    return SummaryWriter(log_dir=args.tensorboard_dir)
+
+
+def pretrain(datasets_provider, model_provider, forward_step_func, args=None):
+    """Train per the command line; returns the list of per-iteration lm losses."""
+    args = args or parse_args()
+    ps.initialize_distributed(args.distributed_backend)
+    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    model_parallel_manual_seed(args.seed)
+    dp = ps.get_data_parallel_world_size()
+    g = args.global_batch_size
+    num_samples = (args.train_iters * g,
+                   (args.train_iters // args.eval_interval + 1) * args.eval_iters * g,
+                   args.eval_iters * g)
+    try:
+        train_ds, valid_ds, _ = datasets_provider(args, num_samples)
+        mcfg, tcfg, model, optimizer, scheduler = setup(args, model_provider)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    num_micro = tcfg.num_microbatches(dp)
+    writer = _tensorboard(args)
+    n_params = sum(p.numel() for p in model.parameters())
+    print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} "
+                    f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
+                    f"{n_params:,} | micro-batches per iteration: {num_micro}")
+    train_iter = build_data_iterator(train_ds, 0, args)
+    valid_iter = build_data_iterator(valid_ds, 0, args)
+    flops_per_iter = num_floating_point_operations(mcfg, g, model.module.padded_vocab_size) \
+        if hasattr(model.module, "padded_vocab_size") else 0.0
+    losses, skipped, skipped_before, window, window_losses = [], 0, 0, 0, []
+    window_start = time.perf_counter()
+    model.train()
+    for it in range(1, args.train_iters + 1):
+        lr = optimizer.param_groups[0]["lr"]
+        reported, stepped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, num_micro)
+        scheduler.step()
+        loss = _mean_loss(reported)
+        losses.append(loss)
+        if stepped:
+            window_losses.append(loss)
+        else:
+            skipped += 1
+        if it % args.log_interval == 0 or it == args.train_iters:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - window_start) / (it - window)
+            tflops = flops_per_iter / (elapsed * ps.world_size()) / 1e12
+            shown = sum(window_losses) / len(window_losses) if window_losses else float("nan")
+            gn = f"{grad_norm:.3f}" if grad_norm is not None else "nan"
+            print_rank_last(
+                f" iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * g:12d} | "
+                f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | "
+                f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f} | learning rate: {lr:.6E} | "
+                f"global batch size: {g:5d} | lm loss: {shown:.6E} | loss scale: {optimizer.loss_scale:.1f} | "
+                f"grad norm: {gn} | number of skipped iterations: {skipped - skipped_before:3d} |")
+            if writer is not None:
+                writer.add_scalar("lm loss", shown, it)
+                writer.add_scalar("learning-rate", lr, it)
+                writer.add_scalar("loss-scale", optimizer.loss_scale, it)
+                if grad_norm is not None:
+                    writer.add_scalar("grad-norm", grad_norm, it)
+            window, window_losses, skipped_before = it, [], skipped
+            window_start = time.perf_counter()
+        if valid_iter is not None and args.eval_interval and it % args.eval_interval == 0:
+            v = evaluate(forward_step_func, valid_iter, model, num_micro, args.eval_iters)
+            print_rank_last(f" validation loss at iteration {it} | lm loss value: {v:.6E} | "
+                            f"lm loss PPL: {math.exp(min(v, 20)):.6E} |")
+    if losses:
+        print_rank_last(f"megalite: done {args.train_iters} iterations | first lm loss {losses[0]:.4f} | "
+                        f"last lm loss {losses[-1]:.4f}")
+    if writer is not None:
+        writer.close()
+    return losses
