@@ -12,3 +12,4 @@ from .bias_gelu import bias_gelu
 from .swiglu import swiglu
 from .rotary import rotary
 from .cross_entropy import cross_entropy
+from .flash_attention import flash_attention
