@@ -13,3 +13,4 @@ from .swiglu import swiglu
 from .rotary import rotary
 from .cross_entropy import cross_entropy
 from .flash_attention import flash_attention
+from .adamw import adamw_step
