@@ -57,11 +57,20 @@ def _is_complete(path: str) -> bool:
 
 
 def _build(final: str, vocab_size: int, max_files: int | None, workers: int, log) -> None:
-    import datasets  # real HF datasets path, in memory: no JSON round trip needed
-
     tmp = f"{final}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        _build_in(tmp, vocab_size, max_files, workers, log)
+        os.replace(tmp, final)  # atomic: readers see all of it or nothing
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"default corpus: built in {final}")
+
+
+def _build_in(tmp: str, vocab_size: int, max_files: int | None, workers: int, log) -> None:
+    import datasets  # real HF datasets path, in memory: no JSON round trip needed
+
     t0 = time.perf_counter()
     files = stdlib_sources(max_files)
     texts = []
@@ -74,7 +83,6 @@ def _build(final: str, vocab_size: int, max_files: int | None, workers: int, log
                                 vocab_size=vocab_size, model_type="bpe", bert_special_tokens=True,
                                 input_sentence_size=400_000)
     t1 = time.perf_counter()
-    datasets.disable_progress_bars()
     ds = datasets.Dataset.from_dict({"text": texts, "path": files})
     cfg = PreprocessConfig(json_keys=["text"], tokenizer_type="SentencePieceTokenizer",
                            tokenizer_model=model, append_eod=True, workers=workers, log_interval=0)
@@ -83,9 +91,8 @@ def _build(final: str, vocab_size: int, max_files: int | None, workers: int, log
     stats.pop("prefixes")
     with open(os.path.join(tmp, "stats.json"), "w") as f:
         json.dump(stats, f, indent=1)
-    os.replace(tmp, final)  # atomic: readers see all of it or nothing
     log(f"default corpus: {stats['documents']} documents, {stats['tokens']} tokens, vocab {vocab_size}, "
-        f"built in {stats['total_seconds']:.1f} s -> {final}")
+        f"{stats['total_seconds']:.1f} s")
 
 
 def prepare_default_corpus(cache_dir: str, is_builder: bool = True,
