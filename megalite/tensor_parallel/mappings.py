@@ -10,16 +10,23 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 
+# torch >= 2.13 renames the tensor-form collectives; older releases (the GPU machine's 2.11)
+# only have the original names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _tp():
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
 
 
 def _reduce(x):
+    """Sum over TP into a new tensor: the input may be shared (autograd hands the same
+    gradient tensor to both branches of an add), so it is never modified in place."""
     n, group = _tp()
     if n == 1:
         return x
-    x = x.contiguous()
+    x = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(x, group=group)
     return x
 
@@ -59,7 +66,7 @@ def _gather_first(x):
         return x
     x = x.contiguous()
     out = torch.empty((x.shape[0] * n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_tensor(out, x, group=group)
     return out
 
 
@@ -72,7 +79,7 @@ def _reduce_scatter_first(x):
                          "(needed by --sequence-parallel)")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_tensor(out, x, group=group)
     return out
 
 
@@ -89,7 +96,7 @@ class _Copy(torch.autograd.Function):
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return _reduce(x.clone()) if _tp()[0] > 1 else x
+        return _reduce(x)
 
     @staticmethod
     def backward(ctx, g):

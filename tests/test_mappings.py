@@ -1,0 +1,78 @@
+"""Each communication primitive, forward and backward, against its definition on 2 and 4 ranks."""
+
+import pytest
+import torch
+
+import megalite.tensor_parallel as tpl
+from dist_util import run_on_ranks
+from megalite import parallel_state as ps
+
+
+def _full(seed, shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _check(n):
+    ps.initialize_model_parallel(n, 1)
+    r = ps.get_tensor_model_parallel_rank()
+    S, B, H = 4 * n, 3, 4 * n
+    # Rank r's input and upstream gradient; the definitions below use every rank's.
+    xs = [_full(10 + k, (S, B, H)) for k in range(n)]
+    gs = [_full(20 + k, (S, B, H)) for k in range(n)]
+    out = {}
+
+    def run(fn, x, g_shape_fn):
+        x = x.clone().requires_grad_(True)
+        y = fn(x)
+        g = g_shape_fn(y)
+        y.backward(g)
+        return y.detach(), x.grad
+
+    # copy: identity / all-reduce of grads
+    y, dx = run(tpl.copy_to_tensor_model_parallel_region, xs[r], lambda y: gs[r])
+    out["copy"] = torch.equal(y, xs[r]) and torch.allclose(dx, sum(gs))
+    # reduce: all-reduce / identity
+    y, dx = run(tpl.reduce_from_tensor_model_parallel_region, xs[r], lambda y: gs[r])
+    out["reduce"] = torch.allclose(y, sum(xs)) and torch.equal(dx, gs[r])
+    # scatter (last dim): keep slice / all-gather grads
+    gl = [g.chunk(n, -1)[k] for k, g in enumerate(gs)]
+    y, dx = run(tpl.scatter_to_tensor_model_parallel_region, xs[0], lambda y: gl[r])
+    out["scatter_last"] = torch.equal(y, xs[0].chunk(n, -1)[r]) and torch.equal(dx, torch.cat(gl, -1))
+    # gather (last dim): all-gather / keep slice
+    y, dx = run(tpl.gather_from_tensor_model_parallel_region, xs[r], lambda y: gs[0].repeat(1, 1, n))
+    out["gather_last"] = torch.equal(y, torch.cat(xs, -1)) and torch.equal(dx, gs[0].repeat(1, 1, n).chunk(n, -1)[r])
+    # scatter (sequence): keep slice / all-gather grads
+    gf = [g.chunk(n, 0)[k] for k, g in enumerate(gs)]
+    y, dx = run(tpl.scatter_to_sequence_parallel_region, xs[0], lambda y: gf[r])
+    out["scatter_seq"] = torch.equal(y, xs[0].chunk(n, 0)[r]) and torch.equal(dx, torch.cat(gf, 0))
+    # gather (sequence): all-gather / reduce-scatter of grads (TP consumer) or split
+    big = [g.repeat(n, 1, 1) for g in gs]
+    y, dx = run(lambda x: tpl.gather_from_sequence_parallel_region(x, True), xs[r], lambda y: big[r])
+    out["gather_seq"] = torch.equal(y, torch.cat(xs, 0)) and torch.allclose(dx, sum(big).chunk(n, 0)[r])
+    y, dx = run(lambda x: tpl.gather_from_sequence_parallel_region(x, False), xs[r], lambda y: big[0])
+    out["gather_seq_split"] = torch.equal(dx, big[0].chunk(n, 0)[r])
+    # reduce-scatter (sequence): sum then keep slice / all-gather grads
+    y, dx = run(tpl.reduce_scatter_to_sequence_parallel_region, xs[r], lambda y: gf[r])
+    out["reduce_scatter_seq"] = torch.allclose(y, sum(xs).chunk(n, 0)[r]) and torch.equal(dx, torch.cat(gf, 0))
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_primitives_match_definitions(n):
+    for rank, out in enumerate(run_on_ranks(_check, n, n)):
+        assert len(out) == 8
+        bad = [k for k, ok in out.items() if not ok]
+        assert not bad, f"rank {rank} of {n}: primitives differ from their definition: {bad}"
+
+
+def test_primitives_are_identities_on_one_rank():
+    ps.initialize_model_parallel(1, 1)
+    try:
+        x = torch.randn(4, 2, 6)
+        for f in (tpl.copy_to_tensor_model_parallel_region, tpl.reduce_from_tensor_model_parallel_region,
+                  tpl.scatter_to_tensor_model_parallel_region, tpl.gather_from_tensor_model_parallel_region,
+                  tpl.scatter_to_sequence_parallel_region, tpl.gather_from_sequence_parallel_region,
+                  tpl.reduce_scatter_to_sequence_parallel_region):
+            assert torch.equal(f(x), x), f.__name__
+    finally:
+        ps.destroy_model_parallel()

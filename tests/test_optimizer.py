@@ -1,0 +1,118 @@
+"""Optimizer pieces: loss scaler, skipped fp16 steps, weight-decay groups, LR schedule,
+gradient clipping, and the DP buckets starting during backward."""
+
+import math
+
+import pytest
+import torch
+
+from dist_util import run_on_ranks
+from megalite import parallel_state as ps
+from megalite.config import TrainingConfig
+from megalite.distributed import DistributedDataParallel
+from megalite.models import GPTModel
+from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
+from megalite.optimizer.loss_scaler import DynamicLossScaler
+from megalite.tensor_parallel import model_parallel_manual_seed
+from model_util import batch, tiny_config
+
+
+@pytest.fixture
+def single():
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_manual_seed(0)
+    yield
+    ps.destroy_model_parallel()
+
+
+def test_dynamic_loss_scaler_hysteresis_and_growth():
+    s = DynamicLossScaler(initial_scale=1024, min_scale=1, growth_interval=3, hysteresis=2)
+    s.update(True)
+    assert s.scale == 1024  # first overflow absorbed by hysteresis
+    s.update(True)
+    assert s.scale == 512
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 1024
+
+
+def _model_and_opt(cfg_kw, tcfg):
+    model = DistributedDataParallel(GPTModel(tiny_config("gpt2", **cfg_kw)), bucket_size=1000)
+    return model, MixedPrecisionOptimizer([model], tcfg)
+
+
+def test_fp16_skips_step_with_inf_and_recovers(single):
+    tcfg = TrainingConfig(fp16=True, initial_loss_scale=2.0 ** 16, hysteresis=1, lr=1e-2, global_batch_size=2)
+    model, opt = _model_and_opt({"params_dtype": torch.float16}, tcfg)
+    cfg = model.module.config
+    ids, labels = batch(cfg)
+    before = [p.detach().clone() for p in model.parameters()]
+    model.zero_grad_buffer()
+    opt.scale_loss(model(ids, labels=labels).float().mean()).backward()
+    model.finish_grad_sync()
+    next(model.parameters()).main_grad.view(-1)[0] = float("inf")  # injected overflow
+    stepped, norm = opt.step()
+    assert not stepped and norm is None
+    assert opt.loss_scale == 2.0 ** 15
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a skipped step changed weights"
+    model.zero_grad_buffer()
+    opt.scale_loss(model(ids, labels=labels).float().mean()).backward()
+    model.finish_grad_sync()
+    stepped, norm = opt.step()
+    assert stepped and math.isfinite(norm)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_weight_decay_groups(single):
+    model, opt = _model_and_opt({}, TrainingConfig(weight_decay=0.1, global_batch_size=2))
+    named = dict(model.module.named_parameters())
+    decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, p in named.items():
+        expect_decay = p.ndim >= 2
+        assert (id(p) in decay) == expect_decay, name
+    assert any("layernorm" in n for n in named) and any(n.endswith("bias") for n in named)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    class _Opt:
+        param_groups = [{"lr": 0.0}]
+    s = LRScheduler(_Opt, max_lr=1.0, min_lr=0.1, warmup_iters=4, decay_iters=14, decay_style="cosine")
+    assert s.get_lr(1) == 0.25 and s.get_lr(4) == 1.0
+    assert s.get_lr(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert s.get_lr(14) == pytest.approx(0.1) and s.get_lr(20) == 0.1
+    lin = LRScheduler(_Opt, 1.0, 0.0, 0, 10, "linear")
+    assert lin.get_lr(5) == pytest.approx(0.5)
+    assert LRScheduler(_Opt, 1.0, 0.0, 2, 10, "constant").get_lr(7) == 1.0
+    assert _Opt.param_groups[0]["lr"] == 0.5  # the next iteration's LR is set on the optimizer
+
+
+def test_clip_scales_to_max_norm(single):
+    model, opt = _model_and_opt({}, TrainingConfig(clip_grad=1e-3, lr=0.0, global_batch_size=2))
+    ids, labels = batch(model.module.config)
+    model.zero_grad_buffer()
+    model(ids, labels=labels).mean().backward()
+    model.finish_grad_sync()
+    stepped, norm = opt.step()
+    after = math.sqrt(sum(p.main_grad.double().pow(2).sum().item() for p in model.parameters()))
+    assert norm > 1e-3 and after == pytest.approx(1e-3, rel=1e-5)
+
+
+def _buckets_started_in_backward():
+    ps.initialize_model_parallel(1, 1)  # DP = 2
+    model_parallel_manual_seed(0)
+    model = DistributedDataParallel(GPTModel(tiny_config("gpt2")), bucket_size=2000)
+    ids, labels = batch(model.module.config, seed=ps.get_data_parallel_rank())
+    with model.no_sync():
+        model(ids, labels=labels).mean().backward()
+    started_in_accumulation = sum(b.handle is not None for b in model.buckets)
+    model(ids, labels=labels).mean().backward()
+    started = sum(b.handle is not None for b in model.buckets)
+    model.finish_grad_sync()
+    return len(model.buckets), started_in_accumulation, started
+
+
+def test_dp_buckets_start_during_backward():
+    for n, during_accum, started in run_on_ranks(_buckets_started_in_backward, 2):
+        assert n > 3
+        assert during_accum == 0, "no reduction may start on non-final micro-batches"
+        assert started == n, f"only {started}/{n} buckets started before finish_grad_sync"
