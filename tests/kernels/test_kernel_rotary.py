@@ -29,18 +29,22 @@ def _freqs(b, s, r, d_base=10000.0):
 
 @pytest.mark.parametrize("layout", ["s_d", "b_s_1_r_partial", "strided_qkv"])
 def test_rotary(backend, layout):
-    b, s, h, d = 3, 100, 4, 64
+    b, s, h, d = 3, 100 if layout == "s_d" else 37, 4, 64
     if layout == "strided_qkv":  # q as a view of a fused [b, s, h, 3d] projection
         x = torch.randn(b, s, h, 3 * d)[..., d: 2 * d].requires_grad_()
         assert not x.is_contiguous()
     else:
         x = torch.randn(b, s, h, d).requires_grad_()
-    cos, sin = _freqs(b, s, 48) if layout == "b_s_1_r_partial" else _freqs(0, s, d)
+    if layout == "b_s_1_r_partial":  # per-sample positions; halves differ so a half swap shows up
+        cos, sin = _freqs(b, s, 48)
+        cos, sin = cos + 0.3 * torch.randn_like(cos), sin + 0.3 * torch.randn_like(sin)
+    else:
+        cos, sin = _freqs(0, s, d)
     check(lambda x: kernels.rotary(x, cos, sin), lambda x: _ref(x, cos.double(), sin.double()), [x])
 
 
 def test_rotary_inplace(backend):
-    b, s, h, d = 3, 100, 4, 64
+    b, s, h, d = 3, 37, 4, 64
     cos, sin = _freqs(0, s, d)
     leaf = torch.randn(b, s, h, d, requires_grad=True)
     check(lambda x: kernels.rotary(x * 1.0, cos, sin, inplace=True),
