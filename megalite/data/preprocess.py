@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import re
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +41,11 @@ class PreprocessConfig:
     workers: int = 1
     log_interval: int = 1000
     chunk_docs: int | None = None  # documents per task; None = sized from len and workers
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 _W: dict = {}  # per-process worker state (dataset, tokenizer, config)
@@ -91,11 +97,11 @@ def preprocess_dataset(ds, output_prefix: str, cfg: PreprocessConfig, log=print)
 
     n = len(ds)
     workers = max(1, int(cfg.workers))
-    chunk = cfg.chunk_docs or max(1, min(1024, -(-n // (workers * 16))))
+    chunk = cfg.chunk_docs or max(1, min(1024, -(-n // (workers * 64))))  # ~64 tasks/worker: even tail
     tasks = [(s, min(n, s + chunk)) for s in range(0, n, chunk)]
     docs = tokens = chars = 0
     next_log = cfg.log_interval
-    t0 = time.perf_counter()
+    t0, cpu0, kids0 = time.perf_counter(), time.process_time(), _children_cpu()
     if workers == 1:
         _init_worker(ds, cfg)
         results, pool = map(_encode_chunk, tasks), None
@@ -122,14 +128,19 @@ def preprocess_dataset(ds, output_prefix: str, cfg: PreprocessConfig, log=print)
     for key, b in builders.items():
         b.finalize(index_file_path(prefixes[key]))
     seconds = time.perf_counter() - t0
+    # CPU seconds of the whole job (this process + its reaped workers, start-up included):
+    # unlike wall time it does not depend on what else the machine is running.
+    cpu = time.process_time() - cpu0 + _children_cpu() - kids0
     return {"documents": docs, "tokens": tokens, "seconds": seconds,
-            "tokens_per_second": tokens / max(seconds, 1e-9), "prefixes": prefixes}
+            "tokens_per_second": tokens / max(seconds, 1e-9), "cpu_seconds": cpu,
+            "prefixes": prefixes}
 
 
 def summary_line(stats: dict, workers: int) -> str:
     return (f"Done: {stats['documents']} documents, {stats['tokens']} tokens in "
             f"{stats['seconds']:.2f} s = {stats['tokens_per_second']:,.0f} tokens/s "
-            f"({workers} workers) -> {', '.join(p + '.bin/.idx' for p in stats['prefixes'].values())}")
+            f"({workers} workers; {stats['tokens'] / max(stats['cpu_seconds'], 1e-9):,.0f} tokens per "
+            f"CPU-second) -> {', '.join(p + '.bin/.idx' for p in stats['prefixes'].values())}")
 
 
 def main_guard(fn):
