@@ -14,3 +14,6 @@ from .rotary import rotary
 from .cross_entropy import cross_entropy
 from .flash_attention import flash_attention
 from .adamw import adamw_step
+
+__all__ = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy",
+           "flash_attention", "adamw_step", "set_backend", "get_backend", "use_backend"]
