@@ -44,8 +44,10 @@ def datasets_provider(args, num_samples):
 
 def forward_step(data_iterator, model):
     """Megatron's contract: (per-token loss, loss_func)."""
-    text = next(data_iterator)["text"]
-    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    tokens = labels = None
+    if data_iterator is not None:  # middle pipeline stages read no data
+        text = next(data_iterator)["text"]
+        tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     output = model(tokens, labels=labels)
 
     def loss_func(per_token_loss):

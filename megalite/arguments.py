@@ -16,9 +16,9 @@ from megalite.config import ConfigError, ModelConfig, TrainingConfig
 
 # Megatron flags that megalite recognises but does not implement (yet).
 NOT_IMPLEMENTED = {
-    "--num-layers-per-virtual-pipeline-stage", "--use-distributed-optimizer", "--save", "--load",
+    "--use-distributed-optimizer", "--save", "--load",
     "--save-interval", "--context-parallel-size", "--expert-model-parallel-size", "--num-experts",
-    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--overlap-param-gather",
+    "--overlap-param-gather",
     "--fp8-format", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion", "--apply-query-key-layer-scaling", "--use-checkpoint-args",
     "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--exit-interval",
@@ -64,6 +64,9 @@ def build_parser():
     # parallelism
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
+    a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    a("--decoder-first-pipeline-num-layers", type=int, default=None)
+    a("--decoder-last-pipeline-num-layers", type=int, default=None)
     a("--sequence-parallel", action="store_true")
     a("--distributed-backend", default=None, choices=["nccl", "gloo"])
     a("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true", default=True)
@@ -142,9 +145,8 @@ def validate_args(args):
     if args.world_size % (tp * pp):
         raise ConfigError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                           f"--pipeline-model-parallel-size {pp} = {tp * pp}; change --nproc-per-node or the sizes")
-    if pp > 1:
-        raise ConfigError("--pipeline-model-parallel-size > 1 is not implemented in megalite yet; use 1")
     args.data_parallel_size = args.world_size // (tp * pp)
+    _validate_pipeline(args)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron: nothing to split
     if args.bf16 and args.fp16:
@@ -164,9 +166,36 @@ def validate_args(args):
                           f"{args.num_attention_heads}; pick sizes with hidden = heads x head dim")
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         args.vocab_size = 1024
-    training_config(args).num_microbatches(args.data_parallel_size)
+    num_micro = training_config(args).num_microbatches(args.data_parallel_size)
+    if args.virtual_pipeline_model_parallel_size is not None and num_micro % pp:
+        raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({num_micro}) to be a multiple "
+                          f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
     if args.vocab_size is not None:  # the model config can be checked now; else after the tokenizer
         model_config(args, args.vocab_size).check_parallel(tp)
+
+
+def _validate_pipeline(args):
+    from megalite.transformer.pipeline_layers import stage_layer_counts
+    pp, L = args.pipeline_model_parallel_size, args.num_layers
+    args.virtual_pipeline_model_parallel_size = None
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    if uneven and pp == 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        n = args.num_layers_per_virtual_pipeline_stage
+        if pp == 1:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        if uneven:
+            raise ConfigError("interleaving (--num-layers-per-virtual-pipeline-stage) cannot be combined with an "
+                              "uneven split (--decoder-first/last-pipeline-num-layers)")
+        if n < 1 or L % (pp * n):
+            raise ConfigError(f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {pp} x "
+                              f"--num-layers-per-virtual-pipeline-stage {n} = {pp * n}")
+        args.virtual_pipeline_model_parallel_size = L // (pp * n)
+        if args.virtual_pipeline_model_parallel_size == 1:
+            args.virtual_pipeline_model_parallel_size = None  # one chunk per stage: plain 1F1B
+        return
+    stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
 def model_config(args, vocab_size):
@@ -183,6 +212,8 @@ def model_config(args, vocab_size):
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         params_dtype=dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed)
 
 

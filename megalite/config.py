@@ -41,6 +41,8 @@ class ModelConfig:
     recompute_method: Optional[str] = None  # with "full": "uniform" (chunks of N layers) or "block" (first N)
     recompute_num_layers: Optional[int] = None
     params_dtype: torch.dtype = torch.float32
+    decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline split
+    decoder_last_pipeline_num_layers: Optional[int] = None
     fused_kernels: bool = True  # Triton kernels on CUDA; CPU always uses the torch path
     seed: int = 1234  # initialisation seed (topology independent)
 

@@ -20,7 +20,7 @@ from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank
 from megalite.flops import num_floating_point_operations
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
-from megalite.pipeline.schedules import get_forward_backward_func
+from megalite.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from megalite.tensor_parallel import model_parallel_manual_seed
 
 
@@ -36,8 +36,10 @@ def _fail(msg):
 
 
 def build_data_iterator(dataset, consumed_samples, args):
-    """Yield {"text": LongTensor [micro, seq+1]} for this DP rank, resuming at consumed_samples."""
-    if dataset is None:
+    """Yield {"text": LongTensor [micro, seq+1]} for this DP rank, resuming at consumed_samples.
+    Only pipeline stages that consume tokens or labels (first and last) read data."""
+    if dataset is None or not (ps.is_pipeline_first_stage(ignore_virtual=True)
+                                or ps.is_pipeline_last_stage(ignore_virtual=True)):
         return None
     from megalite.data import MegatronPretrainingSampler
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
@@ -51,25 +53,54 @@ def build_data_iterator(dataset, consumed_samples, args):
     return gen()
 
 
+def chunk_iterators(it, num_chunks):
+    """Per model chunk: the first chunk of the first stage and the last chunk of the last
+    stage read the data; other chunks get None."""
+    its = [None] * num_chunks
+    if ps.is_pipeline_first_stage(ignore_virtual=True):
+        its[0] = it
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        its[-1] = it
+    return its
+
+
+def build_model(mcfg, model_provider, args):
+    """This rank's model chunks (v of them with interleaving), each wrapped for DP."""
+    v = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    for j in range(v):
+        ps.set_virtual_pipeline_model_parallel_rank(j)
+        m = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        chunks.append(DistributedDataParallel(m, bucket_size=args.ddp_bucket_size,
+                                              overlap_grad_reduce=args.overlap_grad_reduce))
+    ps.set_virtual_pipeline_model_parallel_rank(0)
+    return chunks
+
+
 def setup(args, model_provider):
     tcfg = training_config(args)
     mcfg = model_config(args, args.vocab_size)
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
-    model = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
-    model = DistributedDataParallel(model, bucket_size=args.ddp_bucket_size,
-                                    overlap_grad_reduce=args.overlap_grad_reduce)
-    optimizer = MixedPrecisionOptimizer([model], tcfg)
+    chunks = build_model(mcfg, model_provider, args)
+    optimizer = MixedPrecisionOptimizer(chunks, tcfg)
     scheduler = LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters,
                             tcfg.lr_decay_iters or tcfg.train_iters, tcfg.lr_decay_style)
-    return mcfg, tcfg, model, optimizer, scheduler
+    return mcfg, tcfg, chunks, optimizer, scheduler
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, num_microbatches):
-    model.zero_grad_buffer()
+def _fwd_bwd(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
     fwd_bwd = get_forward_backward_func()
-    reported = fwd_bwd(forward_step_func, data_iterator, model, num_microbatches,
-                       loss_scale=optimizer.loss_scale)
-    finalize_model_grads([model])
+    model = chunks if len(chunks) > 1 else chunks[0]
+    data = iters if len(chunks) > 1 else iters[0]
+    return fwd_bwd(forward_step_func, data, model, num_microbatches, tensor_shape=shape, dtype=dtype, **kw)
+
+
+def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype):
+    for c in chunks:
+        c.zero_grad_buffer()
+    reported = _fwd_bwd(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
+                        loss_scale=optimizer.loss_scale)
+    finalize_model_grads(chunks)
     stepped, grad_norm = optimizer.step()
     return reported, stepped, grad_norm
 
@@ -85,15 +116,16 @@ def _mean_loss(reported):
     return broadcast_from_last_rank(vals).item()
 
 
-def evaluate(forward_step_func, data_iterator, model, num_microbatches, eval_iters):
-    model.eval()
+def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, shape, dtype):
+    for c in chunks:
+        c.eval()
     losses = []
     with torch.no_grad():
         for _ in range(eval_iters):
-            fwd_bwd = get_forward_backward_func()
-            reported = fwd_bwd(forward_step_func, data_iterator, model, num_microbatches, forward_only=True)
+            reported = _fwd_bwd(forward_step_func, iters, chunks, num_microbatches, shape, dtype, forward_only=True)
             losses.append(_mean_loss(reported))
-    model.train()
+    for c in chunks:
+        c.train()
     return sum(losses) / len(losses)
 
 
@@ -107,11 +139,13 @@ def _tensorboard(args):
     return SummaryWriter(log_dir=args.tensorboard_dir)
 
 
-def pretrain(datasets_provider, model_provider, forward_step_func, args=None):
-    """Train per the command line; returns the list of per-iteration lm losses."""
+def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
+    """Train per the command line; returns the list of per-iteration lm losses (and, with
+    return_state, the model chunks and optimizer too)."""
     args = args or parse_args()
     ps.initialize_distributed(args.distributed_backend)
-    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                 args.virtual_pipeline_model_parallel_size)
     model_parallel_manual_seed(args.seed)
     dp = ps.get_data_parallel_world_size()
     g = args.global_batch_size
@@ -120,25 +154,28 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None):
                    args.eval_iters * g)
     try:
         train_ds, valid_ds, _ = datasets_provider(args, num_samples)
-        mcfg, tcfg, model, optimizer, scheduler = setup(args, model_provider)
+        mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     num_micro = tcfg.num_microbatches(dp)
     writer = _tensorboard(args)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} "
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
                     f"{n_params:,} | micro-batches per iteration: {num_micro}")
-    train_iter = build_data_iterator(train_ds, 0, args)
-    valid_iter = build_data_iterator(valid_ds, 0, args)
-    flops_per_iter = num_floating_point_operations(mcfg, g, model.module.padded_vocab_size) \
-        if hasattr(model.module, "padded_vocab_size") else 0.0
+    train_iters = chunk_iterators(build_data_iterator(train_ds, 0, args), len(chunks))
+    valid_iters = chunk_iterators(build_data_iterator(valid_ds, 0, args), len(chunks))
+    shape, dtype = pipeline_tensor_shape(mcfg, args.micro_batch_size), mcfg.params_dtype
+    padded = getattr(chunks[0].module, "padded_vocab_size", None)
+    flops_per_iter = num_floating_point_operations(mcfg, g, padded) if padded else 0.0
     losses, skipped, skipped_before, window, window_losses = [], 0, 0, 0, []
     window_start = time.perf_counter()
-    model.train()
+    for c in chunks:
+        c.train()
     for it in range(1, args.train_iters + 1):
         lr = optimizer.param_groups[0]["lr"]
-        reported, stepped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, num_micro)
+        reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
+                                                  shape, dtype)
         scheduler.step()
         loss = _mean_loss(reported)
         losses.append(loss)
@@ -167,8 +204,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None):
                     writer.add_scalar("grad-norm", grad_norm, it)
             window, window_losses, skipped_before = it, [], skipped
             window_start = time.perf_counter()
-        if valid_iter is not None and args.eval_interval and it % args.eval_interval == 0:
-            v = evaluate(forward_step_func, valid_iter, model, num_micro, args.eval_iters)
+        if valid_ds is not None and args.eval_interval and it % args.eval_interval == 0:
+            v = evaluate(forward_step_func, valid_iters, chunks, num_micro, args.eval_iters, shape, dtype)
             print_rank_last(f" validation loss at iteration {it} | lm loss value: {v:.6E} | "
                             f"lm loss PPL: {math.exp(min(v, 20)):.6E} |")
     if losses:
@@ -176,4 +213,4 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None):
                         f"last lm loss {losses[-1]:.4f}")
     if writer is not None:
         writer.close()
-    return losses
+    return (losses, chunks, optimizer) if return_state else losses

@@ -24,6 +24,14 @@ CASES = {
     "hidden_vs_heads": (2, "--hidden-size 50", "--hidden-size 50 is not divisible by --num-attention-heads 4"),
     "not_implemented": (2, "--use-distributed-optimizer", "--use-distributed-optimizer is not implemented"),
     "unknown_flag": (2, "--no-such-flag", "unrecognized argument --no-such-flag"),
+    "layers_vs_pp": (2, "--pipeline-model-parallel-size 2 --num-layers 3",
+                     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    "layers_vs_virtual": (2, "--pipeline-model-parallel-size 2 --num-layers 6 --num-layers-per-virtual-pipeline-stage 2",
+                          "--num-layers 6 is not divisible by --pipeline-model-parallel-size 2 x "
+                          "--num-layers-per-virtual-pipeline-stage 2 = 4"),
+    "micro_vs_pp_interleaved": (2, "--pipeline-model-parallel-size 2 --num-layers 4 "
+                                   "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 3",
+                                "number of micro-batches (3) to be a multiple of --pipeline-model-parallel-size 2"),
 }
 
 

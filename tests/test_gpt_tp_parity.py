@@ -7,6 +7,7 @@ from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.distributed import allreduce_sequence_parallel_grads
 from megalite.models import GPTModel
+from megalite.optimizer.clip_grads import get_grad_norm
 from megalite.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_manual_seed
 from model_util import batch, full_grads, tiny_config
 
@@ -22,8 +23,11 @@ def _run(tp, flavour, sp):
     logits = gather_from_tensor_model_parallel_region(model(ids))[..., :cfg.vocab_size].detach()
     loss = model(ids, labels=labels)
     loss.mean().backward()
-    allreduce_sequence_parallel_grads(list(model.parameters()))
-    return logits, loss.detach(), full_grads(model, cfg.vocab_size)
+    params = list(model.parameters())
+    allreduce_sequence_parallel_grads(params)
+    grads = full_grads(model, cfg.vocab_size)
+    grads["(global grad norm)"] = torch.tensor([get_grad_norm(params, [p.grad for p in params])])
+    return logits, loss.detach(), grads
 
 
 def _compare(tp, flavour, sp, ref):

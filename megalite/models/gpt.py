@@ -22,6 +22,7 @@ from megalite.tensor_parallel import (
 )
 from megalite.tensor_parallel.layers import init_master, init_normal
 from megalite.transformer import TransformerBlock
+from megalite.transformer.pipeline_layers import chunk_layers
 from megalite.transformer.rope import rotary_cos_sin
 from megalite.transformer.utils import param_seed
 
@@ -73,11 +74,13 @@ class GPTEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=0):
+    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None):
         super().__init__()
         c = config
         tp = ps.get_tensor_model_parallel_world_size()
         c.check_parallel(tp)
+        if num_layers is None:  # this pipeline stage's (and virtual chunk's) share
+            num_layers, layer_offset = chunk_layers(c)
         self.config = c
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = not c.untie_embeddings_and_output_weights
@@ -85,7 +88,7 @@ class GPTModel(nn.Module):
         self.input_tensor = None
         if pre_process:
             self.embedding = GPTEmbedding(c, self.padded_vocab_size)
-        self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset,
+        self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset or 0,
                                         post_process=post_process)
         if post_process:
             std = c.init_method_std
@@ -125,8 +128,9 @@ class GPTModel(nn.Module):
             x = self.input_tensor
         rotary = None
         if c.position_embedding_type == "rope":
-            rotary = rotary_cos_sin(c.seq_length if input_ids is None else input_ids.shape[1], c.kv_channels,
-                                    c.rotary_base, x.device)
+            sp = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+            seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if sp else 1)
+            rotary = rotary_cos_sin(seq, c.kv_channels, c.rotary_base, x.device)
         x = self.decoder(x, rotary)
         if not self.post_process:
             return x

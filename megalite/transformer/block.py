@@ -8,27 +8,30 @@ from megalite.transformer.norm import build_norm
 
 
 class TransformerBlock(nn.Module):
-    """Layers [layer_offset, layer_offset + num_layers) of the whole model, global numbering
-    kept in parameter names (`layers.<i>` is local; `layer_number` is global)."""
+    """Layers [layer_offset, layer_offset + num_layers) of the whole model. Parameter names
+    keep the global layer index (`decoder.layers.<global i>.…`), so a state dict means the
+    same thing whatever the pipeline split."""
 
     def __init__(self, config, num_layers=None, layer_offset=0, post_process=True, prefix="decoder"):
         super().__init__()
         self.config = config
         n = config.num_layers if num_layers is None else num_layers
         self.layer_offset = layer_offset
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, layer_offset + i + 1, f"{prefix}.layers.{layer_offset + i}") for i in range(n))
+        self.layers = nn.ModuleDict(
+            (str(layer_offset + i), TransformerLayer(config, layer_offset + i + 1, f"{prefix}.layers.{layer_offset + i}"))
+            for i in range(n))
+        self._stack = list(self.layers.values())  # in order, for slicing
         self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
 
     def _run(self, start, end):
         def run(x, rotary, attn_mask):
-            for layer in self.layers[start:end]:
+            for layer in self._stack[start:end]:
                 x = layer(x, rotary, attn_mask)
             return x
         return run
 
     def forward(self, x, rotary=None, attn_mask=None):
-        c, n = self.config, len(self.layers)
+        c, n = self.config, len(self._stack)
         if c.recompute_granularity == "full" and self.training:
             k = c.recompute_num_layers
             if c.recompute_method == "uniform":
@@ -39,9 +42,9 @@ class TransformerBlock(nn.Module):
                 # "block": recompute the first k layers of this stage, keep the rest.
                 for i in range(n):
                     x = checkpoint(self._run(i, i + 1), x, rotary, attn_mask) if i < k else \
-                        self.layers[i](x, rotary, attn_mask)
+                        self._stack[i](x, rotary, attn_mask)
         else:
-            for layer in self.layers:
+            for layer in self._stack:
                 x = layer(x, rotary, attn_mask)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
