@@ -9,6 +9,13 @@ Steps alternate between the two so machine noise hits both alike; medians are co
     python benchmarks/overhead.py [--layers 4 --hidden 256 --heads 4 --seq 256 --batch 8 --steps 20]
 """
 
+import os
+import sys
+
+# Run as a script, this folder comes first on sys.path and its kernels.py would shadow the
+# `kernels` package: put the repository root first.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import math
 import statistics

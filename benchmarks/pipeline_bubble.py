@@ -1,0 +1,175 @@
+"""Pipeline bubble: measured idle fraction per stage vs theory, and peak live activations.
+
+Each stage is a layer of known cost: forward takes t_f, backward t_b = 2 t_f. The cost is
+a sleep, not arithmetic, so that p ranks on a 2-core machine do not slow each other down
+and the schedule alone decides the idle time. The real megalite schedules and p2p run
+underneath (gloo ranks). Idle fraction of a stage = 1 - busy / iteration wall time.
+Theory: 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v m+p-1).
+Also prints the peak number of micro-batches whose activations are alive on each stage,
+1F1B vs all-forwards-then-all-backwards (GPipe).
+
+    python benchmarks/pipeline_bubble.py [--p 4 --ms 4 8 16 --v 2 --tf-ms 10]
+"""
+
+import os
+import sys
+
+# Run as a script, this folder comes first on sys.path and its kernels.py would shadow the
+# `kernels` package: put the repository root first.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+BUSY = [0.0]
+SHAPE = (8, 1, 16)
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tf, tb):
+        ctx.tb = tb
+        t = time.perf_counter()
+        time.sleep(tf)
+        BUSY[0] += time.perf_counter() - t
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        t = time.perf_counter()
+        time.sleep(ctx.tb)
+        BUSY[0] += time.perf_counter() - t
+        return g, None, None
+
+
+class SleepStage(nn.Module):
+    def __init__(self, tf, tb):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.tf, self.tb, self.inp = tf, tb, None
+
+    def set_input_tensor(self, t):
+        self.inp = t
+
+    def forward(self, first):
+        x = torch.ones(SHAPE) if first else self.inp
+        return _Sleep.apply(x * self.w, self.tf, self.tb)
+
+
+def _forward_step(_it, model):
+    from megalite import parallel_state as ps
+    out = model(ps.is_pipeline_first_stage())
+    return out, lambda o: (o.sum(), {"lm loss": o.sum().detach()})
+
+
+def _gpipe(chunks, m):
+    """All forwards, then all backwards: the baseline that keeps m micro-batches alive."""
+    from megalite import parallel_state as ps
+    from megalite.pipeline.p2p import P2P
+    p2p = P2P(SHAPE, torch.float32, torch.device("cpu"))
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    ins, outs, peak = [], [], 0
+    for _ in range(m):
+        inp = None if first else p2p.recv_forward().requires_grad_(True)
+        chunks[0].set_input_tensor(inp)
+        out = chunks[0](first)
+        if not last:
+            p2p.send_forward(out)
+        ins.append(inp)
+        outs.append(out)
+        peak = max(peak, len(outs))
+    for _ in range(m):
+        inp, out = ins.pop(0), outs.pop(0)
+        g = None if last else p2p.recv_backward()
+        torch.autograd.backward(out.sum() if last else out, None if last else g)
+        if not first:
+            p2p.send_backward(inp.grad)
+    return peak
+
+
+def _rank(rank, p, port, args, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=p)
+    from megalite import parallel_state as ps
+    from megalite.pipeline import schedules
+    from megalite.pipeline.interleaved import forward_backward_pipelining_with_interleaving
+    tf = args.tf_ms / 1000
+    rows = []
+    for kind, v in (("1F1B", 1), ("interleaved", args.v)):
+        ps.initialize_model_parallel(1, p, v if v > 1 else None)
+        # Interleaving splits the stage's work into v chunks of 1/v the cost each.
+        chunks = [SleepStage(tf / v, 2 * tf / v) for _ in range(v)]
+        for m in args.ms:
+            if v > 1 and m % p:
+                continue
+            fracs = []
+            for _ in range(args.repeats):
+                dist.barrier()
+                BUSY[0] = 0.0
+                t0 = time.perf_counter()
+                if v == 1:
+                    schedules.forward_backward_pipelining_without_interleaving(
+                        _forward_step, None, chunks[0], m, tensor_shape=SHAPE, dtype=torch.float32)
+                else:
+                    forward_backward_pipelining_with_interleaving(
+                        _forward_step, [None] * v, chunks, m, tensor_shape=SHAPE, dtype=torch.float32)
+                dist.barrier()
+                fracs.append(1 - BUSY[0] / (time.perf_counter() - t0))
+            rows.append((kind, v, m, statistics.median(fracs), schedules.last_run["max_alive"]))
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, p)
+    chunk = SleepStage(0.0, 0.0)
+    gpipe = {m: _gpipe([chunk], m) for m in args.ms}
+    ps.destroy_model_parallel()
+    q.put((rank, rows, gpipe))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--p", type=int, default=4)
+    ap.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--v", type=int, default=2)
+    ap.add_argument("--tf-ms", type=float, default=10.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, args.p, port, args, q)) for r in range(args.p)]
+    for pr in procs:
+        pr.start()
+    results = dict((r, (rows, gp)) for r, rows, gp in (q.get(timeout=600) for _ in procs))
+    for pr in procs:
+        pr.join()
+    p = args.p
+    print(f"pipeline bubble: p={p} stages (gloo CPU ranks), t_f={args.tf_ms} ms, t_b={2 * args.tf_ms} ms "
+          f"per stage per micro-batch, median of {args.repeats}")
+    print(f"{'schedule':<13}{'v':>3}{'m':>5}{'theory':>9}{'measured (mean of stages)':>28}{'ratio':>8}"
+          f"{'worst stage':>13}")
+    for i, (kind, v, m, _, _) in enumerate(results[0][0]):
+        theory = (p - 1) / (v * m + p - 1)
+        per_stage = [results[r][0][i][3] for r in range(p)]
+        mean = sum(per_stage) / p
+        print(f"{kind:<13}{v:>3}{m:>5}{theory:>9.3f}{mean:>28.3f}{mean / theory:>8.3f}{max(per_stage):>13.3f}")
+    print("\npeak micro-batches with live activations per stage (1F1B vs all-forward-then-backward):")
+    print(f"{'m':>4}  " + "  ".join(f"stage {s}: 1F1B/GPipe" for s in range(p)))
+    for m in args.ms:
+        idx = next(i for i, row in enumerate(results[0][0]) if row[0] == "1F1B" and row[2] == m)
+        cells = [f"{results[s][0][idx][4]:>9}/{results[s][1][m]:<8}" for s in range(p)]
+        print(f"{m:>4}  " + "  ".join(f"{c:>20}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
