@@ -40,12 +40,9 @@ def parse_split(split: str) -> list[float]:
 
 
 def split_ranges(weights: list[float], num_docs: int) -> list[tuple[int, int]]:
-    """Megatron's rounding: cumulative round(w * n), the last boundary pinned to n."""
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w * num_docs)))
-    diff = bounds[-1] - num_docs
-    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    """Megatron-core's book-ends: boundary k = round(cumulative weight k * num_docs)."""
+    cum = np.concatenate(([0.0], np.cumsum(weights)))
+    bounds = [int(round(float(c) * num_docs)) for c in cum]
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
