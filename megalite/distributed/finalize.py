@@ -7,6 +7,10 @@ from megalite import parallel_state as ps
 
 
 def _grad(p):
+    # Under ZeRO only the DP-owned shard of the gradient is reduced (and, at stage 2, kept):
+    # the shard ranges agree across TP ranks and, for tied embeddings, across stages.
+    if getattr(p, "main_grad_shard", None) is not None:
+        return p.main_grad_shard
     return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
 
 

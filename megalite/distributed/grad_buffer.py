@@ -6,72 +6,154 @@ of a bucket is ready on the last micro-batch, starts that bucket's asynchronous 
 over the DP group, so communication overlaps the rest of the backward pass.
 Buckets are filled in reverse parameter order, which is roughly the order in which
 backward produces gradients.
+
+With `use_distributed_optimizer=True` (ZeRO, see megalite/optimizer/distributed_optimizer.py)
+the buckets are padded to a multiple of the DP size and reduce-scattered instead
+(`sharded_bucket.py`); the parameters move into a flat buffer of the same layout so the
+optimizer's updated shards can be all-gathered in place.
 """
 
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megalite import parallel_state as ps
+from megalite.distributed import comm
 
 
 class _Bucket:
-    def __init__(self, params, data):
-        self.params, self.data = params, data
+    """A bucket all-reduced (averaged) over DP: every rank holds the full result."""
+    reduce_every_microbatch = False
+
+    def __init__(self, params, data, dp, group):
+        self.params, self.data, self.dp, self.group = params, data, dp, group
         self.ready, self.handle = set(), None
+        offset = 0
+        for p in params:
+            p.main_grad = data[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+
+    def accumulate(self, p):
+        p.main_grad.add_(p.grad)
+
+    def start(self):
+        if self.handle is not None:
+            return
+        if self.dp == 1:
+            self.handle = True
+            return
+        self.data.div_(self.dp)  # average over DP, as Megatron
+        self.handle = comm.all_reduce(self.data, group=self.group, async_op=True)
+
+    def finish(self):
+        if self.handle is not None and self.handle is not True:
+            self.handle.wait()
+            self.handle = True
+
+    def zero(self):
+        self.data.zero_()
+        self.ready.clear()
+        self.handle = None
+
+
+def plan_buckets(params, bucket_size, pad_to=1, isolate=None):
+    """[(params, padded numel)] in reverse parameter order; a bucket closes once it holds
+    bucket_size elements and is padded to a multiple of pad_to; `isolate` gets its own."""
+    plan, current, size = [], [], 0
+    for p in reversed(params):
+        if p is isolate and current:
+            plan.append((current, size))
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+        if size >= bucket_size or p is isolate:
+            plan.append((current, size))
+            current, size = [], 0
+    if current:
+        plan.append((current, size))
+    return [(ps_, -(-n // pad_to) * pad_to) for ps_, n in plan]
+
+
+def _tied_weight(module):
+    """Tied word embeddings are summed over the first and last pipeline stages; alone in
+    a bucket they get the same shard ranges on both stages, so owned shards can be summed."""
+    if ps.get_pipeline_model_parallel_world_size() > 1 and getattr(module, "share_embeddings_and_output_weights", False):
+        return module.shared_embedding_or_output_weight()
+    return None
+
+
+class _WaitFor:
+    """Forward pre-hook: wait for these buckets' parameter all-gathers (returns None, so
+    the module's inputs are left alone)."""
+
+    def __init__(self, buckets):
+        self.buckets = buckets
+
+    def __call__(self, module, args):
+        for b in self.buckets:
+            b.finish_param_gather()
 
 
 class DistributedDataParallel(nn.Module):
-    def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True):
+    def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True,
+                 use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False):
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.sync_enabled = True
         self.dp = ps.get_data_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
+        if use_distributed_optimizer and zero_stage not in (1, 2):
+            raise ValueError(f"--zero-stage {zero_stage} is not supported; use 1 or 2")
+        self.zero_stage = zero_stage if use_distributed_optimizer else 0
+        self.overlap_param_gather = overlap_param_gather and self.zero_stage > 0
         params = [p for p in module.parameters() if p.requires_grad]
-        total = sum(p.numel() for p in params)
         device = params[0].device if params else torch.device("cpu")
-        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device)
+        plan = plan_buckets(params, bucket_size, self.dp if self.zero_stage else 1,
+                            _tied_weight(module) if self.zero_stage else None)
+        total = sum(n for _, n in plan)
+        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device) if self.zero_stage != 2 else None
         self.buckets, self._bucket_of = [], {}
-        offset, start, current = 0, 0, []
-        for p in reversed(params):
-            n = p.numel()
-            p.main_grad = self.grad_data[offset:offset + n].view(p.shape)
+        if self.zero_stage:
+            from megalite.distributed.sharded_bucket import ShardedBucket
+            dtypes = {p.dtype for p in params}
+            if len(dtypes) > 1:
+                raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
+            self.param_data = torch.zeros(total, dtype=dtypes.pop(), device=device)
+        offset = 0
+        for bucket_params, n in plan:
+            grad = self.grad_data[offset:offset + n] if self.grad_data is not None else None
+            if self.zero_stage:
+                b = ShardedBucket(bucket_params, n, self.zero_stage, grad, self.param_data[offset:offset + n],
+                                  self.dp, ps.get_data_parallel_rank(), self.dp_group)
+            else:
+                b = _Bucket(bucket_params, grad, self.dp, self.dp_group)
+            b.index = len(self.buckets)
+            self.buckets.append(b)
+            for p in bucket_params:
+                self._bucket_of[p] = b
             offset += n
-            current.append(p)
-            if offset - start >= bucket_size:
-                self._add_bucket(current, start, offset)
-                start, current = offset, []
-        if current:
-            self._add_bucket(current, start, offset)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
-
-    def _add_bucket(self, params, start, end):
-        b = _Bucket(params, self.grad_data[start:end])
-        self.buckets.append(b)
-        for p in params:
-            self._bucket_of[p] = b
+        if self.overlap_param_gather:
+            self._register_param_wait_hooks()
 
     def _hook(self, p):
-        p.main_grad.add_(p.grad)
+        b = self._bucket_of[p]
+        b.accumulate(p)
         p.grad = None
-        if self.sync_enabled and self.overlap_grad_reduce:
-            b = self._bucket_of[p]
+        # ZeRO-2 reduces every micro-batch: gradients are never kept at full size.
+        if b.reduce_every_microbatch or (self.sync_enabled and self.overlap_grad_reduce):
             b.ready.add(p)
             if len(b.ready) == len(b.params):
                 self._start(b)
 
     def _start(self, b):
-        if b.handle is not None:
-            return
-        if self.dp == 1:
-            b.handle = True
-            return
-        b.data.div_(self.dp)  # average over DP, as Megatron
-        b.handle = dist.all_reduce(b.data, group=self.dp_group, async_op=True)
+        b.start()
+        if b.reduce_every_microbatch:
+            # At most two buckets in flight, so at most two full-size buffers are alive.
+            if b.index > 0:
+                self.buckets[b.index - 1].finish()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -85,16 +167,39 @@ class DistributedDataParallel(nn.Module):
     def finish_grad_sync(self):
         """Start any bucket not yet started and wait for all of them."""
         for b in self.buckets:
-            self._start(b)
+            b.start()
         for b in self.buckets:
-            if b.handle is not True:
-                b.handle.wait()
+            b.finish()
 
     def zero_grad_buffer(self):
-        self.grad_data.zero_()
         for b in self.buckets:
-            b.ready.clear()
-            b.handle = None
+            b.zero()
+
+    # -- ZeRO: parameters all-gathered after the optimizer step ---------------------------
+    def start_param_sync(self):
+        """All-gather the updated parameter shards, first layers' buckets first."""
+        for b in reversed(self.buckets):
+            b.start_param_gather()
+
+    def finish_param_sync(self):
+        for b in self.buckets:
+            if self.zero_stage:
+                b.finish_param_gather()
+
+    def _register_param_wait_hooks(self):
+        """--overlap-param-gather: a module waits for its own parameters' buckets only."""
+        for mod in self.module.modules():
+            buckets = {self._bucket_of[p] for p in mod.parameters(recurse=False) if p in self._bucket_of}
+            if buckets:
+                mod.register_forward_pre_hook(_WaitFor([b for b in self.buckets if b in buckets]))
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self.zero_stage:
+            self.finish_param_sync()  # a parameter used outside its own module is covered too
+        return out
+
+    def state_dict(self, *args, **kwargs):
+        if self.zero_stage:
+            self.finish_param_sync()
+        return super().state_dict(*args, **kwargs)

@@ -18,13 +18,16 @@ def counted_once(param):
     return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
 
 
-def get_grad_norm(params, grads):
-    """L2 norm of the gradients of `params` (parallel lists) over the model-parallel group."""
+def get_grad_norm(params, grads, sharded_over_dp=False):
+    """L2 norm of the gradients of `params` (parallel lists) over the model-parallel group;
+    with sharded_over_dp (ZeRO: each DP rank holds a disjoint slice) summed over DP too."""
     device = grads[0].device if grads else torch.device("cpu")
     sq = torch.zeros(1, dtype=torch.float32, device=device)
     for p, g in zip(params, grads):
         if counted_once(p):
             sq += g.float().pow(2).sum()
+    if sharded_over_dp and ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(sq, group=ps.get_data_parallel_group())
     group = ps.get_model_parallel_group()
     if group is not None and ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(sq, group=group)

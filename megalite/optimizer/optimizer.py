@@ -19,6 +19,15 @@ def no_weight_decay(name, param):
     return param.ndim < 2 or name.endswith(".bias")
 
 
+def build_loss_scaler(c):
+    if c.fp16 and c.loss_scale:
+        return ConstantLossScaler(c.loss_scale)
+    if c.fp16:
+        return DynamicLossScaler(c.initial_loss_scale, c.min_loss_scale,
+                                 growth_interval=c.loss_scale_window, hysteresis=c.hysteresis)
+    return ConstantLossScaler(1.0)
+
+
 class MixedPrecisionOptimizer:
     def __init__(self, model_chunks, config):
         c = config
@@ -34,13 +43,7 @@ class MixedPrecisionOptimizer:
         groups = [g for g in ({"params": decay, "weight_decay": c.weight_decay},
                               {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
-        if c.fp16 and c.loss_scale:
-            self.scaler = ConstantLossScaler(c.loss_scale)
-        elif c.fp16:
-            self.scaler = DynamicLossScaler(c.initial_loss_scale, c.min_loss_scale,
-                                            growth_interval=c.loss_scale_window, hysteresis=c.hysteresis)
-        else:
-            self.scaler = ConstantLossScaler(1.0)
+        self.scaler = build_loss_scaler(c)
         self.param_groups = self.optimizer.param_groups
 
     @property

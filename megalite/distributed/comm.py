@@ -1,0 +1,58 @@
+"""Thin wrappers over the data-parallel collectives that count what each rank moves.
+
+Two figures per collective type, per rank (this process):
+- payload: bytes of the full logical tensor (all-reduce: the buffer; reduce-scatter: the
+  input; all-gather: the output);
+- wire: bytes a bandwidth-optimal (ring) algorithm sends from each rank for that payload
+  over a group of d ranks: all-reduce 2(d-1)/d x payload, reduce-scatter and all-gather
+  (d-1)/d x payload each. This is the "communication volume" of the ZeRO paper.
+`benchmarks/zero_memory.py` compares the wire bytes of a step with the theory.
+"""
+
+import collections
+
+import torch.distributed as dist
+
+_PAYLOAD = collections.Counter()
+_WIRE = collections.Counter()
+_CALLS = collections.Counter()
+
+# torch >= 2.12 renamed the tensor collectives (the old names warn); 2.11 has only the old.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _record(op, tensor, group, factor):
+    d = dist.get_world_size(group)
+    nbytes = tensor.numel() * tensor.element_size()
+    _PAYLOAD[op] += nbytes
+    _WIRE[op] += factor * (d - 1) / d * nbytes
+    _CALLS[op] += 1
+
+
+def all_reduce(tensor, group=None, async_op=False, op=dist.ReduceOp.SUM):
+    _record("all_reduce", tensor, group, 2)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output, input, group=None, async_op=False):
+    """Sum `input` (d equal chunks) over the group; this rank's chunk lands in `output`."""
+    _record("reduce_scatter", input, group, 1)
+    return _reduce_scatter(output, input, group=group, async_op=async_op)
+
+
+def all_gather(output, input, group=None, async_op=False):
+    """Concatenate every rank's `input` into `output` (d x input elements)."""
+    _record("all_gather", output, group, 1)
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def counts():
+    """{op: {"calls", "payload_bytes", "wire_bytes"}} since the last reset()."""
+    return {op: {"calls": _CALLS[op], "payload_bytes": _PAYLOAD[op], "wire_bytes": _WIRE[op]} for op in _CALLS}
+
+
+def reset():
+    _PAYLOAD.clear()
+    _WIRE.clear()
+    _CALLS.clear()

@@ -1,0 +1,134 @@
+"""One bucket of the ZeRO (distributed-optimizer) data-parallel buffers.
+
+A bucket covers a run of parameters laid out back to back and is padded to a multiple of
+the DP size d, so it splits into d equal contiguous shards; DP rank r owns shard r of
+every bucket. A parameter may straddle shard boundaries: each rank then owns a "piece" of
+it (param-local elements [start, end)), possibly empty.
+
+Stage 1: the fp32 gradient buffer is full size; the last micro-batch reduce-scatters it
+(averaged over DP) and only the owned shard is meaningful afterwards.
+Stage 2: every micro-batch reduce-scatters, the result is added to a persistent fp32
+shard accumulator, and the full-size buffer's storage is released (resized to zero)
+until the next micro-batch's first gradient for this bucket arrives.
+Parameters (model dtype) live in a flat buffer with the same layout, so the updated
+shards are all-gathered bucket by bucket in place.
+"""
+
+import torch
+
+from megalite.distributed import comm
+
+
+class Piece:
+    """The part of `param` this rank owns: param-local [start, end)."""
+
+    def __init__(self, param, start, end, grad, data):
+        self.param, self.start, self.end = param, start, end
+        self.grad = grad  # fp32 1-D view holding the reduced gradient after the sync
+        self.data = data  # 1-D view into the model's parameter buffer (model dtype)
+
+
+class ShardedBucket:
+    def __init__(self, params, padded, stage, grad, param_data, dp, dp_rank, group):
+        self.params, self.stage, self.dp, self.group = params, stage, dp, group
+        self.padded, self.shard = padded, padded // dp
+        self.lo, self.hi = dp_rank * self.shard, (dp_rank + 1) * self.shard
+        self.param_data = param_data
+        self.ready, self.state, self._handle, self._out, self.param_handle = set(), "idle", None, None, None
+        self.reduce_every_microbatch = stage == 2
+        if stage == 1:
+            self.data, self.shard_acc = grad, None
+        else:
+            self.data = torch.zeros(padded, dtype=torch.float32, device=param_data.device)
+            self.shard_acc = torch.zeros(self.shard, dtype=torch.float32, device=param_data.device)
+        self.pieces, offset = [], 0
+        for p in params:
+            n = p.numel()
+            view = param_data[offset:offset + n]
+            view.copy_(p.data.reshape(-1))
+            p.data = view.view(p.shape)  # the parameter now lives in the flat buffer
+            p.main_grad = self.data[offset:offset + n].view(p.shape)
+            a, b = max(offset, self.lo), min(offset + n, self.hi)
+            b = max(a, b)
+            g = self.data[a:b] if stage == 1 else self.shard_acc[a - self.lo:b - self.lo]
+            p.main_grad_shard = g  # read by finalize_model_grads (SP / tied-embedding sums)
+            if b > a:
+                self.pieces.append(Piece(p, a - offset, b - offset, g, param_data[a:b]))
+            offset += n
+        if stage == 2:
+            self._release()
+
+    # -- stage-2 storage of the full-size buffer --------------------------------------
+    def _allocated(self):
+        return self.data.untyped_storage().nbytes() > 0
+
+    def _release(self):
+        self.data.untyped_storage().resize_(0)
+
+    def _allocate(self):
+        self.data.untyped_storage().resize_(self.padded * self.data.element_size())
+        self.data.zero_()
+
+    # -- gradients ---------------------------------------------------------------------
+    def accumulate(self, p):
+        if self.stage == 2:
+            if self.state == "inflight":  # last micro-batch's reduction of this bucket
+                self.finish()
+            if not self._allocated():
+                self._allocate()
+        p.main_grad.add_(p.grad)
+
+    def pending(self):
+        """Whether gradients wait to be handed to a reduction (this round)."""
+        return self.state == "idle" and (self.stage == 1 or self._allocated())
+
+    def start(self):
+        if not self.pending():
+            return
+        self.ready.clear()
+        self.state = "inflight"
+        if self.dp > 1:
+            self.data.div_(self.dp)  # average over DP, as Megatron
+            # A separate output: an output aliasing the input is not safe on every backend.
+            self._out = torch.empty(self.shard, dtype=torch.float32, device=self.data.device)
+            self._handle = comm.reduce_scatter(self._out, self.data, group=self.group, async_op=True)
+
+    def finish(self):
+        if self.state != "inflight":
+            return
+        if self.dp > 1:
+            self._handle.wait()
+            own = self._out
+        else:
+            own = self.data[self.lo:self.hi]
+        if self.stage == 1:
+            if self.dp > 1:
+                self.data[self.lo:self.hi].copy_(own)
+            self.state = "reduced"  # until zero(): one reduction per iteration
+        else:
+            self.shard_acc.add_(own)
+            self._release()
+            self.state = "idle"  # stage 2 reduces again on the next micro-batch
+        self._out = self._handle = None
+
+    def zero(self):
+        if self.stage == 1:
+            self.data.zero_()
+        else:
+            self.shard_acc.zero_()
+            if self._allocated():
+                self._release()
+        self.ready.clear()
+        self.state, self._out, self._handle = "idle", None, None
+
+    # -- parameters --------------------------------------------------------------------
+    def start_param_gather(self):
+        if self.dp == 1 or self.param_handle is not None:
+            return
+        own = self.param_data[self.lo:self.hi].clone()  # gloo/NCCL: input must not alias output
+        self.param_handle = comm.all_gather(self.param_data, own, group=self.group, async_op=True)
+
+    def finish_param_gather(self):
+        if self.param_handle is not None:
+            self.param_handle.wait()
+            self.param_handle = None

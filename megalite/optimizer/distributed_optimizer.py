@@ -1,0 +1,200 @@
+"""ZeRO-style distributed optimizer (`--use-distributed-optimizer`, `--zero-stage {1,2}`).
+
+Each DP rank owns a contiguous 1/d slice of every gradient bucket (the buckets are padded
+so the d slices are equal; a parameter crossing a slice boundary is split into pieces, see
+`megalite/distributed/sharded_bucket.py`). Gradients are reduce-scattered bucket by
+bucket from the backward hooks; each rank keeps fp32 main parameters and Adam states for
+its pieces only and steps them; the updated parameters are then all-gathered bucket by
+bucket (with `--overlap-param-gather`, asynchronously: each module's forward waits for
+its own buckets, so the gather overlaps the next forward).
+
+Bytes per parameter per rank, Ψ parameters, d DP ranks (bf16 params; fp32 params in [ ]):
+    plain optimizer        2 + 4 + 12       = 18        [4 + 4 + 8 = 16]
+    ZeRO-1 (Megatron)      2 + 4 + 12/d     = 6 + 12/d  [8 + 8/d]
+    ZeRO-2                 2 + 4/d + 12/d   = 2 + 16/d  [4 + 12/d]
+(model params + fp32 grads + fp32 main params and Adam m, v; fp32 models step their own
+parameters, so main params add nothing there). ZeRO-2 figures are at rest: during a
+backward at most two buckets' full-size fp32 buffers are alive.
+
+Trade-off of ZeRO-2: gradients are reduce-scattered every micro-batch instead of once per
+iteration, so with M micro-batches a rank sends (d-1)/d·Ψ·(4M + param bytes) per
+iteration instead of (d-1)/d·Ψ·(4 + param bytes) (ZeRO-1) or 2(d-1)/d·Ψ·4 (all-reduce);
+in exchange the full fp32 gradient buffer (4 bytes/param) never persists. Worth it when
+memory, not bandwidth, limits (large models, few micro-batches per iteration).
+
+Grad-norm clipping sums squared norms over the owned slices (TP-duplicated parameters on
+TP rank 0 only, the last stage's tied-embedding copy not at all), then over DP and over
+TP x PP. The fp16 inf check is reduced over DP and TP x PP, so every rank skips together.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state as ps
+from megalite.optimizer.clip_grads import clip_grads, get_grad_norm
+from megalite.optimizer.optimizer import MixedPrecisionOptimizer, build_loss_scaler, no_weight_decay
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    def __init__(self, model_chunks, config):
+        c = config
+        self.config = c
+        self.model_chunks = list(model_chunks)
+        for m in self.model_chunks:
+            if not getattr(m, "zero_stage", 0):
+                raise ValueError("DistributedOptimizer needs DistributedDataParallel(..., use_distributed_optimizer=True)")
+        names, self.model_params = {}, []
+        for i, m in enumerate(self.model_chunks):
+            prefix = f"chunk{i}." if len(self.model_chunks) > 1 else ""
+            for n, p in m.module.named_parameters():
+                if p.requires_grad:
+                    names[p] = prefix + n
+                    self.model_params.append(p)
+        index = {p: i for i, p in enumerate(self.model_params)}
+        low_precision = c.bf16 or c.fp16
+        self.pieces, self.main_params, self.names = [], [], []
+        for m in self.model_chunks:
+            for b in m.buckets:
+                for piece in b.pieces:
+                    # fp32 models step their own parameter buffer in place (no copy).
+                    main = piece.data.detach().float().clone() if low_precision else piece.data
+                    self.pieces.append(piece)
+                    self.main_params.append(main)
+                    self.names.append(names[piece.param])
+                    piece.index = index[piece.param]
+        if not self.pieces:
+            raise ValueError("this DP rank owns no parameter elements: use a smaller data-parallel size for this model")
+        decay = [mp for mp, pc, n in zip(self.main_params, self.pieces, self.names) if not no_weight_decay(n, pc.param)]
+        nodecay = [mp for mp, pc, n in zip(self.main_params, self.pieces, self.names) if no_weight_decay(n, pc.param)]
+        groups = [g for g in ({"params": decay, "weight_decay": c.weight_decay},
+                              {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
+        self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+        self.scaler = build_loss_scaler(c)
+        self.param_groups = self.optimizer.param_groups
+
+    def _grads(self):
+        return [pc.grad for pc in self.pieces]
+
+    def _found_inf(self, grads):
+        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+        if any(not torch.isfinite(g).all() for g in grads):
+            flag.fill_(1.0)
+        # Only the owner of a slice sees its inf: reduce over DP and TP x PP (= every rank).
+        for group in (ps.get_data_parallel_group(), ps.get_model_parallel_group()):
+            if group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def step(self):
+        """Returns (stepped, grad_norm); stepped is False for a skipped fp16 iteration."""
+        grads = self._grads()
+        if self.config.fp16:
+            inv = 1.0 / self.scaler.scale
+            for g in grads:
+                g.mul_(inv)
+            found_inf = self._found_inf(grads)
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, None
+        grad_norm = get_grad_norm([pc.param for pc in self.pieces], grads, sharded_over_dp=True)
+        clip_grads(grads, self.config.clip_grad, grad_norm)
+        for mp, g in zip(self.main_params, grads):
+            mp.grad = g
+        self.optimizer.step()
+        for mp in self.main_params:
+            mp.grad = None
+        self._publish()
+        return True, grad_norm
+
+    def _publish(self):
+        """Write the owned main-param slices into the model and all-gather the buckets."""
+        for pc, mp in zip(self.pieces, self.main_params):
+            if mp is not pc.data:
+                pc.data.copy_(mp)
+        for m in self.model_chunks:
+            m.start_param_sync()
+            if not m.overlap_param_gather:
+                m.finish_param_sync()
+
+    # -- state: one shard per DP rank, each recording the elements it owns -------------
+    def state_dict(self):
+        shards = []
+        for mp, pc, name in zip(self.main_params, self.pieces, self.names):
+            st = self.optimizer.state.get(mp, {})
+            entry = {"name": name, "index": pc.index, "shape": tuple(pc.param.shape), "start": pc.start,
+                     "end": pc.end, "main_param": mp.detach().clone(),
+                     "step": float(st["step"]) if "step" in st else 0.0}
+            for k in STATE_KEYS:
+                entry[k] = st[k].detach().clone() if k in st else torch.zeros_like(entry["main_param"])
+            shards.append(entry)
+        return {"format": "megalite-zero-shard", "dp_rank": ps.get_data_parallel_rank(),
+                "dp_size": ps.get_data_parallel_world_size(), "scaler": self.scaler.state_dict(),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "shards": shards}
+
+    def load_state_dict(self, sd):
+        """Load a shard saved under the same DP size; other sizes: reassemble_full_state()
+        over all shards, then load_full_state()."""
+        mine = [(e["name"], e["start"], e["end"]) for e in sd["shards"]]
+        have = [(n, pc.start, pc.end) for n, pc in zip(self.names, self.pieces)]
+        if mine != have:
+            raise ValueError(f"optimizer shard from DP rank {sd['dp_rank']}/{sd['dp_size']} does not match this rank's "
+                             f"slices (DP {ps.get_data_parallel_rank()}/{ps.get_data_parallel_world_size()}); "
+                             "re-shard with reassemble_full_state() + load_full_state()")
+        self._load_entries(sd["shards"], sd)
+
+    def load_full_state(self, full):
+        """Take this rank's slices of full per-parameter states (reassemble_full_state)."""
+        params = full["params"]
+        missing = [n for n in self.names if n not in params]
+        if missing:
+            raise ValueError(f"full optimizer state lacks parameter {missing[0]!r}: it was saved from another model")
+        sources = []
+        for pc, name in zip(self.pieces, self.names):
+            f = params[name]
+            sources.append({"step": f["step"], **{k: f[k].reshape(-1)[pc.start:pc.end]
+                                                  for k in ("main_param",) + STATE_KEYS}})
+        self._load_entries(sources, full)
+
+    @torch.no_grad()
+    def _load_entries(self, sources, sd):
+        for src, mp in zip(sources, self.main_params):
+            mp.copy_(src["main_param"])
+            self.optimizer.state[mp] = {"step": torch.tensor(float(src["step"]), dtype=torch.float32),
+                                        **{k: src[k].detach().clone().float().to(mp.device) for k in STATE_KEYS}}
+        self.scaler.load_state_dict(sd["scaler"])
+        for g, saved in zip(self.param_groups, sd["param_groups"]):
+            g.update(saved)
+        self._publish()
+
+
+def reassemble_full_state(shard_state_dicts):
+    """Full fp32 per-parameter states from every DP rank's shard of one model-parallel rank:
+    {"params": {name: {"main_param", "exp_avg", "exp_avg_sq" (full shape), "step"}}, ...}."""
+    sizes = {sd["dp_size"] for sd in shard_state_dicts}
+    ranks = sorted(sd["dp_rank"] for sd in shard_state_dicts)
+    if len(sizes) != 1 or ranks != list(range(sizes.pop())):
+        raise ValueError(f"need exactly one shard from each DP rank, got DP ranks {ranks}")
+    params, covered = {}, {}
+    for sd in shard_state_dicts:
+        for e in sd["shards"]:
+            n = e["name"]
+            numel = int(torch.Size(e["shape"]).numel())
+            if n not in params:
+                params[n] = {"shape": e["shape"], "step": e["step"], "index": e["index"],
+                             **{k: torch.zeros(numel, dtype=torch.float32) for k in ("main_param",) + STATE_KEYS}}
+                covered[n] = torch.zeros(numel, dtype=torch.int32)
+            for k in ("main_param",) + STATE_KEYS:
+                params[n][k][e["start"]:e["end"]] = e[k].float().cpu()
+            covered[n][e["start"]:e["end"]] += 1
+    for n, cov in covered.items():
+        if not bool((cov == 1).all()):
+            raise ValueError(f"optimizer shards cover parameter {n!r} {int(cov.min())} to {int(cov.max())} times; "
+                             "pass every DP rank's shard exactly once")
+        for k in ("main_param",) + STATE_KEYS:
+            params[n][k] = params[n][k].view(params[n]["shape"])
+    first = shard_state_dicts[0]
+    return {"params": params, "scaler": first["scaler"], "param_groups": first["param_groups"]}
