@@ -127,7 +127,8 @@ class GPTDataset:
             "class": "GPTDataset", "dataset": file_identity(indexed.path_prefix),
             "split": split_name, "documents": [int(documents[0]), int(documents[-1]) + 1],
             "num_samples": int(num_samples), "seq_length": self.seq_length, "seed": int(seed)})
-        self.cache_dir, stem = cache_dir, f"{digest}-GPTDataset-{split_name}"
+        self.cache_dir = cache_dir
+        self._stem = stem = f"{digest}-GPTDataset-{split_name}"
         idx = load_cached(cache_dir, stem, INDEX_NAMES)
         if idx is None:
             if load_only:
@@ -157,6 +158,16 @@ class GPTDataset:
         shuffle_index = build_shuffle_index(shuffled, total, rng)
         return {"document_index": document_index, "sample_index": sample_index,
                 "shuffle_index": shuffle_index}
+
+    def __getstate__(self):  # pickled (spawned DataLoader workers): re-map the cached indices
+        state = dict(self.__dict__)
+        for name in INDEX_NAMES:
+            state[name] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.__dict__.update(load_cached(self.cache_dir, self._stem, INDEX_NAMES))
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1

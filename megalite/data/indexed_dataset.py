@@ -167,6 +167,12 @@ class IndexedDataset:
         self._bin = (np.memmap(bin_path, mode="r", dtype=self.dtype) if need
                      else np.zeros(0, dtype=self.dtype))
 
+    def __getstate__(self):  # pickled for DataLoader workers: reopen the files, copy nothing
+        return {"path_prefix": self.path_prefix}
+
+    def __setstate__(self, state):
+        self.__init__(state["path_prefix"])
+
     def _validate_index(self, idx_path: str, n_seq: int) -> None:
         lengths, ptrs, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
         if n_seq and lengths.min() < 0:

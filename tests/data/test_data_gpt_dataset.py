@@ -85,6 +85,16 @@ def test_determinism_seeds_and_cache(data, tmp_path, monkeypatch):
         GPTDataset(indexed, np.arange(len(docs)), 100, 16, 1, str(tmp_path / "empty"), load_only=True)
 
 
+def test_pickle_reopens_files(data, tmp_path):
+    import pickle
+    prefix, docs = data
+    ds = GPTDataset(IndexedDataset(prefix), np.arange(len(docs)), 50, 16, 1, str(tmp_path))
+    blob = pickle.dumps(ds)
+    assert len(blob) < 4096  # paths and scalars only, not the tokens or the indices
+    again = pickle.loads(blob)
+    assert all(np.array_equal(ds[i]["text"], again[i]["text"]) for i in range(len(ds)))
+
+
 def test_split_ranges_and_disjoint_splits(data, tmp_path):
     assert parse_split("949,50,1") == pytest.approx([0.949, 0.05, 0.001])
     assert split_ranges(parse_split("949,50,1"), 1000) == [(0, 949), (949, 999), (999, 1000)]
