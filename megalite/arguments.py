@@ -16,9 +16,8 @@ from megalite.config import ConfigError, ModelConfig, TrainingConfig
 
 # Megatron flags that megalite recognises but does not implement (yet).
 NOT_IMPLEMENTED = {
-    "--use-distributed-optimizer", "--save", "--load",
+    "--save", "--load",
     "--save-interval", "--context-parallel-size", "--expert-model-parallel-size", "--num-experts",
-    "--overlap-param-gather",
     "--fp8-format", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion", "--apply-query-key-layer-scaling", "--use-checkpoint-args",
     "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--exit-interval",
@@ -72,14 +71,18 @@ def build_parser():
     a("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true", default=True)
     a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     a("--ddp-bucket-size", type=int, default=40_000_000)
+    a("--use-distributed-optimizer", action="store_true", help="ZeRO: shard main params and Adam states over DP")
+    a("--zero-stage", type=int, default=None, choices=[1, 2],
+      help="with --use-distributed-optimizer: 1 (default, as Megatron) or 2 (gradients sharded too)")
+    a("--overlap-param-gather", action="store_true", help="overlap the parameter all-gather with the next forward")
     # training
     a("--micro-batch-size", type=int, default=4)
     a("--global-batch-size", type=int, default=None)
-    a("--train-iters", type=int, default=100)
-    a("--lr", type=float, default=3e-4)
-    a("--min-lr", type=float, default=3e-5)
+    a("--train-iters", type=int, default=200)
+    a("--lr", type=float, default=1e-3)
+    a("--min-lr", type=float, default=1e-4)
     a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
-    a("--lr-warmup-iters", type=int, default=0)
+    a("--lr-warmup-iters", type=int, default=10)
     a("--lr-decay-iters", type=int, default=None)
     a("--weight-decay", type=float, default=0.01)
     a("--clip-grad", type=float, default=1.0)
@@ -96,8 +99,8 @@ def build_parser():
     a("--seed", type=int, default=1234)
     # logging / evaluation
     a("--log-interval", type=int, default=10)
-    a("--eval-interval", type=int, default=1000)
-    a("--eval-iters", type=int, default=10)
+    a("--eval-interval", type=int, default=100)
+    a("--eval-iters", type=int, default=5)
     a("--tensorboard-dir", default=None)
     # data
     a("--data-path", nargs="*", default=None)
@@ -151,6 +154,10 @@ def validate_args(args):
         args.sequence_parallel = False  # as Megatron: nothing to split
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
+        raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
+    if args.use_distributed_optimizer and args.zero_stage is None:
+        args.zero_stage = 1
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if args.recompute_method is not None and args.recompute_granularity != "full":
