@@ -20,6 +20,7 @@ from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank
 from megalite.flops import num_floating_point_operations
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
+from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from megalite.tensor_parallel import model_parallel_manual_seed
 
@@ -72,7 +73,10 @@ def build_model(mcfg, model_provider, args):
         ps.set_virtual_pipeline_model_parallel_rank(j)
         m = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
         chunks.append(DistributedDataParallel(m, bucket_size=args.ddp_bucket_size,
-                                              overlap_grad_reduce=args.overlap_grad_reduce))
+                                              overlap_grad_reduce=args.overlap_grad_reduce,
+                                              use_distributed_optimizer=args.use_distributed_optimizer,
+                                              zero_stage=args.zero_stage or 1,
+                                              overlap_param_gather=args.overlap_param_gather))
     ps.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
 
@@ -82,7 +86,7 @@ def setup(args, model_provider):
     mcfg = model_config(args, args.vocab_size)
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
     chunks = build_model(mcfg, model_provider, args)
-    optimizer = MixedPrecisionOptimizer(chunks, tcfg)
+    optimizer = (DistributedOptimizer if args.use_distributed_optimizer else MixedPrecisionOptimizer)(chunks, tcfg)
     scheduler = LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters,
                             tcfg.lr_decay_iters or tcfg.train_iters, tcfg.lr_decay_style)
     return mcfg, tcfg, chunks, optimizer, scheduler
@@ -208,6 +212,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
             v = evaluate(forward_step_func, valid_iters, chunks, num_micro, args.eval_iters, shape, dtype)
             print_rank_last(f" validation loss at iteration {it} | lm loss value: {v:.6E} | "
                             f"lm loss PPL: {math.exp(min(v, 20)):.6E} |")
+    for c in chunks:
+        c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
     if losses:
         print_rank_last(f"megalite: done {args.train_iters} iterations | first lm loss {losses[0]:.4f} | "
                         f"last lm loss {losses[-1]:.4f}")

@@ -7,11 +7,13 @@ Tolerances. Without clipping, ZeRO-1 (and ZeRO-2 with one micro-batch) performs 
 fp32 operations on every element as the plain path (the reduce-scatter sums the same
 addends in the same order as the all-reduce, Adam is elementwise), so it must be bit-exact.
 With clipping the global norm is summed in another order (slices, then DP): the clip
-coefficient differs by ~1e-7, and ZeRO-2 with gradient accumulation sums per micro-batch
-first; parameters then agree to a few fp32 ulps per step (measured <= 4e-7 after 10 steps;
-bound 2e-6). Those runs use no linear biases: the attention key bias has a mathematically
-zero gradient (softmax is shift invariant) whose rounding noise Adam normalises to +-lr
-steps, so any change in summation order moves it by O(lr) — not a ZeRO effect.
+coefficient differs by ~1e-7; ZeRO-2 with gradient accumulation also sums per micro-batch
+first. Gradients then differ by fp32 rounding only, but Adam's first step moves an element
+by lr * g / (|g| + eps): where g happens to be near eps (a near-cancelling sum, e.g. -4.8e-8
+vs -4.84e-8 measured in the TP2xPP2xDP2 run) the update differs by ~4e-4 lr. So parameters
+are compared in units of one step: max |difference| <= 1e-3 lr. Those runs use no linear
+biases: the attention key bias has a mathematically zero gradient (softmax is shift
+invariant), pure rounding noise that Adam turns into +-lr steps.
 """
 
 import contextlib
@@ -19,8 +21,10 @@ import contextlib
 import pytest
 import torch
 
+import pretrain_gpt
 from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
+from megalite.arguments import parse_args
 from megalite.config import TrainingConfig
 from megalite.distributed import DistributedDataParallel, comm, finalize_model_grads
 from megalite.models import GPTModel
@@ -28,6 +32,7 @@ from megalite.optimizer import MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer, reassemble_full_state
 from megalite.optimizer.memory import expected_bytes_per_param, training_state_bytes
 from megalite.tensor_parallel import model_parallel_manual_seed
+from megalite.training import pretrain
 from model_util import batch, tiny_config
 
 STEPS = 10
@@ -38,7 +43,7 @@ NOBIAS = dict(add_bias_linear=False)
 
 def _build(stage, dtype, cfg_kw, tcfg_kw, overlap=False):
     cfg = tiny_config("gpt2", params_dtype=dtype, **cfg_kw)
-    tcfg = TrainingConfig(lr=1e-3, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, global_batch_size=2,
+    tcfg = TrainingConfig(lr=LR, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, global_batch_size=2,
                           **tcfg_kw)
     m = DistributedDataParallel(GPTModel(cfg), bucket_size=700, use_distributed_optimizer=stage > 0,
                                 zero_stage=stage or 1, overlap_param_gather=overlap)
@@ -74,9 +79,16 @@ def _train(stage, micro, dtype=torch.float32, cfg_kw=(), tcfg_kw=(), overlap=Fal
             "params": {n: p.detach().float().clone() for n, p in m.module.named_parameters()}}
 
 
+LR = 1e-3
+
+
+def _max_abs_diff(a, b):
+    return max((a[n] - p).abs().max().item() for n, p in b.items())
+
+
 def _compare(ref, run):
     loss = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"]))
-    params = max(rel_err(run["params"][n], p) for n, p in ref["params"].items())
+    params = _max_abs_diff(run["params"], ref["params"])
     exact = all(torch.equal(run["params"][n], p) for n, p in ref["params"].items())
     return {"loss": loss, "params": params, "exact": exact and run["losses"] == ref["losses"]}
 
@@ -196,7 +208,7 @@ def _check_parity(results):
             assert c["exact"], f"rank {rank} {name}: not bit-exact vs plain optimizer: {c}"
         for name, c in r["round"].items():
             assert c["loss"] <= 1e-6, f"rank {rank} {name}: loss rel diff {c['loss']:.2e}"
-            assert c["params"] <= 2e-6, f"rank {rank} {name}: param rel diff {c['params']:.2e}"
+            assert c["params"] <= 1e-3 * LR, f"rank {rank} {name}: param diff {c['params']:.2e}"
     losses = results[0]["ref_losses"]
     assert len(set(losses)) == len(losses), "the weights must move every step"
 
@@ -267,3 +279,40 @@ def test_state_reassembled_from_dp4_equals_dp2_and_reshards(dp2, full4):
             assert torch.equal(r["loaded_params"][n], f["main_param"]), n
     with pytest.raises(ValueError, match="each DP rank"):
         reassemble_full_state([dp2[0]["zero2_state"], dp2[0]["zero2_state"]])
+
+
+# Through the command line and pretrain(): 1F1B pipeline, tied embeddings across stages
+# (their gradients summed over owned shards), sequence parallelism, 2 micro-batches per rank.
+PRETRAIN = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --log-interval 5 --vocab-size 250 "
+            "--make-vocab-size-divisible-by 8 --hidden-dropout 0 --attention-dropout 0 --lr 1e-3 "
+            "--lr-warmup-iters 2 --ddp-bucket-size 700 --disable-bias-linear --clip-grad 0.5 "
+            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel").split()
+VARIANTS = {"zero1-overlap": ["--use-distributed-optimizer", "--overlap-param-gather"],
+            "zero2": ["--use-distributed-optimizer", "--zero-stage", "2"]}
+
+
+def _pretrain_variants(world):
+    out = {}
+    for name, extra in [("plain", [])] + list(VARIANTS.items()):
+        try:
+            losses, chunks, _ = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                                         pretrain_gpt.forward_step, parse_args(PRETRAIN + extra, world_size=world),
+                                         return_state=True)
+            out[name] = (losses, {f"{i}.{n}": p.detach().float().clone()
+                                  for i, c in enumerate(chunks) for n, p in c.module.named_parameters()})
+        finally:
+            ps.destroy_model_parallel()
+    return out
+
+
+def test_tp2_pp2_dp2_pretrain_matches_plain():
+    for rank, r in enumerate(run_on_ranks(_pretrain_variants, 8, 8, timeout=300)):
+        ref_losses, ref_params = r["plain"]
+        assert len(set(ref_losses)) == len(ref_losses) == 10
+        for name in VARIANTS:
+            losses, params = r[name]
+            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            assert loss <= 1e-6, f"rank {rank} {name}: loss rel diff {loss:.2e}"
+            diff = _max_abs_diff(params, ref_params)
+            assert diff <= 1e-3 * LR, f"rank {rank} {name}: param diff {diff:.2e}"
