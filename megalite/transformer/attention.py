@@ -12,18 +12,30 @@ from megalite.transformer.utils import output_init_std, param_seed
 
 
 def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None):
-    """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given."""
-    if fused and q.is_cuda and dropout_p == 0.0 and attn_mask is None:
+    """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given
+    (bool [b, 1 or h, sq, sk], True = masked out)."""
+    p = dropout_p if training else 0.0
+    if fused and q.is_cuda:
         import kernels
-        return kernels.flash_attention(q, k, v, causal=True)
+        if p == 0.0 and attn_mask is None:
+            return kernels.flash_attention(q, k, v, causal=True)
     if k.shape[2] != q.shape[2]:
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    p = dropout_p if training else 0.0
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if fused and q.is_cuda:
+        # With attention dropout: Megatron's path, the fused scaled (causal/masked) softmax.
+        import kernels
+        probs = kernels.softmax(q @ k.transpose(-1, -2), scale=q.shape[-1] ** -0.5, mask=attn_mask,
+                                causal=attn_mask is None)
+        with get_rng_tracker().fork():
+            probs = F.dropout(probs, p=p, training=True)
+        return (probs @ v).transpose(1, 2)
     # Dropout on attention probabilities: this rank's heads only, so the per-TP-rank stream.
     with get_rng_tracker().fork():
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=attn_mask, dropout_p=p, is_causal=attn_mask is None)
+        sdpa_mask = None if attn_mask is None else ~attn_mask  # SDPA: True = take part
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=p,
+                                             is_causal=attn_mask is None)
     return out.transpose(1, 2)
 
 
