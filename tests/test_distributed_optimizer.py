@@ -153,10 +153,20 @@ def _topology(tp, micro, extras, full_state=None):
     if "memory" in extras:
         out["memory"] = _memory_and_comm(micro)
     if full_state is not None:  # re-shard: another DP size's reassembled state into this one
+        full, foreign_shard = full_state
         cfg, m, opt = _build(1, torch.float32, NOBIAS, ROUND)
-        opt.load_full_state(full_state)
+        opt.load_full_state(full)
         out["loaded_state"] = opt.state_dict()
         out["loaded_params"] = {n: p.detach().clone() for n, p in m.module.named_parameters()}
+        _, _, again = _build(1, torch.float32, NOBIAS, ROUND)
+        again.load_state_dict(out["loaded_state"])  # same DP size: shard for shard
+        out["same_size_reload"] = _max_abs_diff(
+            {str(i): t for i, t in enumerate(again.main_params)}, {str(i): t for i, t in enumerate(opt.main_params)})
+        try:
+            again.load_state_dict(foreign_shard)
+            out["foreign_error"] = None
+        except ValueError as e:
+            out["foreign_error"] = str(e)
     return out
 
 
@@ -171,8 +181,8 @@ def full4(dp4):
 
 
 @pytest.fixture(scope="module")
-def dp2(full4):
-    return run_on_ranks(_topology, 2, 1, 2, ("bf16", "fp16", "memory"), full4)  # 2 micro-batches: gradient accumulation
+def dp2(dp4, full4):
+    return run_on_ranks(_topology, 2, 1, 2, ("bf16", "fp16", "memory"), (full4, dp4[0]["zero1_state"]))  # 2 micro-batches: gradient accumulation
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +287,9 @@ def test_state_reassembled_from_dp4_equals_dp2_and_reshards(dp2, full4):
             assert torch.equal(loaded["params"][n][k], f[k]), f"{n}.{k} changed in re-sharding"
         for r in dp2:  # and the loaded main params were all-gathered into every replica's weights
             assert torch.equal(r["loaded_params"][n], f["main_param"]), n
+    for r in dp2:
+        assert r["same_size_reload"] == 0.0
+        assert "re-shard with reassemble_full_state() + load_full_state()" in r["foreign_error"]
     with pytest.raises(ValueError, match="each DP rank"):
         reassemble_full_state([dp2[0]["zero2_state"], dp2[0]["zero2_state"]])
 
@@ -316,3 +329,10 @@ def test_tp2_pp2_dp2_pretrain_matches_plain():
             assert loss <= 1e-6, f"rank {rank} {name}: loss rel diff {loss:.2e}"
             diff = _max_abs_diff(params, ref_params)
             assert diff <= 1e-3 * LR, f"rank {rank} {name}: param diff {diff:.2e}"
+
+
+def test_zero_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--mock-data", "--zero-stage", "2"], world_size=1)
+    assert "--zero-stage and --overlap-param-gather need --use-distributed-optimizer" in capsys.readouterr().err
+    assert parse_args(["--mock-data", "--use-distributed-optimizer"], world_size=1).zero_stage == 1
