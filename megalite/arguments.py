@@ -234,4 +234,4 @@ def training_config(args):
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis, log_interval=args.log_interval, eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters, seed=args.seed)
+        eval_iters=args.eval_iters, seed=args.seed, fused_kernels=not args.no_fused_kernels)

@@ -4,7 +4,7 @@ Every check raises ConfigError with one line naming the values and what to chang
 entry points print that line on every rank and exit non-zero before any heavy work.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -133,7 +133,7 @@ class TrainingConfig:
     eval_interval: int = 1000
     eval_iters: int = 10
     seed: int = 1234
-    extra: dict = field(default_factory=dict)
+    fused_kernels: bool = True  # fused AdamW (Triton) on CUDA
 
     @property
     def params_dtype(self):

@@ -101,19 +101,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 return False, None
         grad_norm = get_grad_norm([pc.param for pc in self.pieces], grads, sharded_over_dp=True)
         clip_grads(grads, self.config.clip_grad, grad_norm)
-        for mp, g in zip(self.main_params, grads):
-            mp.grad = g
-        self.optimizer.step()
-        for mp in self.main_params:
-            mp.grad = None
+        self._adam_update(grads, [pc.data for pc in self.pieces])
         self._publish()
         return True, grad_norm
 
     def _publish(self):
-        """Write the owned main-param slices into the model and all-gather the buckets."""
-        for pc, mp in zip(self.pieces, self.main_params):
-            if mp is not pc.data:
-                pc.data.copy_(mp)
+        """All-gather the buckets (the owned slices already hold the new values)."""
         for m in self.model_chunks:
             m.start_param_sync()
             if not m.overlap_param_gather:

@@ -82,15 +82,41 @@ class MixedPrecisionOptimizer:
                 return False, None
         grad_norm = get_grad_norm(self.model_params, grads)
         clip_grads(grads, self.config.clip_grad, grad_norm)
+        self._adam_update(grads, self.model_params)
+        return True, grad_norm
+
+    def _adam_update(self, grads, copies):
+        """AdamW over the fp32 main params; then each model copy takes the new values.
+        On CUDA with fused kernels, one Triton pass per tensor does both, keeping torch's
+        optimizer-state layout so state dicts do not change."""
+        import kernels
+        # Triton on CUDA; also when a test forces the Triton backend (interpreter on CPU).
+        if self.config.fused_kernels and (self.main_params[0].is_cuda or kernels.get_backend() == "triton"):
+            where = {id(m): i for i, m in enumerate(self.main_params)}
+            for group in self.optimizer.param_groups:
+                beta1, beta2 = group["betas"]
+                for mp in group["params"]:
+                    i = where[id(mp)]
+                    st = self.optimizer.state[mp]
+                    if not st:
+                        st["step"] = torch.zeros((), dtype=torch.float32)
+                        st["exp_avg"] = torch.zeros_like(mp)
+                        st["exp_avg_sq"] = torch.zeros_like(mp)
+                    st["step"] += 1
+                    out = copies[i]
+                    kernels.adamw_step(mp.view(-1), grads[i].reshape(-1), st["exp_avg"].view(-1),
+                                       st["exp_avg_sq"].view(-1), step=int(st["step"].item()), lr=group["lr"],
+                                       beta1=beta1, beta2=beta2, eps=group["eps"],
+                                       weight_decay=group["weight_decay"],
+                                       model_params=None if out is mp else out.view(-1))
+            return
         for mp, g in zip(self.main_params, grads):
             mp.grad = g if g.dtype == torch.float32 else g.float()
         self.optimizer.step()
-        for mp in self.main_params:
+        for mp, out in zip(self.main_params, copies):
             mp.grad = None
-        if self.main_params[0] is not self.model_params[0]:
-            for p, mp in zip(self.model_params, self.main_params):
-                p.copy_(mp)
-        return True, grad_norm
+            if out is not mp:
+                out.copy_(mp)
 
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
