@@ -19,6 +19,7 @@ written into the logits' storage (they must not be needed afterwards), so no sec
 logits-sized tensor exists. Kernel offsets are int64 (N*V may exceed 2**31).
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -156,5 +157,14 @@ def cross_entropy(logits, target, label_smoothing=0.0, vocab_start_index=0, voca
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"kernels.cross_entropy: target {tuple(target.shape)} must match "
                          f"logits {tuple(logits.shape)} without the vocab dim")
+    if (allreduce_max is None and allreduce_sum is None and vocab_start_index == 0 and not inplace_backward
+            and not use_triton(logits)):
+        # One rank on the torch path: torch's fused log-softmax is the fastest exact route
+        # (about 3x fewer passes over the logits than the vocab-parallel algorithm).
+        x = logits[..., :vocab_size] if vocab_size < logits.shape[-1] else logits
+        x2 = x.reshape(-1, x.shape[-1])
+        loss = F.cross_entropy(x2 if x2.dtype == torch.float32 else x2.float(), target.reshape(-1),
+                               label_smoothing=float(label_smoothing), reduction="none")
+        return loss.view(target.shape)
     return _CrossEntropyFn.apply(logits, target, float(label_smoothing), int(vocab_start_index),
                                  int(vocab_size), allreduce_max, allreduce_sum, bool(inplace_backward))

@@ -140,6 +140,7 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, weight=weight)  # [s, b, V/TP]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=c.vocab_size, inplace_backward=True,
-                                            fused=c.fused_kernels)
+        # In-place gradient saves a logits-sized buffer; on GPUs that memory matters.
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=c.vocab_size,
+                                            inplace_backward=logits.is_cuda, fused=c.fused_kernels)
         return loss.transpose(0, 1).contiguous()
