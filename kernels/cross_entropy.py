@@ -70,7 +70,7 @@ def _ce_bwd(LOGITS, DX, TARGET, LSE, G, stride, V, V_REAL, vocab_start, ls, inv_
 
 def _stats_torch(x2, target, v_real, vocab_start, smooth):
     x = x2[:, :v_real].float()
-    m = x.max(dim=-1).values if v_real else torch.full_like(x[:, 0], float("-inf"))
+    m = x.max(dim=-1).values if v_real else torch.full((x2.shape[0],), float("-inf"), device=x2.device)
     s = torch.exp(x - m[:, None]).sum(-1)
     t = target - vocab_start
     ok = (t >= 0) & (t < v_real)
@@ -163,7 +163,7 @@ def cross_entropy(logits, target, label_smoothing=0.0, vocab_start_index=0, voca
         # (about 3x fewer passes over the logits than the vocab-parallel algorithm).
         x = logits[..., :vocab_size] if vocab_size < logits.shape[-1] else logits
         x2 = x.reshape(-1, x.shape[-1])
-        loss = F.cross_entropy(x2 if x2.dtype == torch.float32 else x2.float(), target.reshape(-1),
+        loss = F.cross_entropy(x2 if x2.dtype == torch.float32 else x2.float(), target.reshape(-1).long(),
                                label_smoothing=float(label_smoothing), reduction="none")
         return loss.view(target.shape)
     return _CrossEntropyFn.apply(logits, target, float(label_smoothing), int(vocab_start_index),

@@ -98,16 +98,6 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    data_parallel_size: int = 1  # derived from the world size
-    grad_bucket_size: int = 40_000_000  # elements per DP all-reduce bucket
-    overlap_grad_reduce: bool = True
-
-
-@dataclass
 class TrainingConfig:
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None

@@ -19,6 +19,11 @@ import torch.distributed as dist
 
 _GRID = None
 
+# torch >= 2.12 renames the tensor-form collectives; older releases (the GPU machine's 2.11)
+# only have the original names.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _Grid:
     def __init__(self, tp, pp, dp, cp, vpp):
@@ -26,7 +31,6 @@ class _Grid:
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.emb_group = None
         self.tp_rank = self.pp_rank = self.dp_rank = 0
         self.pp_ranks = [0]
-        self.dp_ranks = [0]
         self.emb_ranks = [0]
         self.virtual_rank = 0
 
@@ -88,17 +92,18 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
             ranks = [rank_of(t, d, p, tp, dp) for d in range(dp)]
             g = dist.new_group(ranks)
             if rank in ranks:
-                grid.dp_group, grid.dp_ranks = g, ranks
+                grid.dp_group = g
     for t in range(tp):
         for d in range(dp):
             ranks = [rank_of(t, d, p, tp, dp) for p in range(pp)]
             g = dist.new_group(ranks)
             if rank in ranks:
                 grid.pp_group, grid.pp_ranks = g, ranks
-            emb = [ranks[0], ranks[-1]] if pp > 1 else [ranks[0]]
-            g = dist.new_group(emb)
-            if rank in emb:
-                grid.emb_group, grid.emb_ranks = g, emb
+            if pp > 1:  # tied word embeddings live on the first and last stage
+                emb = [ranks[0], ranks[-1]]
+                g = dist.new_group(emb)
+                if rank in emb:
+                    grid.emb_group, grid.emb_ranks = g, emb
     for d in range(dp):
         ranks = [rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)]
         g = dist.new_group(sorted(ranks))
@@ -161,10 +166,6 @@ def get_data_parallel_rank():
 
 def get_data_parallel_world_size():
     return _grid().dp
-
-
-def get_data_parallel_ranks():
-    return list(_grid().dp_ranks)
 
 
 def get_model_parallel_group():

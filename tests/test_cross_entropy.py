@@ -16,11 +16,11 @@ def _reference(logits, target, ls):
     return loss
 
 
-def _run(n, ls, seed):
+def _run(n, ls, seed, V=V, divisor=2, inplace=False):
     ps.initialize_model_parallel(n, 1)
     r = ps.get_tensor_model_parallel_rank()
     g = torch.Generator().manual_seed(seed)
-    padded = padded_vocab_size(V, 2, n)
+    padded = padded_vocab_size(V, divisor, n)
     logits = torch.randn(37, padded, generator=g, dtype=torch.float32) * 3
     target = torch.randint(0, V, (37,), generator=g)
     upstream = torch.rand(37, generator=g, dtype=torch.float32)
@@ -28,22 +28,25 @@ def _run(n, ls, seed):
     ref = _reference(ref_in, target, ls)
     ref.backward(upstream.double())
     shard = logits.chunk(n, -1)[r].clone().requires_grad_(True)
-    loss = vocab_parallel_cross_entropy(shard, target, label_smoothing=ls, vocab_size=V)
+    x = shard * 1.0  # a non-leaf, like the output layer's result (in-place grad lands here)
+    loss = vocab_parallel_cross_entropy(x, target, label_smoothing=ls, vocab_size=V, inplace_backward=inplace)
     loss.backward(upstream)
     ref_grad = torch.cat([ref_in.grad, torch.zeros(37, padded - V, dtype=torch.float64)], -1).chunk(n, -1)[r]
     return rel_err(loss.detach(), ref.detach()), rel_err(shard.grad, ref_grad)
 
 
 @pytest.mark.parametrize("ls", [0.0, 0.1])
-def test_single_rank_matches_torch(ls):
+@pytest.mark.parametrize("inplace", [False, True])  # True: the vocab-parallel algorithm, as on GPUs
+def test_single_rank_matches_torch(ls, inplace):
     try:
-        e_loss, e_grad = _run(1, ls, 0)
+        e_loss, e_grad = _run(1, ls, 0, inplace=inplace)
     finally:
         ps.destroy_model_parallel()
     assert e_loss <= 1e-6 and e_grad <= 1e-6, (e_loss, e_grad)
 
 
-@pytest.mark.parametrize("n,ls", [(2, 0.0), (4, 0.1)])
-def test_vocab_parallel_matches_torch(n, ls):
-    for rank, (e_loss, e_grad) in enumerate(run_on_ranks(_run, n, n, ls, 1)):
+# (2, 0.1, 100, 128): vocab 100 padded to 256, so rank 1's shard is padding only.
+@pytest.mark.parametrize("n,ls,vocab,divisor", [(2, 0.0, V, 2), (4, 0.1, V, 2), (2, 0.1, 100, 128)])
+def test_vocab_parallel_matches_torch(n, ls, vocab, divisor):
+    for rank, (e_loss, e_grad) in enumerate(run_on_ranks(_run, n, n, ls, 1, vocab, divisor)):
         assert e_loss <= 1e-6 and e_grad <= 1e-6, f"rank {rank}: loss err {e_loss}, grad err {e_grad}"

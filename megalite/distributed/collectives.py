@@ -20,13 +20,3 @@ def broadcast_from_last_rank(values):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(values, src=dist.get_world_size() - 1)
     return values
-
-
-def sum_over_world(values):
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)
-    return values
-
-
-def device_tensor(values):
-    return torch.tensor(values, dtype=torch.float64, device=ps.get_device())

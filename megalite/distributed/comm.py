@@ -13,13 +13,13 @@ import collections
 
 import torch.distributed as dist
 
+from megalite import parallel_state as ps
+
 _PAYLOAD = collections.Counter()
 _WIRE = collections.Counter()
 _CALLS = collections.Counter()
 
-# torch >= 2.12 renamed the tensor collectives (the old names warn); 2.11 has only the old.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter, _all_gather = ps.reduce_scatter_tensor, ps.all_gather_tensor
 
 
 def _record(op, tensor, group, factor):

@@ -10,10 +10,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 
-# torch >= 2.13 renames the tensor-form collectives; older releases (the GPU machine's 2.11)
-# only have the original names.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_tensor, _reduce_scatter_tensor = ps.all_gather_tensor, ps.reduce_scatter_tensor
 
 
 def _tp():

@@ -1,6 +1,5 @@
 """Self-attention with heads (and query groups, for GQA/MQA) sharded across TP ranks."""
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -5,6 +5,7 @@ import contextlib
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import parallel_state as ps
 from megalite.tensor_parallel import get_rng_tracker
 from megalite.transformer.attention import SelfAttention
 from megalite.transformer.mlp import MLP
@@ -27,7 +28,8 @@ class TransformerLayer(nn.Module):
             out = out + bias
         # Replicated activations drop identically on all TP ranks (default stream);
         # sequence-parallel slices are distinct data, so they take the per-rank stream.
-        rng = get_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
+        sp = self.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        rng = get_rng_tracker().fork() if sp else contextlib.nullcontext()
         with rng:
             out = F.dropout(out, p=self.config.hidden_dropout, training=self.training)
         return residual + out

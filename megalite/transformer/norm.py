@@ -44,6 +44,9 @@ class RMSNorm(nn.Module):
 
 
 def build_norm(config, hidden_size, device=None):
+    from megalite import parallel_state as ps
+    device = device or ps.get_device()
     cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
-    return cls(hidden_size, eps=config.layernorm_epsilon, sequence_parallel=config.sequence_parallel,
+    sp = config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+    return cls(hidden_size, eps=config.layernorm_epsilon, sequence_parallel=sp,
                fused=config.fused_kernels, dtype=config.params_dtype, device=device)
