@@ -21,7 +21,7 @@ def counted_once(param):
 def get_grad_norm(params, grads, sharded_over_dp=False):
     """L2 norm of the gradients of `params` (parallel lists) over the model-parallel group;
     with sharded_over_dp (ZeRO: each DP rank holds a disjoint slice) summed over DP too."""
-    device = grads[0].device if grads else torch.device("cpu")
+    device = ps.get_device()
     sq = torch.zeros(1, dtype=torch.float32, device=device)
     for p, g in zip(params, grads):
         if counted_once(p):

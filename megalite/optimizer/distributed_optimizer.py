@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
-from megalite.optimizer.clip_grads import clip_grads, get_grad_norm
-from megalite.optimizer.optimizer import MixedPrecisionOptimizer, build_loss_scaler, no_weight_decay
+from megalite.optimizer.clip_grads import get_grad_norm
+from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -64,46 +64,30 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     self.main_params.append(main)
                     self.names.append(names[piece.param])
                     piece.index = index[piece.param]
-        if not self.pieces:
-            raise ValueError("this DP rank owns no parameter elements: use a smaller data-parallel size for this model")
-        decay = [mp for mp, pc, n in zip(self.main_params, self.pieces, self.names) if not no_weight_decay(n, pc.param)]
-        nodecay = [mp for mp, pc, n in zip(self.main_params, self.pieces, self.names) if no_weight_decay(n, pc.param)]
-        groups = [g for g in ({"params": decay, "weight_decay": c.weight_decay},
-                              {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
-        self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
-        self.scaler = build_loss_scaler(c)
-        self.param_groups = self.optimizer.param_groups
+        # Collective so that every rank fails together rather than one rank alone.
+        empty = torch.tensor([0.0 if self.pieces else 1.0], device=ps.get_device())
+        if dist.is_initialized():
+            dist.all_reduce(empty, op=dist.ReduceOp.MAX)
+        if empty.item():
+            raise ValueError("some data-parallel rank owns no parameter elements: use a smaller data-parallel "
+                             "size (or a larger model)")
+        self._build_adamw(list(zip(self.names, [pc.param for pc in self.pieces], self.main_params)))
 
     def _grads(self):
         return [pc.grad for pc in self.pieces]
 
-    def _found_inf(self, grads):
-        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
-        if any(not torch.isfinite(g).all() for g in grads):
-            flag.fill_(1.0)
+    def _inf_groups(self):
         # Only the owner of a slice sees its inf: reduce over DP and TP x PP (= every rank).
-        for group in (ps.get_data_parallel_group(), ps.get_model_parallel_group()):
-            if group is not None:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        return (ps.get_data_parallel_group(), ps.get_model_parallel_group())
 
-    @torch.no_grad()
-    def step(self):
-        """Returns (stepped, grad_norm); stepped is False for a skipped fp16 iteration."""
-        grads = self._grads()
-        if self.config.fp16:
-            inv = 1.0 / self.scaler.scale
-            for g in grads:
-                g.mul_(inv)
-            found_inf = self._found_inf(grads)
-            self.scaler.update(found_inf)
-            if found_inf:
-                return False, None
-        grad_norm = get_grad_norm([pc.param for pc in self.pieces], grads, sharded_over_dp=True)
-        clip_grads(grads, self.config.clip_grad, grad_norm)
-        self._adam_update(grads, [pc.data for pc in self.pieces])
+    def _grad_norm(self, grads):
+        return get_grad_norm([pc.param for pc in self.pieces], grads, sharded_over_dp=True)
+
+    def _copies(self):
+        return [pc.data for pc in self.pieces]
+
+    def _after_step(self):
         self._publish()
-        return True, grad_norm
 
     def _publish(self):
         """All-gather the buckets (the owned slices already hold the new values)."""
@@ -154,8 +138,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def _load_entries(self, sources, sd):
-        for src, mp in zip(sources, self.main_params):
+        for src, mp, pc in zip(sources, self.main_params, self.pieces):
             mp.copy_(src["main_param"])
+            if mp is not pc.data:
+                pc.data.copy_(mp)  # the owned slice of the model takes the loaded weights
             self.optimizer.state[mp] = {"step": torch.tensor(float(src["step"]), dtype=torch.float32),
                                         **{k: src[k].detach().clone().float().to(mp.device) for k in STATE_KEYS}}
         self.scaler.load_state_dict(sd["scaler"])

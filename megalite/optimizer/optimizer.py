@@ -38,8 +38,14 @@ class MixedPrecisionOptimizer:
         self.main_params = [p.detach().float().clone() if low_precision else p for p in self.model_params]
         for mp in self.main_params:
             mp.requires_grad_(True)
-        decay = [m for (n, p), m in zip(named, self.main_params) if not no_weight_decay(n, p)]
-        nodecay = [m for (n, p), m in zip(named, self.main_params) if no_weight_decay(n, p)]
+        self._build_adamw([(n, p, m) for (n, p), m in zip(named, self.main_params)])
+
+    def _build_adamw(self, triples):
+        """torch AdamW over the main params, Megatron's decay / no-decay groups, loss scaler.
+        triples: (name, model param, main param)."""
+        c = self.config
+        decay = [m for n, p, m in triples if not no_weight_decay(n, p)]
+        nodecay = [m for n, p, m in triples if no_weight_decay(n, p)]
         groups = [g for g in ({"params": decay, "weight_decay": c.weight_decay},
                               {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
@@ -57,16 +63,27 @@ class MixedPrecisionOptimizer:
         return [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in self.model_params]
 
     def _found_inf(self, grads):
-        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
-        group = ps.get_model_parallel_group()
-        if group is not None:
-            # Every rank must take the same decision to skip, or the grid diverges.
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        flag = torch.zeros(1, dtype=torch.float32, device=ps.get_device())
+        if any(not torch.isfinite(g).all() for g in grads):
+            flag.fill_(1.0)
+        # Every rank must take the same decision to skip, or the grid diverges.
+        for group in self._inf_groups():
+            if group is not None:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
+
+    def _inf_groups(self):
+        return (ps.get_model_parallel_group(),)
+
+    def _grad_norm(self, grads):
+        return get_grad_norm(self.model_params, grads)
+
+    def _copies(self):
+        """Where the updated values go: the model's parameters."""
+        return self.model_params
+
+    def _after_step(self):
+        pass
 
     @torch.no_grad()
     def step(self):
@@ -80,9 +97,10 @@ class MixedPrecisionOptimizer:
             self.scaler.update(found_inf)
             if found_inf:
                 return False, None
-        grad_norm = get_grad_norm(self.model_params, grads)
+        grad_norm = self._grad_norm(grads)
         clip_grads(grads, self.config.clip_grad, grad_norm)
-        self._adam_update(grads, self.model_params)
+        self._adam_update(grads, self._copies())
+        self._after_step()
         return True, grad_norm
 
     def _adam_update(self, grads, copies):
@@ -126,5 +144,7 @@ class MixedPrecisionOptimizer:
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scaler.load_state_dict(sd["scaler"])
         with torch.no_grad():
-            for m, s in zip(self.main_params, sd["main_params"]):
+            for m, s, out in zip(self.main_params, sd["main_params"], self.model_params):
                 m.copy_(s)
+                if out is not m:
+                    out.copy_(m)  # the model computes with the loaded weights too
