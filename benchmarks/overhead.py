@@ -59,11 +59,16 @@ class PlainGPT(nn.Module):
         self.ln_f = nn.LayerNorm(h)
 
     def forward(self, ids, labels):
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
         for blk in self.blocks:
             x = blk(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def main():
@@ -86,12 +91,13 @@ def main():
                           micro_batch_size=a.batch)
     mega = DistributedDataParallel(GPTModel(cfg))
     mega_opt = MixedPrecisionOptimizer([mega], tcfg)
-    plain = PlainGPT(a.vocab, a.hidden, a.heads, a.layers, a.seq)
+    dev = ps.get_device()  # the GPU when there is one: both models run on the same device
+    plain = PlainGPT(a.vocab, a.hidden, a.heads, a.layers, a.seq).to(dev)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.01)
 
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
-    ids, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    ids, labels = data[:, :-1].contiguous().to(dev), data[:, 1:].contiguous().to(dev)
 
     def fwd(_it, model):
         out = model(ids, labels=labels)
@@ -112,14 +118,17 @@ def main():
     times = {"megalite": [], "plain": []}
     for i in range(a.warmup + a.steps):
         for name, step in (("megalite", mega_step), ("plain", plain_step)):
+            sync()
             t = time.perf_counter()
             step()
+            sync()
             if i >= a.warmup:
                 times[name].append(time.perf_counter() - t)
     n_mega = sum(p.numel() for p in mega.parameters())
     n_plain = sum(p.numel() for p in plain.parameters())
     m, b = statistics.median(times["megalite"]), statistics.median(times["plain"])
-    print(f"device: CPU ({torch.get_num_threads()} threads), torch {torch.__version__}")
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"device: {where}, torch {torch.__version__}")
     print(f"shape: layers={a.layers} hidden={a.hidden} heads={a.heads} seq={a.seq} batch={a.batch} "
           f"vocab={a.vocab} | params megalite {n_mega:,} (vocab padded) vs plain {n_plain:,}")
     print(f"{'step':<10}{'median ms':>12}{'min ms':>10}")

@@ -12,7 +12,7 @@ import torch
 try:
     import triton  # noqa: F401
     HAVE_TRITON = True
-except ImportError:  # e.g. macOS/Windows wheels: fallbacks only
+except ImportError:  # the kernel modules import triton themselves: megalite needs it installed
     HAVE_TRITON = False
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

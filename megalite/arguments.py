@@ -8,11 +8,9 @@ process group exists, so a bad command fails fast everywhere instead of hanging.
 
 import argparse
 import os
-import sys
 
-import torch
 
-from megalite.config import ConfigError, ModelConfig, TrainingConfig
+from megalite.config import ConfigError, ModelConfig, TrainingConfig, fail
 
 # Megatron flags that megalite recognises but does not implement (yet).
 NOT_IMPLEMENTED = {
@@ -119,9 +117,7 @@ def parse_args(argv=None, world_size=None):
     try:
         return _parse(argv, world_size)
     except ConfigError as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"megalite: error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(str(e))
 
 
 def _parse(argv, world_size):
@@ -145,6 +141,10 @@ def validate_args(args):
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp})")
+    for flag, minimum in (("micro_batch_size", 1), ("train_iters", 1), ("log_interval", 1), ("num_layers", 1),
+                          ("seq_length", 1), ("eval_interval", 0), ("eval_iters", 0)):
+        if getattr(args, flag) < minimum:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= {minimum}")
     if args.world_size % (tp * pp):
         raise ConfigError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
                           f"--pipeline-model-parallel-size {pp} = {tp * pp}; change --nproc-per-node or the sizes")
@@ -160,25 +160,22 @@ def validate_args(args):
         args.zero_stage = 1
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if args.recompute_method is not None and args.recompute_granularity != "full":
-        raise ConfigError("--recompute-method needs --recompute-granularity full")
-    if args.recompute_granularity == "full" and args.recompute_method is None:
-        args.recompute_method, args.recompute_num_layers = "uniform", args.recompute_num_layers or 1
+    if (args.recompute_method is not None or args.recompute_num_layers is not None) and \
+            args.recompute_granularity != "full":
+        raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
     if args.mock_data and args.data_path:
         raise ConfigError("--mock-data and --data-path are exclusive; pick one")
     if not args.group_query_attention:
         args.num_query_groups = None
-    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
-        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-                          f"{args.num_attention_heads}; pick sizes with hidden = heads x head dim")
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         args.vocab_size = 1024
     num_micro = training_config(args).num_microbatches(args.data_parallel_size)
     if args.virtual_pipeline_model_parallel_size is not None and num_micro % pp:
         raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({num_micro}) to be a multiple "
                           f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
-    if args.vocab_size is not None:  # the model config can be checked now; else after the tokenizer
-        model_config(args, args.vocab_size).check_parallel(tp)
+    # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
+    # loads) does not enter them.
+    model_config(args, args.vocab_size or 1).check_parallel(tp)
 
 
 def _validate_pipeline(args):
@@ -186,8 +183,6 @@ def _validate_pipeline(args):
     pp, L = args.pipeline_model_parallel_size, args.num_layers
     args.virtual_pipeline_model_parallel_size = None
     uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
-    if uneven and pp == 1:
-        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
     if args.num_layers_per_virtual_pipeline_stage is not None:
         n = args.num_layers_per_virtual_pipeline_stage
         if pp == 1:
@@ -206,7 +201,6 @@ def _validate_pipeline(args):
 
 
 def model_config(args, vocab_size):
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
@@ -221,7 +215,7 @@ def model_config(args, vocab_size):
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-        params_dtype=dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed)
+        params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed)
 
 
 def training_config(args):

@@ -15,7 +15,7 @@ import torch
 
 from megalite import parallel_state as ps
 from megalite.arguments import model_config, parse_args, training_config
-from megalite.config import ConfigError
+from megalite.config import ConfigError, fail
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank
 from megalite.flops import num_floating_point_operations
@@ -29,11 +29,6 @@ def print_rank_last(msg):
     """Megatron logs from the last rank: it holds the loss (last pipeline stage)."""
     if ps.global_rank() == ps.world_size() - 1:
         print(msg, flush=True)
-
-
-def _fail(msg):
-    print(f"megalite: error (rank {os.environ.get('RANK', '0')}): {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def build_data_iterator(dataset, consumed_samples, args):
@@ -134,13 +129,14 @@ def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, sha
 
 
 def _tensorboard(args):
-    if not args.tensorboard_dir or ps.global_rank() != ps.world_size() - 1:
+    """The writer on the last rank; the import is checked on every rank so all fail alike."""
+    if not args.tensorboard_dir:
         return None
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        _fail("--tensorboard-dir needs the tensorboard package: pip install 'megalite[tensorboard]'")
-    return SummaryWriter(log_dir=args.tensorboard_dir)
+        fail("--tensorboard-dir needs the tensorboard package: pip install 'megalite[tensorboard]'")
+    return SummaryWriter(log_dir=args.tensorboard_dir) if ps.global_rank() == ps.world_size() - 1 else None
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
@@ -153,16 +149,23 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     model_parallel_manual_seed(args.seed)
     dp = ps.get_data_parallel_world_size()
     g = args.global_batch_size
+    do_eval = args.eval_interval > 0 and args.eval_iters > 0  # Megatron: --eval-iters 0 turns it off
     num_samples = (args.train_iters * g,
-                   (args.train_iters // args.eval_interval + 1) * args.eval_iters * g,
+                   (args.train_iters // args.eval_interval + 1) * args.eval_iters * g if do_eval else 0,
                    args.eval_iters * g)
-    try:
-        train_ds, valid_ds, _ = datasets_provider(args, num_samples)
-        mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    num_micro = tcfg.num_microbatches(dp)
     writer = _tensorboard(args)
+    try:
+        # Data errors are the user's (missing/foreign files, bad paths): one line each.
+        train_ds, valid_ds, _ = datasets_provider(args, num_samples)
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if not do_eval:
+        valid_ds = None
+    try:
+        mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider)
+    except ConfigError as e:
+        fail(str(e))
+    num_micro = tcfg.num_microbatches(dp)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} "
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
@@ -177,10 +180,10 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     for c in chunks:
         c.train()
     for it in range(1, args.train_iters + 1):
-        lr = optimizer.param_groups[0]["lr"]
         reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
                                                   shape, dtype)
         scheduler.step()
+        lr = optimizer.param_groups[0]["lr"]  # as Megatron logs it: after the scheduler step
         loss = _mean_loss(reported)
         losses.append(loss)
         if stepped:
@@ -208,7 +211,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
                     writer.add_scalar("grad-norm", grad_norm, it)
             window, window_losses, skipped_before = it, [], skipped
             window_start = time.perf_counter()
-        if valid_ds is not None and args.eval_interval and it % args.eval_interval == 0:
+        if valid_ds is not None and it % args.eval_interval == 0:
             v = evaluate(forward_step_func, valid_iters, chunks, num_micro, args.eval_iters, shape, dtype)
             print_rank_last(f" validation loss at iteration {it} | lm loss value: {v:.6E} | "
                             f"lm loss PPL: {math.exp(min(v, 20)):.6E} |")

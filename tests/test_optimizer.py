@@ -83,7 +83,8 @@ def test_lr_schedule_warmup_then_cosine():
     lin = LRScheduler(_Opt, 1.0, 0.0, 0, 10, "linear")
     assert lin.get_lr(5) == pytest.approx(0.5)
     assert LRScheduler(_Opt, 1.0, 0.0, 2, 10, "constant").get_lr(7) == 1.0
-    assert _Opt.param_groups[0]["lr"] == 0.5  # the next iteration's LR is set on the optimizer
+    # The first iteration trains with zero completed steps: LR 0 during warmup, as Megatron.
+    assert _Opt.param_groups[0]["lr"] == 0.0
 
 
 def test_clip_scales_to_max_norm(single):

@@ -52,6 +52,8 @@ def test_bf16_tracks_fp32(reference_losses):
 
 
 def test_fp16_with_dynamic_loss_scale_trains(reference_losses):
+    # fp16 weights and activations carry 11 significant bits (~5e-4 relative per op);
+    # over 10 steps of a 2-layer model the loss drifts by a few 1e-3 from fp32.
     losses = _train(BASE + ["--fp16", "--initial-loss-scale", "65536"], 1)
     assert all(math.isfinite(x) for x in losses)
     assert _rel(losses, reference_losses) <= 2e-2

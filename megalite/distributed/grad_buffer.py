@@ -196,7 +196,7 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
         if self.zero_stage:
-            self.finish_param_sync()  # a parameter used outside its own module is covered too
+            self.finish_param_sync()  # gathers whose modules did not run are not left in flight
         return out
 
     def state_dict(self, *args, **kwargs):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
+from megalite.config import ConfigError
 from megalite.optimizer.clip_grads import get_grad_norm
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 
@@ -69,7 +70,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if dist.is_initialized():
             dist.all_reduce(empty, op=dist.ReduceOp.MAX)
         if empty.item():
-            raise ValueError("some data-parallel rank owns no parameter elements: use a smaller data-parallel "
+            raise ConfigError("some data-parallel rank owns no parameter elements: use a smaller data-parallel "
                              "size (or a larger model)")
         self._build_adamw(list(zip(self.names, [pc.param for pc in self.pieces], self.main_params)))
 

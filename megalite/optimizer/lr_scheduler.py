@@ -1,4 +1,9 @@
-"""Learning rate: linear warmup to --lr, then constant / linear / cosine decay to --min-lr."""
+"""Learning rate: linear warmup to --lr, then constant / linear / cosine decay to --min-lr.
+
+Megatron's schedule exactly: the LR is a function of the number of completed steps n
+(iteration k trains with n = k - 1, so the first warmup iteration runs at LR 0), and the
+log line shows the LR after the step, max_lr * k / warmup during warmup.
+"""
 
 import math
 
@@ -13,7 +18,7 @@ class LRScheduler:
         self.step(0)
 
     def get_lr(self, step):
-        """The LR used by iteration `step` (1-based)."""
+        """The LR after `step` completed steps."""
         if self.warmup > 0 and step <= self.warmup:
             return self.max_lr * step / self.warmup
         if self.style == "constant":
@@ -29,7 +34,7 @@ class LRScheduler:
 
     def step(self, increment=1):
         self.num_steps += increment
-        lr = self.get_lr(self.num_steps + 1)  # the LR for the next iteration
+        lr = self.get_lr(self.num_steps)  # the LR for the next iteration
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr

@@ -22,13 +22,17 @@ def stage_layer_counts(num_layers, pp, first=None, last=None):
     if first is not None:
         counts[0], rest, middle = first, rest - first, middle - 1
     if last is not None:
-        if pp == 1 and first is not None:
-            raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
         counts[-1], rest, middle = last, rest - last, middle - 1
+    if pp == 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
     if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
         raise ConfigError(f"--num-layers {num_layers} with first stage {first} and last stage {last} layers leaves "
                           f"{rest} layers for {middle} middle stages: not an even split")
-    return [c if c is not None else rest // middle for c in counts]
+    counts = [c if c is not None else rest // middle for c in counts]
+    if min(counts) < 1:
+        raise ConfigError(f"pipeline split {counts} of --num-layers {num_layers} leaves a stage without layers; "
+                          "every stage needs at least one")
+    return counts
 
 
 def chunk_layers(config, pp_rank=None, vrank=None):

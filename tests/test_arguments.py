@@ -1,0 +1,44 @@
+"""Command-line validation in-process: one clear line for each user error; accepted flags work."""
+
+import pytest
+
+import pretrain_gpt
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.training import pretrain
+
+OK = "--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1"
+
+BAD = {
+    "--micro-batch-size 0": "--micro-batch-size 0 must be >= 1",
+    "--log-interval 0": "--log-interval 0 must be >= 1",
+    "--recompute-granularity selective --recompute-num-layers 2": "need --recompute-granularity full",
+    "--decoder-first-pipeline-num-layers 1": "need --pipeline-model-parallel-size > 1",
+    "--bf16 --fp16": "--bf16 and --fp16 are exclusive",
+    "--zero-stage 2": "need --use-distributed-optimizer",
+}
+
+
+@pytest.mark.parametrize("flags", list(BAD))
+def test_user_error_is_one_line(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args((OK + " " + flags).split(), world_size=1)
+    assert e.value.code != 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("megalite: error (rank 0):") and BAD[flags] in err[0], err
+
+
+def test_stage_without_layers_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        parse_args((OK + " --num-layers 4 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4")
+                   .split(), world_size=2)
+    assert "leaves a stage without layers" in capsys.readouterr().err
+
+
+def test_eval_iters_zero_turns_evaluation_off(capsys):
+    args = parse_args((OK + " --train-iters 2 --eval-interval 1 --eval-iters 0 --vocab-size 64").split(), world_size=1)
+    try:
+        losses = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+    finally:
+        ps.destroy_model_parallel()
+    assert len(losses) == 2 and "validation" not in capsys.readouterr().out
