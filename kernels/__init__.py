@@ -4,7 +4,7 @@ Dispatch: Triton for CUDA tensors, torch for CPU tensors; `set_backend` / `use_b
 force one path ("triton" on CPU needs TRITON_INTERPRET=1 set before import).
 Depends on torch and triton only.
 """
-from ._dispatch import get_backend, set_backend, use_backend
+from ._dispatch import get_backend, set_backend, use_backend, use_triton
 from .layer_norm import layer_norm
 from .rms_norm import rms_norm
 from .softmax import softmax
@@ -16,4 +16,4 @@ from .flash_attention import flash_attention
 from .adamw import adamw_step
 
 __all__ = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy",
-           "flash_attention", "adamw_step", "set_backend", "get_backend", "use_backend"]
+           "flash_attention", "adamw_step", "set_backend", "get_backend", "use_backend", "use_triton"]

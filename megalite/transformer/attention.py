@@ -3,6 +3,8 @@
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 from megalite import parallel_state as ps
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
 from megalite.tensor_parallel.layers import init_normal
@@ -14,17 +16,15 @@ def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None):
     """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given
     (bool [b, 1 or h, sq, sk], True = masked out)."""
     p = dropout_p if training else 0.0
-    if fused and q.is_cuda:
-        import kernels
-        if p == 0.0 and attn_mask is None:
-            return kernels.flash_attention(q, k, v, causal=True)
+    triton = fused and kernels.use_triton(q)
+    if triton and p == 0.0 and attn_mask is None:
+        return kernels.flash_attention(q, k, v, causal=True)
     if k.shape[2] != q.shape[2]:
         rep = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if fused and q.is_cuda:
+    if triton:
         # With attention dropout: Megatron's path, the fused scaled (causal/masked) softmax.
-        import kernels
         probs = kernels.softmax(q @ k.transpose(-1, -2), scale=q.shape[-1] ** -0.5, mask=attn_mask,
                                 causal=attn_mask is None)
         with get_rng_tracker().fork():

@@ -1,12 +1,10 @@
-"""LayerNorm / RMSNorm with fp32 statistics; Triton kernels on CUDA when enabled."""
+"""LayerNorm / RMSNorm through `kernels` (Triton on CUDA, torch's own ops on CPU)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def _fused(x, enabled):
-    return enabled and x.is_cuda
+import kernels
+from megalite.transformer.utils import kernel_backend
 
 
 class LayerNorm(nn.Module):
@@ -20,10 +18,8 @@ class LayerNorm(nn.Module):
             p.sequence_parallel = sequence_parallel  # grads are partial under SP: summed over TP
 
     def forward(self, x):
-        if _fused(x, self.fused):
-            import kernels
+        with kernel_backend(self.fused):
             return kernels.layer_norm(x, self.weight, self.bias, self.eps)
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -35,12 +31,8 @@ class RMSNorm(nn.Module):
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x):
-        if _fused(x, self.fused):
-            import kernels
+        with kernel_backend(self.fused):
             return kernels.rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
 
 
 def build_norm(config, hidden_size, device=None):

@@ -2,6 +2,8 @@
 
 import torch
 
+import kernels
+
 
 def rotary_cos_sin(seq_length, dim, base, device, dtype=torch.float32):
     """cos, sin of shape [seq, dim] (the frequencies repeated for both halves)."""
@@ -18,9 +20,8 @@ def rotate_half(x):
 
 
 def apply_rotary(x, cos, sin, fused=False):
-    """x [b, s, heads, dim]; cos/sin [s, dim]."""
-    if fused and x.is_cuda:
-        import kernels
+    """x [b, s, heads, dim]; cos/sin [s, dim]. Triton on CUDA unless fused is False."""
+    if fused and kernels.use_triton(x):
         return kernels.rotary(x, cos, sin)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     return (x.float() * c + rotate_half(x.float()) * s).to(x.dtype)
