@@ -186,10 +186,8 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
         lr = optimizer.param_groups[0]["lr"]  # as Megatron logs it: after the scheduler step
         loss = _mean_loss(reported)
         losses.append(loss)
-        if stepped:
-            window_losses.append(loss)
-        else:
-            skipped += 1
+        window_losses.append(loss)  # the forward's loss is valid even when the step was skipped
+        skipped += 0 if stepped else 1
         if it % args.log_interval == 0 or it == args.train_iters:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
