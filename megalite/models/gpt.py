@@ -109,6 +109,14 @@ class GPTModel(nn.Module):
                     # its gradient is all-reduced with the first stage's every step.
                     self.output_layer.weight.shared_embedding = True
 
+    def _rotary_tables(self, seq, device):
+        """cos/sin for this sequence length, computed once (not on every micro-batch)."""
+        key = (seq, device)
+        if getattr(self, "_rotary_key", None) != key:
+            c = self.config
+            self._rotary, self._rotary_key = rotary_cos_sin(seq, c.kv_channels, c.rotary_base, device), key
+        return self._rotary
+
     def set_input_tensor(self, tensor):
         """Pipeline stages after the first receive their input here instead of input_ids."""
         self.input_tensor = tensor
@@ -130,7 +138,7 @@ class GPTModel(nn.Module):
         if c.position_embedding_type == "rope":
             sp = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
             seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if sp else 1)
-            rotary = rotary_cos_sin(seq, c.kv_channels, c.rotary_base, x.device)
+            rotary = self._rotary_tables(seq, x.device)
         x = self.decoder(x, rotary)
         if not self.post_process:
             return x

@@ -25,7 +25,7 @@ def get_grad_norm(params, grads, sharded_over_dp=False):
     sq = torch.zeros(1, dtype=torch.float32, device=device)
     for p, g in zip(params, grads):
         if counted_once(p):
-            sq += g.float().pow(2).sum()
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2  # no gradient-sized temporary
     if sharded_over_dp and ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(sq, group=ps.get_data_parallel_group())
     group = ps.get_model_parallel_group()

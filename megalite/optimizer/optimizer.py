@@ -110,7 +110,9 @@ class MixedPrecisionOptimizer:
         import kernels
         # Triton on CUDA; also when a test forces the Triton backend (interpreter on CPU).
         if self.config.fused_kernels and (self.main_params[0].is_cuda or kernels.get_backend() == "triton"):
-            where = {id(m): i for i, m in enumerate(self.main_params)}
+            if not hasattr(self, "_main_index"):  # group order -> position in main_params, once
+                self._main_index = {id(m): i for i, m in enumerate(self.main_params)}
+            where = self._main_index
             for group in self.optimizer.param_groups:
                 beta1, beta2 = group["betas"]
                 for mp in group["params"]:
