@@ -10,7 +10,6 @@ Without CUDA it prints one line and exits 0; --cpu-smoke runs the fallbacks at t
 on CPU to check the script itself. Works with torch >= 2.4 and triton >= 3.0.
 """
 import argparse
-import math
 import os
 import sys
 import time

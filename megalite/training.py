@@ -7,8 +7,6 @@ Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in M
 """
 
 import math
-import os
-import sys
 import time
 
 import torch

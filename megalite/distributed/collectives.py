@@ -1,6 +1,5 @@
 """Small collectives the training loop needs (so it never touches process groups itself)."""
 
-import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
