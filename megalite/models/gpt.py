@@ -99,6 +99,7 @@ class GPTModel(nn.Module):
                 init_seed=param_seed(c.seed, "embedding.word_embeddings" if self.share_embeddings_and_output_weights
                                      else "output_layer"),
                 params_dtype=c.params_dtype)
+            self.output_layer.weight.real_vocab_size = c.vocab_size
             if self.share_embeddings_and_output_weights:
                 if pre_process:
                     # One parameter used twice; the output layer's own copy is dropped.

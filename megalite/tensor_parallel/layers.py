@@ -179,6 +179,7 @@ class VocabParallelEmbedding(nn.Module):
         w = master[self.vocab_start_index:self.vocab_end_index].contiguous()
         self.weight = nn.Parameter(w.to(device=device or ps.get_device(), dtype=params_dtype))
         _set_tp_attrs(self.weight, True, 0)
+        self.weight.real_vocab_size = real  # rows past it are padding (checkpoints store only real rows)
 
     def forward(self, ids):
         if ps.get_tensor_model_parallel_world_size() > 1:
