@@ -14,17 +14,22 @@ from megalite.config import ConfigError, ModelConfig, TrainingConfig, fail
 
 # Megatron flags that megalite recognises but does not implement (yet).
 NOT_IMPLEMENTED = {
-    "--save", "--load",
-    "--save-interval", "--context-parallel-size", "--expert-model-parallel-size", "--num-experts",
+    "--context-parallel-size", "--expert-model-parallel-size", "--num-experts",
     "--fp8-format", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion", "--apply-query-key-layer-scaling", "--use-checkpoint-args",
-    "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--exit-interval",
-    "--lr-warmup-fraction", "--train-samples", "--rampup-batch-size", "--finetune", "--no-load-optim",
-    "--no-load-rng", "--tokenizer-model-type", "--vocab-file", "--merge-file", "--qk-layernorm",
+    "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
+    "--lr-warmup-fraction", "--train-samples", "--rampup-batch-size", "--tokenizer-model-type", "--vocab-file",
+    "--merge-file", "--qk-layernorm",
     "--apply-residual-connection-post-layernorm", "--squared-relu", "--use-rotary-position-embeddings",
     "--rotary-percent", "--openai-gelu", "--onnx-safe", "--bert-no-binary-head", "--defer-embedding-wgrad-compute",
-    "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--ckpt-format", "--wandb-project",
+    "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--wandb-project",
 }
+
+
+# Megatron's dist-checkpoint tuning switches: they pick how Megatron's writer works, not
+# what is saved; megalite's writer is always fully parallel with a persistent thread.
+CKPT_TUNING_FLAGS = ("--use-persistent-ckpt-worker", "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
+                     "--use-dist-ckpt", "--auto-detect-ckpt-format", "--ckpt-assume-constant-structure")
 
 
 def build_parser():
@@ -109,6 +114,23 @@ def build_parser():
       choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
     a("--tokenizer-model", default=None)
     a("--vocab-size", type=int, default=None)
+    # checkpoints (megalite/checkpointing.py)
+    a("--save", default=None, help="directory to save checkpoints in")
+    a("--load", default=None, help="directory to resume from (no checkpoint there: train from scratch)")
+    a("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    a("--finetune", action="store_true", help="load weights only: iteration 0, fresh optimizer and RNG")
+    a("--no-load-optim", action="store_true", help="do not load optimizer and LR-scheduler state")
+    a("--no-load-rng", action="store_true", help="do not load RNG states")
+    a("--no-save-optim", action="store_true", help="do not save optimizer state")
+    a("--no-save-rng", action="store_true", help="do not save RNG states")
+    a("--exit-on-missing-checkpoint", action="store_true", help="with --load: exit if it holds no checkpoint")
+    a("--ckpt-format", default="torch_dist", help="torch_dist (the only format megalite writes)")
+    a("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saving first)")
+    a("--async-save", action="store_true", help="write checkpoints in the background; the next save waits")
+    for flag in CKPT_TUNING_FLAGS:
+        a(flag, action="store_true", help="accepted for Megatron scripts: tunes Megatron's checkpoint writer")
+    a("--dist-ckpt-strictness", default="assume_ok_unexpected",
+      help="accepted for Megatron scripts: megalite always loads strictly (every tensor must match)")
     return p
 
 
@@ -163,6 +185,7 @@ def validate_args(args):
     if (args.recompute_method is not None or args.recompute_num_layers is not None) and \
             args.recompute_granularity != "full":
         raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    _validate_checkpoint_args(args)
     if args.mock_data and args.data_path:
         raise ConfigError("--mock-data and --data-path are exclusive; pick one")
     if not args.group_query_attention:
@@ -176,6 +199,25 @@ def validate_args(args):
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
     model_config(args, args.vocab_size or 1).check_parallel(tp)
+
+
+def _validate_checkpoint_args(args):
+    if args.ckpt_format != "torch_dist":
+        raise ConfigError(f"--ckpt-format {args.ckpt_format} is not supported: megalite reads and writes torch_dist "
+                          "checkpoints only; remove the flag (convert others with tools/convert_checkpoint.py)")
+    for flag in ("save_interval", "exit_interval"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    for flag in ("save_interval", "async_save", "no_save_optim", "no_save_rng"):
+        if getattr(args, flag) and not args.save:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --save DIR")
+    for flag in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
+        if getattr(args, flag) and not args.load:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --load DIR")
+    given = [f for f in CKPT_TUNING_FLAGS if getattr(args, f[2:].replace("-", "_"))]
+    if given and os.environ.get("RANK", "0") == "0":
+        print(f"megalite: {' '.join(given)} accepted; megalite's checkpoint writer is always fully parallel",
+              flush=True)
 
 
 def _validate_pipeline(args):

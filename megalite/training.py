@@ -10,9 +10,18 @@ import math
 import time
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import parallel_state as ps
 from megalite.arguments import model_config, parse_args, training_config
+from megalite.checkpointing import (
+    CheckpointError,
+    check_save_dir,
+    finish_checkpointing,
+    load_checkpoint,
+    save_checkpoint,
+    unwrap_checkpoint_error,
+)
 from megalite.config import ConfigError, fail
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank
@@ -83,6 +92,23 @@ def setup(args, model_provider):
     scheduler = LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters,
                             tcfg.lr_decay_iters or tcfg.train_iters, tcfg.lr_decay_style)
     return mcfg, tcfg, chunks, optimizer, scheduler
+
+
+def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
+    """Check --save early; load --load. Returns (iteration, consumed train, consumed valid) or None."""
+    if args.save:
+        check_save_dir(args.save)
+    if not args.load:
+        return None
+    try:
+        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args)
+    except CheckpointException as e:  # DCP wraps every rank's error; ours is one line
+        raise unwrap_checkpoint_error(e) from None
+    if loaded is None and args.exit_on_missing_checkpoint:
+        raise CheckpointError(f"--load {args.load} holds no checkpoint and --exit-on-missing-checkpoint is set")
+    if loaded is not None:
+        print_rank_last(f"megalite: loaded checkpoint from {args.load} at iteration {loaded[0]}")
+    return loaded
 
 
 def _fwd_bwd(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
@@ -161,23 +187,26 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
         valid_ds = None
     try:
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider)
-    except ConfigError as e:
+        start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
+    except (ConfigError, CheckpointError) as e:
         fail(str(e))
+    start_iter, consumed_train, consumed_valid = start or (0, 0, 0)
     num_micro = tcfg.num_microbatches(dp)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} "
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
                     f"{n_params:,} | micro-batches per iteration: {num_micro}")
-    train_iters = chunk_iterators(build_data_iterator(train_ds, 0, args), len(chunks))
-    valid_iters = chunk_iterators(build_data_iterator(valid_ds, 0, args), len(chunks))
+    train_iters = chunk_iterators(build_data_iterator(train_ds, consumed_train, args), len(chunks))
+    valid_iters = chunk_iterators(build_data_iterator(valid_ds, consumed_valid, args), len(chunks))
     shape, dtype = pipeline_tensor_shape(mcfg, args.micro_batch_size), mcfg.params_dtype
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
     flops_per_iter = num_floating_point_operations(mcfg, g, padded) if padded else 0.0
-    losses, skipped, skipped_before, window, window_losses = [], 0, 0, 0, []
+    losses, skipped, skipped_before, window, window_losses = [], 0, 0, start_iter, []
+    saved_at = start_iter
     window_start = time.perf_counter()
     for c in chunks:
         c.train()
-    for it in range(1, args.train_iters + 1):
+    for it in range(start_iter + 1, args.train_iters + 1):
         reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
                                                   shape, dtype)
         scheduler.step()
@@ -211,10 +240,24 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
             v = evaluate(forward_step_func, valid_iters, chunks, num_micro, args.eval_iters, shape, dtype)
             print_rank_last(f" validation loss at iteration {it} | lm loss value: {v:.6E} | "
                             f"lm loss PPL: {math.exp(min(v, 20)):.6E} |")
+            consumed_valid += args.eval_iters * g
+        if args.save and args.save_interval and it % args.save_interval == 0:
+            save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, it * g, consumed_valid)
+            saved_at = it
+        if args.exit_interval and it % args.exit_interval == 0:
+            if args.save and saved_at != it:
+                save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, it * g, consumed_valid)
+                saved_at = it
+            print_rank_last(f"megalite: exiting at iteration {it} (--exit-interval {args.exit_interval})")
+            break
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
+    last = start_iter + len(losses)
+    if args.save and saved_at != last:  # as Megatron: the final state is saved too
+        save_checkpoint(last, chunks, optimizer, scheduler, mcfg, args, last * g, consumed_valid)
+    finish_checkpointing()
     if losses:
-        print_rank_last(f"megalite: done {args.train_iters} iterations | first lm loss {losses[0]:.4f} | "
+        print_rank_last(f"megalite: done {last} iterations | first lm loss {losses[0]:.4f} | "
                         f"last lm loss {losses[-1]:.4f}")
     if writer is not None:
         writer.close()

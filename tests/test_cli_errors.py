@@ -22,7 +22,7 @@ CASES = {
                      "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
     "global_batch": (2, "--global-batch-size 5", "--global-batch-size 5 is not divisible by --micro-batch-size 1"),
     "hidden_vs_heads": (2, "--hidden-size 50", "--hidden-size 50 is not divisible by --num-attention-heads 4"),
-    "not_implemented": (2, "--save ckpt", "Megatron flag --save is not implemented in megalite yet"),
+    "not_implemented": (2, "--qk-layernorm", "Megatron flag --qk-layernorm is not implemented in megalite yet"),
     "unknown_flag": (2, "--no-such-flag", "unrecognized argument --no-such-flag"),
     "layers_vs_pp": (2, "--pipeline-model-parallel-size 2 --num-layers 3",
                      "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),

@@ -1,0 +1,147 @@
+"""This rank's training state as checkpoint entries (tensors) and JSON (everything else).
+
+Tensors: the model's parameters under their global names, and the optimizer's fp32 state
+under "optimizer.<exp_avg|exp_avg_sq|main_param>.<name>", both as chunks of the global
+tensors (layout.py), whether the optimizer is plain (every DP rank holds all of it, DP
+rank 0 writes) or ZeRO (each DP rank writes the slices it owns). main_param is stored only
+when the model computes in bf16/fp16 (an fp32 model steps its own parameters).
+"""
+
+import base64
+import random
+
+import numpy as np
+import torch
+
+from megalite import parallel_state as ps
+from megalite.checkpoint.layout import ParamLayout
+from megalite.checkpoint.planner import Entry
+from megalite.tensor_parallel import get_rng_tracker
+
+OPT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _module(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def _layouts(chunks):
+    return {p: ParamLayout(n, p) for c in chunks for n, p in _module(c).named_parameters()}
+
+
+def _add(entries, name, layout, dtype, chunks):
+    if chunks:
+        entries.setdefault(name, Entry(layout.global_shape, dtype)).chunks.extend(chunks)
+
+
+def model_entries(chunks, for_save):
+    """Save: what this rank writes. Load: everything this rank holds."""
+    entries, dp_rank = {}, ps.get_data_parallel_rank()
+    for p, lay in _layouts(chunks).items():
+        if for_save and not (lay.owner and dp_rank == 0):
+            continue
+        _add(entries, lay.name, lay, p.dtype, lay.chunks(p.detach().view(-1)))
+    return entries
+
+
+def adam_state(optimizer, main):
+    """The AdamW state of a main parameter, created (zeros, step 0) if it has none yet."""
+    st = optimizer.optimizer.state[main]
+    if not st:
+        st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for k in OPT_KEYS:
+            st[k] = torch.zeros_like(main, memory_format=torch.contiguous_format)
+    return st
+
+
+def _optimizer_slots(optimizer, chunks):
+    """[(layout, main param (flat view), local start, end, is_separate_main)] of this rank."""
+    layouts = _layouts(chunks)
+    if hasattr(optimizer, "pieces"):  # ZeRO: this rank's slices
+        return [(layouts[pc.param], mp, pc.start, pc.end, mp is not pc.data)
+                for pc, mp in zip(optimizer.pieces, optimizer.main_params)]
+    return [(layouts[p], mp, 0, p.numel(), mp is not p) for p, mp in zip(optimizer.model_params, optimizer.main_params)]
+
+
+def optimizer_entries(optimizer, chunks, for_save):
+    entries = {}
+    sharded = hasattr(optimizer, "pieces")
+    dp_rank = ps.get_data_parallel_rank()
+    for lay, mp, start, end, separate in _optimizer_slots(optimizer, chunks):
+        if for_save and not (lay.owner and (sharded or dp_rank == 0)):
+            continue
+        st = adam_state(optimizer, mp)
+        tensors = {k: st[k] for k in OPT_KEYS}
+        if separate:
+            tensors["main_param"] = mp
+        for k, t in tensors.items():
+            _add(entries, f"optimizer.{k}.{lay.name}", lay, torch.float32,
+                 lay.chunks(t.detach().view(-1), start, end))
+    return entries
+
+
+def main_params_from_model(optimizer):
+    """After loading weights without optimizer state: fp32 main params = model weights."""
+    with torch.no_grad():
+        if hasattr(optimizer, "pieces"):
+            for pc, mp in zip(optimizer.pieces, optimizer.main_params):
+                if mp is not pc.data:
+                    mp.copy_(pc.data)
+        else:
+            for p, mp in zip(optimizer.model_params, optimizer.main_params):
+                if mp is not p:
+                    mp.copy_(p)
+
+
+def model_from_main_params(optimizer):
+    """After loading fp32 main params: the model computes with their rounded values."""
+    with torch.no_grad():
+        if hasattr(optimizer, "pieces"):
+            for pc, mp in zip(optimizer.pieces, optimizer.main_params):
+                if mp is not pc.data:
+                    pc.data.copy_(mp)
+            optimizer._publish()  # every DP rank's model takes the owners' slices
+        else:
+            for p, mp in zip(optimizer.model_params, optimizer.main_params):
+                if mp is not p:
+                    p.copy_(mp)
+
+
+def optimizer_step(optimizer):
+    steps = {float(st["step"]) for st in optimizer.optimizer.state.values() if "step" in st}
+    return max(steps) if steps else 0.0
+
+
+def set_optimizer_step(optimizer, chunks, step):
+    for _, mp, _, _, _ in _optimizer_slots(optimizer, chunks):
+        adam_state(optimizer, mp)["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+# -- RNG: per rank, as JSON ----------------------------------------------------------------
+def _b64(t):
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s):
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state():
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch": _b64(torch.get_rng_state()),
+            "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+            "tracker": {k: _b64(v) for k, v in get_rng_tracker().get_states().items()}}
+
+
+def set_rng_state(s):
+    version, internal, gauss = s["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = s["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(s["torch"]))
+    if torch.cuda.is_available() and s["cuda"]:
+        torch.cuda.set_rng_state_all([_unb64(x) for x in s["cuda"]])
+    get_rng_tracker().set_states({k: _unb64(v) for k, v in s["tracker"].items()})  # CPU byte states

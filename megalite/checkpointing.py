@@ -1,0 +1,274 @@
+"""Save / load / resume training at any topology (Megatron's layout, DCP underneath).
+
+    DIR/latest_checkpointed_iteration.txt     the newest complete checkpoint ("10", or "release")
+    DIR/iter_0000010/megalite.json            readable metadata: model config, parallel sizes, dtype,
+                                              iteration, consumed samples, scheduler, loss scaler, version
+    DIR/iter_0000010/tensors.json + __<r>_0.safetensors   global tensors (checkpoint/storage.py)
+    DIR/iter_0000010/rng/rank_<r>.json        each rank's RNG states
+
+A save writes into DIR/iter_0000010.tmp, fsyncs every file, renames the directory once
+every rank has written, and only then rewrites the tracker (via a renamed temporary
+file): a crash at any moment leaves the previous checkpoint the newest complete one.
+With --async-save the tensors are copied to host memory and written by a background
+thread (DCP over a gloo group of its own); the next save, or the end of training, waits.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megalite import __version__
+from megalite import parallel_state as ps
+from megalite.checkpoint.planner import ChunkLoadPlanner, ChunkSavePlanner
+from megalite.checkpoint.state import (
+    main_params_from_model,
+    model_entries,
+    model_from_main_params,
+    optimizer_entries,
+    optimizer_step,
+    rng_state,
+    set_optimizer_step,
+    set_rng_state,
+)
+from megalite.checkpoint.storage import (
+    CheckpointError,
+    SafetensorsReader,
+    SafetensorsWriter,
+    fsync_dir,
+    fsync_write,
+    read_json,
+)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "megalite.json"
+FORMAT = "megalite-checkpoint"
+# Model fields that decide tensor shapes and meaning: a mismatch is the user's error.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                "ffn_hidden_size", "vocab_size", "position_embedding_type", "normalization", "swiglu",
+                "add_bias_linear", "untie_embeddings_and_output_weights")
+
+_pending = {"future": None, "executor": None, "group": None}
+
+
+def iteration_dir(root, iteration):
+    return os.path.join(root, "release" if iteration == "release" else f"iter_{iteration:07d}")
+
+
+def read_tracker(root):
+    """The newest complete checkpoint's iteration (int or "release"), or None."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return text
+    if not text.isdigit():
+        raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number")
+    return int(text)
+
+
+def config_json(config):
+    d = dataclasses.asdict(config)
+    d["params_dtype"] = str(d["params_dtype"]).replace("torch.", "")
+    return d
+
+
+def _group():
+    """A gloo group for checkpoint collectives: CPU tensors, and safe to use from the
+    background thread while training uses the default group."""
+    if not dist.is_initialized():
+        return None
+    if _pending["group"] is None:
+        _pending["group"] = dist.new_group(backend="gloo")
+    return _pending["group"]
+
+
+def wait_for_pending_save():
+    fut, _pending["future"] = _pending["future"], None
+    if fut is not None:
+        fut.result()  # re-raises the background write's error here
+
+
+def finish_checkpointing():
+    """Wait for an async save and release the writer thread and group (end of training)."""
+    wait_for_pending_save()
+    if _pending["executor"] is not None:
+        _pending["executor"].shutdown(wait=True)
+        _pending["executor"] = None
+    if _pending["group"] is not None:
+        dist.destroy_process_group(_pending["group"])
+        _pending["group"] = None
+
+
+def check_save_dir(root):
+    """Fail early (every rank, one line) on a --save directory that cannot be written."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--save {root} is a file, not a directory")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"--save {root} cannot be created ({e.strerror})") from None
+    if not os.access(root, os.W_OK):
+        raise CheckpointError(f"--save {root} is not writable")
+
+
+class _CommittingWriter(SafetensorsWriter):
+    """Runs on the coordinator once every rank's data is written: index, rename, tracker."""
+
+    def __init__(self, tmp, root, iteration):
+        super().__init__(tmp)
+        self.root, self.iteration = root, iteration
+
+    def finish(self, metadata, results):
+        super().finish(metadata, results)
+        final, tmp = iteration_dir(self.root, self.iteration), self.path
+        for d in (os.path.join(tmp, "rng"), tmp):
+            fsync_dir(d)
+        if os.path.exists(final):  # the same iteration saved again: replace it
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(self.root)
+        fsync_write(os.path.join(self.root, TRACKER + ".tmp"), f"{self.iteration}\n", mode="w")
+        os.replace(os.path.join(self.root, TRACKER + ".tmp"), os.path.join(self.root, TRACKER))
+        fsync_dir(self.root)
+
+
+def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args, consumed_train, consumed_valid):
+    """Every rank calls this at the same iteration."""
+    wait_for_pending_save()
+    for c in chunks:
+        c.finish_param_sync()  # --overlap-param-gather: parameters must be whole
+    root, rank = args.save, ps.global_rank()
+    tmp = iteration_dir(root, iteration) + ".tmp"
+    group = _group()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+        os.makedirs(os.path.join(tmp, "rng"))
+        meta = {"format": FORMAT, "version": 1, "megalite_version": __version__, "iteration": iteration,
+                "consumed_train_samples": consumed_train, "consumed_valid_samples": consumed_valid,
+                "model_config": config_json(model_config), "dtype": config_json(model_config)["params_dtype"],
+                "parallel": {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+                             "data_parallel_size": ps.get_data_parallel_world_size(),
+                             "virtual_pipeline_model_parallel_size":
+                                 ps.get_virtual_pipeline_model_parallel_world_size(),
+                             "use_distributed_optimizer": bool(args.use_distributed_optimizer),
+                             "zero_stage": args.zero_stage, "world_size": ps.world_size()},
+                "has_optimizer": not args.no_save_optim, "has_rng": not args.no_save_rng,
+                "optimizer": {"step": optimizer_step(optimizer)},
+                "scheduler": scheduler.state_dict(), "loss_scaler": optimizer.scaler.state_dict(),
+                "tokenizer": {"type": getattr(args, "tokenizer_type", None),
+                              "model": getattr(args, "tokenizer_model", None)}}
+        fsync_write(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
+    if group is not None:
+        dist.barrier(group=group)
+    if not args.no_save_rng:
+        fsync_write(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), json.dumps(rng_state()).encode())
+    entries = model_entries(chunks, for_save=True)
+    if not args.no_save_optim:
+        entries.update(optimizer_entries(optimizer, chunks, for_save=True))
+    kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration), planner=ChunkSavePlanner(entries),
+              process_group=group, no_dist=group is None)
+    if not args.async_save:
+        dcp.save({}, **kw)
+        return
+    for e in entries.values():  # training goes on mutating these: write host copies
+        e.chunks = [(o, t.detach().to("cpu", copy=True)) for o, t in e.chunks]
+    if _pending["executor"] is None:
+        _pending["executor"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-ckpt")
+    _pending["future"] = _pending["executor"].submit(dcp.save, {}, **kw)
+
+
+def unwrap_checkpoint_error(exc):
+    """DCP reports failures as CheckpointException(rank -> (exception, traceback)); give the
+    first user-facing CheckpointError back (or a one-line summary)."""
+    for err, _ in exc.failures.values():
+        if isinstance(err, CheckpointError):
+            return err
+    err = next(iter(exc.failures.values()))[0]
+    return CheckpointError(f"checkpoint I/O failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+
+
+def _check_compatible(meta, model_config, path):
+    saved = meta.get("model_config", {})
+    mine = config_json(model_config)
+    for f in SHAPE_FIELDS:
+        if f in saved and saved[f] != mine[f]:
+            flag = "--" + f.replace("_", "-")
+            raise CheckpointError(f"checkpoint {path} was saved with {f}={saved[f]} but this run has {f}={mine[f]}; "
+                                  f"use the checkpoint's model flags ({flag})")
+    if mine["position_embedding_type"] == "learned_absolute" and \
+            saved.get("max_position_embeddings") != mine["max_position_embeddings"]:
+        raise CheckpointError(f"checkpoint {path} has --max-position-embeddings {saved.get('max_position_embeddings')}"
+                              f" but this run has {mine['max_position_embeddings']}")
+
+
+def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
+    """Returns (iteration, consumed_train, consumed_valid), or None when --load holds no
+    checkpoint (training starts from scratch, as in Megatron)."""
+    root = args.load
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--load {root} is a file; give the checkpoint directory (the one holding {TRACKER})")
+    it = read_tracker(root) if os.path.isdir(root) else None
+    if it is None:
+        if ps.global_rank() == 0:
+            print(f"megalite: no checkpoint in --load {root}; training from scratch", flush=True)
+        return None
+    path = iteration_dir(root, it)
+    meta = read_json(os.path.join(path, META), "checkpoint metadata")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{os.path.join(path, META)} is not a megalite checkpoint's metadata")
+    _check_compatible(meta, model_config, path)
+    release = it == "release"
+    weights_only = release or args.finetune
+    load_optim = not (weights_only or args.no_load_optim) and meta.get("has_optimizer", False)
+    entries = model_entries(chunks, for_save=False)
+    optional = set()
+    if load_optim:
+        opt = optimizer_entries(optimizer, chunks, for_save=False)
+        optional = {k for k in opt if k.startswith("optimizer.main_param.")}  # absent in fp32 checkpoints
+        entries.update(opt)
+    planner = ChunkLoadPlanner(entries, optional)
+    group = _group()
+    dcp.load({}, storage_reader=SafetensorsReader(path), planner=planner, process_group=group,
+             no_dist=group is None)
+    if load_optim:
+        set_optimizer_step(optimizer, chunks, meta["optimizer"]["step"])
+        if optional and not planner.missing:
+            model_from_main_params(optimizer)
+        else:
+            main_params_from_model(optimizer)
+        scheduler.load_state_dict(meta["scheduler"])
+        optimizer.scaler.load_state_dict(meta["loss_scaler"])
+    else:
+        main_params_from_model(optimizer)
+    _restore_rng(meta, path, args, weights_only)
+    if weights_only:
+        return 0, 0, 0
+    return meta["iteration"], meta["consumed_train_samples"], meta["consumed_valid_samples"]
+
+
+def _restore_rng(meta, path, args, weights_only):
+    if weights_only or args.no_load_rng:
+        return
+    par = meta.get("parallel", {})
+    same = (par.get("tensor_model_parallel_size"), par.get("pipeline_model_parallel_size"),
+            par.get("world_size")) == (ps.get_tensor_model_parallel_world_size(),
+                                       ps.get_pipeline_model_parallel_world_size(), ps.world_size())
+    if not (same and meta.get("has_rng")):
+        if ps.global_rank() == 0:
+            print("megalite: checkpoint RNG states not restored (saved at another layout or without them); "
+                  "random streams restart from --seed", flush=True)
+        return
+    set_rng_state(read_json(os.path.join(path, "rng", f"rank_{ps.global_rank():05d}.json"), "RNG state"))
