@@ -1,0 +1,285 @@
+"""Build every Triton kernel in kernels/ to a real cubin for a GPU target, on a machine without one.
+
+    python tests/kernels/gpu_compile.py --arch 90 [--json out.json] [--only flash]
+
+Triton's NVIDIA backend and its bundled ptxas compile for any target the active driver
+reports, so this process installs a driver that reports GPUTarget("cuda", arch, 32) and
+runs the kernels' own host code (the autograd Functions, forward and backward) on meta
+tensors of real model shapes: every launch `kernel[grid](...)` is turned into a warmup,
+which builds the cubin and returns before launching anything. The shapes, block sizes,
+warps and stages are therefore the ones the host code picks on a GPU. Triton's kernel
+cache dedupes identical specializations, so each distinct build is compiled once.
+
+Registers and local memory (spills) come from the bundled cuobjdump's resource usage on the
+cubin; shared memory from Triton's metadata (what the launch asks the driver for).
+Must run with TRITON_INTERPRET unset (it sets it to 0 before importing triton); the test
+runs it in a subprocess for that reason.
+"""
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's notice; its default
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+SMEM_LIMIT = {90: 232448, 80: 166912}  # max dynamic shared memory per block (opt-in), bytes
+KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "layer_norm", "rms_norm",
+                  "rotary", "softmax", "swiglu")
+
+
+class _TargetOnlyDriver:
+    """The part of Triton's driver interface a warmup compile touches: it reports a target."""
+
+    def __init__(self, arch):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("meta")
+
+
+_BUILT = []  # (kernel name, CompiledKernel) of every launch in the current case
+
+
+def _warmup_instead_of_launch():
+    orig = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = orig(self, *args, grid=grid, warmup=True, **kwargs)
+        _BUILT.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = run
+
+
+def _cuobjdump():
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else "cuobjdump"
+
+
+def _resources(kernel):
+    """(registers, local-memory bytes per thread: stack frame + local = spills) of one cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cannot parse cuobjdump output: {out!r}")
+    return int(m.group(1)), int(m.group(2)) + int(m.group(3))
+
+
+def _t(*shape, dtype=torch.bfloat16, grad=False):
+    return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(grad)
+
+
+def _fwd_bwd(out):
+    out.backward(torch.empty_like(out))
+
+
+# ---- the cases: (group, label, hot, fn) at the shapes real models use -------------------------
+def _attn(b, s, h, hk, d, causal=True, dtype=torch.bfloat16, padded=False, dropout=0.0):
+    def run(K):
+        q, k, v = _t(b, s, h, d, dtype=dtype, grad=True), _t(b, s, hk, d, dtype=dtype, grad=True), \
+            _t(b, s, hk, d, dtype=dtype, grad=True)
+        kpm = torch.empty(b, s, dtype=torch.bool, device="meta") if padded else None
+        kw = {"dropout_p": dropout} if dropout else {}
+        _fwd_bwd(K.flash_attention(q, k, v, causal=causal, key_padding_mask=kpm, **kw))
+    return run
+
+
+def _softmax(b, h, s, causal=True, mask=False, dtype=torch.bfloat16):
+    def run(K):
+        m = torch.empty(b, 1, s, s, dtype=torch.bool, device="meta") if mask else None
+        _fwd_bwd(K.softmax(_t(b, h, s, s, dtype=dtype, grad=True), scale=0.125, mask=m, causal=causal))
+    return run
+
+
+def _norm(rows, n, rms, dtype=torch.bfloat16):
+    def run(K):
+        x, w = _t(rows, n, dtype=dtype, grad=True), _t(n, dtype=dtype, grad=True)
+        _fwd_bwd(K.rms_norm(x, w) if rms else K.layer_norm(x, w, _t(n, dtype=dtype, grad=True)))
+    return run
+
+
+def _ce(rows, v, smooth=0.0, dtype=torch.bfloat16):
+    def run(K):
+        t = torch.empty(rows, dtype=torch.int64, device="meta")
+        _fwd_bwd(K.cross_entropy(_t(rows, v, dtype=dtype, grad=True), t, label_smoothing=smooth))
+    return run
+
+
+def _adamw(n, gdtype, out_dtype):
+    def run(K):
+        p, m, v = (_t(n, dtype=torch.float32) for _ in range(3))
+        K.adamw_step(p, _t(n, dtype=gdtype), m, v, step=3, lr=1e-4, grad_scale=0.5,
+                     model_params=_t(n, dtype=out_dtype) if out_dtype else None)
+    return run
+
+
+def _rotary(b, s, h, d, r):
+    def run(K):
+        cos = _t(s, r, dtype=torch.float32)
+        _fwd_bwd(K.rotary(_t(b, s, h, d, grad=True), cos, cos))
+    return run
+
+
+CASES = [
+    ("flash", "d64 causal MHA s4096 bf16 (GPT-2/BERT heads)", True, _attn(1, 4096, 12, 12, 64)),
+    ("flash", "d80 causal s2048 bf16", True, _attn(1, 2048, 32, 32, 80)),
+    ("flash", "d96 causal s2048 bf16", True, _attn(1, 2048, 32, 32, 96)),
+    ("flash", "d128 causal MHA s4096 bf16 (Llama-7B)", True, _attn(1, 4096, 32, 32, 128)),
+    ("flash", "d128 causal GQA 64:8 s8192 bf16 (Llama-70B)", True, _attn(1, 8192, 64, 8, 128)),
+    ("flash", "d128 causal GQA 32:8 s4096 fp16", True, _attn(1, 4096, 32, 8, 128, dtype=torch.float16)),
+    ("flash", "d128 non-causal s4096 bf16", True, _attn(1, 4096, 32, 32, 128, causal=False)),
+    ("flash", "d64 padded keys non-causal s512 bf16 (BERT)", True, _attn(8, 512, 12, 12, 64, False, padded=True)),
+    ("flash", "d256 causal s4096 bf16 (Gemma)", False, _attn(1, 4096, 8, 8, 256)),
+    ("flash", "d256 causal GQA s4096 fp16", False, _attn(1, 4096, 16, 8, 256, dtype=torch.float16)),
+    ("flash", "d64 causal dropout 0.1 s2048 bf16 (GPT default)", True, _attn(1, 2048, 12, 12, 64, dropout=0.1)),
+    ("flash", "d128 causal GQA dropout 0.1 s4096 bf16", True, _attn(1, 4096, 32, 8, 128, dropout=0.1)),
+    ("flash", "d256 causal dropout 0.1 s4096 bf16", False, _attn(1, 4096, 8, 8, 256, dropout=0.1)),
+    ("flash", "d64 causal s2048 fp32", True, _attn(1, 2048, 12, 12, 64, dtype=torch.float32)),
+    ("flash", "d128 causal s2048 fp32", True, _attn(1, 2048, 32, 32, 128, dtype=torch.float32)),
+    ("softmax", "causal s2048 bf16", True, _softmax(1, 16, 2048)),
+    ("softmax", "causal s8192 bf16", True, _softmax(1, 8, 8192)),
+    ("softmax", "causal s32768 bf16", False, _softmax(1, 1, 32768)),
+    ("softmax", "padding mask s512 bf16 (BERT)", True, _softmax(8, 12, 512, causal=False, mask=True)),
+    ("softmax", "causal s2048 fp32", True, _softmax(1, 16, 2048, dtype=torch.float32)),
+    ("norm", "layer_norm h768 bf16", True, _norm(8192, 768, False)),
+    ("norm", "layer_norm h4096 bf16", True, _norm(8192, 4096, False)),
+    ("norm", "layer_norm h16384 bf16", True, _norm(2048, 16384, False)),
+    ("norm", "layer_norm h12288 fp32", True, _norm(2048, 12288, False, dtype=torch.float32)),
+    ("norm", "rms_norm h4096 bf16", True, _norm(8192, 4096, True)),
+    ("norm", "rms_norm h8192 bf16", True, _norm(8192, 8192, True)),
+    ("norm", "rms_norm h16384 bf16", True, _norm(2048, 16384, True)),
+    ("ce", "vocab 50304 bf16", True, _ce(8192, 50304)),
+    ("ce", "vocab 128256 bf16, label smoothing", True, _ce(8192, 128256, smooth=0.1)),
+    ("ce", "vocab 128256 fp32", True, _ce(4096, 128256, dtype=torch.float32)),
+    ("elementwise", "bias_gelu ffn 3072 bf16", True,
+     lambda K: _fwd_bwd(K.bias_gelu(_t(8192, 3072, grad=True), _t(3072, grad=True)))),
+    ("elementwise", "swiglu ffn 11008 bf16", True, lambda K: _fwd_bwd(K.swiglu(_t(8192, 22016, grad=True)))),
+    ("elementwise", "rotary d128 full bf16", True, _rotary(1, 4096, 32, 128, 128)),
+    ("elementwise", "rotary d64 half (rotary_percent 0.5) bf16", True, _rotary(1, 2048, 16, 64, 32)),
+    ("adamw", "adamw fp32 grads", True, _adamw(1 << 24, torch.float32, None)),
+    ("adamw", "adamw bf16 grads -> bf16 params", True, _adamw(1 << 24, torch.bfloat16, torch.bfloat16)),
+]
+
+
+def build(arch, only=None):
+    """Compile every case for sm_<arch>; returns one row per distinct compiled kernel, plus errors."""
+    triton.runtime.driver.set_active(_TargetOnlyDriver(arch))
+    _warmup_instead_of_launch()
+    K = importlib.import_module("kernels")
+    mods = [importlib.import_module(f"kernels.{m}") for m in KERNEL_MODULES]
+    for mod in mods:  # the host code takes its Triton path for these (meta) tensors
+        if hasattr(mod, "use_triton"):
+            mod.use_triton = lambda *tensors: True
+    rows, errors, seen = [], [], {}
+    for group, label, hot, fn in CASES:
+        if only and only not in group and only not in label:
+            continue
+        _BUILT.clear()
+        t0 = time.time()
+        try:
+            fn(K)
+        except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
+            errors.append({"arch": arch, "case": label, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            continue
+        for name, kern in _BUILT:
+            if id(kern) in seen:
+                continue
+            seen[id(kern)] = kern
+            regs, local = _resources(kern)
+            md = kern.metadata
+            rows.append({"arch": arch, "kernel": name, "case": label, "group": group, "hot": hot,
+                         "regs": regs, "spill_bytes": local, "shared": md.shared, "num_warps": md.num_warps,
+                         "num_stages": md.num_stages, "seconds": round(time.time() - t0, 2)})
+            t0 = time.time()
+    built = {r["kernel"] for r in rows}
+    unbuilt = [] if only else sorted(set(_launchable(mods)) - built)
+    return {"arch": arch, "triton": triton.__version__, "smem_limit": SMEM_LIMIT[arch], "rows": rows,
+            "errors": errors, "unbuilt": unbuilt}
+
+
+def _launchable(mods):
+    """Names of the @triton.jit kernels the host code launches: those no other jit function calls."""
+    jits = {}
+    for mod in mods:
+        for name, obj in vars(mod).items():
+            if isinstance(obj, JITFunction) and obj.__module__ == mod.__name__:
+                jits[name] = obj.src
+    return [n for n in jits if not any(re.search(rf"\b{n}\(", src) for m, src in jits.items() if m != n)]
+
+
+def table(results):
+    lines = ["| arch | kernel | case (first to need this build) | regs | spill B | shared B | warps | stages |",
+             "|---|---|---|--:|--:|--:|--:|--:|"]
+    for res in results:
+        for r in res["rows"]:
+            lines.append(f"| sm_{r['arch']} | {r['kernel']} | {r['case']} | {r['regs']} | {r['spill_bytes']} | "
+                         f"{r['shared']} | {r['num_warps']} | {r['num_stages']} |")
+        for e in res["errors"]:
+            lines.append(f"| sm_{e['arch']} | FAILED | {e['case']} | {e['error'][:200]} | | | | |")
+    return "\n".join(lines)
+
+
+def _per_arch_processes(archs, only):
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for arch in archs:
+            cmd = [sys.executable, os.path.abspath(__file__), "--arch", str(arch), "--json", f"{tmp}/{arch}.json"]
+            procs.append(subprocess.Popen(cmd + (["--only", only] if only else []), stdout=subprocess.DEVNULL))
+        for p in procs:
+            p.wait()
+        results = []
+        for arch, p in zip(archs, procs):
+            try:
+                with open(f"{tmp}/{arch}.json") as f:
+                    results += json.load(f)
+            except OSError:
+                results.append({"arch": arch, "triton": triton.__version__, "smem_limit": SMEM_LIMIT[arch],
+                                "rows": [], "unbuilt": [], "errors": [{"arch": arch, "case": "(all)",
+                                                        "error": f"build process exited {p.returncode}"}]})
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SMEM_LIMIT),
+                    help="several: one process per arch, run side by side (a target is fixed per process)")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--only", help="only cases whose group or label contains this")
+    a = ap.parse_args(argv)
+    if len(a.arch) == 1:
+        results = [build(a.arch[0], a.only)]
+    else:
+        results = _per_arch_processes(a.arch, a.only)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f)
+    print(f"triton {triton.__version__}")
+    print(table(results))
+    return 1 if any(r["errors"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
