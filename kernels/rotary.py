@@ -70,7 +70,7 @@ def _launch(x, out, cos, sin, conj):
     if x.numel():
         _rotary_kernel[(b * s, triton.cdiv(h, block_h))](
             x, out, c3, s3, s, h, d, half, *x.stride()[:3], *out.stride()[:3], *c3.stride(),
-            CONJ=conj, COPY_REST=rest > 0 and out.data_ptr() != x.data_ptr(), BLOCK_H=block_h,
+            CONJ=conj, COPY_REST=rest > 0 and out is not x, BLOCK_H=block_h,
             BLOCK_HALF=bh, BLOCK_REST=triton.next_power_of_2(max(rest, 1)), num_warps=4)
 
 

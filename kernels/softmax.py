@@ -13,7 +13,8 @@ import triton.language as tl
 from ._dispatch import empty_like, num_warps, use_triton
 
 MAX_TRITON_SK = 32768
-MASK_VALUE = -10000.0
+MASK_VALUE = -10000.0  # the torch path's; the kernel has it as a literal (a @jit function cannot
+# read a Python global: the interpreter allows it, the GPU compiler rejects it)
 
 
 @triton.jit
@@ -36,7 +37,7 @@ def _softmax_fwd(X, Y, MASK, scale, H, SQ, SK, smb, smh, smq, smk,
     cols = tl.arange(0, BLOCK)
     valid = cols < SK
     x = tl.load(X + row * SK + cols, mask=valid, other=0.0).to(tl.float32) * scale
-    x = tl.where(_masked(cols, i, b, h, MASK, smb, smh, smq, smk, SQ, SK, HAS_MASK, CAUSAL), MASK_VALUE, x)
+    x = tl.where(_masked(cols, i, b, h, MASK, smb, smh, smq, smk, SQ, SK, HAS_MASK, CAUSAL), -10000.0, x)
     x = tl.where(valid, x, float("-inf"))
     e = tl.exp(x - tl.max(x, axis=0))
     tl.store(Y + row * SK + cols, (e / tl.sum(e, axis=0)).to(Y.dtype.element_ty), mask=valid)

@@ -44,7 +44,7 @@ def test_flash_attention(backend, causal, shape, padded):
         lengths = torch.tensor([100, 61, 7])
         kpm = torch.arange(sk)[None, :] < lengths[:, None]
     scale = 0.7 / d ** 0.5
-    check(lambda q, k, v: kernels.flash_attention(q, k, v, causal, scale, kpm),
+    check(lambda q, k, v: kernels.flash_attention(q, k, v, causal, scale, key_padding_mask=kpm),
           lambda q, k, v: _ref(q, k, v, causal, scale, kpm), [q, k, v])
 
 
@@ -69,12 +69,12 @@ def test_flash_attention_cuda(dtype, tol, causal, s, h, hk, d, padded):
     k = torch.randn(2, s, hk, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(2, s, hk, d, device="cuda", dtype=dtype, requires_grad=True)
     kpm = (torch.arange(s, device="cuda")[None] < torch.tensor([[s], [s // 3]], device="cuda")) if padded else None
-    o = kernels.flash_attention(q, k, v, causal, None, kpm)
+    o = kernels.flash_attention(q, k, v, causal, None, key_padding_mask=kpm)
     do = torch.randn_like(o)
     g = torch.autograd.grad(o, (q, k, v), do)
     ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
     with kernels.use_backend("torch"):
-        orf = kernels.flash_attention(*ref_in, causal, None, kpm)
+        orf = kernels.flash_attention(*ref_in, causal, None, key_padding_mask=kpm)
     gr = torch.autograd.grad(orf, ref_in, do.float())
     cuda_relerr_ok(o, orf, tol)
     for a, r in zip(g, gr):
