@@ -21,7 +21,6 @@ import contextlib
 import pytest
 import torch
 
-import pretrain_gpt
 from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
@@ -32,7 +31,6 @@ from megalite.optimizer import MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer, reassemble_full_state
 from megalite.optimizer.memory import expected_bytes_per_param, training_state_bytes
 from megalite.tensor_parallel import model_parallel_manual_seed
-from megalite.training import pretrain
 from model_util import batch, tiny_config
 
 STEPS = 10
@@ -294,41 +292,7 @@ def test_state_reassembled_from_dp4_equals_dp2_and_reshards(dp2, full4):
         reassemble_full_state([dp2[0]["zero2_state"], dp2[0]["zero2_state"]])
 
 
-# Through the command line and pretrain(): 1F1B pipeline, tied embeddings across stages
-# (their gradients summed over owned shards), sequence parallelism, 2 micro-batches per rank.
-PRETRAIN = ("--mock-data --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-            "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --log-interval 5 --vocab-size 250 "
-            "--make-vocab-size-divisible-by 8 --hidden-dropout 0 --attention-dropout 0 --lr 1e-3 "
-            "--lr-warmup-iters 2 --ddp-bucket-size 700 --disable-bias-linear --clip-grad 0.5 "
-            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel").split()
-VARIANTS = {"zero1-overlap": ["--use-distributed-optimizer", "--overlap-param-gather"],
-            "zero2": ["--use-distributed-optimizer", "--zero-stage", "2"]}
-
-
-def _pretrain_variants(world):
-    out = {}
-    for name, extra in [("plain", [])] + list(VARIANTS.items()):
-        try:
-            losses, chunks, _ = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
-                                         pretrain_gpt.forward_step, parse_args(PRETRAIN + extra, world_size=world),
-                                         return_state=True)
-            out[name] = (losses, {f"{i}.{n}": p.detach().float().clone()
-                                  for i, c in enumerate(chunks) for n, p in c.module.named_parameters()})
-        finally:
-            ps.destroy_model_parallel()
-    return out
-
-
-def test_tp2_pp2_dp2_pretrain_matches_plain():
-    for rank, r in enumerate(run_on_ranks(_pretrain_variants, 8, 8, timeout=300)):
-        ref_losses, ref_params = r["plain"]
-        assert len(set(ref_losses)) == len(ref_losses) == 10
-        for name in VARIANTS:
-            losses, params = r[name]
-            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-            assert loss <= 1e-6, f"rank {rank} {name}: loss rel diff {loss:.2e}"
-            diff = _max_abs_diff(params, ref_params)
-            assert diff <= 1e-3 * LR, f"rank {rank} {name}: param diff {diff:.2e}"
+# ZeRO through pretrain() with TP, PP, interleaving and SP against the single process: tests/test_parity.py.
 
 
 def test_zero_flags(capsys):

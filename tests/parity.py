@@ -1,0 +1,301 @@
+"""The parity harness: a parallel layout against the single-process run, through pretrain().
+
+Every parity test goes through here. A layout (TP/PP/DP/SP/virtual PP/ZeRO/recompute/dtype,
+plus any Megatron flags) trains on spawned gloo ranks; the single-process reference
+(TP=PP=DP=1, same seed, same global batches, same dtype) trains in the test process. Both
+record, gathered to full tensors under global parameter names:
+  grads   every gradient of step 1 after the DP/SP/embedding reductions and before the
+          optimizer touches it (no unscaling, no clipping; fp16 grads divided by the loss
+          scale here, an exact power-of-two division);
+  norms   the grad norm the optimizer computed at every step (clipping uses it);
+  params  every parameter after the last step;
+  losses  the lm loss of every step.
+On the last pipeline stage the tied word-embedding copy (`output_layer.weight` there) is
+reported as "embedding.word_embeddings.weight [last-stage copy]" and compared with the
+reference's embedding on its own, so each copy is checked separately.
+
+Data a model can learn: sample i starts at a random symbol of an alphabet of ALPHABET tokens
+and then follows a fixed random permutation (a bigram chain), so the loss falls fast from
+ln V; `check_reference` asserts it falls by a clear margin. Warm-up 0, constant LR.
+
+API (tests/test_parity.py, tests/test_fault_injection.py use it):
+    layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dtype="fp32",
+           flags=(), model=(), base=BASE, fault=None) -> Layout
+    run_layouts(layouts, world_size, collect=None) -> [[rank result] per layout]
+        one spawn of world_size ranks runs every layout in turn (all need that world size);
+        `collect(chunks, optimizer)` (module-level) adds anything to each rank's result.
+    reference(layout) -> result of the single-process run for that layout's base + dtype.
+    mismatches(layout, ranks, ref) -> list of messages naming layout, rank and tensor.
+    assert_parity(layout, ranks) -> compares against reference(layout); raises on mismatch.
+A fault is a module-level function returning a context manager, applied in every rank
+around the layout's run (monkeypatching megalite); see tests/test_fault_injection.py.
+"""
+
+import contextlib
+import dataclasses
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import pretrain_gpt
+from dist_util import rel_err, run_on_ranks
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.optimizer.optimizer import MixedPrecisionOptimizer
+from megalite.training import pretrain
+from model_util import gather_full
+
+VOCAB, ALPHABET, STEPS = 128, 24, 6
+MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+         f"--vocab-size {VOCAB} --make-vocab-size-divisible-by 8 --hidden-dropout 0 --attention-dropout 0").split()
+# Clipping at 1.0 engages (step-1 norms ~2), so a wrong norm changes the update too.
+# Adam eps 1e-4 instead of 1e-8: with a tiny eps Adam moves an element whose gradient is pure
+# rounding noise (e.g. the attention key bias, whose gradient is mathematically zero) by
+# +-lr, whatever the noise's size, and layouts sum in different orders, so parameters would
+# differ by ~lr after one step. With eps 1e-4 such an element moves by lr * 1e-9 / 1e-4, while
+# real gradient elements (typically 1e-3..1e-1 here) still get Adam's normalised step.
+TRAIN = (f"--micro-batch-size 1 --global-batch-size 8 --train-iters {STEPS} --lr 1e-2 --lr-warmup-iters 0 "
+         "--lr-decay-style constant --clip-grad 1.0 --adam-eps 1e-4 --log-interval 1000 --eval-interval 0 "
+         "--ddp-bucket-size 3000 --seed 1234").split()
+BASE = tuple(MODEL + TRAIN)
+# fp32 on CPU: DESIGN's bound. bf16 and fp16 against the single process in the same dtype:
+# every step-1 gradient is bit-identical except the tied word embedding's, which the single
+# process sums from its two uses in the parameter's dtype (autograd accumulates .grad before
+# the hook adds it to the fp32 main_grad) and a pipeline sums in fp32 (each stage's main_grad,
+# then the embedding all-reduce): one ulp of its largest element (bf16 2^-8 = 3.9e-3, fp16
+# 2^-11 = 4.9e-4). Later steps carry that on. Measured, pp2 (this machine, torch 2.13 CPU):
+# bf16 embedding grads 1.9e-3, losses 1.0e-4, norms 3.9e-3, params 9.5e-3; fp16 embedding
+# grads 4.8e-4, losses 1.1e-5, norms 2.5e-4, params 1.0e-3; other grads 0. Bounds: about
+# twice the measurements (other grads: 1e-5). An injected fault is O(1).
+TOLERANCE = {"fp32": 1e-5,
+             "bf16": {"losses": 2e-4, "norms": 8e-3, "grads": 1e-5, "embedding grads": 4e-3, "params": 2e-2},
+             "fp16": {"losses": 2e-5, "norms": 5e-4, "grads": 1e-5, "embedding grads": 1e-3, "params": 2e-3}}
+KINDS = ("losses", "norms", "grads", "embedding grads", "params")
+DTYPE_FLAGS = {"fp32": (), "bf16": ("--bf16",), "fp16": ("--fp16", "--initial-loss-scale", "4096")}
+TIED = "embedding.word_embeddings.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    flags: tuple  # the layout's own flags (parallel sizes, recompute, ...)
+    dtype: str = "fp32"
+    base: tuple = BASE  # model and training flags shared with the reference
+    world_size: int = 1
+    fault: object = None  # module-level function -> context manager, applied in each rank
+
+    def argv(self):
+        return list(self.base) + list(DTYPE_FLAGS[self.dtype]) + list(self.flags)
+
+    def reference_argv(self):
+        return list(self.base) + list(DTYPE_FLAGS[self.dtype])
+
+
+def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dtype="fp32", flags=(),
+           model=(), base=BASE, fault=None):
+    """vp: layers per virtual pipeline stage; zero: 0 (plain optimizer), 1 or 2;
+    recompute: None, "full" (uniform, 1 layer per checkpoint) or "selective"; flags: more
+    flags of this layout only; model: flags that change the model or training (e.g.
+    "--num-layers 8", "--untie-embeddings-and-output-weights"), given to the reference too."""
+    f = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    if sp:
+        f.append("--sequence-parallel")
+    if vp is not None:
+        f += ["--num-layers-per-virtual-pipeline-stage", str(vp)]
+    if zero:
+        f += ["--use-distributed-optimizer", "--zero-stage", str(zero)]
+    if recompute == "full":
+        f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    elif recompute is not None:
+        f += ["--recompute-granularity", recompute]
+    return Layout(name, tuple(f) + tuple(flags), dtype, tuple(base) + tuple(model), tp * pp * dp, fault)
+
+
+# -- learnable data ------------------------------------------------------------------------
+class BigramChainDataset:
+    """Sample i: a random first symbol, then symbol -> PERM[symbol] (a seed-fixed bijection of
+    the first ALPHABET tokens). Independent of who reads it, like the mock data."""
+
+    def __init__(self, num_samples, seq_length, seed):
+        self.n, self.seq, self.seed = int(num_samples), int(seq_length), int(seed)
+        self.perm = np.random.default_rng([seed, 99]).permutation(ALPHABET)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x = np.empty(self.seq + 1, dtype=np.int64)
+        x[0] = np.random.default_rng([self.seed, int(i)]).integers(ALPHABET)
+        for t in range(self.seq):
+            x[t + 1] = self.perm[x[t]]
+        return {"text": x}
+
+
+def learnable_datasets(args, num_samples):
+    return BigramChainDataset(num_samples[0], args.seq_length, args.seed), None, None
+
+
+# -- recording inside a run ---------------------------------------------------------------
+def _full_local_grads(opt, grads):
+    """{id(param): this TP rank's full local gradient} (ZeRO: pieces summed over DP)."""
+    if not hasattr(opt, "pieces"):
+        return {id(p): g.detach().float().clone() for p, g in zip(opt.model_params, grads)}
+    out = {id(p): torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in opt.model_params}
+    for pc, g in zip(opt.pieces, grads):
+        out[id(pc.param)][pc.start:pc.end] = g.float()
+    for p in opt.model_params:
+        if ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(out[id(p)], group=ps.get_data_parallel_group())  # disjoint pieces
+        out[id(p)] = out[id(p)].view(p.shape)
+    return out
+
+
+@contextlib.contextmanager
+def recording(record):
+    """Wrap the optimizer's step: grads on entry at step 1, the norm it returns every step."""
+    original = MixedPrecisionOptimizer.step
+
+    def step(self):
+        if "grads" not in record:
+            scale = self.loss_scale if self.config.fp16 else 1.0
+            local = _full_local_grads(self, self._grads())
+            record["grads"] = {k: v / scale for k, v in local.items()}
+        stepped, norm = original(self)
+        record["norms"].append(norm if stepped else float("nan"))
+        return stepped, norm
+    MixedPrecisionOptimizer.step = step
+    try:
+        yield
+    finally:
+        MixedPrecisionOptimizer.step = original
+
+
+def _named(chunks):
+    """(global name, param) of this rank, the last stage's tied copy renamed."""
+    for c in chunks:
+        for name, p in c.module.named_parameters():
+            if getattr(p, "shared_embedding", False):
+                name = TIED + " [last-stage copy]"
+            yield name, p
+
+
+def _cut_vocab(name, t, vocab):
+    return t[:vocab] if ("word_embeddings" in name or "output_layer" in name) else t
+
+
+def train(lay, collect=None):
+    """Run one layout on this process's grid (spawned rank or the test process)."""
+    record = {"norms": []}
+    args = parse_args(lay.argv(), world_size=max(1, ps.world_size()))
+    fault = lay.fault() if lay.fault is not None else contextlib.nullcontext()
+    try:
+        with recording(record), fault:
+            losses, chunks, opt = pretrain(learnable_datasets, pretrain_gpt.model_provider,
+                                           pretrain_gpt.forward_step, args, return_state=True)
+        out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},
+               "coords": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                          ps.get_data_parallel_rank())}
+        for name, p in _named(chunks):
+            out["grads"][name] = _cut_vocab(name, gather_full(p, record["grads"][id(p)]), args.vocab_size)
+            out["params"][name] = _cut_vocab(name, gather_full(p, p.detach().float()), args.vocab_size)
+        if collect is not None:
+            out["collected"] = collect(chunks, opt)
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _run_all(layouts, collect):
+    return [train(lay, collect) for lay in layouts]
+
+
+def run_layouts(layouts, world_size, collect=None, timeout=420):
+    """One spawn of world_size ranks runs every layout; returns [[rank result] per layout]."""
+    for lay in layouts:
+        assert lay.world_size == world_size, f"{lay.name} needs {lay.world_size} ranks, not {world_size}"
+    per_rank = run_on_ranks(_run_all, world_size, list(layouts), collect, timeout=timeout)
+    return [[r[i] for r in per_rank] for i in range(len(layouts))]
+
+
+_REFERENCES = {}
+
+
+def reference(lay):
+    """The single-process run for this layout's base and dtype (cached per process)."""
+    key = tuple(lay.reference_argv())
+    if key not in _REFERENCES:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the spawned ranks; faster for these shapes too
+        try:
+            _REFERENCES[key] = train(Layout("reference", (), lay.dtype, lay.base))
+        finally:
+            torch.set_num_threads(threads)
+    return _REFERENCES[key]
+
+
+def check_reference(ref, margin=0.5):
+    """The reference must learn: its loss falls by `margin` nats over the steps."""
+    losses = ref["losses"]
+    assert len(losses) == STEPS and losses[0] - losses[-1] >= margin, \
+        f"the reference does not learn (losses {losses}); a broken update could hide"
+
+
+# -- comparison -----------------------------------------------------------------------------
+def _rel_scalar(a, b):
+    if math.isnan(a) or math.isnan(b):
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def errors(lay, ranks, ref):
+    """(kind, message, relative error) for every compared quantity; kind is one of KINDS
+    (the tied word embedding's grads apart); a tensor with no counterpart has error inf."""
+    out, seen = [], set()
+    for r in ranks:
+        where = f"{lay.name} rank (tp, pp, dp)={r['coords']}"
+        for what in ("losses", "norms"):
+            errs = [_rel_scalar(a, b) for a, b in zip(r[what], ref[what])]
+            e = max(errs, default=0.0) if len(r[what]) == len(ref[what]) else math.inf
+            out.append((what, f"{where}: {what} {r[what]} vs single process {ref[what]}", e))
+        for what, label in (("grads", "step-1 grad before clipping"), ("params", f"param after {STEPS} steps")):
+            for name, t in r[what].items():
+                want = ref[what].get(name.replace(" [last-stage copy]", ""))
+                seen.add(name)
+                if want is None or want.shape != t.shape:
+                    out.append((what, f"{where}: {name}: {label} has no single-process counterpart of shape "
+                                      f"{tuple(t.shape)}", math.inf))
+                else:
+                    kind = "embedding grads" if what == "grads" and name.startswith(TIED) else what
+                    out.append((kind, f"{where}: {name}: {label}", rel_err(t, want)))
+    expected = set(ref["grads"])
+    if max(r["coords"][1] for r in ranks) > 0 and "output_layer.weight" not in expected:  # PP > 1, tied
+        expected.add(TIED + " [last-stage copy]")
+    for name in sorted(expected - seen):
+        out.append(("grads", f"{lay.name}: no rank reported {name}", math.inf))
+    return out
+
+
+def worst(lay, ranks, ref):
+    """{kind: largest relative error}: what a tolerance comment quotes."""
+    out = {}
+    for kind, _, e in errors(lay, ranks, ref):
+        out[kind] = max(out.get(kind, 0.0), e)
+    return out
+
+
+def mismatches(lay, ranks, ref, tol=None):
+    """Messages for every error above tol (a number, or {kind: number}; default TOLERANCE of
+    the layout's dtype), each naming the layout, the rank and the tensor."""
+    tol = TOLERANCE[lay.dtype] if tol is None else tol
+    bound = tol if isinstance(tol, dict) else dict.fromkeys(KINDS, tol)
+    return [f"{msg}: relative error {e:.2e} > {bound[kind]:.0e}" for kind, msg, e in errors(lay, ranks, ref)
+            if not e <= bound[kind]]
+
+
+def assert_parity(lay, ranks, tol=None):
+    ref = reference(lay)
+    check_reference(ref)
+    bad = mismatches(lay, ranks, ref, tol)
+    assert not bad, f"{lay.name}: {len(bad)} mismatches against the single-process run:\n" + "\n".join(bad[:40])

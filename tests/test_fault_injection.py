@@ -1,0 +1,118 @@
+"""Tests of the tests: each fault a real bug would cause, injected alone inside the spawned
+ranks, must make the parity harness (tests/parity.py) report a mismatch naming the tensor.
+
+All six faulty runs share one spawn of two ranks; each layout is the smallest that has the
+code path the fault sits on.
+"""
+
+import contextlib
+
+import pytest
+
+from parity import assert_parity, layout, mismatches, reference, run_layouts
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def no_dp_averaging():
+    """The DP reduction sums instead of averaging (`data.div_(dp)` undone), plain and ZeRO buckets."""
+    from megalite.distributed.grad_buffer import _Bucket
+    from megalite.distributed.sharded_bucket import ShardedBucket
+    plain, sharded = _Bucket.start, ShardedBucket.start
+
+    def start_plain(self):
+        if self.handle is None and self.dp > 1:
+            self.data.mul_(self.dp)
+        plain(self)
+
+    def start_sharded(self):
+        if self.pending() and self.dp > 1:
+            self.data.mul_(self.dp)
+        sharded(self)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(_Bucket, "start", start_plain))
+    stack.enter_context(_patched(ShardedBucket, "start", start_sharded))
+    return stack
+
+
+def no_tied_embedding_sync():
+    from megalite.distributed import finalize
+    return _patched(finalize, "allreduce_embedding_grads", lambda chunks: None)
+
+
+def no_sequence_parallel_allreduce():
+    from megalite.distributed import finalize
+    return _patched(finalize, "allreduce_sequence_parallel_grads", lambda params: None)
+
+
+def tp_duplicates_counted_tp_times():
+    """Norms and row biases (identical on every TP rank) enter the grad norm TP times."""
+    from megalite import parallel_state as ps
+    from megalite.optimizer import clip_grads
+    return _patched(clip_grads, "counted_once",
+                    lambda p: not (getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True)))
+
+
+def loss_not_divided_by_microbatches():
+    from megalite.pipeline import schedules
+    original = schedules._Run.forward
+
+    def forward(self, chunk, input_tensor):
+        scale, self.loss_scale = self.loss_scale, self.loss_scale * self.m  # cancels the "/ m"
+        try:
+            return original(self, chunk, input_tensor)
+        finally:
+            self.loss_scale = scale
+    return _patched(schedules._Run, "forward", forward)
+
+
+def zero_shard_update_skipped():
+    """DP rank 1 never applies Adam to the slice it owns (its all-gather publishes stale values)."""
+    from megalite import parallel_state as ps
+    from megalite.optimizer.distributed_optimizer import DistributedOptimizer
+    original = DistributedOptimizer._adam_update
+
+    def update(self, grads, copies):
+        if ps.get_data_parallel_rank() != 1:
+            original(self, grads, copies)
+    return _patched(DistributedOptimizer, "_adam_update", update)
+
+
+# (fault, layout it runs in, what the mismatch report must name)
+FAULTS = [
+    (no_dp_averaging, dict(dp=2), "step-1 grad"),
+    (no_dp_averaging, dict(dp=2, zero=2), "step-1 grad"),
+    (no_tied_embedding_sync, dict(pp=2), "embedding.word_embeddings.weight"),
+    (no_sequence_parallel_allreduce, dict(tp=2, sp=True), "layernorm.weight: step-1 grad"),
+    (tp_duplicates_counted_tp_times, dict(tp=2), "norms"),
+    (loss_not_divided_by_microbatches, dict(pp=2), "step-1 grad"),
+    (zero_shard_update_skipped, dict(dp=2, zero=1), "param after"),
+]
+LAYOUTS = [layout(f"{f.__name__}@" + "_".join(k if v is True else f"{k}{v}" for k, v in kw.items()), fault=f, **kw)
+           for f, kw, _ in FAULTS]
+EXPECTED = {lay.name: expected for lay, (_, _, expected) in zip(LAYOUTS, FAULTS)}
+
+
+@pytest.fixture(scope="module")
+def faulty_runs():
+    return dict(zip((lay.name for lay in LAYOUTS), run_layouts(LAYOUTS, 2)))
+
+
+@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)
+def test_harness_reports_injected_fault(faulty_runs, lay):
+    ranks = faulty_runs[lay.name]
+    found = mismatches(lay, ranks, reference(lay))
+    expected = EXPECTED[lay.name]
+    named = [m for m in found if expected in m]
+    print(f"\n{lay.name}: {len(found)} mismatches, e.g. {named[:1]}")
+    assert named, f"{lay.name}: the harness did not name {expected!r} for this fault: {found}"
+    with pytest.raises(AssertionError, match="mismatches against the single-process run"):
+        assert_parity(lay, ranks)
