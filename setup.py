@@ -24,7 +24,9 @@ setup(
         "datasets",
     ],
     extras_require={
-        "test": ["pytest"],
+        # megatron-core: the data-format cross-checks against Megatron's own code
+        # (tests/data/test_data_megatron_compat.py); its core needs only torch, numpy, packaging.
+        "test": ["pytest", "megatron-core>=0.16"],
         "hf": ["transformers", "safetensors"],
         "tensorboard": ["tensorboard"],
     },

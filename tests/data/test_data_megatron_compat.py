@@ -1,5 +1,5 @@
-"""Cross-checks against Megatron-LM's own code (megatron-core), when it is importable:
-`pip install --no-deps megatron-core` (or PYTHONPATH to a Megatron-LM checkout) enables them."""
+"""Cross-checks against Megatron-LM's own code (megatron-core, in the [test] extra; its core
+needs only torch, numpy and packaging, and keeps the installed torch)."""
 import shutil
 import warnings
 
@@ -8,7 +8,7 @@ import pytest
 from conftest import write_random_dataset
 
 mc = pytest.importorskip("megatron.core.datasets.indexed_dataset",
-                         reason="megatron-core not installed (pip install --no-deps megatron-core)")
+                         reason="megatron-core not installed (it is in the test extra: pip install -e \".[test]\")")
 
 from megalite.data import IndexedDataset, IndexedDatasetBuilder, build_gpt_datasets  # noqa: E402
 from megalite.data.blended_dataset import build_blending_indices  # noqa: E402
