@@ -56,8 +56,8 @@ MAX_HEAD_DIM = 256
 
 def _config(d, dtype, kernel):
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of kernel 0 (fwd), 1 (dK/dV), 2 (dQ)."""
-    bd = max(64, triton.next_power_of_2(d))
-    bm, bn, warps, stages = _CONFIGS[(bd, 4 if dtype == torch.float32 else 2)][kernel]
+    bd = max(16, triton.next_power_of_2(d))
+    bm, bn, warps, stages = _CONFIGS[(max(64, bd), 4 if dtype == torch.float32 else 2)][kernel]
     override = BWD_BLOCKS if kernel else FWD_BLOCKS
     if override is not None:
         bm, bn = override

@@ -1,5 +1,7 @@
 """Self-attention with heads (and query groups, for GQA/MQA) sharded across TP ranks."""
 
+import contextlib
+
 import torch.nn.functional as F
 from torch import nn
 
@@ -14,27 +16,33 @@ from megalite.transformer.utils import output_init_std, param_seed
 
 def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None):
     """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given
-    (bool [b, 1 or h, sq, sk], True = masked out)."""
+    (bool [b, 1 or h, sq, sk], True = masked out).
+
+    Dropout on attention probabilities drops this rank's heads only, so it draws from the
+    per-TP-rank stream (`get_rng_tracker().fork()`), whichever path runs: flash attention
+    takes its Philox seed from it, SDPA and the unfused softmax path their masks.
+    GQA: k/v keep their hkv heads on every path (no repeat_interleave copies)."""
     p = dropout_p if training else 0.0
     triton = fused and kernels.use_triton(q)
-    if triton and p == 0.0 and attn_mask is None:
-        return kernels.flash_attention(q, k, v, causal=True)
-    if k.shape[2] != q.shape[2]:
-        rep = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    if triton and attn_mask is None:  # the default on CUDA, attention dropout or not
+        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            return kernels.flash_attention(q, k, v, causal=True, dropout_p=p)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if triton:
-        # With attention dropout: Megatron's path, the fused scaled (causal/masked) softmax.
-        probs = kernels.softmax(q @ k.transpose(-1, -2), scale=q.shape[-1] ** -0.5, mask=attn_mask,
-                                causal=attn_mask is None)
+        # Explicit masks: Megatron's fused scaled masked softmax, then dropout and the PV product.
+        # Query heads grouped as [b, hkv, rep, s, d] broadcast against k/v [b, hkv, 1, s, d].
+        b, hq, s, d = q.shape
+        hkv = k.shape[1]
+        qg, kg, vg = q.reshape(b, hkv, hq // hkv, s, d), k.unsqueeze(2), v.unsqueeze(2)
+        scores = (qg @ kg.transpose(-1, -2)).reshape(b, hq, s, -1)
+        probs = kernels.softmax(scores, scale=d ** -0.5, mask=attn_mask, causal=False)
         with get_rng_tracker().fork():
             probs = F.dropout(probs, p=p, training=True)
-        return (probs @ v).transpose(1, 2)
-    # Dropout on attention probabilities: this rank's heads only, so the per-TP-rank stream.
+        return (probs.reshape(b, hkv, hq // hkv, s, -1) @ vg).reshape(b, hq, s, d).transpose(1, 2)
     with get_rng_tracker().fork():
         sdpa_mask = None if attn_mask is None else ~attn_mask  # SDPA: True = take part
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=p,
-                                             is_causal=attn_mask is None)
+                                             is_causal=attn_mask is None, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
