@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import __version__
 from megalite import parallel_state as ps
@@ -257,6 +258,23 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     if weights_only:
         return 0, 0, 0
     return meta["iteration"], meta["consumed_train_samples"], meta["consumed_valid_samples"]
+
+
+def load_weights(chunks, root):
+    """Only the model weights of the newest checkpoint under `root` (e.g. for inference);
+    returns its metadata."""
+    it = read_tracker(root) if os.path.isdir(root) else None
+    if it is None:
+        raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
+    path = iteration_dir(root, it)
+    meta = read_json(os.path.join(path, META), "checkpoint metadata")
+    group = _group()
+    try:
+        dcp.load({}, storage_reader=SafetensorsReader(path), planner=ChunkLoadPlanner(model_entries(chunks, False)),
+                 process_group=group, no_dist=group is None)
+    except CheckpointException as e:
+        raise unwrap_checkpoint_error(e) from None
+    return meta
 
 
 def _restore_rng(meta, path, args, weights_only):

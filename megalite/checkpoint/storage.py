@@ -31,7 +31,7 @@ from torch.futures import Future
 
 INDEX_FILE = "tensors.json"
 INDEX_FORMAT = "megalite-dcp-safetensors"
-_FILE_RE = re.compile(r"^__\d+_0\.safetensors$")
+_FILE_RE = re.compile(r"^__\d+_\d+\.safetensors$")  # rank, file number (the converter writes several)
 DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                                                      torch.int64, torch.int32, torch.uint8, torch.bool)}
 

@@ -1,0 +1,254 @@
+"""Offline conversion, tensor by tensor: megalite <-> megalite (another TP/PP), megalite <-> HF.
+
+Nothing here needs process groups. A megalite checkpoint is read one global tensor at a
+time (assembled from its chunks), and written as the ranks of a TP x PP job would have
+written it: one box per TP shard, in files per (TP, PP) rank, flushed whenever the buffered
+tensors pass `flush_bytes`, so peak memory stays near the largest tensor plus that buffer.
+"""
+
+import json
+import os
+import re
+import shutil
+
+import torch
+
+from megalite import __version__
+from megalite.checkpoint.hf import BY_HF_TYPE, arch_for
+from megalite.checkpoint.storage import (
+    DTYPES,
+    INDEX_FILE,
+    INDEX_FORMAT,
+    CheckpointError,
+    fsync_write,
+    open_safetensors,
+    read_index,
+    read_json,
+)
+from megalite.transformer.pipeline_layers import stage_layer_counts
+
+META, TRACKER = "megalite.json", "latest_checkpointed_iteration.txt"
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def find_checkpoint(root):
+    """(directory of the newest checkpoint under --load-dir, its metadata)."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        raise CheckpointError(f"{root} holds no {TRACKER}: not a megalite checkpoint directory")
+    it = open(tracker).read().strip()
+    path = os.path.join(root, "release" if it == "release" else f"iter_{int(it):07d}")
+    meta = read_json(os.path.join(path, META), "checkpoint metadata")
+    if meta.get("format") != "megalite-checkpoint":
+        raise CheckpointError(f"{os.path.join(path, META)} is not a megalite checkpoint's metadata")
+    return path, meta
+
+
+class Reader:
+    """Global tensors of one checkpoint directory, loaded on demand."""
+
+    def __init__(self, path):
+        self.path, self.index, self._files = path, read_index(path), {}
+
+    def names(self):
+        return list(self.index)
+
+    def get(self, name):
+        if name not in self.index:
+            raise CheckpointError(f"the checkpoint has no tensor {name!r}")
+        e = self.index[name]
+        out = torch.empty(e["size"], dtype=DTYPES[e["dtype"]])
+        for c in e["chunks"]:
+            if c["file"] not in self._files:
+                self._files[c["file"]] = open_safetensors(os.path.join(self.path, c["file"]))
+            box = tuple(slice(o, o + n) for o, n in zip(c["offsets"], c["sizes"]))
+            out[box] = self._files[c["file"]].get_tensor(c["key"])
+        return out
+
+
+def padded_vocab(vocab, divisible_by, tp):
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+class Writer:
+    """Writes a megalite checkpoint laid out for TP x PP ranks (DP 1), streaming."""
+
+    def __init__(self, root, iteration, cfg, tp, pp, flush_bytes=256 << 20):
+        self.root, self.iteration, self.cfg, self.tp, self.pp = root, iteration, cfg, tp, pp
+        self.dir = os.path.join(root, "release" if iteration == "release" else f"iter_{iteration:07d}")
+        self.tmp = self.dir + ".tmp"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.tmp)
+        self.flush_bytes, self.buffered, self.files, self.index = flush_bytes, 0, {}, {}
+        self.buffers, self.pending = {}, {}  # rank -> {key: tensor}, rank -> [chunk entries]
+        counts = stage_layer_counts(cfg["num_layers"], pp)
+        self.stage_of_layer = [s for s, n in enumerate(counts) for _ in range(n)]
+        if cfg["num_attention_heads"] % tp or cfg["num_query_groups"] % tp or cfg["ffn_hidden_size"] % tp:
+            raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide the heads "
+                                  f"({cfg['num_attention_heads']}), query groups ({cfg['num_query_groups']}) and "
+                                  f"FFN size ({cfg['ffn_hidden_size']})")
+
+    def _stage(self, name):
+        m = _LAYER.search(name)
+        if m:
+            return self.stage_of_layer[int(m.group(1))]
+        return 0 if "embedding." in name else self.pp - 1
+
+    def _split_dim(self, name, t):
+        base = re.sub(r"^optimizer\.[a-z_]+\.", "", name)
+        if base.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+                          "linear_fc1.weight", "linear_fc1.bias")):
+            return 1 if (self.cfg["swiglu"] and "linear_fc1" in base) else 0
+        if base.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            return 1
+        return None
+
+    def add(self, name, t):
+        t = t.contiguous()
+        stage, dim = self._stage(name), self._split_dim(name, t)
+        if dim is None:
+            boxes = [(0, (0,) * t.dim(), t)]
+        else:
+            vocab = "word_embeddings" in name or "output_layer" in name
+            n = padded_vocab(t.shape[0], self.cfg["make_vocab_size_divisible_by"], self.tp) if vocab else t.shape[dim]
+            per, boxes = n // self.tp, []
+            for r in range(self.tp):
+                lo, hi = r * per, min((r + 1) * per, t.shape[dim])
+                if hi > lo:
+                    boxes.append((r, tuple(lo if d == dim else 0 for d in range(t.dim())),
+                                  t.narrow(dim, lo, hi - lo).contiguous()))
+        e = self.index.setdefault(name, {"dtype": str(t.dtype).replace("torch.", ""), "size": list(t.shape),
+                                         "chunks": []})
+        for r, offsets, box in boxes:
+            rank = r + self.tp * stage
+            key = f"{name}@{','.join(map(str, offsets))}"
+            self.buffers.setdefault(rank, {})[key] = box
+            e["chunks"].append({"offsets": list(offsets), "sizes": list(box.shape), "key": key})
+            self.pending.setdefault(rank, []).append(e["chunks"][-1])
+            self.buffered += box.numel() * box.element_size()
+        if self.buffered >= self.flush_bytes:
+            self._flush()
+
+    def _flush(self):
+        from safetensors.torch import save
+        for rank, tensors in self.buffers.items():
+            k = self.files.get(rank, 0)
+            name = f"__{rank}_{k}.safetensors"
+            fsync_write(os.path.join(self.tmp, name), save(tensors))
+            self.files[rank] = k + 1
+            for c in self.pending.pop(rank):
+                c["file"] = name
+        self.buffers, self.buffered = {}, 0
+
+    def close(self, meta):
+        self._flush()
+        fsync_write(os.path.join(self.tmp, INDEX_FILE),
+                    json.dumps({"format": INDEX_FORMAT, "version": 1, "tensors": self.index}, indent=1).encode())
+        meta = dict(meta, megalite_version=__version__, has_rng=False, iteration=self.iteration
+                    if self.iteration != "release" else 0)
+        meta["parallel"] = {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
+                            "data_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+                            "use_distributed_optimizer": False, "zero_stage": None, "world_size": self.tp * self.pp}
+        fsync_write(os.path.join(self.tmp, META), json.dumps(meta, indent=1).encode())
+        shutil.rmtree(self.dir, ignore_errors=True)
+        os.rename(self.tmp, self.dir)
+        fsync_write(os.path.join(self.root, TRACKER), f"{self.iteration}\n", mode="w")
+
+
+def reshard(load_dir, save_dir, tp, pp):
+    """megalite -> megalite at another TP x PP: every tensor (optimizer state included)."""
+    path, meta = find_checkpoint(load_dir)
+    src = Reader(path)
+    iteration = "release" if os.path.basename(path) == "release" else meta["iteration"]
+    w = Writer(save_dir, iteration, meta["model_config"], tp, pp)
+    for name in src.names():
+        w.add(name, src.get(name))
+    w.close(meta)
+
+
+def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30):
+    """megalite -> a Hugging Face directory (config.json + safetensors shards + index)."""
+    from safetensors.torch import save
+    path, meta = find_checkpoint(load_dir)
+    cfg = meta["model_config"]
+    arch = arch_for(cfg)
+    arch.check(cfg)
+    src = Reader(path)
+    os.makedirs(save_dir, exist_ok=True)
+    shards, current, size, cache = [], {}, 0, {}
+    for hf_name, name, to_hf, _ in arch.table(cfg):
+        if name not in cache:  # q/k/v and gate/up come from one megalite tensor: read it once
+            cache = {name: src.get(name)}
+        current[hf_name] = to_hf(cache[name]).contiguous()
+        size += current[hf_name].numel() * current[hf_name].element_size()
+        if size >= max_shard_bytes:
+            shards.append(current)
+            fsync_write(os.path.join(save_dir, f"shard-{len(shards)}.tmp"), save(current, metadata={"format": "pt"}))
+            current, size = {}, 0
+    if current or not shards:
+        shards.append(current)
+        fsync_write(os.path.join(save_dir, f"shard-{len(shards)}.tmp"), save(current, metadata={"format": "pt"}))
+    n, weight_map = len(shards), {}
+    for i, tensors in enumerate(shards, 1):
+        final = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        os.replace(os.path.join(save_dir, f"shard-{i}.tmp"), os.path.join(save_dir, final))
+        weight_map.update({k: final for k in tensors})
+    if n > 1:
+        with open(os.path.join(save_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(save_dir, "config.json"), "w") as f:
+        json.dump(arch.hf_config(cfg), f, indent=1)
+
+
+class HFReader:
+    """Tensors of a save_pretrained directory (safetensors only: nothing is unpickled)."""
+
+    def __init__(self, path):
+        self.config = read_json(os.path.join(path, "config.json"), "Hugging Face config")
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            files = read_json(index, "safetensors index")["weight_map"]
+        elif os.path.isfile(os.path.join(path, "model.safetensors")):
+            files = None
+        else:
+            raise CheckpointError(f"{path} has no model.safetensors (pytorch_model.bin is a pickle: re-save it with "
+                                  "save_pretrained(..., safe_serialization=True))")
+        self.path, self.files, self._open = path, files, {}
+
+    def get(self, name):
+        file = "model.safetensors" if self.files is None else self.files.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        if file not in self._open:
+            self._open[file] = open_safetensors(os.path.join(self.path, file))
+        if name not in self._open[file].keys():
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        return self._open[file].get_tensor(name)
+
+
+def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
+    """A Hugging Face directory -> a megalite "release" checkpoint (weights only)."""
+    src = HFReader(load_dir)
+    h = src.config
+    arch = BY_HF_TYPE.get(h.get("model_type"))
+    if arch is None:
+        raise CheckpointError(f"model_type {h.get('model_type')!r} is not one megalite converts (gpt2, llama)")
+    arch.check_hf(h)
+    cfg = dict(arch.model_config(h), make_vocab_size_divisible_by=divisible_by)
+    dtype = str(h.get("torch_dtype") or h.get("dtype") or "float32")
+    cfg["params_dtype"] = dtype
+    w = Writer(save_dir, "release", cfg, tp, pp)
+    held = {}
+    for hf_name, name, _, from_hf in arch.table(cfg):
+        t = src.get(hf_name)
+        if from_hf is None:
+            held[hf_name] = t
+        elif isinstance(from_hf, tuple):
+            w.add(name, from_hf[2](*[held.pop(n) for n in from_hf[1]], t))
+        else:
+            w.add(name, from_hf(t))
+    meta = {"format": "megalite-checkpoint", "version": 1, "model_config": cfg, "dtype": dtype,
+            "consumed_train_samples": 0, "consumed_valid_samples": 0, "has_optimizer": False,
+            "source": {"hf_class": arch.hf_class, "path": os.path.abspath(load_dir)}}
+    w.close(meta)

@@ -1,0 +1,190 @@
+"""Hugging Face `transformers` <-> megalite: one table per architecture, used both ways.
+
+Each table maps global megalite tensors (checkpoint names, real vocabulary, SwiGLU fc1 as
+[2, ffn, h]) to HF tensors, tensor by tensor, so the converter streams. The one layout
+difference that needs care is QKV: megalite keeps rows per query group
+[q heads of group g | k_g | v_g] (a TP shard then holds whole groups); HF keeps separate
+q/k/v (Llama) or [Q | K | V] in a transposed Conv1D (GPT-2).
+"""
+
+import torch
+
+from megalite.checkpoint.storage import CheckpointError
+
+
+def qkv_split(w, heads, groups, d):
+    """megalite's per-group QKV rows -> (q, k, v) blocks (rows in head order)."""
+    rest = w.shape[1:]
+    x = w.reshape(groups, heads // groups + 2, d, *rest)
+    return (x[:, :-2].reshape(heads * d, *rest), x[:, -2].reshape(groups * d, *rest),
+            x[:, -1].reshape(groups * d, *rest))
+
+
+def qkv_join(q, k, v, heads, groups, d):
+    rest = q.shape[1:]
+    x = torch.cat([q.reshape(groups, heads // groups, d, *rest), k.reshape(groups, 1, d, *rest),
+                   v.reshape(groups, 1, d, *rest)], dim=1)
+    return x.reshape((heads + 2 * groups) * d, *rest)
+
+
+def _need(cfg, arch, **want):
+    for field, value in want.items():
+        if cfg.get(field) != value:
+            raise CheckpointError(f"{arch} cannot represent {field}={cfg.get(field)!r} (it needs {value!r})")
+
+
+class GPT2:
+    """GPT2LMHeadModel: learned positions, LayerNorm, tanh GeLU, biases, tied embeddings."""
+    hf_class = "GPT2LMHeadModel"
+
+    @staticmethod
+    def check(c):
+        _need(c, "GPT2LMHeadModel", position_embedding_type="learned_absolute", normalization="LayerNorm",
+              swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=False,
+              num_query_groups=c["num_attention_heads"], kv_channels=c["hidden_size"] // c["num_attention_heads"])
+
+    @staticmethod
+    def hf_config(c):
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c["vocab_size"],
+                "n_positions": c["max_position_embeddings"], "n_embd": c["hidden_size"], "n_layer": c["num_layers"],
+                "n_head": c["num_attention_heads"], "n_inner": c["ffn_hidden_size"],
+                "activation_function": "gelu_new", "layer_norm_epsilon": c["layernorm_epsilon"],
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
+                "torch_dtype": c["params_dtype"]}
+
+    @staticmethod
+    def model_config(h):
+        n = h["n_embd"]
+        return {"num_layers": h["n_layer"], "hidden_size": n, "num_attention_heads": h["n_head"],
+                "num_query_groups": h["n_head"], "kv_channels": n // h["n_head"],
+                "ffn_hidden_size": h.get("n_inner") or 4 * n, "vocab_size": h["vocab_size"],
+                "max_position_embeddings": h["n_positions"], "seq_length": h["n_positions"],
+                "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+                "layernorm_epsilon": h.get("layer_norm_epsilon", 1e-5), "swiglu": False, "add_bias_linear": True,
+                "untie_embeddings_and_output_weights": False}
+
+    @staticmethod
+    def check_hf(h):
+        if h.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"GPT-2 activation_function={h['activation_function']!r}: megalite's GeLU is "
+                                  "the tanh approximation (gelu_new)")
+        for f in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if h.get(f):
+                raise CheckpointError(f"GPT-2 {f}=True has no megalite equivalent")
+
+    @staticmethod
+    def table(c):
+        """[(hf name, megalite names, to_hf(*tensors), from_hf(tensor) -> tensors)]."""
+        a, d = c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]
+        ident, t = (lambda x: x), (lambda x: x.t().contiguous())
+
+        def qkv_to(w):
+            return torch.cat(qkv_split(w, a, a, d), dim=0)
+
+        def qkv_from(w):
+            return qkv_join(*w.chunk(3, dim=0), a, a, d)
+
+        rows = [("transformer.wte.weight", "embedding.word_embeddings.weight", ident, ident),
+                ("transformer.wpe.weight", "embedding.position_embeddings.weight", ident, ident)]
+        for i in range(c["num_layers"]):
+            m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            rows += [(h + "ln_1.weight", m + "input_layernorm.weight", ident, ident),
+                     (h + "ln_1.bias", m + "input_layernorm.bias", ident, ident),
+                     (h + "attn.c_attn.weight", m + "self_attention.linear_qkv.weight",
+                      lambda w: qkv_to(w).t().contiguous(), lambda w: qkv_from(w.t().contiguous())),
+                     (h + "attn.c_attn.bias", m + "self_attention.linear_qkv.bias", qkv_to, qkv_from),
+                     (h + "attn.c_proj.weight", m + "self_attention.linear_proj.weight", t, t),
+                     (h + "attn.c_proj.bias", m + "self_attention.linear_proj.bias", ident, ident),
+                     (h + "ln_2.weight", m + "pre_mlp_layernorm.weight", ident, ident),
+                     (h + "ln_2.bias", m + "pre_mlp_layernorm.bias", ident, ident),
+                     (h + "mlp.c_fc.weight", m + "mlp.linear_fc1.weight", t, t),
+                     (h + "mlp.c_fc.bias", m + "mlp.linear_fc1.bias", ident, ident),
+                     (h + "mlp.c_proj.weight", m + "mlp.linear_fc2.weight", t, t),
+                     (h + "mlp.c_proj.bias", m + "mlp.linear_fc2.bias", ident, ident)]
+        rows += [("transformer.ln_f.weight", "decoder.final_layernorm.weight", ident, ident),
+                 ("transformer.ln_f.bias", "decoder.final_layernorm.bias", ident, ident)]
+        return rows
+
+
+class Llama:
+    """LlamaForCausalLM: rope, RMSNorm, SwiGLU, GQA, no biases, tied or untied."""
+    hf_class = "LlamaForCausalLM"
+
+    @staticmethod
+    def check(c):
+        _need(c, "LlamaForCausalLM", position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+              add_bias_linear=False)
+
+    @staticmethod
+    def hf_config(c):
+        theta = c["rotary_base"]
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c["vocab_size"],
+                "hidden_size": c["hidden_size"], "intermediate_size": c["ffn_hidden_size"],
+                "num_hidden_layers": c["num_layers"], "num_attention_heads": c["num_attention_heads"],
+                "num_key_value_heads": c["num_query_groups"], "head_dim": c["kv_channels"],
+                "max_position_embeddings": c["max_position_embeddings"], "rms_norm_eps": c["layernorm_epsilon"],
+                "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "tie_word_embeddings": not c["untie_embeddings_and_output_weights"],
+                "torch_dtype": c["params_dtype"]}
+
+    @staticmethod
+    def model_config(h):
+        rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise CheckpointError(f"Llama rope scaling {rope.get('rope_type', rope.get('type'))!r} is not "
+                                  "implemented in megalite")
+        heads = h["num_attention_heads"]
+        return {"num_layers": h["num_hidden_layers"], "hidden_size": h["hidden_size"], "num_attention_heads": heads,
+                "num_query_groups": h.get("num_key_value_heads") or heads,
+                "kv_channels": h.get("head_dim") or h["hidden_size"] // heads,
+                "ffn_hidden_size": h["intermediate_size"], "vocab_size": h["vocab_size"],
+                "max_position_embeddings": h["max_position_embeddings"], "seq_length": h["max_position_embeddings"],
+                "position_embedding_type": "rope", "rotary_base": float(rope.get("rope_theta", h.get("rope_theta",
+                                                                                                     10000.0))),
+                "normalization": "RMSNorm", "layernorm_epsilon": h.get("rms_norm_eps", 1e-6), "swiglu": True,
+                "add_bias_linear": False, "untie_embeddings_and_output_weights": not h.get("tie_word_embeddings",
+                                                                                           False)}
+
+    @staticmethod
+    def check_hf(h):
+        if h.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"Llama hidden_act={h['hidden_act']!r}: megalite's SwiGLU uses silu")
+        for f in ("attention_bias", "mlp_bias"):
+            if h.get(f):
+                raise CheckpointError(f"Llama {f}=True has no megalite equivalent (megalite's Llama has no biases)")
+
+    @staticmethod
+    def table(c):
+        a, g, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
+        ident = (lambda x: x)
+        rows = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", ident, ident)]
+        for i in range(c["num_layers"]):
+            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+            qkv = m + "self_attention.linear_qkv.weight"
+            rows += [(h + "input_layernorm.weight", m + "input_layernorm.weight", ident, ident),
+                     (h + "self_attn.q_proj.weight", qkv, lambda w: qkv_split(w, a, g, d)[0], None),
+                     (h + "self_attn.k_proj.weight", qkv, lambda w: qkv_split(w, a, g, d)[1], None),
+                     (h + "self_attn.v_proj.weight", qkv, lambda w: qkv_split(w, a, g, d)[2],
+                      # the last of the three rebuilds megalite's tensor from all of them
+                      ("join", (h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight"),
+                       lambda q, k, v: qkv_join(q, k, v, a, g, d))),
+                     (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight", ident, ident),
+                     (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", ident, ident),
+                     (h + "mlp.gate_proj.weight", m + "mlp.linear_fc1.weight", lambda w: w[0], None),
+                     (h + "mlp.up_proj.weight", m + "mlp.linear_fc1.weight", lambda w: w[1],
+                      ("join", (h + "mlp.gate_proj.weight",), lambda gate, up: torch.stack([gate, up]))),
+                     (h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight", ident, ident)]
+        rows.append(("model.norm.weight", "decoder.final_layernorm.weight", ident, ident))
+        if c["untie_embeddings_and_output_weights"]:
+            rows.append(("lm_head.weight", "output_layer.weight", ident, ident))
+        return rows
+
+
+ARCHS = {"gpt2": GPT2, "llama": Llama}
+BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama}
+
+
+def arch_for(config):
+    """The architecture a megalite model config maps to."""
+    return Llama if config["position_embedding_type"] == "rope" else GPT2

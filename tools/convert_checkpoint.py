@@ -1,0 +1,71 @@
+"""Convert checkpoints (Megatron's converter flags): megalite at another TP/PP, or to/from Hugging Face.
+
+    # reshard offline (model and optimizer state)
+    python tools/convert_checkpoint.py --loader megalite --saver megalite --load-dir ckpt --save-dir ckpt_tp4 \\
+        --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
+    # export: GPT2LMHeadModel (learned positions, LayerNorm) or LlamaForCausalLM (rope, RMSNorm, SwiGLU)
+    python tools/convert_checkpoint.py --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
+    # import a save_pretrained directory (safetensors) as a megalite "release" checkpoint
+    python tools/convert_checkpoint.py --loader hf --saver megalite --load-dir hf_dir --save-dir ckpt \\
+        --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+
+megalite checkpoints load at any TP/PP/DP whatever layout they were written in; resharding
+lays the files out as the target job writes them. Conversion streams tensor by tensor.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.checkpoint.convert import export_hf, find_checkpoint, import_hf, reshard  # noqa: E402
+from megalite.checkpoint.storage import CheckpointError  # noqa: E402
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description="Convert megalite / Hugging Face checkpoints (Megatron's converter flags)",
+                                allow_abbrev=False)
+    p.add_argument("--model-type", default="GPT", choices=["GPT"],
+                   help="the model family (GPT: GPT-2 and Llama layouts); megalite checkpoints record it themselves")
+    p.add_argument("--loader", required=True, choices=["megalite", "hf"], help="format of --load-dir")
+    p.add_argument("--saver", required=True, choices=["megalite", "hf"], help="format to write to --save-dir")
+    p.add_argument("--load-dir", required=True, help="megalite: the --save directory (with "
+                   "latest_checkpointed_iteration.txt); hf: a save_pretrained directory")
+    p.add_argument("--save-dir", required=True, help="where to write the converted checkpoint")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1, help="TP layout of the megalite files")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="PP layout of the megalite files")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="vocabulary padding recorded for an imported HF model (Megatron's default 128)")
+    p.add_argument("--max-shard-size-mb", type=int, default=1024, help="--saver hf: largest safetensors shard")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if args.target_tensor_parallel_size < 1 or args.target_pipeline_parallel_size < 1:
+            raise CheckpointError("target parallel sizes must be >= 1")
+        if args.loader == "hf" and args.saver == "hf":
+            raise CheckpointError("--loader hf --saver hf converts nothing; pick megalite for one side")
+        if not os.path.isdir(args.load_dir):
+            raise CheckpointError(f"--load-dir {args.load_dir} is not a directory")
+        if args.loader == "megalite":
+            find_checkpoint(args.load_dir)  # not a megalite checkpoint: one line, before any work
+            if args.saver == "megalite":
+                reshard(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
+                        args.target_pipeline_parallel_size)
+            else:
+                export_hf(args.load_dir, args.save_dir, args.max_shard_size_mb << 20)
+        else:
+            import_hf(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
+                      args.target_pipeline_parallel_size, args.make_vocab_size_divisible_by)
+    except (CheckpointError, ValueError) as e:
+        print(f"convert_checkpoint: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"convert_checkpoint: wrote {args.saver} checkpoint to {args.save_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
