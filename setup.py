@@ -14,6 +14,7 @@ setup(
         "megalite.distributed",
         "megalite.optimizer",
         "megalite.data",
+        "megalite.checkpoint",
         "kernels",
     ],
     install_requires=[
@@ -22,11 +23,13 @@ setup(
         "numpy",
         "sentencepiece",
         "datasets",
+        "safetensors",  # checkpoints: pickle-free tensor files
     ],
     extras_require={
         # megatron-core: the data-format cross-checks against Megatron's own code
         # (tests/data/test_data_megatron_compat.py); its core needs only torch, numpy, packaging.
-        "test": ["pytest", "megatron-core>=0.16"],
+        # transformers: the HF conversion tests load real GPT2LMHeadModel / LlamaForCausalLM.
+        "test": ["pytest", "megatron-core>=0.16", "transformers"],
         "hf": ["transformers", "safetensors"],
         "tensorboard": ["tensorboard"],
     },
