@@ -60,6 +60,12 @@ TRAIN = (f"--micro-batch-size 1 --global-batch-size 8 --train-iters {STEPS} --lr
          "--lr-decay-style constant --clip-grad 1.0 --adam-eps 1e-4 --log-interval 1000 --eval-interval 0 "
          "--ddp-bucket-size 3000 --seed 1234").split()
 BASE = tuple(MODEL + TRAIN)
+# `model=` flavours: the Llama family (rotary positions, RMSNorm, SwiGLU, grouped-query
+# attention, no linear biases, untied output layer); 8 layers for PP4 interleaving.
+LLAMA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--num-attention-heads", "8",
+         "--group-query-attention", "--num-query-groups", "4", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights")
+EIGHT_LAYERS = ("--num-layers", "8")
 # fp32 on CPU: DESIGN's bound. bf16 and fp16 against the single process in the same dtype:
 # every step-1 gradient is bit-identical except the tied word embedding's, which the single
 # process sums from its two uses in the parameter's dtype (autograd accumulates .grad before

@@ -1,15 +1,14 @@
 """Tests of the tests: each fault a real bug would cause, injected alone inside the spawned
 ranks, must make the parity harness (tests/parity.py) report a mismatch naming the tensor.
 
-All six faulty runs share one spawn of two ranks; each layout is the smallest that has the
-code path the fault sits on.
+The faulty runs share one spawn of two ranks and one of eight.
 """
 
 import contextlib
 
 import pytest
 
-from parity import assert_parity, layout, mismatches, reference, run_layouts
+from parity import EIGHT_LAYERS, LLAMA, assert_parity, layout, mismatches, reference, run_layouts
 
 
 @contextlib.contextmanager
@@ -86,24 +85,39 @@ def zero_shard_update_skipped():
     return _patched(DistributedOptimizer, "_adam_update", update)
 
 
-# (fault, layout it runs in, what the mismatch report must name)
+# (fault, layout name, layout, what the mismatch report must name): each fault on the smallest
+# layout with its code path (two ranks), and again on an eight-rank layout of tests/test_parity.py
+# (interleaving, ZeRO-2, SP, TP4, PP4), so those layouts are seen to fail too.
 FAULTS = [
-    (no_dp_averaging, dict(dp=2), "step-1 grad"),
-    (no_dp_averaging, dict(dp=2, zero=2), "step-1 grad"),
-    (no_tied_embedding_sync, dict(pp=2), "embedding.word_embeddings.weight"),
-    (no_sequence_parallel_allreduce, dict(tp=2, sp=True), "layernorm.weight: step-1 grad"),
-    (tp_duplicates_counted_tp_times, dict(tp=2), "norms"),
-    (loss_not_divided_by_microbatches, dict(pp=2), "step-1 grad"),
-    (zero_shard_update_skipped, dict(dp=2, zero=1), "param after"),
+    (no_dp_averaging, "dp2", dict(dp=2), "step-1 grad"),
+    (no_dp_averaging, "dp2_zero2", dict(dp=2, zero=2), "step-1 grad"),
+    (no_tied_embedding_sync, "pp2", dict(pp=2), "embedding.word_embeddings.weight"),
+    (no_sequence_parallel_allreduce, "tp2_sp", dict(tp=2, sp=True), "layernorm.weight: step-1 grad"),
+    (tp_duplicates_counted_tp_times, "tp2", dict(tp=2), "norms"),
+    (loss_not_divided_by_microbatches, "pp2", dict(pp=2), "step-1 grad"),
+    (zero_shard_update_skipped, "dp2_zero1", dict(dp=2, zero=1), "param after"),
+    (no_dp_averaging, "tp2_pp2_dp2_sp_interleaved_zero2", dict(tp=2, pp=2, dp=2, sp=True, vp=1, zero=2),
+     "step-1 grad"),
+    (no_tied_embedding_sync, "tp2_pp2_dp2_interleaved_zero1", dict(tp=2, pp=2, dp=2, vp=1, zero=1),
+     "embedding.word_embeddings.weight"),
+    (no_sequence_parallel_allreduce, "tp4_pp2_sp_llama", dict(tp=4, pp=2, sp=True, model=LLAMA),
+     "layernorm.weight: step-1 grad"),
+    (tp_duplicates_counted_tp_times, "tp2_pp2_dp2_sp", dict(tp=2, pp=2, dp=2, sp=True), "norms"),
+    (loss_not_divided_by_microbatches, "pp4_dp2_interleaved_zero1",
+     dict(pp=4, dp=2, vp=1, zero=1, model=EIGHT_LAYERS), "step-1 grad"),
+    (zero_shard_update_skipped, "tp2_pp2_dp2_sp_zero2", dict(tp=2, pp=2, dp=2, sp=True, zero=2), "param after"),
 ]
-LAYOUTS = [layout(f"{f.__name__}@" + "_".join(k if v is True else f"{k}{v}" for k, v in kw.items()), fault=f, **kw)
-           for f, kw, _ in FAULTS]
-EXPECTED = {lay.name: expected for lay, (_, _, expected) in zip(LAYOUTS, FAULTS)}
+LAYOUTS = [layout(f"{f.__name__}@{name}", fault=f, **kw) for f, name, kw, _ in FAULTS]
+EXPECTED = {lay.name: expected for lay, (*_, expected) in zip(LAYOUTS, FAULTS)}
 
 
 @pytest.fixture(scope="module")
 def faulty_runs():
-    return dict(zip((lay.name for lay in LAYOUTS), run_layouts(LAYOUTS, 2)))
+    runs = {}
+    for world in (2, 8):  # one spawn per world size runs all its faulty layouts
+        lays = [lay for lay in LAYOUTS if lay.world_size == world]
+        runs.update(zip((lay.name for lay in lays), run_layouts(lays, world)))
+    return runs
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)

@@ -6,15 +6,7 @@ model learns. Two spawns: one of two ranks and one of eight, each running many l
 import pytest
 
 from megalite.pipeline import schedules
-from parity import assert_parity, check_reference, layout, reference, run_layouts
-
-# PP4 interleaved needs 8 layers (4 stages x 2 chunks x 1 layer).
-EIGHT_LAYERS = ("--num-layers", "8")
-# The Llama flavour: rotary positions, RMSNorm, SwiGLU, grouped-query attention, no linear
-# biases, untied output layer.
-LLAMA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--num-attention-heads", "8",
-         "--group-query-attention", "--num-query-groups", "4", "--disable-bias-linear",
-         "--untie-embeddings-and-output-weights")
+from parity import EIGHT_LAYERS, LLAMA, assert_parity, check_reference, layout, reference, run_layouts
 
 TWO = [
     layout("pp2_1f1b", pp=2),
