@@ -17,9 +17,9 @@ import dataclasses
 import json
 import os
 import shutil
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -88,6 +88,13 @@ def _group():
     if _pending["group"] is None:
         _pending["group"] = dist.new_group(backend="gloo")
     return _pending["group"]
+
+
+def _dcp(fn, *args, **kw):
+    """DCP call; on one process (no groups) DCP warns that it assumes one process: it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(*args, **kw)
 
 
 def wait_for_pending_save():
@@ -182,13 +189,13 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
     kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration), planner=ChunkSavePlanner(entries),
               process_group=group, no_dist=group is None)
     if not args.async_save:
-        dcp.save({}, **kw)
+        _dcp(dcp.save, {}, **kw)
         return
     for e in entries.values():  # training goes on mutating these: write host copies
         e.chunks = [(o, t.detach().to("cpu", copy=True)) for o, t in e.chunks]
     if _pending["executor"] is None:
         _pending["executor"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-ckpt")
-    _pending["future"] = _pending["executor"].submit(dcp.save, {}, **kw)
+    _pending["future"] = _pending["executor"].submit(_dcp, dcp.save, {}, **kw)
 
 
 def unwrap_checkpoint_error(exc):
@@ -242,8 +249,8 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
         entries.update(opt)
     planner = ChunkLoadPlanner(entries, optional)
     group = _group()
-    dcp.load({}, storage_reader=SafetensorsReader(path), planner=planner, process_group=group,
-             no_dist=group is None)
+    _dcp(dcp.load, {}, storage_reader=SafetensorsReader(path), planner=planner, process_group=group,
+         no_dist=group is None)
     if load_optim:
         set_optimizer_step(optimizer, chunks, meta["optimizer"]["step"])
         if optional and not planner.missing:
@@ -270,8 +277,8 @@ def load_weights(chunks, root):
     meta = read_json(os.path.join(path, META), "checkpoint metadata")
     group = _group()
     try:
-        dcp.load({}, storage_reader=SafetensorsReader(path), planner=ChunkLoadPlanner(model_entries(chunks, False)),
-                 process_group=group, no_dist=group is None)
+        _dcp(dcp.load, {}, storage_reader=SafetensorsReader(path),
+             planner=ChunkLoadPlanner(model_entries(chunks, False)), process_group=group, no_dist=group is None)
     except CheckpointException as e:
         raise unwrap_checkpoint_error(e) from None
     return meta

@@ -64,17 +64,33 @@ RESUME_LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Per layout: (straight losses, first half, resumed half, checkpoint dir). The 4-rank
+    layouts share one spawn for the first halves and one for the resumes (spawns are slow)."""
+    out = {}
+    for world in sorted({w for w, _ in RESUME_LAYOUTS.values()}):
+        names = [n for n, (w, _) in RESUME_LAYOUTS.items() if w == world]
+        dirs = {n: str(tmp_path_factory.mktemp(n) / "ckpt") for n in names}
+        first_runs = []
+        for n in names:
+            flags = RESUME_LAYOUTS[n][1]
+            save = ["--save", dirs[n], "--save-interval", "3", "--exit-interval", "5"]
+            first_runs += [flags, flags + save + (["--async-save"] if "async" in n else [])]
+        firsts = _spawn(world, first_runs)
+        seconds = _spawn(world, [RESUME_LAYOUTS[n][1] + ["--load", dirs[n]] for n in names])
+        for i, n in enumerate(names):
+            out[n] = (firsts[2 * i], firsts[2 * i + 1], seconds[i], dirs[n])
+    return out
+
+
 @pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
-def test_resume_is_bit_identical(name, tmp_path):
-    world, flags = RESUME_LAYOUTS[name]
-    d = str(tmp_path / "ckpt")
-    save = ["--save", d, "--save-interval", "3", "--exit-interval", "5"] + (["--async-save"] if "async" in name else [])
-    straight, first = _spawn(world, [flags, flags + save])
+def test_resume_is_bit_identical(name, resumed):
+    straight, first, second, d = resumed[name]
     assert len(straight) == 10 and first == straight[:5]
     assert straight[0] - straight[-1] > 0.5, straight  # learnable data: a lost state cannot hide
     assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read().strip() == "5"
     assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000005", "latest_checkpointed_iteration.txt"]
-    (second,) = _spawn(world, [flags + ["--load", d]])
     assert second == straight[5:], f"{name}: resumed {second} vs straight {straight[5:]}"
 
 

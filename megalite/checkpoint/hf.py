@@ -50,6 +50,7 @@ class GPT2:
                 "n_head": c["num_attention_heads"], "n_inner": c["ffn_hidden_size"],
                 "activation_function": "gelu_new", "layer_norm_epsilon": c["layernorm_epsilon"],
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
+                "bos_token_id": None, "eos_token_id": None,  # GPT-2's 50256 is not in every vocabulary
                 "torch_dtype": c["params_dtype"]}
 
     @staticmethod
