@@ -48,7 +48,7 @@ class Reader:
     """Global tensors of one checkpoint directory, loaded on demand."""
 
     def __init__(self, path):
-        self.path, self.index, self._files = path, read_index(path), {}
+        self.path, self.index = path, read_index(path)
 
     def names(self):
         return list(self.index)
@@ -59,11 +59,18 @@ class Reader:
         e = self.index[name]
         out = torch.empty(e["size"], dtype=DTYPES[e["dtype"]])
         for c in e["chunks"]:
-            if c["file"] not in self._files:
-                self._files[c["file"]] = open_safetensors(os.path.join(self.path, c["file"]))
-            box = tuple(slice(o, o + n) for o, n in zip(c["offsets"], c["sizes"]))
-            out[box] = self._files[c["file"]].get_tensor(c["key"])
+            # Opened per chunk: a kept-open file stays mapped, and its read pages count as ours.
+            with open_safetensors(os.path.join(self.path, c["file"])) as f:
+                out[tuple(slice(o, o + n) for o, n in zip(c["offsets"], c["sizes"]))] = f.get_tensor(c["key"])
         return out
+
+
+def _save_file(tensors, path):
+    """safetensors' save_file writes tensor by tensor (no whole-file buffer), then fsync."""
+    from safetensors.torch import save_file
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def padded_vocab(vocab, divisible_by, tp):
@@ -131,11 +138,10 @@ class Writer:
             self._flush()
 
     def _flush(self):
-        from safetensors.torch import save
         for rank, tensors in self.buffers.items():
             k = self.files.get(rank, 0)
             name = f"__{rank}_{k}.safetensors"
-            fsync_write(os.path.join(self.tmp, name), save(tensors))
+            _save_file(tensors, os.path.join(self.tmp, name))
             self.files[rank] = k + 1
             for c in self.pending.pop(rank):
                 c["file"] = name
@@ -169,7 +175,6 @@ def reshard(load_dir, save_dir, tp, pp):
 
 def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30):
     """megalite -> a Hugging Face directory (config.json + safetensors shards + index)."""
-    from safetensors.torch import save
     path, meta = find_checkpoint(load_dir)
     cfg = meta["model_config"]
     arch = arch_for(cfg)
@@ -184,11 +189,11 @@ def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30):
         size += current[hf_name].numel() * current[hf_name].element_size()
         if size >= max_shard_bytes:
             shards.append(current)
-            fsync_write(os.path.join(save_dir, f"shard-{len(shards)}.tmp"), save(current, metadata={"format": "pt"}))
-            current, size = {}, 0
+            _save_file(current, os.path.join(save_dir, f"shard-{len(shards)}.tmp"))
+            shards[-1], current, size = list(current), {}, 0  # keep only the names
     if current or not shards:
-        shards.append(current)
-        fsync_write(os.path.join(save_dir, f"shard-{len(shards)}.tmp"), save(current, metadata={"format": "pt"}))
+        shards.append(list(current))
+        _save_file(current, os.path.join(save_dir, f"shard-{len(shards)}.tmp"))
     n, weight_map = len(shards), {}
     for i, tensors in enumerate(shards, 1):
         final = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
