@@ -18,28 +18,37 @@ Data a model can learn: sample i starts at a random symbol of an alphabet of ALP
 and then follows a fixed random permutation (a bigram chain), so the loss falls fast from
 ln V; `check_reference` asserts it falls by a clear margin. Warm-up 0, constant LR.
 
-API (tests/test_parity.py, tests/test_fault_injection.py use it):
+API (tests/test_parity.py and tests/test_fault_injection.py use it):
     layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dtype="fp32",
-           flags=(), model=(), base=BASE, fault=None) -> Layout
+           flags=(), model=(), base=BASE, fault=None, entry="pretrain_gpt", datasets=None)
+        -> Layout. flags: this layout's own extra flags; model: flags the reference gets too
+        (LLAMA, EIGHT_LAYERS, ...); entry: module with model_provider / forward_step
+        (pretrain_bert for BERT); datasets: a module-level provider instead of the bigram data.
     run_layouts(layouts, world_size, collect=None) -> [[rank result] per layout]
         one spawn of world_size ranks runs every layout in turn (all need that world size);
-        `collect(chunks, optimizer)` (module-level) adds anything to each rank's result.
-    reference(layout) -> result of the single-process run for that layout's base + dtype.
-    mismatches(layout, ranks, ref) -> list of messages naming layout, rank and tensor.
-    assert_parity(layout, ranks) -> compares against reference(layout); raises on mismatch.
+        `collect(chunks, optimizer)` (module-level) adds anything to a rank's result.
+        A rank result: {"losses", "norms", "grads": {name: full}, "params": {name: full},
+        "coords": (tp, pp, dp) rank, "collected"}.
+    train(layout, collect=None) -> one rank result, on the grid of the calling process.
+    reference(layout) -> the single-process result for the layout's base + model + dtype
+        (cached); check_reference(ref) asserts it learns.
+    errors(layout, ranks, ref) -> [(kind, message, relative error)]; worst(...) -> {kind: max}
+        (for a tolerance comment); mismatches(layout, ranks, ref, tol=None) -> messages above
+        tol (default TOLERANCE[dtype]), each naming layout, rank (tp, pp, dp) and tensor.
+    assert_parity(layout, ranks, tol=None) -> all of the above against reference(layout).
 A fault is a module-level function returning a context manager, applied in every rank
 around the layout's run (monkeypatching megalite); see tests/test_fault_injection.py.
 """
 
 import contextlib
 import dataclasses
+import importlib
 import math
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-import pretrain_gpt
 from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
@@ -51,34 +60,49 @@ VOCAB, ALPHABET, STEPS = 128, 24, 6
 MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
          f"--vocab-size {VOCAB} --make-vocab-size-divisible-by 8 --hidden-dropout 0 --attention-dropout 0").split()
 # Clipping at 1.0 engages (step-1 norms ~2), so a wrong norm changes the update too.
-# Adam eps 1e-4 instead of 1e-8: with a tiny eps Adam moves an element whose gradient is pure
+# Adam eps 1e-3 instead of 1e-8: with a tiny eps Adam moves an element whose gradient is pure
 # rounding noise (e.g. the attention key bias, whose gradient is mathematically zero) by
 # +-lr, whatever the noise's size, and layouts sum in different orders, so parameters would
-# differ by ~lr after one step. With eps 1e-4 such an element moves by lr * 1e-9 / 1e-4, while
-# real gradient elements (typically 1e-3..1e-1 here) still get Adam's normalised step.
+# differ by ~lr after one step. With eps 1e-3 such an element moves by lr * 1e-9 / 1e-3, and
+# gradients of a few 1e-4 (sums that nearly cancel) no longer turn last-bit differences into
+# parameter differences: the largest parameter error over seeds fell from 7.8e-6 (eps 1e-4,
+# TP2xPP2 interleaved Llama) to 3.0e-6 (over 25 layouts x seeds), well inside the 1e-5 bound; the loss still falls by
+# more than 0.5 in 6 steps.
 TRAIN = (f"--micro-batch-size 1 --global-batch-size 8 --train-iters {STEPS} --lr 1e-2 --lr-warmup-iters 0 "
-         "--lr-decay-style constant --clip-grad 1.0 --adam-eps 1e-4 --log-interval 1000 --eval-interval 0 "
+         "--lr-decay-style constant --clip-grad 1.0 --adam-eps 1e-3 --log-interval 1000 --eval-interval 0 "
          "--ddp-bucket-size 3000 --seed 1234").split()
 BASE = tuple(MODEL + TRAIN)
 # `model=` flavours: the Llama family (rotary positions, RMSNorm, SwiGLU, grouped-query
-# attention, no linear biases, untied output layer); 8 layers for PP4 interleaving.
+# attention, no linear biases, untied output layer); 8 layers for PP4 interleaving (at LR 1e-2
+# the 8-layer model's loss jumps back up by step 6; at 5e-3 over 8 steps it falls by 0.9-1.1
+# for seeds 1234, 2, 3).
 LLAMA = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--num-attention-heads", "8",
          "--group-query-attention", "--num-query-groups", "4", "--disable-bias-linear",
          "--untie-embeddings-and-output-weights")
-EIGHT_LAYERS = ("--num-layers", "8")
-# fp32 on CPU: DESIGN's bound. bf16 and fp16 against the single process in the same dtype:
-# every step-1 gradient is bit-identical except the tied word embedding's, which the single
-# process sums from its two uses in the parameter's dtype (autograd accumulates .grad before
-# the hook adds it to the fp32 main_grad) and a pipeline sums in fp32 (each stage's main_grad,
-# then the embedding all-reduce): one ulp of its largest element (bf16 2^-8 = 3.9e-3, fp16
-# 2^-11 = 4.9e-4). Later steps carry that on. Measured, pp2 (this machine, torch 2.13 CPU):
-# bf16 embedding grads 1.9e-3, losses 1.0e-4, norms 3.9e-3, params 9.5e-3; fp16 embedding
-# grads 4.8e-4, losses 1.1e-5, norms 2.5e-4, params 1.0e-3; other grads 0. Bounds: about
-# twice the measurements (other grads: 1e-5). An injected fault is O(1).
+EIGHT_LAYERS = ("--num-layers", "8", "--lr", "5e-3", "--train-iters", "8")
+# fp32 on CPU: DESIGN's bound, for every kind. bf16 and fp16 against the single process in the
+# same dtype, pp2: step 1 is exact except for the tied word embedding, whose gradient the single
+# process sums from its two uses in the parameter's dtype (autograd accumulates .grad before the
+# hook adds it to the fp32 main_grad) and a pipeline sums in fp32 (each stage's main_grad, then
+# the embedding all-reduce): up to one ulp of its largest element (bf16 2^-8 = 3.9e-3, fp16
+# 2^-11 = 4.9e-4), which moves the step-1 norm slightly. Later steps carry that on and drift
+# chaotically (one flipped rounding changes the next forward), so "losses", "norms" (all
+# steps) and "params" get bounds from measurement; "losses@1" / "norms@1" (step 1) and "grads"
+# stay tight. Measured, largest over seeds 1234, 1, 2, 3, 4 (this machine, torch 2.13 CPU):
+#   bf16: losses@1 0, norms@1 8.8e-5, grads 0, embedding grads 2.1e-3, losses 3.5e-3,
+#         norms 4.9e-2, params 1.6e-2
+#   fp16: losses@1 0, norms@1 2.8e-6, grads 0, embedding grads 4.8e-4 (earlier init code),
+#         losses 1.1e-4, norms 1.2e-3, params 1.3e-3
+# Bounds: about 2-3x those (embedding grads: 1 ulp bf16, 2 ulp fp16). Every injected fault is
+# O(1) at step 1. These hold for PP: layouts that reorder sums in the low-precision dtype (TP)
+# differ at step 1 already (TP2 bf16 grads 1.3e-2); such a test passes its own `tol`, with its
+# measurement.
 TOLERANCE = {"fp32": 1e-5,
-             "bf16": {"losses": 2e-4, "norms": 8e-3, "grads": 1e-5, "embedding grads": 4e-3, "params": 2e-2},
-             "fp16": {"losses": 2e-5, "norms": 5e-4, "grads": 1e-5, "embedding grads": 1e-3, "params": 2e-3}}
-KINDS = ("losses", "norms", "grads", "embedding grads", "params")
+             "bf16": {"losses@1": 1e-5, "norms@1": 2e-4, "grads": 1e-5, "embedding grads": 4e-3,
+                      "losses": 1e-2, "norms": 0.1, "params": 4e-2},
+             "fp16": {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-3,
+                      "losses": 3e-4, "norms": 3e-3, "params": 3e-3}}
+KINDS = ("losses@1", "losses", "norms@1", "norms", "grads", "embedding grads", "params")
 DTYPE_FLAGS = {"fp32": (), "bf16": ("--bf16",), "fp16": ("--fp16", "--initial-loss-scale", "4096")}
 TIED = "embedding.word_embeddings.weight"
 
@@ -91,6 +115,8 @@ class Layout:
     base: tuple = BASE  # model and training flags shared with the reference
     world_size: int = 1
     fault: object = None  # module-level function -> context manager, applied in each rank
+    entry: str = "pretrain_gpt"  # module with model_provider and forward_step (Megatron's contract)
+    datasets: object = None  # module-level datasets provider; None: learnable_datasets
 
     def argv(self):
         return list(self.base) + list(DTYPE_FLAGS[self.dtype]) + list(self.flags)
@@ -100,7 +126,7 @@ class Layout:
 
 
 def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dtype="fp32", flags=(),
-           model=(), base=BASE, fault=None):
+           model=(), base=BASE, fault=None, entry="pretrain_gpt", datasets=None):
     """vp: layers per virtual pipeline stage; zero: 0 (plain optimizer), 1 or 2;
     recompute: None, "full" (uniform, 1 layer per checkpoint) or "selective"; flags: more
     flags of this layout only; model: flags that change the model or training (e.g.
@@ -116,7 +142,8 @@ def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dt
         f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif recompute is not None:
         f += ["--recompute-granularity", recompute]
-    return Layout(name, tuple(f) + tuple(flags), dtype, tuple(base) + tuple(model), tp * pp * dp, fault)
+    return Layout(name, tuple(f) + tuple(flags), dtype, tuple(base) + tuple(model), tp * pp * dp, fault, entry,
+                  datasets)
 
 
 # -- learnable data ------------------------------------------------------------------------
@@ -187,8 +214,11 @@ def _named(chunks):
             yield name, p
 
 
+VOCAB_PARAMS = ("word_embeddings", "output_layer")  # parameters with padded vocabulary rows
+
+
 def _cut_vocab(name, t, vocab):
-    return t[:vocab] if ("word_embeddings" in name or "output_layer" in name) else t
+    return t[:vocab] if any(v in name for v in VOCAB_PARAMS) else t
 
 
 def train(lay, collect=None):
@@ -198,8 +228,9 @@ def train(lay, collect=None):
     fault = lay.fault() if lay.fault is not None else contextlib.nullcontext()
     try:
         with recording(record), fault:
-            losses, chunks, opt = pretrain(learnable_datasets, pretrain_gpt.model_provider,
-                                           pretrain_gpt.forward_step, args, return_state=True)
+            entry = importlib.import_module(lay.entry)
+            losses, chunks, opt = pretrain(lay.datasets or learnable_datasets, entry.model_provider,
+                                           entry.forward_step, args, return_state=True)
         out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},
                "coords": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                           ps.get_data_parallel_rank())}
@@ -230,12 +261,12 @@ _REFERENCES = {}
 
 def reference(lay):
     """The single-process run for this layout's base and dtype (cached per process)."""
-    key = tuple(lay.reference_argv())
+    key = (tuple(lay.reference_argv()), lay.entry, lay.datasets)
     if key not in _REFERENCES:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as the spawned ranks; faster for these shapes too
         try:
-            _REFERENCES[key] = train(Layout("reference", (), lay.dtype, lay.base))
+            _REFERENCES[key] = train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
         finally:
             torch.set_num_threads(threads)
     return _REFERENCES[key]
@@ -244,7 +275,7 @@ def reference(lay):
 def check_reference(ref, margin=0.5):
     """The reference must learn: its loss falls by `margin` nats over the steps."""
     losses = ref["losses"]
-    assert len(losses) == STEPS and losses[0] - losses[-1] >= margin, \
+    assert len(losses) >= STEPS and losses[0] - losses[-1] >= margin, \
         f"the reference does not learn (losses {losses}); a broken update could hide"
 
 
@@ -263,9 +294,12 @@ def errors(lay, ranks, ref):
         where = f"{lay.name} rank (tp, pp, dp)={r['coords']}"
         for what in ("losses", "norms"):
             errs = [_rel_scalar(a, b) for a, b in zip(r[what], ref[what])]
-            e = max(errs, default=0.0) if len(r[what]) == len(ref[what]) else math.inf
-            out.append((what, f"{where}: {what} {r[what]} vs single process {ref[what]}", e))
-        for what, label in (("grads", "step-1 grad before clipping"), ("params", f"param after {STEPS} steps")):
+            if len(r[what]) != len(ref[what]) or not errs:
+                errs = [math.inf]
+            out.append((what + "@1", f"{where}: step-1 {what[:-1]} {r[what][:1]} vs single process {ref[what][:1]}",
+                        errs[0]))
+            out.append((what, f"{where}: {what} {r[what]} vs single process {ref[what]}", max(errs)))
+        for what, label in (("grads", "step-1 grad before clipping"), ("params", f"param after {len(ref['losses'])} steps")):
             for name, t in r[what].items():
                 want = ref[what].get(name.replace(" [last-stage copy]", ""))
                 seen.add(name)

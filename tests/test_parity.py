@@ -1,12 +1,12 @@
 """Every parallel layout trains like the single-process model (tests/parity.py): step-1
 gradients before clipping, grad norms, losses and parameters after several steps, on data the
-model learns. Two spawns: one of two ranks and one of eight, each running many layouts.
+model learns. One spawn per world size (2, 3, 4, 8), each running many layouts.
 """
 
 import pytest
 
 from megalite.pipeline import schedules
-from parity import EIGHT_LAYERS, LLAMA, assert_parity, check_reference, layout, reference, run_layouts
+from parity import EIGHT_LAYERS, LLAMA, TOLERANCE, assert_parity, check_reference, layout, reference, run_layouts
 
 TWO = [
     layout("pp2_1f1b", pp=2),
@@ -22,6 +22,26 @@ TWO = [
     layout("pp2_bf16", pp=2, dtype="bf16"),
     layout("pp2_fp16", pp=2, dtype="fp16"),
 ]
+# Odd sizes: ZeRO buckets padded to a multiple of 3, three pipeline stages.
+THREE = [
+    layout("pp3_uneven_2_1_1", pp=3, flags=("--decoder-first-pipeline-num-layers", "2")),
+    layout("dp3_zero2", dp=3, zero=2, model=("--global-batch-size", "12")),
+]
+FOUR = [
+    layout("pp2_dp2_uneven_tied_zero2", pp=2, dp=2, zero=2, flags=("--decoder-first-pipeline-num-layers", "1")),
+    layout("tp2_pp2_interleaved_llama", tp=2, pp=2, vp=1, model=LLAMA),
+    layout("tp2_pp2_interleaved_zero1_overlap_gather", tp=2, pp=2, vp=1, zero=1, flags=("--overlap-param-gather",)),
+    layout("pp2_dp2_recompute_block", pp=2, dp=2, flags=("--recompute-granularity", "full", "--recompute-method",
+                                                          "block", "--recompute-num-layers", "1")),
+    layout("tp2_dp2_sp_recompute_full_zero2", tp=2, dp=2, sp=True, zero=2, recompute="full"),
+    layout("pp4_uneven_2_1_1_2_untied", pp=4, model=("--num-layers", "6", "--untie-embeddings-and-output-weights"),
+           flags=("--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2")),
+    layout("pp2_dp2_interleaved_zero2_bf16", pp=2, dp=2, vp=1, zero=2, dtype="bf16"),
+    layout("pp2_dp2_zero1_fp16", pp=2, dp=2, zero=1, dtype="fp16"),
+]
+# DP reorders the fp32 gradient sums, so fp16 weights round differently from step 2 on:
+# measured norms 2.7e-3 at most (seed 1234) against parity.TOLERANCE's 3e-3 for PP.
+TOL = {"pp2_dp2_zero1_fp16": {**TOLERANCE["fp16"], "norms": 6e-3}}
 EIGHT = [
     layout("tp2_pp2_dp2_sp", tp=2, pp=2, dp=2, sp=True),
     layout("tp2_pp2_dp2_sp_no_overlap", tp=2, pp=2, dp=2, sp=True, flags=("--no-overlap-grad-reduce",)),
@@ -47,6 +67,16 @@ def two():
 
 
 @pytest.fixture(scope="module")
+def three():
+    return dict(zip((lay.name for lay in THREE), run_layouts(THREE, 3, collect=schedule_record)))
+
+
+@pytest.fixture(scope="module")
+def four():
+    return dict(zip((lay.name for lay in FOUR), run_layouts(FOUR, 4, collect=schedule_record)))
+
+
+@pytest.fixture(scope="module")
 def eight():
     return dict(zip((lay.name for lay in EIGHT), run_layouts(EIGHT, 8, collect=schedule_record)))
 
@@ -57,10 +87,11 @@ def test_two_ranks_match_single_process(two, lay):
     _check_1f1b(lay, two[lay.name])
 
 
-@pytest.mark.parametrize("lay", EIGHT, ids=lambda lay: lay.name)
-def test_eight_ranks_match_single_process(eight, lay):
-    assert_parity(lay, eight[lay.name])
-    _check_1f1b(lay, eight[lay.name])
+@pytest.mark.parametrize("lay", THREE + FOUR + EIGHT, ids=lambda lay: lay.name)
+def test_more_ranks_match_single_process(request, lay):
+    ranks = request.getfixturevalue({3: "three", 4: "four", 8: "eight"}[lay.world_size])[lay.name]
+    assert_parity(lay, ranks, TOL.get(lay.name))
+    _check_1f1b(lay, ranks)
 
 
 def test_references_learn():
@@ -70,13 +101,15 @@ def test_references_learn():
 
 def _check_1f1b(lay, ranks):
     """Non-interleaved pipelines run 1F1B: the op order and the activation-memory bound."""
-    if "--pipeline-model-parallel-size" not in lay.flags or "--num-layers-per-virtual-pipeline-stage" in lay.flags:
+    if "--num-layers-per-virtual-pipeline-stage" in lay.flags:
         return
+    argv = lay.argv()
+    batch = int(argv[len(argv) - argv[::-1].index("--global-batch-size")])  # the last one given
     for r in ranks:
         pp, ops, max_alive = r["collected"]
-        stage, m = r["coords"][1], 8 // (lay.world_size // pp // _tp(lay))
         if pp == 1:
             return
+        stage, m = r["coords"][1], batch // (lay.world_size // pp // _tp(lay))
         assert ops == one_f_one_b(pp, stage, m), f"{lay.name} stage {stage}: {ops}"
         assert max_alive == min(pp - stage, m), f"{lay.name} stage {stage}: {max_alive} micro-batches alive at once"
 
