@@ -27,14 +27,6 @@ from megalite.transformer.rope import rotary_cos_sin
 from megalite.transformer.utils import param_seed
 
 
-def _init_real_rows(std, real):
-    """Normal init for the real vocabulary rows, zeros for padding rows."""
-    def init_(t):
-        t.zero_()
-        nn.init.normal_(t[:real], mean=0.0, std=std)
-    return init_
-
-
 class GPTEmbedding(nn.Module):
     def __init__(self, config, padded_vocab):
         super().__init__()
@@ -94,7 +86,7 @@ class GPTModel(nn.Module):
             std = c.init_method_std
             self.output_layer = ColumnParallelLinear(
                 c.hidden_size, self.padded_vocab_size, bias=False,
-                init_method=_init_real_rows(std, c.vocab_size),
+                init_method=init_normal(std, real_rows=c.vocab_size),  # zero padding rows
                 sequence_parallel=c.sequence_parallel,
                 init_seed=param_seed(c.seed, "embedding.word_embeddings" if self.share_embeddings_and_output_weights
                                      else "output_layer"),

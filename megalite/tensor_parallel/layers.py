@@ -1,8 +1,9 @@
 """Tensor-parallel linear and embedding layers.
 
-Initialisation never depends on the TP size: each layer initialises the full ("master")
-weight from a seed, then keeps its own shard. A model built with TP=4 therefore holds
-exactly the slices of the TP=1 model's weights, which is what parity tests compare.
+Initialisation never depends on the TP size, and each rank builds only its own shard: a
+weight with a seed and an `init_normal` method is defined tile by tile from per-tile seeds
+(see tensor_parallel/init.py), so a model built with TP=4 holds exactly the slices of the
+TP=1 model's weights, which is what parity tests compare, at 1/4 of the start-up work.
 """
 
 import math
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import parallel_state as ps
+from megalite.tensor_parallel.init import init_block, init_master, init_normal  # noqa: F401 (re-exported)
 from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -22,33 +24,17 @@ from megalite.tensor_parallel.mappings import (
 )
 
 
-def init_normal(std):
-    def init_(t):
-        return nn.init.normal_(t, mean=0.0, std=std)
-    return init_
-
-
-def init_master(shape, init_method, seed):
-    """The full weight, drawn from `seed` (or from the current default RNG if None).
-
-    A per-parameter seed makes the weights independent of which layers a pipeline stage
-    builds and in which order.
-    """
-    w = torch.empty(shape, dtype=torch.float32)
-    if seed is None:
-        init_method(w)
-        return w
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        init_method(w)
-    return w
+def shard_row_ranges(rows, tp, rank, chunks=1):
+    """This rank's row ranges of a [rows, ...] weight sharded by rows. With chunks > 1 the rows
+    are `chunks` stacked blocks (e.g. [gate; up] for SwiGLU) and the rank takes its slice of each."""
+    block = rows // chunks
+    per = block // tp
+    return [(c * block + rank * per, c * block + (rank + 1) * per) for c in range(chunks)]
 
 
 def shard_rows(master, tp, rank, chunks=1):
-    """This rank's rows of `master`. With chunks > 1 the rows are `chunks` stacked blocks
-    (e.g. [gate; up] for SwiGLU) and the rank takes its slice of each block."""
-    blocks = master.chunk(chunks, dim=0)
-    return torch.cat([b.chunk(tp, dim=0)[rank] for b in blocks], dim=0)
+    """This rank's rows of a full `master` (same layout as shard_row_ranges)."""
+    return torch.cat([master[a:b] for a, b in shard_row_ranges(master.shape[0], tp, rank, chunks)], dim=0)
 
 
 def _set_tp_attrs(param, is_parallel, dim):
@@ -82,9 +68,9 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and tp > 1
         device = device or ps.get_device()
         init_method = init_method or init_normal(0.02)
-        master = init_master((output_size, input_size), init_method, init_seed)
-        w = shard_rows(master, tp, rank, shard_chunks)
-        self.weight = nn.Parameter(w.to(device=device, dtype=params_dtype))
+        w = init_block((output_size, input_size), init_method, init_seed,
+                       shard_row_ranges(output_size, tp, rank, shard_chunks), (0, input_size), device)
+        self.weight = nn.Parameter(w.to(dtype=params_dtype))
         _set_tp_attrs(self.weight, True, 0)
         self.weight.shard_chunks = shard_chunks
         if bias:
@@ -129,9 +115,10 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear with sequence_parallel needs input_is_parallel=True")
         device = device or ps.get_device()
         init_method = init_method or init_normal(0.02)
-        master = init_master((output_size, input_size), init_method, init_seed)
-        w = master.chunk(tp, dim=1)[rank].contiguous()
-        self.weight = nn.Parameter(w.to(device=device, dtype=params_dtype))
+        per = self.input_size_per_partition
+        w = init_block((output_size, input_size), init_method, init_seed, [(0, output_size)],
+                       (rank * per, (rank + 1) * per), device)
+        self.weight = nn.Parameter(w.to(dtype=params_dtype))
         _set_tp_attrs(self.weight, True, 1)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=params_dtype))
@@ -174,10 +161,16 @@ class VocabParallelEmbedding(nn.Module):
         self.reduce_scatter = reduce_scatter and tp > 1
         real = real_vocab_size or num_embeddings
         init_method = init_method or init_normal(0.02)
-        master = torch.zeros(num_embeddings, embedding_dim)
-        master[:real] = init_master((real, embedding_dim), init_method, init_seed)
-        w = master[self.vocab_start_index:self.vocab_end_index].contiguous()
-        self.weight = nn.Parameter(w.to(device=device or ps.get_device(), dtype=params_dtype))
+        device = device or ps.get_device()
+        rows = [(self.vocab_start_index, self.vocab_end_index)]
+        if getattr(init_method, "std", None) is not None:
+            w = init_block((num_embeddings, embedding_dim), init_normal(init_method.std, real), init_seed, rows,
+                           (0, embedding_dim), device)
+        else:  # a custom init: the real rows from the seed, zero padding
+            master = torch.zeros(num_embeddings, embedding_dim)
+            master[:real] = init_master((real, embedding_dim), init_method, init_seed)
+            w = master[self.vocab_start_index:self.vocab_end_index].to(device)
+        self.weight = nn.Parameter(w.to(dtype=params_dtype))
         _set_tp_attrs(self.weight, True, 0)
         self.weight.real_vocab_size = real  # rows past it are padding (checkpoints store only real rows)
 
