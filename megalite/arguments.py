@@ -114,6 +114,15 @@ def build_parser():
       choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
     a("--tokenizer-model", default=None)
     a("--vocab-size", type=int, default=None)
+    # operations (megalite/training.py)
+    a("--distributed-timeout-minutes", type=int, default=10,
+      help="a collective waiting longer than this on a dead or hung peer fails (every group)")
+    a("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true", default=True,
+      help="stop before the optimizer step on a NaN/Inf loss or gradient (default on)")
+    a("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false")
+    a("--exit-signal-handler", action="store_true",
+      help="on SIGTERM: save (with --save) at the next iteration boundary on every rank and exit 0")
+    a("--exit-duration-in-mins", type=float, default=None, help="save (with --save) and exit after this long")
     # checkpoints (megalite/checkpointing.py)
     a("--save", default=None, help="directory to save checkpoints in")
     a("--load", default=None, help="directory to resume from (no checkpoint there: train from scratch)")
@@ -205,6 +214,10 @@ def _validate_checkpoint_args(args):
     if args.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {args.ckpt_format} is not supported: megalite reads and writes torch_dist "
                           "checkpoints only; remove the flag (convert others with tools/convert_checkpoint.py)")
+    if args.distributed_timeout_minutes < 1:
+        raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be >= 1")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0")
     for flag in ("save_interval", "exit_interval"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
@@ -270,4 +283,5 @@ def training_config(args):
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis, log_interval=args.log_interval, eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters, seed=args.seed, fused_kernels=not args.no_fused_kernels)
+        eval_iters=args.eval_iters, seed=args.seed, fused_kernels=not args.no_fused_kernels,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)

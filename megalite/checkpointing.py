@@ -86,7 +86,7 @@ def _group():
     if not dist.is_initialized():
         return None
     if _pending["group"] is None:
-        _pending["group"] = dist.new_group(backend="gloo")
+        _pending["group"] = ps.new_group(backend="gloo")
     return _pending["group"]
 
 

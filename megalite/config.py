@@ -133,6 +133,7 @@ class TrainingConfig:
     eval_iters: int = 10
     seed: int = 1234
     fused_kernels: bool = True  # fused AdamW (Triton) on CUDA
+    check_for_nan_in_grad: bool = True  # stop before an update with a NaN/Inf grad norm
 
     @property
     def params_dtype(self):

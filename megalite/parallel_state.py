@@ -40,20 +40,58 @@ def rank_of(tp_rank, dp_rank, pp_rank, tp, dp):
     return tp_rank + tp * (dp_rank + dp * pp_rank)
 
 
-def initialize_distributed(backend=None, timeout_s=600):
-    """Initialise torch.distributed from torchrun's environment if it is not yet.
+_TIMEOUT = None  # --distributed-timeout-minutes, for every group
 
-    NCCL when CUDA is present, gloo otherwise, unless `backend` says.
+
+def initialize_distributed(backend=None, timeout_s=600):
+    """Initialise torch.distributed from torchrun's environment if it is not yet; returns
+    whether this call did (and so owns the teardown, see shutdown_distributed).
+
+    NCCL when CUDA is present, gloo otherwise, unless `backend` says. `timeout_s` bounds
+    every collective of every group: a dead or hung peer fails the survivors after it.
     """
+    global _TIMEOUT
+    _TIMEOUT = timedelta(seconds=timeout_s)
     if dist.is_initialized():
-        return
+        return False
     if "RANK" not in os.environ:
-        return  # plain `python script.py`: single process, no groups
+        return False  # plain `python script.py`: single process, no groups
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend, timeout=_TIMEOUT, **_restart_safe_store())
+    return True
+
+
+def _restart_safe_store():
+    """Under torchrun the agent's store outlives a restart (--max-restarts), and the groups'
+    keys are not per attempt: restarted ranks would read a dead peer's address and fail to
+    connect. A prefix per attempt gives each restart clean keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=_TIMEOUT)
+    return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}/", store), "rank": rank, "world_size": world}
+
+
+def new_group(ranks=None, backend=None):
+    """A process group with the job's timeout (Megatron's --distributed-timeout-minutes)."""
+    kw = {"timeout": _TIMEOUT} if _TIMEOUT is not None else {}
+    return dist.new_group(ranks, backend=backend, **kw)
+
+
+def shutdown_distributed(barrier=True):
+    """End of job: every rank done (barrier), then all groups destroyed in one call, so no
+    communication thread is left for the interpreter to tear down at exit. Without the
+    barrier on an error path, where peers may never arrive."""
+    destroy_model_parallel()
+    if dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -84,29 +122,29 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     for d in range(dp):
         for p in range(pp):
             ranks = [rank_of(t, d, p, tp, dp) for t in range(tp)]
-            g = dist.new_group(ranks)
+            g = new_group(ranks)
             if rank in ranks:
                 grid.tp_group = g
     for t in range(tp):
         for p in range(pp):
             ranks = [rank_of(t, d, p, tp, dp) for d in range(dp)]
-            g = dist.new_group(ranks)
+            g = new_group(ranks)
             if rank in ranks:
                 grid.dp_group = g
     for t in range(tp):
         for d in range(dp):
             ranks = [rank_of(t, d, p, tp, dp) for p in range(pp)]
-            g = dist.new_group(ranks)
+            g = new_group(ranks)
             if rank in ranks:
                 grid.pp_group, grid.pp_ranks = g, ranks
             if pp > 1:  # tied word embeddings live on the first and last stage
                 emb = [ranks[0], ranks[-1]]
-                g = dist.new_group(emb)
+                g = new_group(emb)
                 if rank in emb:
                     grid.emb_group, grid.emb_ranks = g, emb
     for d in range(dp):
         ranks = [rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)]
-        g = dist.new_group(sorted(ranks))
+        g = new_group(sorted(ranks))
         if rank in ranks:
             grid.mp_group = g
     _GRID = grid

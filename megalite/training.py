@@ -7,6 +7,7 @@ Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in M
 """
 
 import math
+import signal
 import time
 
 import torch
@@ -19,17 +20,29 @@ from megalite.checkpointing import (
     check_save_dir,
     finish_checkpointing,
     load_checkpoint,
+    read_tracker,
     save_checkpoint,
     unwrap_checkpoint_error,
 )
 from megalite.config import ConfigError, fail
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
-from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank
+from megalite.distributed.collectives import any_rank, average_over_data_parallel, broadcast_from_last_rank
 from megalite.flops import num_floating_point_operations
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
+from megalite.optimizer.optimizer import NonFiniteGradError
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
 from megalite.tensor_parallel import model_parallel_manual_seed
+
+
+_SIGTERM = {"got": False}
+
+
+def _abort(msg, owns):
+    """A run that cannot go on: one line per rank, groups released, non-zero exit."""
+    if owns:
+        ps.shutdown_distributed(barrier=False)
+    fail(msg)
 
 
 def print_rank_last(msg):
@@ -98,6 +111,8 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
     """Check --save early; load --load. Returns (iteration, consumed train, consumed valid) or None."""
     if args.save:
         check_save_dir(args.save)
+        if not args.load and read_tracker(args.save) is not None:
+            args.load = args.save  # a restarted job resumes by itself (torchrun --max-restarts)
     if not args.load:
         return None
     try:
@@ -167,7 +182,11 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     """Train per the command line; returns the list of per-iteration lm losses (and, with
     return_state, the model chunks and optimizer too)."""
     args = args or parse_args()
-    ps.initialize_distributed(args.distributed_backend)
+    started = time.time()
+    owns = ps.initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes * 60)
+    if args.exit_signal_handler:
+        _SIGTERM["got"] = False
+        signal.signal(signal.SIGTERM, lambda *_: _SIGTERM.update(got=True))
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  args.virtual_pipeline_model_parallel_size)
     model_parallel_manual_seed(args.seed)
@@ -182,14 +201,14 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
         train_ds, valid_ds, _ = datasets_provider(args, num_samples)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        _abort(str(e).splitlines()[0] if str(e) else type(e).__name__, owns)
     if not do_eval:
         valid_ds = None
     try:
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider)
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
     except (ConfigError, CheckpointError) as e:
-        fail(str(e))
+        _abort(str(e), owns)
     start_iter, consumed_train, consumed_valid = start or (0, 0, 0)
     num_micro = tcfg.num_microbatches(dp)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
@@ -207,11 +226,18 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     for c in chunks:
         c.train()
     for it in range(start_iter + 1, args.train_iters + 1):
-        reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
-                                                  shape, dtype)
+        try:
+            reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
+                                                      shape, dtype)
+        except NonFiniteGradError as e:
+            where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
+            _abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped before "
+                   "the optimizer step. Lower --lr, check the data, or use --bf16 / loss scaling", owns)
         scheduler.step()
         lr = optimizer.param_groups[0]["lr"]  # as Megatron logs it: after the scheduler step
         loss = _mean_loss(reported)
+        if args.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
+            _abort(f"iteration {it}: the lm loss is {loss}; stopped", owns)
         losses.append(loss)
         window_losses.append(loss)  # the forward's loss is valid even when the step was skipped
         skipped += 0 if stepped else 1
@@ -250,6 +276,15 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
                 saved_at = it
             print_rank_last(f"megalite: exiting at iteration {it} (--exit-interval {args.exit_interval})")
             break
+        if args.exit_signal_handler or args.exit_duration_in_mins:
+            why = "SIGTERM received" if _SIGTERM["got"] else "--exit-duration-in-mins reached" if \
+                args.exit_duration_in_mins and time.time() - started > 60 * args.exit_duration_in_mins else None
+            if any_rank(why is not None):  # every rank stops at the same iteration
+                if args.save and saved_at != it:
+                    save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, it * g, consumed_valid)
+                    saved_at = it
+                print_rank_last(f"megalite: exiting at iteration {it} ({why or 'another rank asked to stop'})")
+                break
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
     last = start_iter + len(losses)
@@ -261,4 +296,6 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
                         f"last lm loss {losses[-1]:.4f}")
     if writer is not None:
         writer.close()
+    if owns and not return_state:
+        ps.shutdown_distributed()  # a finished job exits 0: no communication thread left behind
     return (losses, chunks, optimizer) if return_state else losses

@@ -1,5 +1,6 @@
 """Small collectives the training loop needs (so it never touches process groups itself)."""
 
+import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
@@ -19,3 +20,11 @@ def broadcast_from_last_rank(values):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(values, src=dist.get_world_size() - 1)
     return values
+
+
+def any_rank(flag):
+    """True on every rank when it is True on any (one one-element all-reduce)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=ps.get_device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

@@ -6,12 +6,23 @@ fills, so low-precision gradients are never accumulated. fp16 scales the loss an
 a step (counted) whenever any rank of the model-parallel group saw inf/nan.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.optimizer.clip_grads import clip_grads, get_grad_norm
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
+
+
+class NonFiniteGradError(RuntimeError):
+    """The global grad norm is NaN/Inf (outside fp16 loss scaling); `param` names this rank's
+    first non-finite gradient, or is None when the bad values live on another rank."""
+
+    def __init__(self, grad_norm, param):
+        super().__init__(f"grad norm {grad_norm}")
+        self.grad_norm, self.param = grad_norm, param
 
 
 def no_weight_decay(name, param):
@@ -34,6 +45,7 @@ class MixedPrecisionOptimizer:
         self.config = c
         named = [(n, p) for m in model_chunks for n, p in m.named_parameters() if p.requires_grad]
         self.model_params = [p for _, p in named]
+        self.names = [n for n, _ in named]  # aligned with _grads(), for error messages
         low_precision = c.bf16 or c.fp16
         self.main_params = [p.detach().float().clone() if low_precision else p for p in self.model_params]
         for mp in self.main_params:
@@ -98,6 +110,10 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 return False, None
         grad_norm = self._grad_norm(grads)
+        if self.config.check_for_nan_in_grad and not math.isfinite(grad_norm):
+            # Before the update: a NaN norm would disable clipping and write NaN into every weight.
+            bad = next((n for n, g in zip(self.names, grads) if not torch.isfinite(g).all()), None)
+            raise NonFiniteGradError(grad_norm, bad)
         clip_grads(grads, self.config.clip_grad, grad_norm)
         self._adam_update(grads, self._copies())
         self._after_step()

@@ -1,0 +1,143 @@
+"""Operations through the real launcher (torchrun): clean exits, a killed rank restarted and
+resumed, SIGTERM saving and exiting 0, NaN stopping before the update.
+
+Data: a Megatron-format file of bigram-chain documents (NullTokenizer ids), written here, so
+losses fall and a resume that lost state would show.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import pretrain_gpt
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+         "--global-batch-size 8 --hidden-dropout 0.1 --attention-dropout 0.1 --lr 1e-2 --lr-warmup-iters 0 "
+         "--log-interval 1 --eval-interval 0 --tokenizer-type NullTokenizer --vocab-size 63 --split 100,0,0 "
+         "--make-vocab-size-divisible-by 8").split()
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+)")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Documents that follow a fixed random permutation of 40 symbols from a random start."""
+    prefix = str(tmp_path_factory.mktemp("ops") / "chain_text_document")
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(40)
+    b = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.int32)
+    for _ in range(400):
+        doc = [int(rng.integers(40))]
+        for _ in range(int(rng.integers(20, 60))):
+            doc.append(int(perm[doc[-1]]))
+        b.add_document(doc + [63], [len(doc) + 1])  # 63: the NullTokenizer's end of document
+    b.finalize(index_file_path(prefix))
+    return ["--data-path", prefix, "--data-cache-path", str(tmp_path_factory.mktemp("cache"))]
+
+
+def torchrun(args, cwd, nproc=4, extra=(), **kw):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *extra,
+           os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *args]
+    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def losses(text):
+    return {int(i): v for i, v in LOSS.findall(text)}
+
+
+def wait_for(proc, pattern, timeout=240):
+    """Read the job's output until `pattern` appears; returns what was read."""
+    out, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append(line)
+        if re.search(pattern, line):
+            return "".join(out)
+    raise AssertionError(f"{pattern!r} never appeared:\n{''.join(out)[-2000:]}")
+
+
+def workers(proc):
+    """The ranks torchrun started (children of its agent)."""
+    r = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    return [int(x) for x in r.stdout.split()]
+
+
+def test_finished_jobs_exit_zero(tmp_path, data):
+    # (each torchrun test below checks its exit code too; benchmarks/clean_exit.py runs 20)
+    for i in range(2):
+        p = torchrun(data + ["--train-iters", "3"], tmp_path)
+        out = p.communicate(timeout=240)[0]
+        assert p.returncode == 0 and "megalite: done 3 iterations" in out, f"run {i}: exit {p.returncode}\n{out[-2000:]}"
+
+
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path, data):
+    job = data + ["--train-iters", "8", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    p = torchrun(job, tmp_path, extra=["--max-restarts", "1"])
+    before = wait_for(p, r"iteration\s+5/")
+    victim = workers(p)[-1]
+    os.kill(victim, signal.SIGKILL)  # a rank dies mid-training
+    out = before + p.communicate(timeout=300)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert "loaded checkpoint" in out  # the restarted workers found --save by themselves
+    ref = torchrun(data + ["--train-iters", "8"], tmp_path)
+    ref_out = ref.communicate(timeout=240)[0]
+    assert ref.returncode == 0, ref_out[-2000:]
+    expect = losses(ref_out)
+    resumed = losses(out[out.index("loaded checkpoint"):])
+    assert sorted(resumed) == [5, 6, 7, 8] or sorted(resumed) == [7, 8], resumed
+    for it, v in resumed.items():
+        assert v == expect[it], f"iteration {it}: {v} after the restart, {expect[it]} uninterrupted"
+    assert float(expect[8]) < float(expect[1]) - 0.5  # the data is learnable
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path, data):
+    d = tmp_path / "ckpt"
+    p = torchrun(data + ["--train-iters", "50", "--save", str(d), "--exit-signal-handler"], tmp_path)
+    before = wait_for(p, r"iteration\s+3/")
+    for pid in workers(p):  # as a scheduler does before preemption
+        os.kill(pid, signal.SIGTERM)
+    out = before + p.communicate(timeout=240)[0]
+    assert p.returncode == 0, out[-3000:]
+    m = re.search(r"exiting at iteration (\d+) \(SIGTERM received\)", out)
+    assert m, out[-2000:]
+    assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == m.group(1)
+
+
+def test_nan_gradient_stops_before_the_update(tmp_path, data, capsys, monkeypatch):
+    import megalite.training as training
+    real, calls = training.finalize_model_grads, []
+
+    def poisoned(chunks):
+        real(chunks)
+        calls.append(1)
+        if len(calls) == 3:
+            p = dict(chunks[0].module.named_parameters())["decoder.layers.1.mlp.linear_fc2.weight"]
+            p.main_grad[0, 0] = float("nan")
+            poisoned.weights = {n: q.detach().clone() for n, q in chunks[0].module.named_parameters()}
+            poisoned.chunks = chunks
+
+    monkeypatch.setattr(training, "finalize_model_grads", poisoned)
+    args = parse_args(MODEL + data + ["--train-iters", "5"], world_size=1)
+    try:
+        with pytest.raises(SystemExit) as e:
+            training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                              args)
+    finally:
+        ps.destroy_model_parallel()
+    assert e.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "iteration 3" in err[0] and "decoder.layers.1.mlp.linear_fc2.weight" in err[0], err
+    after = dict(poisoned.chunks[0].module.named_parameters())
+    for n, w in poisoned.weights.items():  # nothing was updated with the NaN
+        assert (after[n].detach() == w).all(), n
