@@ -196,7 +196,7 @@ def recording(record):
             local = _full_local_grads(self, self._grads())
             record["grads"] = {k: v / scale for k, v in local.items()}
         stepped, norm = original(self)
-        record["norms"].append(norm if stepped else float("nan"))
+        record["norms"].append(float(norm) if stepped and norm is not None else float("nan"))
         return stepped, norm
     MixedPrecisionOptimizer.step = step
     try:
