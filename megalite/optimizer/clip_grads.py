@@ -4,6 +4,10 @@ Each distinct gradient element is counted once: TP-duplicated parameters (norms,
 biases) only on TP rank 0, the last pipeline stage's copy of tied word embeddings not at
 all. Squared norms are summed over the model-parallel group (TP x PP); gradients are equal
 across DP after the reduction, so DP adds nothing.
+
+No host synchronisation and no kernel per parameter: the local norms come from one
+torch._foreach_norm per device/dtype group, the clip factor stays a device tensor and is
+applied with one torch._foreach_mul_. Only get_grad_norm (the float for logging) reads it.
 """
 
 import torch
@@ -18,27 +22,51 @@ def counted_once(param):
     return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
 
 
-def get_grad_norm(params, grads, sharded_over_dp=False):
-    """L2 norm of the gradients of `params` (parallel lists) over the model-parallel group;
-    with sharded_over_dp (ZeRO: each DP rank holds a disjoint slice) summed over DP too."""
-    device = ps.get_device()
+def _foreach_sq_norm(grads, device):
+    """Sum of squared L2 norms of `grads` as a 1-element fp32 tensor on `device`."""
     sq = torch.zeros(1, dtype=torch.float32, device=device)
-    for p, g in zip(params, grads):
-        if counted_once(p):
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2  # no gradient-sized temporary
+    groups = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (_, dtype), group in groups.items():
+        low = dtype in (torch.float16, torch.bfloat16)  # accumulate those in fp32
+        norms = torch._foreach_norm(group, 2.0, dtype=torch.float32 if low else None)  # one launch per group
+        sq += torch.stack(norms).float().square().sum().to(device)
+    return sq
+
+
+def grad_norm_tensor(params, grads, sharded_over_dp=False):
+    """L2 norm of the gradients of `params` (parallel lists) over the model-parallel group, as a
+    1-element device tensor (no host sync); with sharded_over_dp (ZeRO: each DP rank holds a
+    disjoint slice) summed over DP too."""
+    sq = _foreach_sq_norm([g for p, g in zip(params, grads) if counted_once(p)], ps.get_device())
     if sharded_over_dp and ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(sq, group=ps.get_data_parallel_group())
     group = ps.get_model_parallel_group()
     if group is not None and ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(sq, group=group)
-    return sq.sqrt().item()
+    return sq.sqrt()
+
+
+def get_grad_norm(params, grads, sharded_over_dp=False):
+    """grad_norm_tensor as a Python float (one host sync)."""
+    return grad_norm_tensor(params, grads, sharded_over_dp).item()
 
 
 def clip_grads(grads, max_norm, total_norm):
-    """Scale grads in place so their global norm is at most max_norm."""
-    if max_norm <= 0:
+    """Scale grads in place so their global norm is at most max_norm. total_norm: a float or a
+    device tensor (then the factor min(1, max_norm / (norm + 1e-6)) is computed and applied on
+    the device, without reading it on the host)."""
+    if max_norm <= 0 or not grads:
+        return
+    if isinstance(total_norm, torch.Tensor):
+        coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
+        groups = {}
+        for g in grads:
+            groups.setdefault(g.device, []).append(g)
+        for dev, group in groups.items():
+            torch._foreach_mul_(group, coef.reshape(()).to(dev))
         return
     coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+        torch._foreach_mul_(list(grads), coef)

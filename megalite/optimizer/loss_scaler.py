@@ -1,5 +1,26 @@
 """Dynamic loss scaling for fp16 (Megatron's DynamicGradScaler semantics)."""
 
+import torch
+
+
+def unscale_and_find_inf_(grads, inv_scale, found_inf=None):
+    """grads *= inv_scale in place and a 1-element fp32 device tensor that is 1.0 when any of
+    them holds inf/NaN: one fused pass per device/dtype group
+    (torch._amp_foreach_non_finite_check_and_unscale_), no host sync, no kernel per parameter."""
+    groups = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    if found_inf is None:
+        found_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for (dev, _), group in groups.items():
+        flag = found_inf if dev == found_inf.device else torch.zeros(1, dtype=torch.float32, device=dev)
+        inv = torch.full((), float(inv_scale), dtype=torch.float32, device=dev) \
+            if not isinstance(inv_scale, torch.Tensor) else inv_scale.reshape(()).float().to(dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
+        if flag is not found_inf:
+            found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
+    return found_inf
+
 
 class ConstantLossScaler:
     def __init__(self, scale=1.0):

@@ -136,7 +136,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:
-            y = reduce_from_tensor_model_parallel_region(y)
+            y = reduce_from_tensor_model_parallel_region(y, inplace=True)  # fresh GEMM output
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias
@@ -183,7 +183,7 @@ class VocabParallelEmbedding(nn.Module):
             out = F.embedding(ids, self.weight)
         if self.reduce_scatter:
             return reduce_scatter_to_sequence_parallel_region(out)
-        return reduce_from_tensor_model_parallel_region(out)
+        return reduce_from_tensor_model_parallel_region(out, inplace=True)  # fresh lookup
 
 
 def padded_vocab_size(vocab_size, divisible_by, tp):

@@ -92,12 +92,17 @@ class _Copy(torch.autograd.Function):
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, inplace):
+        n, group = _tp()
+        if inplace and n > 1 and x.is_contiguous():  # a fresh GEMM output: no copy
+            ctx.mark_dirty(x)
+            dist.all_reduce(x, group=group)
+            return x
         return _reduce(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g
+        return g, None
 
 
 class _ScatterLast(torch.autograd.Function):
@@ -160,9 +165,10 @@ def copy_to_tensor_model_parallel_region(x):
     return _Copy.apply(x)
 
 
-def reduce_from_tensor_model_parallel_region(x):
-    """All-reduce over TP forward; identity backward."""
-    return _Reduce.apply(x)
+def reduce_from_tensor_model_parallel_region(x, inplace=False):
+    """All-reduce over TP forward; identity backward. inplace=True: x is a fresh tensor nobody
+    else reads (a GEMM's output) and is reduced in its own storage instead of a copy."""
+    return _Reduce.apply(x, inplace)
 
 
 def scatter_to_tensor_model_parallel_region(x):
