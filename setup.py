@@ -29,8 +29,9 @@ setup(
         # megatron-core: the data-format cross-checks against Megatron's own code
         # (tests/data/test_data_megatron_compat.py); its core needs only torch, numpy, packaging.
         # transformers: the HF conversion tests load real GPT2LMHeadModel / LlamaForCausalLM.
-        "test": ["pytest", "megatron-core>=0.16", "transformers"],
+        "test": ["pytest", "megatron-core>=0.16", "transformers", "matplotlib"],
         "hf": ["transformers", "safetensors"],
         "tensorboard": ["tensorboard"],
+        "plot": ["matplotlib"],  # tools/plot_metrics.py
     },
 )

@@ -105,6 +105,16 @@ def build_parser():
     a("--eval-interval", type=int, default=100)
     a("--eval-iters", type=int, default=5)
     a("--tensorboard-dir", default=None)
+    a("--log-json", default=None, help="append one JSON object per logged iteration / evaluation to this file")
+    a("--log-throughput", action="store_true", help="accepted: the log line always shows TFLOP/s per GPU")
+    a("--log-params-norm", action="store_true", help="log the norm of all parameters")
+    a("--log-num-zeros-in-grad", action="store_true", help="log the number of zero gradient elements")
+    a("--log-validation-ppl-to-tensorboard", action="store_true")
+    a("--log-memory-to-tensorboard", action="store_true", help="peak device memory (CUDA) or peak RSS (CPU)")
+    a("--log-timers-to-tensorboard", action="store_true", help="forward-backward and optimizer times")
+    a("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+      help="accepted: megalite has one level of timers (--log-timers-to-tensorboard)")
+    a("--skip-train", action="store_true", help="no training: evaluate (validation and test) and exit")
     # data
     a("--data-path", nargs="*", default=None)
     a("--split", default="969,30,1")
@@ -194,6 +204,8 @@ def validate_args(args):
     if (args.recompute_method is not None or args.recompute_num_layers is not None) and \
             args.recompute_granularity != "full":
         raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if args.skip_train and not (args.eval_interval > 0 and args.eval_iters > 0):
+        raise ConfigError("--skip-train evaluates only: it needs --eval-iters > 0 and --eval-interval > 0")
     _validate_checkpoint_args(args)
     if args.mock_data and args.data_path:
         raise ConfigError("--mock-data and --data-path are exclusive; pick one")

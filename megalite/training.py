@@ -26,12 +26,15 @@ from megalite.checkpointing import (
 )
 from megalite.config import ConfigError, fail
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
-from megalite.distributed.collectives import any_rank, average_over_data_parallel, broadcast_from_last_rank
+from megalite.distributed.collectives import any_rank
+from megalite.evaluation import evaluate, mean_loss, run_forward_backward
 from megalite.flops import num_floating_point_operations
+from megalite.logger import MetricsLogger, print_rank_last
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
+from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.optimizer import NonFiniteGradError
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
-from megalite.pipeline.schedules import get_forward_backward_func, pipeline_tensor_shape
+from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.tensor_parallel import model_parallel_manual_seed
 
 
@@ -43,12 +46,6 @@ def _abort(msg, owns):
     if owns:
         ps.shutdown_distributed(barrier=False)
     fail(msg)
-
-
-def print_rank_last(msg):
-    """Megatron logs from the last rank: it holds the loss (last pipeline stage)."""
-    if ps.global_rank() == ps.world_size() - 1:
-        print(msg, flush=True)
 
 
 def build_data_iterator(dataset, consumed_samples, args):
@@ -126,56 +123,31 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
     return loaded
 
 
-def _fwd_bwd(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
-    fwd_bwd = get_forward_backward_func()
-    model = chunks if len(chunks) > 1 else chunks[0]
-    data = iters if len(chunks) > 1 else iters[0]
-    return fwd_bwd(forward_step_func, data, model, num_microbatches, tensor_shape=shape, dtype=dtype, **kw)
-
-
-def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype):
+def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None):
+    t0 = time.perf_counter()
     for c in chunks:
         c.zero_grad_buffer()
-    reported = _fwd_bwd(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
-                        loss_scale=optimizer.loss_scale)
+    reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
+                                    loss_scale=optimizer.loss_scale)
+    t1 = time.perf_counter()
     finalize_model_grads(chunks)
     stepped, grad_norm = optimizer.step()
+    if timers is not None:  # --log-timers-to-tensorboard (host-side times)
+        timers.update({"forward-backward": t1 - t0, "optimizer": time.perf_counter() - t1})
     return reported, stepped, grad_norm
 
 
-def _mean_loss(reported):
-    """Mean over micro-batches and DP ranks, the same number on every rank."""
-    dev = ps.get_device()
-    if reported:
-        vals = torch.stack([r["lm loss"].float() for r in reported]).mean().reshape(1).to(dev)
-        vals = average_over_data_parallel(vals)
-    else:  # a stage without the loss (pipeline)
-        vals = torch.zeros(1, device=dev)
-    return broadcast_from_last_rank(vals).item()
-
-
-def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, shape, dtype):
-    for c in chunks:
-        c.eval()
-    losses = []
-    with torch.no_grad():
-        for _ in range(eval_iters):
-            reported = _fwd_bwd(forward_step_func, iters, chunks, num_microbatches, shape, dtype, forward_only=True)
-            losses.append(_mean_loss(reported))
-    for c in chunks:
-        c.train()
-    return sum(losses) / len(losses)
-
-
-def _tensorboard(args):
-    """The writer on the last rank; the import is checked on every rank so all fail alike."""
-    if not args.tensorboard_dir:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        fail("--tensorboard-dir needs the tensorboard package: pip install 'megalite[tensorboard]'")
-    return SummaryWriter(log_dir=args.tensorboard_dir) if ps.global_rank() == ps.world_size() - 1 else None
+def _grad_stats(args, chunks, optimizer):
+    """--log-params-norm / --log-num-zeros-in-grad (each one all-reduce over the model)."""
+    out = {}
+    if args.log_params_norm:
+        params = [p for c in chunks for p in c.parameters()]
+        out["params_norm"] = global_norm_and_zeros(params, params)[0]
+    if args.log_num_zeros_in_grad:
+        sharded = hasattr(optimizer, "pieces")
+        params = [pc.param for pc in optimizer.pieces] if sharded else optimizer.model_params
+        out["num_zeros"] = global_norm_and_zeros(params, optimizer._grads(), True, sharded)[1]
+    return out
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
@@ -196,14 +168,14 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     num_samples = (args.train_iters * g,
                    (args.train_iters // args.eval_interval + 1) * args.eval_iters * g if do_eval else 0,
                    args.eval_iters * g)
-    writer = _tensorboard(args)
+    log = MetricsLogger(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
-        train_ds, valid_ds, _ = datasets_provider(args, num_samples)
+        train_ds, valid_ds, test_ds = datasets_provider(args, num_samples)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         _abort(str(e).splitlines()[0] if str(e) else type(e).__name__, owns)
     if not do_eval:
-        valid_ds = None
+        valid_ds = test_ds = None
     try:
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider)
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
@@ -215,27 +187,32 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} "
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
                     f"{n_params:,} | micro-batches per iteration: {num_micro}")
+    if args.skip_train or start_iter >= args.train_iters:
+        train_ds = None  # nothing left to train on: no iterator (its position may be at the end)
     train_iters = chunk_iterators(build_data_iterator(train_ds, consumed_train, args), len(chunks))
-    valid_iters = chunk_iterators(build_data_iterator(valid_ds, consumed_valid, args), len(chunks))
+    # The validation set is sized for every evaluation of a run; a resumed run's extra final
+    # evaluation (or --skip-train) starts again from its beginning.
+    valid_pos = consumed_valid % len(valid_ds) if valid_ds is not None and len(valid_ds) else 0
+    valid_iters = chunk_iterators(build_data_iterator(valid_ds, valid_pos, args), len(chunks))
     shape, dtype = pipeline_tensor_shape(mcfg, args.micro_batch_size), mcfg.params_dtype
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
     flops_per_iter = num_floating_point_operations(mcfg, g, padded) if padded else 0.0
     losses, skipped, skipped_before, window, window_losses = [], 0, 0, start_iter, []
-    saved_at = start_iter
+    saved_at, timers = start_iter, ({} if args.log_timers_to_tensorboard else None)
     window_start = time.perf_counter()
     for c in chunks:
         c.train()
-    for it in range(start_iter + 1, args.train_iters + 1):
+    for it in range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1):
         try:
             reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
-                                                      shape, dtype)
+                                                      shape, dtype, timers)
         except NonFiniteGradError as e:
             where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
             _abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped before "
                    "the optimizer step. Lower --lr, check the data, or use --bf16 / loss scaling", owns)
         scheduler.step()
         lr = optimizer.param_groups[0]["lr"]  # as Megatron logs it: after the scheduler step
-        loss = _mean_loss(reported)
+        loss = mean_loss(reported)
         if args.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
             _abort(f"iteration {it}: the lm loss is {loss}; stopped", owns)
         losses.append(loss)
@@ -247,25 +224,15 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
             elapsed = (time.perf_counter() - window_start) / (it - window)
             tflops = flops_per_iter / (elapsed * ps.world_size()) / 1e12
             shown = sum(window_losses) / len(window_losses) if window_losses else float("nan")
-            gn = f"{grad_norm:.3f}" if grad_norm is not None else "nan"
-            print_rank_last(
-                f" iteration {it:8d}/{args.train_iters:8d} | consumed samples: {it * g:12d} | "
-                f"elapsed time per iteration (ms): {elapsed * 1000:.1f} | "
-                f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f} | learning rate: {lr:.6E} | "
-                f"global batch size: {g:5d} | lm loss: {shown:.6E} | loss scale: {optimizer.loss_scale:.1f} | "
-                f"grad norm: {gn} | number of skipped iterations: {skipped - skipped_before:3d} |")
-            if writer is not None:
-                writer.add_scalar("lm loss", shown, it)
-                writer.add_scalar("learning-rate", lr, it)
-                writer.add_scalar("loss-scale", optimizer.loss_scale, it)
-                if grad_norm is not None:
-                    writer.add_scalar("grad-norm", grad_norm, it)
+            log.iteration(it, {"consumed": it * g, "elapsed": elapsed, "tflops": tflops, "lr": lr,
+                               "losses": {"lm loss": shown}, "loss_scale": optimizer.loss_scale,
+                               "grad_norm": grad_norm, "skipped": skipped - skipped_before, "timers": timers,
+                               **_grad_stats(args, chunks, optimizer)})
             window, window_losses, skipped_before = it, [], skipped
             window_start = time.perf_counter()
         if valid_ds is not None and it % args.eval_interval == 0:
-            v = evaluate(forward_step_func, valid_iters, chunks, num_micro, args.eval_iters, shape, dtype)
-            print_rank_last(f" validation loss at iteration {it} | lm loss value: {v:.6E} | "
-                            f"lm loss PPL: {math.exp(min(v, 20)):.6E} |")
+            log.evaluation(it, "validation", evaluate(forward_step_func, valid_iters, chunks, num_micro,
+                                                      args.eval_iters, shape, dtype))
             consumed_valid += args.eval_iters * g
         if args.save and args.save_interval and it % args.save_interval == 0:
             save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, it * g, consumed_valid)
@@ -294,8 +261,14 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     if losses:
         print_rank_last(f"megalite: done {last} iterations | first lm loss {losses[0]:.4f} | "
                         f"last lm loss {losses[-1]:.4f}")
-    if writer is not None:
-        writer.close()
+    # As Megatron, after training: the validation set (where it was left) and the test set.
+    for split, ds in (("validation", valid_ds), ("test", test_ds)):
+        if ds is not None:
+            its = valid_iters if split == "validation" else \
+                chunk_iterators(build_data_iterator(ds, 0, args), len(chunks))
+            log.evaluation(last, split, evaluate(forward_step_func, its, chunks, num_micro, args.eval_iters,
+                                                 shape, dtype), final=True)
+    log.close()
     if owns and not return_state:
         ps.shutdown_distributed()  # a finished job exits 0: no communication thread left behind
     return (losses, chunks, optimizer) if return_state else losses

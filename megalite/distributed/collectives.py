@@ -28,3 +28,4 @@ def any_rank(flag):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+

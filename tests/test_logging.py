@@ -1,0 +1,70 @@
+"""Evaluation and logging: --log-json lines, final validation + test evaluation, --skip-train
+on a loaded checkpoint, --log-params-norm, tools/plot_metrics.py."""
+
+import json
+import re
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import pretrain_gpt
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.checkpoint.convert import Reader, find_checkpoint
+from megalite.training import pretrain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ("--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
+       "--vocab-size 128 --make-vocab-size-divisible-by 8 --train-iters 6 --log-interval 2 --eval-interval 3 "
+       "--eval-iters 2 --hidden-dropout 0 --attention-dropout 0").split()
+
+
+def _train(argv, capsys):
+    args = parse_args(RUN + argv, world_size=1)
+    try:
+        pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+    finally:
+        ps.destroy_model_parallel()
+    return capsys.readouterr().out
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_log_json_evaluations_skip_train_and_plot(tmp_path, capsys):
+    log, ckpt = str(tmp_path / "run.jsonl"), str(tmp_path / "ckpt")
+    out = _train(["--log-json", log, "--log-params-norm", "--log-num-zeros-in-grad", "--save", ckpt], capsys)
+    rows = _rows(log)
+    train = [r for r in rows if "lm loss" in r]
+    assert [r["iteration"] for r in train] == [2, 4, 6]
+    for r in train:
+        for k in ("learning-rate", "grad-norm", "throughput", "params-norm", "num-zeros", "memory-mb"):
+            assert k in r and math.isfinite(r[k]), (k, r)
+    valid = [r["iteration"] for r in rows if "validation lm loss" in r]
+    assert valid == [3, 6, 6]  # every --eval-interval, then the final validation as Megatron
+    test = [r for r in rows if "test lm loss" in r]
+    assert len(test) == 1 and "validation loss at the end of training for test data" in out
+    # the logged parameter norm is the norm of the weights the checkpoint holds
+    path, _ = find_checkpoint(ckpt)
+    rd = Reader(path)
+    norm = math.sqrt(sum(rd.get(n).double().pow(2).sum().item() for n in rd.names() if not n.startswith("optim")))
+    assert abs(train[-1]["params-norm"] - norm) <= 1e-6 * norm
+    # --skip-train evaluates the loaded checkpoint: the same test loss, no training line
+    out2 = _train(["--load", ckpt, "--skip-train", "--log-json", str(tmp_path / "eval.jsonl")], capsys)
+    again = _rows(str(tmp_path / "eval.jsonl"))
+    assert not [r for r in again if "lm loss" in r] and not re.search(r" iteration +\d+/", out2)
+    assert [r["test lm loss"] for r in again if "test lm loss" in r] == [test[0]["test lm loss"]]
+    # the plot
+    pytest.importorskip("matplotlib", reason="tools/plot_metrics.py needs matplotlib (the [test] extra has it)")
+    png = str(tmp_path / "run.png")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_metrics.py"), log, "-o", png],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png) > 10_000
