@@ -54,6 +54,11 @@ class ModelConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None
     fused_kernels: bool = True  # Triton kernels on CUDA; CPU always uses the torch path
     seed: int = 1234  # initialisation seed (topology independent)
+    model_type: str = "gpt"  # "gpt" or "bert": which model (and HF architecture) the weights are
+    layernorm_position: str = "pre"  # "pre" (x + f(norm(x))) or "post" (norm(x + f(x)), original BERT)
+    gelu: str = "tanh"  # "tanh" (approximation, as GPT-2) or "exact" (erf, as BERT)
+    num_tokentypes: int = 0  # segment (token-type) embeddings; BERT uses 2
+    bert_binary_head: bool = True  # BERT: pooler + sentence-order / next-sentence head
 
     def __post_init__(self):
         h, a = self.hidden_size, self.num_attention_heads
@@ -76,6 +81,10 @@ class ModelConfig:
                               "learned_absolute, rope")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(f"--normalization {self.normalization!r} is not one of LayerNorm, RMSNorm")
+        for field, allowed in (("model_type", ("gpt", "bert")), ("layernorm_position", ("pre", "post")),
+                               ("gelu", ("tanh", "exact"))):
+            if getattr(self, field) not in allowed:
+                raise ConfigError(f"{field} {getattr(self, field)!r} is not one of {', '.join(allowed)}")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r} is not one of full, selective")
         if self.recompute_granularity == "full":

@@ -48,21 +48,29 @@ class GPTEmbedding(nn.Module):
             self.position_embeddings.weight.sequence_parallel = c.sequence_parallel and \
                 ps.get_tensor_model_parallel_world_size() > 1
 
-    def forward(self, input_ids, position_ids=None):
-        c = self.config
+    def sequence_slice(self, ids):
+        """ids [s, ...] -> this rank's sequence slice under SP (the rows its activations hold)."""
+        if self.word_embeddings.reduce_scatter:
+            n, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            return ids.chunk(n, dim=0)[r]
+        return ids
+
+    def embed(self, input_ids, position_ids=None):
+        """Word + position embeddings, [s(/TP under SP), b, h], before dropout."""
         x = self.word_embeddings(input_ids.t())  # [s(/TP under SP), b, h]
         if self.position_embeddings is not None:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-            pos = position_ids.t()  # [s, b or 1]
-            if self.word_embeddings.reduce_scatter:
-                n, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-                pos = pos.chunk(n, dim=0)[r]
-            x = x + self.position_embeddings(pos)
+            x = x + self.position_embeddings(self.sequence_slice(position_ids.t()))  # [s, b or 1]
+        return x
+
+    def dropout(self, x):
         sp = self.word_embeddings.reduce_scatter
         with get_rng_tracker().fork() if sp else contextlib.nullcontext():
-            x = nn.functional.dropout(x, p=c.hidden_dropout, training=self.training)
-        return x
+            return nn.functional.dropout(x, p=self.config.hidden_dropout, training=self.training)
+
+    def forward(self, input_ids, position_ids=None):
+        return self.dropout(self.embed(input_ids, position_ids))
 
 
 class GPTModel(nn.Module):

@@ -16,7 +16,8 @@ from megalite.transformer.utils import output_init_std, param_seed
 
 def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None):
     """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given
-    (bool [b, 1 or h, sq, sk], True = masked out).
+    (bool [b, 1 or h, sq, sk], True = masked out; a key-padding mask [b, 1, 1, sk] runs flash
+    attention on CUDA).
 
     Dropout on attention probabilities drops this rank's heads only, so it draws from the
     per-TP-rank stream (`get_rng_tracker().fork()`), whichever path runs: flash attention
@@ -24,8 +25,11 @@ def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None):
     GQA: k/v keep their hkv heads on every path (no repeat_interleave copies)."""
     p = dropout_p if training else 0.0
     triton = fused and kernels.use_triton(q)
-    if triton and attn_mask is None:  # the default on CUDA, attention dropout or not
+    key_padding = attn_mask is not None and attn_mask.shape[1:3] == (1, 1)  # [b, 1, 1, sk]: BERT's padding
+    if triton and (attn_mask is None or key_padding):  # the default on CUDA, attention dropout or not
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            if key_padding:
+                return kernels.flash_attention(q, k, v, causal=False, dropout_p=p, key_padding_mask=~attn_mask[:, 0, 0])
             return kernels.flash_attention(q, k, v, causal=True, dropout_p=p)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if triton:

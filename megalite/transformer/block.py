@@ -21,7 +21,9 @@ class TransformerBlock(nn.Module):
             (str(layer_offset + i), TransformerLayer(config, layer_offset + i + 1, f"{prefix}.layers.{layer_offset + i}"))
             for i in range(n))
         self._stack = list(self.layers.values())  # in order, for slicing
-        self.final_layernorm = build_norm(config, config.hidden_size) if post_process else None
+        # Post-norm layers end normalised: no final norm then.
+        self.final_layernorm = build_norm(config, config.hidden_size) \
+            if post_process and config.layernorm_position == "pre" else None
 
     def _run(self, start, end):
         def run(x, rotary, attn_mask):

@@ -1,4 +1,5 @@
-"""A pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+"""A transformer layer: pre-norm x + attn(norm(x)), then + mlp(norm(x)) (GPT, default), or
+post-norm norm(x + attn(x)), then norm(x + mlp(x)) (original BERT: layernorm_position "post")."""
 
 import contextlib
 
@@ -17,10 +18,17 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number  # global, 1-based (as Megatron), whatever the stage
-        self.input_layernorm = build_norm(config, config.hidden_size)
+        self.post_norm = config.layernorm_position == "post"
+        if not self.post_norm:
+            self.input_layernorm = build_norm(config, config.hidden_size)
         self.self_attention = SelfAttention(config, prefix + ".self_attention")
-        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
+        if self.post_norm:
+            self.post_attention_layernorm = build_norm(config, config.hidden_size)
+        else:
+            self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         self.mlp = MLP(config, prefix + ".mlp")
+        if self.post_norm:
+            self.post_mlp_layernorm = build_norm(config, config.hidden_size)
 
     def _bias_dropout_add(self, out_bias, residual):
         out, bias = out_bias
@@ -35,5 +43,8 @@ class TransformerLayer(nn.Module):
         return residual + out
 
     def forward(self, x, rotary=None, attn_mask=None):
+        if self.post_norm:
+            x = self.post_attention_layernorm(self._bias_dropout_add(self.self_attention(x, rotary, attn_mask), x))
+            return self.post_mlp_layernorm(self._bias_dropout_add(self.mlp(x), x))
         x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), rotary, attn_mask), x)
         return self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)

@@ -1,4 +1,4 @@
-"""The feed-forward block: h -> ffn (GeLU, or SwiGLU with [gate | up]) -> h, sharded over TP."""
+"""The feed-forward block: h -> ffn (GeLU tanh or exact, or SwiGLU with [gate | up]) -> h, sharded over TP."""
 
 import torch.nn.functional as F
 from torch import nn
@@ -43,5 +43,11 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h, b = self.linear_fc1(x)
-        h = swiglu(h, b, self.config.fused_kernels) if self.config.swiglu else bias_gelu(h, b, self.config.fused_kernels)
+        c = self.config
+        if c.swiglu:
+            h = swiglu(h, b, c.fused_kernels)
+        elif c.gelu == "exact":  # erf GeLU (BERT); the fused kernel is the tanh approximation
+            h = F.gelu(h if b is None else h + b)
+        else:
+            h = bias_gelu(h, b, c.fused_kernels)
         return self.linear_fc2(h)
