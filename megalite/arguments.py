@@ -18,10 +18,10 @@ NOT_IMPLEMENTED = {
     "--fp8-format", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion", "--apply-query-key-layer-scaling", "--use-checkpoint-args",
     "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-    "--lr-warmup-fraction", "--train-samples", "--rampup-batch-size", "--tokenizer-model-type", "--vocab-file",
+    "--lr-warmup-fraction", "--train-samples", "--rampup-batch-size", "--tokenizer-model-type",
     "--merge-file", "--qk-layernorm",
     "--apply-residual-connection-post-layernorm", "--squared-relu", "--use-rotary-position-embeddings",
-    "--rotary-percent", "--openai-gelu", "--onnx-safe", "--bert-no-binary-head", "--defer-embedding-wgrad-compute",
+    "--rotary-percent", "--onnx-safe", "--defer-embedding-wgrad-compute",
     "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--wandb-project",
 }
 
@@ -63,6 +63,15 @@ def build_parser():
     a("--transformer-impl", default="local", choices=["local"])
     a("--use-mcore-models", action="store_true", help="accepted for compatibility: megalite has one model code")
     a("--attention-softmax-in-fp32", action="store_true", help="accepted: softmax always accumulates in fp32")
+    # BERT (pretrain_bert.py)
+    a("--bert-binary-head", dest="bert_binary_head", action="store_true", default=True,
+      help="BERT: pooler + sentence-order head (default, as Megatron)")
+    a("--bert-no-binary-head", dest="bert_binary_head", action="store_false", help="BERT: MLM only")
+    a("--mask-prob", type=float, default=0.15, help="BERT: fraction of tokens chosen for MLM")
+    a("--short-seq-prob", type=float, default=0.1, help="BERT: probability of a shorter target sample length")
+    a("--layernorm-position", default=None, choices=["pre", "post"],
+      help="post: norm(x + f(x)) (original BERT; pretrain_bert's default); pre: x + f(norm(x)) (GPT's default)")
+    a("--openai-gelu", action="store_true", help="BERT: tanh-approximated GeLU (GPT always uses it) instead of erf")
     # parallelism
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
@@ -121,8 +130,10 @@ def build_parser():
     a("--data-cache-path", default=None)
     a("--mock-data", action="store_true")
     a("--tokenizer-type", default=None,
-      choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+      choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase",
+               "BertWordPieceCase"])
     a("--tokenizer-model", default=None)
+    a("--vocab-file", default=None, help="BertWordPieceLowerCase/Case: the WordPiece vocab.txt")
     a("--vocab-size", type=int, default=None)
     # operations (megalite/training.py)
     a("--distributed-timeout-minutes", type=int, default=10,
@@ -153,16 +164,18 @@ def build_parser():
     return p
 
 
-def parse_args(argv=None, world_size=None):
-    """Parse and validate; on a user error print one line and exit non-zero."""
+def parse_args(argv=None, world_size=None, defaults=None):
+    """Parse and validate; on a user error print one line and exit non-zero. defaults: an
+    entry point's own (Megatron's args_defaults), e.g. pretrain_bert's {"model_type": "bert"}."""
     try:
-        return _parse(argv, world_size)
+        return _parse(argv, world_size, defaults)
     except ConfigError as e:
         fail(str(e))
 
 
-def _parse(argv, world_size):
+def _parse(argv, world_size, defaults=None):
     parser = build_parser()
+    parser.set_defaults(**{"model_type": "gpt", **(defaults or {})})
     args, unknown = parser.parse_known_args(argv)
     for tok in unknown:
         if tok.startswith("--"):
@@ -207,6 +220,7 @@ def validate_args(args):
     if args.skip_train and not (args.eval_interval > 0 and args.eval_iters > 0):
         raise ConfigError("--skip-train evaluates only: it needs --eval-iters > 0 and --eval-interval > 0")
     _validate_checkpoint_args(args)
+    _validate_bert(args)
     if args.mock_data and args.data_path:
         raise ConfigError("--mock-data and --data-path are exclusive; pick one")
     if not args.group_query_attention:
@@ -243,6 +257,25 @@ def _validate_checkpoint_args(args):
     if given and os.environ.get("RANK", "0") == "0":
         print(f"megalite: {' '.join(given)} accepted; megalite's checkpoint writer is always fully parallel",
               flush=True)
+
+
+def _validate_bert(args):
+    bert = args.model_type == "bert"
+    if args.layernorm_position is None:
+        args.layernorm_position = "post" if bert else "pre"
+    if not bert:
+        return
+    if args.untie_embeddings_and_output_weights:
+        raise ConfigError("BERT ties its MLM output layer to the word embeddings; remove "
+                          "--untie-embeddings-and-output-weights")
+    if args.position_embedding_type != "learned_absolute":
+        raise ConfigError(f"BERT uses learned absolute positions; remove --position-embedding-type "
+                          f"{args.position_embedding_type}")
+    if not 0.0 < args.mask_prob < 1.0 or not 0.0 <= args.short_seq_prob <= 1.0:
+        raise ConfigError(f"--mask-prob {args.mask_prob} must be in (0, 1) and --short-seq-prob "
+                          f"{args.short_seq_prob} in [0, 1]")
+    if args.seq_length < 8:
+        raise ConfigError(f"--seq-length {args.seq_length}: a BERT sample [CLS] A [SEP] B [SEP] needs at least 8")
 
 
 def _validate_pipeline(args):
@@ -282,7 +315,15 @@ def model_config(args, vocab_size):
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-        params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed)
+        params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed,
+        **_bert_fields(args))
+
+
+def _bert_fields(args):
+    bert = args.model_type == "bert"
+    return dict(model_type=args.model_type, layernorm_position=args.layernorm_position,
+                gelu="exact" if bert and not args.openai_gelu else "tanh", num_tokentypes=2 if bert else 0,
+                bert_binary_head=bert and args.bert_binary_head)
 
 
 def training_config(args):
