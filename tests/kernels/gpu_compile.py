@@ -12,8 +12,9 @@ cache dedupes identical specializations, so each distinct build is compiled once
 
 Registers and local memory (spills) come from the bundled cuobjdump's resource usage on the
 cubin; shared memory from Triton's metadata (what the launch asks the driver for).
-Must run with TRITON_INTERPRET unset (it sets it to 0 before importing triton); the test
-runs it in a subprocess for that reason.
+Must build in a process where `kernels` was not imported under TRITON_INTERPRET=1 (build()
+sets it to 0 before importing kernels); the test runs it in a subprocess for that reason, and
+importing this module changes nothing.
 """
 import argparse
 import importlib
@@ -25,13 +26,10 @@ import sys
 import tempfile
 import time
 
-os.environ["TRITON_INTERPRET"] = "0"
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's notice; its default
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
 
 SMEM_LIMIT = {90: 232448, 80: 166912}  # max dynamic shared memory per block (opt-in), bytes
 KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "layer_norm", "rms_norm",
@@ -186,6 +184,10 @@ CASES = [
 
 def build(arch, only=None):
     """Compile every case for sm_<arch>; returns one row per distinct compiled kernel, plus errors."""
+    if "kernels" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("gpu_compile.build: kernels was imported under TRITON_INTERPRET=1; run in a fresh process")
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence triton 3.9's notice; its default
     triton.runtime.driver.set_active(_TargetOnlyDriver(arch))
     _warmup_instead_of_launch()
     K = importlib.import_module("kernels")
@@ -269,6 +271,10 @@ def main(argv=None):
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--only", help="only cases whose group or label contains this")
     a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # triton has read it already: start afresh
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run([sys.executable, os.path.abspath(__file__)] + (sys.argv[1:] if argv is None else argv),
+                              env=env).returncode
     if len(a.arch) == 1:
         results = [build(a.arch[0], a.only)]
     else:
