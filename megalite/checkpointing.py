@@ -44,6 +44,7 @@ from megalite.checkpoint.storage import (
     fsync_dir,
     fsync_write,
     read_json,
+    validate_files,
 )
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -247,6 +248,7 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
         opt = optimizer_entries(optimizer, chunks, for_save=False)
         optional = {k for k in opt if k.startswith("optimizer.main_param.")}  # absent in fp32 checkpoints
         entries.update(opt)
+    validate_files(path)  # a corrupt or foreign file: one clean line on every rank, before DCP
     planner = ChunkLoadPlanner(entries, optional)
     group = _group()
     _dcp(dcp.load, {}, storage_reader=SafetensorsReader(path), planner=planner, process_group=group,
@@ -275,6 +277,7 @@ def load_weights(chunks, root):
         raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
     path = iteration_dir(root, it)
     meta = read_json(os.path.join(path, META), "checkpoint metadata")
+    validate_files(path)
     group = _group()
     try:
         _dcp(dcp.load, {}, storage_reader=SafetensorsReader(path),

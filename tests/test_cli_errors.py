@@ -32,33 +32,72 @@ CASES = {
     "micro_vs_pp_interleaved": (2, "--pipeline-model-parallel-size 2 --num-layers 4 "
                                    "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 3",
                                 "number of micro-batches (3) to be a multiple of --pipeline-model-parallel-size 2"),
+    # files and checkpoints ({tmp}: made by _make_files); one rank each: the check is the same on all
+    # ranks (as above) and every launch costs a torch import per rank on this 2-core machine
+    "save_is_file": (1, "--save {tmp}/afile", "--save {tmp}/afile is a file"),
+    "save_unwritable": (1, "--save {tmp}/afile/sub", "cannot be created"),
+    "load_is_file": (1, "--load {tmp}/afile", "is a file; give the checkpoint directory"),
+    "load_missing_exit": (1, "--load {tmp}/empty --exit-on-missing-checkpoint", "holds no checkpoint"),
+    "ckpt_other_shape": (1, "--load {tmp}/ckpt --hidden-size 64", "saved with hidden_size=32 but this run has hidden_size=64"),
+    "ckpt_corrupt_index": (1, "--load {tmp}/ckpt_corrupt", "tensors.json is not the JSON tensor index"),
+    "ckpt_pickle_payload": (1, "--load {tmp}/ckpt_pickle", "refusing to load it"),
+    "ckpt_format": (1, "--ckpt-format torch", "--ckpt-format torch is not supported"),
+    "save_interval_no_save": (1, "--save-interval 5", "--save-interval needs --save DIR"),
+    "finetune_no_load": (1, "--finetune", "--finetune needs --load DIR"),
+    "bf16_and_fp16": (1, "--bf16 --fp16", "--bf16 and --fp16 are exclusive"),
+    "mock_and_data": (1, "--data-path {tmp}/nothing", "--mock-data and --data-path are exclusive"),
+    "negative_timeout": (1, "--distributed-timeout-minutes 0", "--distributed-timeout-minutes 0 must be >= 1"),
+    "skip_train_no_eval": (1, "--skip-train --eval-iters 0", "--skip-train evaluates only"),
+    "exit_interval_zero": (1, "--exit-interval 0", "--exit-interval 0 must be >= 1"),
 }
+
+
+def _make_files(tmp):
+    """What the file cases point at: a plain file, an empty dir, a checkpoint of this model
+    (hidden 32) and broken copies of it."""
+    import shutil
+    open(os.path.join(tmp, "afile"), "w").write("x")
+    os.makedirs(os.path.join(tmp, "empty"))
+    subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py")] + OK.split() +
+                   ["--save", os.path.join(tmp, "ckpt")], check=True, capture_output=True)
+    for name in ("ckpt_corrupt", "ckpt_pickle"):
+        shutil.copytree(os.path.join(tmp, "ckpt"), os.path.join(tmp, name))
+    with open(os.path.join(tmp, "ckpt_corrupt", "iter_0000001", "tensors.json"), "w") as f:
+        f.write("{not json")
+    with open(os.path.join(tmp, "ckpt_pickle", "iter_0000001", "__0_0.safetensors"), "wb") as f:
+        f.write(b"\x80\x04\x95" + b"\x00" * 64)  # a pickle's opening bytes
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """Launch every case at once (they are independent) and collect per-rank stderr."""
-    out, procs = {}, {}
+    """Launch the cases 8 at a time (they are independent; all at once would starve the
+    2-core machine past the timeout) and collect per-rank stderr."""
+    out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (n, flags, _) in CASES.items():
-            log_dir = os.path.join(tmp, name)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                   "--master-port", str(free_port()), "--redirects", "3", "--log-dir", log_dir,
-                   os.path.join(ROOT, "pretrain_gpt.py")] + OK.split() + flags.split()
-            procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                            env=dict(os.environ, OMP_NUM_THREADS="1")), log_dir, n)
-        for name, (p, log_dir, n) in procs.items():
-            try:
-                p.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out[name] = ("timeout", [])
-                continue
-            ranks = []
-            for r in range(n):
-                files = glob.glob(os.path.join(log_dir, "**", "attempt_0", str(r), "stderr.log"), recursive=True)
-                ranks.append(open(files[0]).read() if files else None)
-            out[name] = (p.returncode, ranks)
+        _make_files(tmp)
+        names = list(CASES)
+        for start in range(0, len(names), 8):
+            procs = {}
+            for name in names[start:start + 8]:
+                n, flags, _ = CASES[name]
+                log_dir = os.path.join(tmp, name)
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+                       "--master-port", str(free_port()), "--redirects", "3", "--log-dir", log_dir,
+                       os.path.join(ROOT, "pretrain_gpt.py")] + OK.split() + flags.replace("{tmp}", tmp).split()
+                procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                env=dict(os.environ, OMP_NUM_THREADS="1")), log_dir, n)
+            for name, (p, log_dir, n) in procs.items():
+                try:
+                    p.communicate(timeout=120)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    out[name] = ("timeout", [])
+                    continue
+                ranks = []
+                for r in range(n):
+                    files = glob.glob(os.path.join(log_dir, "**", "attempt_0", str(r), "stderr.log"), recursive=True)
+                    ranks.append(open(files[0]).read() if files else None)
+                out[name] = (p.returncode, ranks)
     return out
 
 
@@ -66,6 +105,7 @@ def runs():
 def test_bad_configuration_fails_fast_on_every_rank(runs, name):
     code, ranks = runs[name]
     n, _, expected = CASES[name]
+    expected = expected.split("{tmp}")[-1]
     assert code != "timeout", f"{name}: hung instead of failing"
     assert code != 0, f"{name}: exited 0"
     assert len(ranks) == n

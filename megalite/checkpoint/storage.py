@@ -158,6 +158,13 @@ def open_safetensors(path):
         raise CheckpointError(f"{path} is not a safetensors file{hint}; refusing to load it ({e})") from None
 
 
+def validate_files(path):
+    """The index and every data file it names parse (JSON; safetensors headers)."""
+    for file in sorted({c["file"] for e in read_index(path).values() for c in e["chunks"]}):
+        with open_safetensors(os.path.join(path, file)):
+            pass
+
+
 class SafetensorsReader(StorageReader):
     def __init__(self, path):
         super().__init__()
