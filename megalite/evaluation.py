@@ -26,8 +26,26 @@ def mean_loss(reported, key="lm loss"):
     return broadcast_from_last_rank(vals).item()
 
 
+def mean_losses(reported):
+    """(lm loss on every rank, {key: mean} of every loss the loss function reports, e.g. "lm loss"
+    and "sop loss"): means over micro-batches and DP ranks; the last pipeline stage holds them
+    all, other stages get {"lm loss": ...} (the first key when there is no "lm loss")."""
+    dev = ps.get_device()
+    out = {}
+    if reported:
+        keys = list(reported[0])
+        vals = torch.stack([torch.stack([r[k].float().reshape(()).to(dev) for k in keys]) for r in reported]).mean(0)
+        vals = average_over_data_parallel(vals)
+        out = dict(zip(keys, vals.unbind()))  # device scalars: read when logged, no sync here
+        lm = vals[keys.index("lm loss") if "lm loss" in keys else 0].reshape(1).clone()
+    else:  # a stage without the loss (pipeline)
+        lm = torch.zeros(1, device=dev)
+    lm = broadcast_from_last_rank(lm).item()
+    return lm, out or {"lm loss": lm}
+
+
 def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, shape, dtype):
-    """{"lm loss": mean} over `eval_iters` global batches."""
+    """{key: mean} of every reported loss ("lm loss", ...) over `eval_iters` global batches."""
     for c in chunks:
         c.eval()
     losses = []
@@ -35,7 +53,7 @@ def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, sha
         for _ in range(eval_iters):
             reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
                                             forward_only=True)
-            losses.append(mean_loss(reported))
+            losses.append(mean_losses(reported)[1])
     for c in chunks:
         c.train()
-    return {"lm loss": sum(losses) / len(losses)}
+    return {k: float(sum(d[k] for d in losses)) / len(losses) for k in losses[-1]}

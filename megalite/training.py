@@ -27,7 +27,7 @@ from megalite.checkpointing import (
 from megalite.config import ConfigError, fail
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.collectives import any_rank
-from megalite.evaluation import evaluate, mean_loss, run_forward_backward
+from megalite.evaluation import evaluate, mean_losses, run_forward_backward
 from megalite.flops import num_floating_point_operations
 from megalite.logger import MetricsLogger, print_rank_last
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
@@ -48,11 +48,12 @@ def _abort(msg, owns):
     fail(msg)
 
 
-def build_data_iterator(dataset, consumed_samples, args):
-    """Yield {"text": LongTensor [micro, seq+1]} for this DP rank, resuming at consumed_samples.
-    Only pipeline stages that consume tokens or labels (first and last) read data."""
-    if dataset is None or not (ps.is_pipeline_first_stage(ignore_virtual=True)
-                                or ps.is_pipeline_last_stage(ignore_virtual=True)):
+def build_data_iterator(dataset, consumed_samples, args, every_stage=False):
+    """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
+    for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
+    labels (first and last) read data, unless every_stage."""
+    if dataset is None or not (every_stage or ps.is_pipeline_first_stage(ignore_virtual=True)
+                               or ps.is_pipeline_last_stage(ignore_virtual=True)):
         return None
     from megalite.data import MegatronPretrainingSampler
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
@@ -61,8 +62,9 @@ def build_data_iterator(dataset, consumed_samples, args):
 
     def gen():
         for indices in sampler:
-            text = torch.stack([torch.as_tensor(dataset[i]["text"], dtype=torch.long) for i in indices])
-            yield {"text": text.to(device, non_blocking=True)}
+            samples = [dataset[i] for i in indices]
+            yield {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(device, non_blocking=True)
+                   for k in samples[0]}
     return gen()
 
 
@@ -75,6 +77,14 @@ def chunk_iterators(it, num_chunks):
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         its[-1] = it
     return its
+
+
+def data_iterators(dataset, consumed_samples, args, chunks):
+    """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask:
+    `input_on_every_stage`), one iterator per chunk on every stage, each over the same samples."""
+    if getattr(chunks[0].module, "input_on_every_stage", False):
+        return [build_data_iterator(dataset, consumed_samples, args, every_stage=True) for _ in chunks]
+    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args), len(chunks))
 
 
 def build_model(mcfg, model_provider, args):
@@ -189,11 +199,11 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
                     f"{n_params:,} | micro-batches per iteration: {num_micro}")
     if args.skip_train or start_iter >= args.train_iters:
         train_ds = None  # nothing left to train on: no iterator (its position may be at the end)
-    train_iters = chunk_iterators(build_data_iterator(train_ds, consumed_train, args), len(chunks))
+    train_iters = data_iterators(train_ds, consumed_train, args, chunks)
     # The validation set is sized for every evaluation of a run; a resumed run's extra final
     # evaluation (or --skip-train) starts again from its beginning.
     valid_pos = consumed_valid % len(valid_ds) if valid_ds is not None and len(valid_ds) else 0
-    valid_iters = chunk_iterators(build_data_iterator(valid_ds, valid_pos, args), len(chunks))
+    valid_iters = data_iterators(valid_ds, valid_pos, args, chunks)
     shape, dtype = pipeline_tensor_shape(mcfg, args.micro_batch_size), mcfg.params_dtype
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
     flops_per_iter = num_floating_point_operations(mcfg, g, padded) if padded else 0.0
@@ -212,20 +222,21 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
                    "the optimizer step. Lower --lr, check the data, or use --bf16 / loss scaling", owns)
         scheduler.step()
         lr = optimizer.param_groups[0]["lr"]  # as Megatron logs it: after the scheduler step
-        loss = mean_loss(reported)
+        loss, means = mean_losses(reported)  # lm loss (every rank); every reported loss (last stage)
         if args.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
             _abort(f"iteration {it}: the lm loss is {loss}; stopped", owns)
         losses.append(loss)
-        window_losses.append(loss)  # the forward's loss is valid even when the step was skipped
+        window_losses.append(means)  # the forward's loss is valid even when the step was skipped
         skipped += 0 if stepped else 1
         if it % args.log_interval == 0 or it == args.train_iters:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - window_start) / (it - window)
             tflops = flops_per_iter / (elapsed * ps.world_size()) / 1e12
-            shown = sum(window_losses) / len(window_losses) if window_losses else float("nan")
+            shown = {k: float(sum(w[k] for w in window_losses)) / len(window_losses) for k in window_losses[-1]} \
+                if window_losses else {"lm loss": float("nan")}
             log.iteration(it, {"consumed": it * g, "elapsed": elapsed, "tflops": tflops, "lr": lr,
-                               "losses": {"lm loss": shown}, "loss_scale": optimizer.loss_scale,
+                               "losses": shown, "loss_scale": optimizer.loss_scale,
                                "grad_norm": grad_norm, "skipped": skipped - skipped_before, "timers": timers,
                                **_grad_stats(args, chunks, optimizer)})
             window, window_losses, skipped_before = it, [], skipped
@@ -265,7 +276,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     for split, ds in (("validation", valid_ds), ("test", test_ds)):
         if ds is not None:
             its = valid_iters if split == "validation" else \
-                chunk_iterators(build_data_iterator(ds, 0, args), len(chunks))
+                data_iterators(ds, 0, args, chunks)
             log.evaluation(last, split, evaluate(forward_step_func, its, chunks, num_micro, args.eval_iters,
                                                  shape, dtype), final=True)
     log.close()
