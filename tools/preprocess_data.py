@@ -22,8 +22,7 @@ from megalite.data.text_input import check_keys, load_text_dataset  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 # Megatron flags megalite does not implement: refused by name, never silently ignored.
-_UNSUPPORTED = {"--vocab-file": "BERT/GPT-2 vocabulary files",
-                "--merge-file": "GPT-2 BPE merges", "--vocab-extra-ids": "T5 extra ids",
+_UNSUPPORTED = {"--merge-file": "GPT-2 BPE merges", "--vocab-extra-ids": "T5 extra ids",
                 "--partitions": "partitioned preprocessing", "--lang": "nltk languages",
                 "--keep-sequential-samples": "sequential partition samples"}
 
@@ -39,6 +38,7 @@ def get_args(argv=None):
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model or HF directory")
     g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    g.add_argument("--vocab-file", default=None, help="for BertWordPieceLowerCase/Case: a WordPiece vocab.txt")
     g.add_argument("--append-eod", action="store_true", help="append <eod> to every document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True)
@@ -53,6 +53,10 @@ def get_args(argv=None):
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise ValueError(f"{flag}: {what} are not supported by megalite; "
                              f"use --tokenizer-type SentencePieceTokenizer or HuggingFaceTokenizer")
+    if args.vocab_file is not None:
+        if not args.tokenizer_type.startswith("BertWordPiece"):
+            raise ValueError(f"--vocab-file is for BertWordPieceLowerCase/Case, not --tokenizer-type {args.tokenizer_type}")
+        args.tokenizer_model = args.vocab_file
     if args.workers < 1:
         raise ValueError(f"--workers {args.workers}: must be at least 1")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))

@@ -29,6 +29,11 @@ def split_sentences(text: str, keep_newlines: bool = False) -> list[str]:
     return parts if keep_newlines else [" ".join(s.split("\n")) for s in parts]
 
 
+def split_lines(text: str) -> list[str]:
+    """Each non-blank line (with its newline) as a sentence: how code splits into sentences."""
+    return [line + "\n" for line in text.split("\n") if line.strip()]
+
+
 @dataclass
 class PreprocessConfig:
     json_keys: list[str]
@@ -37,6 +42,7 @@ class PreprocessConfig:
     vocab_size: int | None = None
     append_eod: bool = False
     split_sentences: bool = False
+    sentence_splitter: str = "punctuation"  # or "lines" (code: the default corpus for BERT)
     keep_newlines: bool = False
     workers: int = 1
     log_interval: int = 1000
@@ -67,7 +73,12 @@ def _encode_chunk(bounds: tuple[int, int]):
         for text in rows[key]:
             text = "" if text is None else str(text)
             n_chars += len(text)
-            pieces = split_sentences(text, cfg.keep_newlines) if cfg.split_sentences else [text]
+            if not cfg.split_sentences:
+                pieces = [text]
+            elif cfg.sentence_splitter == "lines":
+                pieces = split_lines(text)
+            else:
+                pieces = split_sentences(text, cfg.keep_newlines)
             # As Megatron: empty sentences are dropped; eod goes on the document's last one.
             ids = [s for s in (tok.tokenize(p) for p in pieces) if s]
             if ids and cfg.append_eod:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer")
+                   "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 class _Base:
@@ -136,6 +136,39 @@ class HuggingFaceTokenizer(_Base):
         return self.tok.decode([int(i) for i in ids])
 
 
+class BertWordPieceTokenizer(_Base):
+    """Megatron's `BertWordPieceLowerCase` / `BertWordPieceCase`: a WordPiece vocab.txt
+    (--vocab-file) through `transformers`' BertTokenizer, read locally; eod = [SEP]."""
+
+    def __init__(self, vocab_file: str | None, lower_case: bool):
+        kind = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
+        if not vocab_file:
+            raise ValueError(f"--tokenizer-type {kind} needs --vocab-file (a WordPiece vocab.txt)")
+        if not os.path.isfile(vocab_file):
+            raise FileNotFoundError(f"--vocab-file {vocab_file}: file not found")
+        try:
+            from transformers import BertTokenizer
+        except ImportError:
+            raise ModuleNotFoundError(f"{kind} needs the transformers package: pip install 'megalite[hf]'") from None
+        try:
+            self.tok = BertTokenizer(vocab=vocab_file, do_lower_case=lower_case)  # transformers >= 5
+        except TypeError:
+            self.tok = BertTokenizer(vocab_file=vocab_file, do_lower_case=lower_case)
+        t = self.tok
+        for name in ("cls", "sep", "mask", "pad"):
+            if getattr(t, f"{name}_token") not in t.get_vocab():
+                raise ValueError(f"--vocab-file {vocab_file}: no {getattr(t, f'{name}_token')} token")
+        self.vocab_size = len(t)
+        self.cls, self.sep, self.mask, self.pad = t.cls_token_id, t.sep_token_id, t.mask_token_id, t.pad_token_id
+        self.eod = self.sep
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok.convert_tokens_to_ids(self.tok.tokenize(text))
+
+    def detokenize(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
 class NullTokenizer(_Base):
     """Megatron's `NullTokenizer`: text is space-separated ids; with `--vocab-size V`
     the ids are 0..V-1, eod = V and `.vocab_size` = V + 1 (eod = vocab_size - 1)."""
@@ -164,5 +197,7 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):  # tokenizer_model: the vocab file
+        return BertWordPieceTokenizer(tokenizer_model, tokenizer_type == "BertWordPieceLowerCase")
     raise ValueError(f"--tokenizer-type {tokenizer_type}: not supported; "
                      f"choose one of {', '.join(TOKENIZER_TYPES)}")

@@ -1,3 +1,4 @@
+from megalite.models.bert import BertModel
 from megalite.models.gpt import GPTModel
 
-__all__ = ["GPTModel"]
+__all__ = ["BertModel", "GPTModel"]
