@@ -1,0 +1,72 @@
+"""Pretrain a BERT with megalite: `torchrun --nproc-per-node N pretrain_bert.py [Megatron flags]`.
+
+Masked-language modelling plus sentence-order prediction (`--bert-no-binary-head`: MLM only)
+on sentence-split data (`tools/preprocess_data.py --split-sentences`). With no --data-path
+it trains on the built-in default corpus split into sentences (the standard library's
+sources, one line per sentence, with its own cached sentencepiece tokenizer), offline.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.config import ConfigError
+from megalite.models import BertModel
+from megalite.training import pretrain
+
+ARGS_DEFAULTS = {"model_type": "bert"}  # as Megatron's args_defaults: what makes the model a BERT
+
+
+def model_provider(config, pre_process=True, post_process=True):
+    return BertModel(config, pre_process=pre_process, post_process=post_process)
+
+
+def datasets_provider(args, num_samples):
+    from megalite.data import build_tokenizer
+    from megalite.data.bert_dataset import build_bert_datasets
+
+    builder, barrier = ps.global_rank() == 0, ps.barrier
+    if args.mock_data:
+        raise ConfigError("--mock-data is for GPT; BERT trains on --data-path (sentence-split) or, without it, "
+                          "the default corpus")
+    if not args.data_path:
+        from megalite.data.default_corpus import prepare_default_corpus
+        cache = args.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megalite")
+        prefix, model_file = prepare_default_corpus(cache, is_builder=builder, barrier=barrier, sentences=True,
+                                                    log=lambda m: builder and print(m, flush=True))
+        args.data_path = [prefix]
+        args.tokenizer_type, args.tokenizer_model = "SentencePieceTokenizer", model_file
+    if args.tokenizer_type is None:
+        raise ValueError("--data-path needs --tokenizer-type (SentencePieceTokenizer with --tokenizer-model, "
+                         "BertWordPieceLowerCase/Case with --vocab-file, or HuggingFaceTokenizer)")
+    model = args.vocab_file if args.tokenizer_type.startswith("BertWordPiece") else args.tokenizer_model
+    tokenizer = build_tokenizer(args.tokenizer_type, model, args.vocab_size)
+    args.vocab_size = tokenizer.vocab_size
+    return build_bert_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
+                               args.data_cache_path, tokenizer, args.mask_prob, args.short_seq_prob,
+                               args.bert_binary_head, is_builder=builder, barrier=barrier)
+
+
+def forward_step(data_iterator, model):
+    """Megatron's contract: ((per-masked-token MLM loss, binary logits), loss_func). Every
+    pipeline stage reads the batch: the padding mask is needed everywhere."""
+    b = next(data_iterator) if data_iterator is not None else {}
+    output = model(b.get("text"), b.get("padding_mask"), tokentype_ids=b.get("types"), lm_labels=b.get("labels"),
+                   loss_mask=b.get("loss_mask"))
+
+    def loss_func(out):
+        per_token, binary_logits = out
+        lm_loss = per_token.float().sum() / max(per_token.numel(), 1)  # mean over the masked tokens
+        if binary_logits is None:
+            return lm_loss, {"lm loss": lm_loss.detach()}
+        sop_loss = F.cross_entropy(binary_logits.float(), b["is_random"].view(-1))
+        return lm_loss + sop_loss, {"lm loss": lm_loss.detach(), "sop loss": sop_loss.detach()}
+    return output, loss_func
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    pretrain(datasets_provider, model_provider, forward_step, args=parse_args(defaults=ARGS_DEFAULTS))
