@@ -129,9 +129,14 @@ class GPTModel(nn.Module):
             return self.output_layer.weight
         return None
 
-    def forward(self, input_ids, position_ids=None, labels=None):
+    def forward(self, input_ids, position_ids=None, labels=None, inference_cache=None):
+        """inference_cache (megalite.inference.KVCache): input_ids are the tokens after those
+        already cached (generation); positions continue from there."""
         c = self.config
+        offset = inference_cache.offset if inference_cache is not None else 0
         if self.pre_process:
+            if offset and position_ids is None:
+                position_ids = torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device)[None]
             x = self.embedding(input_ids, position_ids)
         else:
             x = self.input_tensor
@@ -139,8 +144,14 @@ class GPTModel(nn.Module):
         if c.position_embedding_type == "rope":
             sp = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
             seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if sp else 1)
-            rotary = self._rotary_tables(seq, x.device)
-        x = self.decoder(x, rotary)
+            if inference_cache is None:
+                rotary = self._rotary_tables(seq, x.device)
+            else:  # one table for the whole generation, sliced at this step's positions
+                full = self._rotary_tables(max(c.max_position_embeddings, offset + seq), x.device)
+                rotary = tuple(t[offset:offset + seq] for t in full)
+        x = self.decoder(x, rotary, None, inference_cache)
+        if inference_cache is not None:
+            inference_cache.offset += x.shape[0]
         if not self.post_process:
             return x
         weight = None

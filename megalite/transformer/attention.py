@@ -73,8 +73,9 @@ class SelfAttention(nn.Module):
             sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_proj"),
             params_dtype=c.params_dtype)
 
-    def forward(self, x, rotary=None, attn_mask=None):
-        """x [s, b, h] (sequence-sharded under SP) -> (out [s, b, h], bias or None)."""
+    def forward(self, x, rotary=None, attn_mask=None, inference_cache=None):
+        """x [s, b, h] (sequence-sharded under SP) -> (out [s, b, h], bias or None).
+        inference_cache (megalite.inference.KVCache): keys/values of earlier tokens are reused."""
         c = self.config
         qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
@@ -84,6 +85,8 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin, c.fused_kernels), apply_rotary(k, cos, sin, c.fused_kernels)
+        if inference_cache is not None:
+            k, v, attn_mask = inference_cache.extend(id(self), k, v)
         args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask)
         if c.recompute_granularity == "selective":
             ctx = checkpoint(core_attention, *args)

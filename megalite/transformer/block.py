@@ -32,7 +32,7 @@ class TransformerBlock(nn.Module):
             return x
         return run
 
-    def forward(self, x, rotary=None, attn_mask=None):
+    def forward(self, x, rotary=None, attn_mask=None, inference_cache=None):
         c, n = self.config, len(self._stack)
         if c.recompute_granularity == "full" and self.training:
             k = c.recompute_num_layers
@@ -47,7 +47,7 @@ class TransformerBlock(nn.Module):
                         self._stack[i](x, rotary, attn_mask)
         else:
             for layer in self._stack:
-                x = layer(x, rotary, attn_mask)
+                x = layer(x, rotary, attn_mask, inference_cache)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -42,9 +42,11 @@ class TransformerLayer(nn.Module):
             out = F.dropout(out, p=self.config.hidden_dropout, training=self.training)
         return residual + out
 
-    def forward(self, x, rotary=None, attn_mask=None):
+    def forward(self, x, rotary=None, attn_mask=None, inference_cache=None):
         if self.post_norm:
-            x = self.post_attention_layernorm(self._bias_dropout_add(self.self_attention(x, rotary, attn_mask), x))
+            x = self.post_attention_layernorm(
+                self._bias_dropout_add(self.self_attention(x, rotary, attn_mask, inference_cache), x))
             return self.post_mlp_layernorm(self._bias_dropout_add(self.mlp(x), x))
-        x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), rotary, attn_mask), x)
+        x = self._bias_dropout_add(self.self_attention(self.input_layernorm(x), rotary, attn_mask, inference_cache),
+                                   x)
         return self._bias_dropout_add(self.mlp(self.pre_mlp_layernorm(x)), x)
