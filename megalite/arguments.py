@@ -136,7 +136,7 @@ def build_parser():
     a("--vocab-file", default=None, help="BertWordPieceLowerCase/Case: the WordPiece vocab.txt")
     a("--vocab-size", type=int, default=None)
     # operations (megalite/training.py)
-    a("--distributed-timeout-minutes", type=int, default=10,
+    a("--distributed-timeout-minutes", type=float, default=10,
       help="a collective waiting longer than this on a dead or hung peer fails (every group)")
     a("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true", default=True,
       help="stop before the optimizer step on a NaN/Inf loss or gradient (default on)")
@@ -240,8 +240,8 @@ def _validate_checkpoint_args(args):
     if args.ckpt_format != "torch_dist":
         raise ConfigError(f"--ckpt-format {args.ckpt_format} is not supported: megalite reads and writes torch_dist "
                           "checkpoints only; remove the flag (convert others with tools/convert_checkpoint.py)")
-    if args.distributed_timeout_minutes < 1:
-        raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be >= 1")
+    if args.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0")
     for flag in ("save_interval", "exit_interval"):

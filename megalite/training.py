@@ -39,6 +39,9 @@ from megalite.tensor_parallel import model_parallel_manual_seed
 
 
 _SIGTERM = {"got": False}
+# Words in the errors gloo / NCCL / the store raise when a peer is gone or too slow.
+COMMUNICATION_ERRORS = ("Timed out", "timed out", "Connection closed", "Connection reset", "NCCL", "gloo",
+                        "Broken pipe", "Socket Timeout")
 
 
 def _abort(msg, owns):
@@ -166,6 +169,18 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     args = args or parse_args()
     started = time.time()
     owns = ps.initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes * 60)
+    try:
+        return _pretrain(datasets_provider, model_provider, forward_step_func, args, return_state, started, owns)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not any(w in str(e) for w in COMMUNICATION_ERRORS):
+            raise
+        # A dead or hung peer: one line (which operation, how long we waited), not a wall of C++.
+        _abort(f"communication failed ({first[:300]}); a peer rank died or hung past "
+               f"--distributed-timeout-minutes {args.distributed_timeout_minutes}", owns)
+
+
+def _pretrain(datasets_provider, model_provider, forward_step_func, args, return_state, started, owns):
     if args.exit_signal_handler:
         _SIGTERM["got"] = False
         signal.signal(signal.SIGTERM, lambda *_: _SIGTERM.update(got=True))

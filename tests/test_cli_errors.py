@@ -46,7 +46,7 @@ CASES = {
     "finetune_no_load": (1, "--finetune", "--finetune needs --load DIR"),
     "bf16_and_fp16": (1, "--bf16 --fp16", "--bf16 and --fp16 are exclusive"),
     "mock_and_data": (1, "--data-path {tmp}/nothing", "--mock-data and --data-path are exclusive"),
-    "negative_timeout": (1, "--distributed-timeout-minutes 0", "--distributed-timeout-minutes 0 must be >= 1"),
+    "negative_timeout": (1, "--distributed-timeout-minutes 0", "--distributed-timeout-minutes 0.0 must be > 0"),
     "skip_train_no_eval": (1, "--skip-train --eval-iters 0", "--skip-train evaluates only"),
     "exit_interval_zero": (1, "--exit-interval 0", "--exit-interval 0 must be >= 1"),
 }

@@ -141,3 +141,35 @@ def test_nan_gradient_stops_before_the_update(tmp_path, data, capsys, monkeypatc
     after = dict(poisoned.chunks[0].module.named_parameters())
     for n, w in poisoned.weights.items():  # nothing was updated with the NaN
         assert (after[n].detach() == w).all(), n
+
+
+HUNG = """
+import os, runpy, sys, time
+import megalite.training as t
+real = t.train_step
+def hung(*a, **k):
+    if os.environ["RANK"] == "1":
+        time.sleep(120)  # a rank that stops answering
+    return real(*a, **k)
+t.train_step = hung
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_hung_peer_fails_survivors_within_the_timeout(tmp_path, data):
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--redirects", "3", "--log-dir", str(tmp_path / "logs"), str(script),
+           os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *data, "--train-iters", "3",
+           "--distributed-timeout-minutes", "0.05"]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0 and elapsed < 100, (r.returncode, elapsed)  # did not wait for the sleeper
+    import glob
+    err = open(glob.glob(str(tmp_path / "logs" / "**" / "attempt_0" / "0" / "stderr.log"), recursive=True)[0]).read()
+    ours = [ln for ln in err.splitlines() if ln.startswith("megalite: error")]
+    assert len(ours) == 1 and "communication failed" in ours[0] and "--distributed-timeout-minutes 0.05" in ours[0], err
+    assert "Traceback" not in err, err
