@@ -45,11 +45,22 @@ CASES = {
     "save_interval_no_save": (1, "--save-interval 5", "--save-interval needs --save DIR"),
     "finetune_no_load": (1, "--finetune", "--finetune needs --load DIR"),
     "bf16_and_fp16": (1, "--bf16 --fp16", "--bf16 and --fp16 are exclusive"),
-    "mock_and_data": (1, "--data-path {tmp}/nothing", "--mock-data and --data-path are exclusive"),
+    "mock_and_data": (1, "--mock-data --data-path {tmp}/nothing", "--mock-data and --data-path are exclusive"),
     "negative_timeout": (1, "--distributed-timeout-minutes 0", "--distributed-timeout-minutes 0.0 must be > 0"),
     "skip_train_no_eval": (1, "--skip-train --eval-iters 0", "--skip-train evaluates only"),
     "exit_interval_zero": (1, "--exit-interval 0", "--exit-interval 0 must be >= 1"),
+    # data files (--data-path replaces the --mock-data of OK)
+    "data_missing": (1, "--data-path {tmp}/nothing --tokenizer-type NullTokenizer --vocab-size 100", "nothing"),
+    "data_truncated_bin": (1, "--data-path {tmp}/trunc --tokenizer-type NullTokenizer --vocab-size 100", "trunc"),
+    "data_corrupt_idx": (1, "--data-path {tmp}/badidx --tokenizer-type NullTokenizer --vocab-size 100", "badidx"),
+    "tokenizer_wrong_file": (1, "--data-path {tmp}/good --tokenizer-type SentencePieceTokenizer --tokenizer-model "
+                                "{tmp}/afile", "afile"),
 }
+
+
+def _base(flags):
+    """OK's flags; a case that names --data-path trains on that instead of --mock-data."""
+    return [f for f in OK.split() if f != "--mock-data"] if "--data-path" in flags else OK.split()
 
 
 def _make_files(tmp):
@@ -64,6 +75,18 @@ def _make_files(tmp):
         shutil.copytree(os.path.join(tmp, "ckpt"), os.path.join(tmp, name))
     with open(os.path.join(tmp, "ckpt_corrupt", "iter_0000001", "tensors.json"), "w") as f:
         f.write("{not json")
+    import numpy as np
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
+    for name in ("good", "trunc", "badidx"):
+        prefix = os.path.join(tmp, name)
+        b = IndexedDatasetBuilder(data_file_path(prefix), dtype=np.int32)
+        for i in range(50):
+            b.add_document(list(range(i % 7, i % 7 + 40)), [40])
+        b.finalize(index_file_path(prefix))
+    with open(data_file_path(os.path.join(tmp, "trunc")), "r+b") as f:
+        f.truncate(100)  # the index promises more tokens than the file holds
+    with open(index_file_path(os.path.join(tmp, "badidx")), "wb") as f:
+        f.write(b"not an index" * 10)
     with open(os.path.join(tmp, "ckpt_pickle", "iter_0000001", "__0_0.safetensors"), "wb") as f:
         f.write(b"\x80\x04\x95" + b"\x00" * 64)  # a pickle's opening bytes
 
@@ -83,7 +106,7 @@ def runs():
                 log_dir = os.path.join(tmp, name)
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                        "--master-port", str(free_port()), "--redirects", "3", "--log-dir", log_dir,
-                       os.path.join(ROOT, "pretrain_gpt.py")] + OK.split() + flags.replace("{tmp}", tmp).split()
+                       os.path.join(ROOT, "pretrain_gpt.py")] + _base(flags) + flags.replace("{tmp}", tmp).split()
                 procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                 env=dict(os.environ, OMP_NUM_THREADS="1")), log_dir, n)
             for name, (p, log_dir, n) in procs.items():
