@@ -3,7 +3,8 @@
     # reshard offline (model and optimizer state)
     python tools/convert_checkpoint.py --loader megalite --saver megalite --load-dir ckpt --save-dir ckpt_tp4 \\
         --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
-    # export: GPT2LMHeadModel (learned positions, LayerNorm) or LlamaForCausalLM (rope, RMSNorm, SwiGLU)
+    # export: GPT2LMHeadModel (learned positions, LayerNorm), LlamaForCausalLM (rope, RMSNorm, SwiGLU)
+    # or BertForPreTraining (pretrain_bert.py checkpoints)
     python tools/convert_checkpoint.py --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
     # import a save_pretrained directory (safetensors) as a megalite "release" checkpoint
     python tools/convert_checkpoint.py --loader hf --saver megalite --load-dir hf_dir --save-dir ckpt \\
@@ -26,8 +27,9 @@ from megalite.checkpoint.storage import CheckpointError  # noqa: E402
 def build_parser():
     p = argparse.ArgumentParser(description="Convert megalite / Hugging Face checkpoints (Megatron's converter flags)",
                                 allow_abbrev=False)
-    p.add_argument("--model-type", default="GPT", choices=["GPT"],
-                   help="the model family (GPT: GPT-2 and Llama layouts); megalite checkpoints record it themselves")
+    p.add_argument("--model-type", default=None, type=str.upper, choices=["GPT", "BERT"],
+                   help="the model family (GPT: GPT2LMHeadModel / LlamaForCausalLM; BERT: BertForPreTraining); "
+                        "megalite and HF checkpoints record it themselves")
     p.add_argument("--loader", required=True, choices=["megalite", "hf"], help="format of --load-dir")
     p.add_argument("--saver", required=True, choices=["megalite", "hf"], help="format to write to --save-dir")
     p.add_argument("--load-dir", required=True, help="megalite: the --save directory (with "
@@ -56,7 +58,8 @@ def main(argv=None):
                 reshard(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                         args.target_pipeline_parallel_size)
             else:
-                export_hf(args.load_dir, args.save_dir, args.max_shard_size_mb << 20)
+                export_hf(args.load_dir, args.save_dir, args.max_shard_size_mb << 20,
+                          args.model_type.lower() if args.model_type else None)
         else:
             import_hf(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                       args.target_pipeline_parallel_size, args.make_vocab_size_divisible_by)

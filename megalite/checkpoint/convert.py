@@ -28,7 +28,7 @@ from megalite.checkpoint.storage import (
 from megalite.transformer.pipeline_layers import stage_layer_counts
 
 META, TRACKER = "megalite.json", "latest_checkpointed_iteration.txt"
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:de|en)coder\.layers\.(\d+)\.")
 
 
 def find_checkpoint(root):
@@ -104,8 +104,8 @@ class Writer:
 
     def _split_dim(self, name, t):
         base = re.sub(r"^optimizer\.[a-z_]+\.", "", name)
-        if base.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-                          "linear_fc1.weight", "linear_fc1.bias")):
+        if base.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
+                          "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")):
             return 1 if (self.cfg["swiglu"] and "linear_fc1" in base) else 0
         if base.endswith(("linear_proj.weight", "linear_fc2.weight")):
             return 1
@@ -173,10 +173,15 @@ def reshard(load_dir, save_dir, tp, pp):
     w.close(meta)
 
 
-def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30):
-    """megalite -> a Hugging Face directory (config.json + safetensors shards + index)."""
+def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None):
+    """megalite -> a Hugging Face directory (config.json + safetensors shards + index).
+    model_type ("gpt" or "bert"): for checkpoints that do not record it; must agree with those that do."""
     path, meta = find_checkpoint(load_dir)
-    cfg = meta["model_config"]
+    cfg = dict(meta["model_config"])
+    if model_type is not None:
+        if cfg.setdefault("model_type", model_type) != model_type:
+            raise CheckpointError(f"--model-type {model_type.upper()}: the checkpoint is a {cfg['model_type'].upper()} "
+                                  "model; drop --model-type or pick that one")
     arch = arch_for(cfg)
     arch.check(cfg)
     src = Reader(path)
@@ -238,7 +243,7 @@ def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
     h = src.config
     arch = BY_HF_TYPE.get(h.get("model_type"))
     if arch is None:
-        raise CheckpointError(f"model_type {h.get('model_type')!r} is not one megalite converts (gpt2, llama)")
+        raise CheckpointError(f"model_type {h.get('model_type')!r} is not one megalite converts (gpt2, llama, bert)")
     arch.check_hf(h)
     cfg = dict(arch.model_config(h), make_vocab_size_divisible_by=divisible_by)
     dtype = str(h.get("torch_dtype") or h.get("dtype") or "float32")

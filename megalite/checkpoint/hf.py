@@ -4,7 +4,7 @@ Each table maps global megalite tensors (checkpoint names, real vocabulary, SwiG
 [2, ffn, h]) to HF tensors, tensor by tensor, so the converter streams. The one layout
 difference that needs care is QKV: megalite keeps rows per query group
 [q heads of group g | k_g | v_g] (a TP shard then holds whole groups); HF keeps separate
-q/k/v (Llama) or [Q | K | V] in a transposed Conv1D (GPT-2).
+q/k/v (Llama, BERT) or [Q | K | V] in a transposed Conv1D (GPT-2).
 """
 
 import torch
@@ -39,6 +39,8 @@ class GPT2:
 
     @staticmethod
     def check(c):
+        if c.get("layernorm_position", "pre") != "pre" or c.get("gelu", "tanh") != "tanh":
+            raise CheckpointError("GPT2LMHeadModel cannot represent a post-norm model or exact GeLU")
         _need(c, "GPT2LMHeadModel", position_embedding_type="learned_absolute", normalization="LayerNorm",
               swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=False,
               num_query_groups=c["num_attention_heads"], kv_channels=c["hidden_size"] // c["num_attention_heads"])
@@ -113,6 +115,8 @@ class Llama:
 
     @staticmethod
     def check(c):
+        if c.get("layernorm_position", "pre") != "pre":
+            raise CheckpointError("LlamaForCausalLM cannot represent a post-norm model")
         _need(c, "LlamaForCausalLM", position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
               add_bias_linear=False)
 
@@ -182,10 +186,100 @@ class Llama:
         return rows
 
 
-ARCHS = {"gpt2": GPT2, "llama": Llama}
-BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama}
+class Bert:
+    """BertForPreTraining: post-norm encoder, learned positions, token types, MLM head tied to the
+    word embeddings with its own bias, pooler + next-sentence (here: sentence-order) head."""
+    hf_class = "BertForPreTraining"
+    ACTS = {"gelu": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+    @staticmethod
+    def check(c):
+        a = c["num_attention_heads"]
+        _need(c, "BertForPreTraining", layernorm_position="post", bert_binary_head=True,
+              position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
+              add_bias_linear=True, num_query_groups=a, kv_channels=c["hidden_size"] // a)
+
+    @staticmethod
+    def hf_config(c):
+        return {"architectures": ["BertForPreTraining"], "model_type": "bert", "vocab_size": c["vocab_size"],
+                "hidden_size": c["hidden_size"], "num_hidden_layers": c["num_layers"],
+                "num_attention_heads": c["num_attention_heads"], "intermediate_size": c["ffn_hidden_size"],
+                "hidden_act": "gelu" if c["gelu"] == "exact" else "gelu_pytorch_tanh",
+                "hidden_dropout_prob": c.get("hidden_dropout", 0.1),
+                "attention_probs_dropout_prob": c.get("attention_dropout", 0.1),
+                "max_position_embeddings": c["max_position_embeddings"], "type_vocab_size": c["num_tokentypes"],
+                "layer_norm_eps": c["layernorm_epsilon"], "initializer_range": c.get("init_method_std", 0.02),
+                "tie_word_embeddings": True, "torch_dtype": c["params_dtype"]}
+
+    @staticmethod
+    def model_config(h):
+        n, a = h["hidden_size"], h["num_attention_heads"]
+        return {"model_type": "bert", "num_layers": h["num_hidden_layers"], "hidden_size": n,
+                "num_attention_heads": a, "num_query_groups": a, "kv_channels": n // a,
+                "ffn_hidden_size": h["intermediate_size"], "vocab_size": h["vocab_size"],
+                "max_position_embeddings": h["max_position_embeddings"], "seq_length": h["max_position_embeddings"],
+                "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+                "layernorm_epsilon": h.get("layer_norm_eps", 1e-12), "swiglu": False, "add_bias_linear": True,
+                "untie_embeddings_and_output_weights": False, "layernorm_position": "post",
+                "gelu": Bert.ACTS[h.get("hidden_act", "gelu")], "num_tokentypes": h.get("type_vocab_size", 2),
+                "bert_binary_head": True, "init_method_std": h.get("initializer_range", 0.02),
+                "hidden_dropout": h.get("hidden_dropout_prob", 0.1),
+                "attention_dropout": h.get("attention_probs_dropout_prob", 0.1)}
+
+    @staticmethod
+    def check_hf(h):
+        if h.get("hidden_act", "gelu") not in Bert.ACTS:
+            raise CheckpointError(f"BERT hidden_act={h['hidden_act']!r}: megalite has GeLU (exact or tanh) only")
+        if h.get("position_embedding_type", "absolute") != "absolute":
+            raise CheckpointError(f"BERT position_embedding_type={h['position_embedding_type']!r}: megalite's "
+                                  "BERT has learned absolute positions")
+        if not h.get("tie_word_embeddings", True):
+            raise CheckpointError("BERT with tie_word_embeddings=False: megalite ties the MLM output layer")
+
+    @staticmethod
+    def table(c):
+        a, d = c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]
+        ident = (lambda x: x)
+        rows = [("bert.embeddings.word_embeddings.weight", "embedding.word_embeddings.weight", ident, ident),
+                ("bert.embeddings.position_embeddings.weight", "embedding.position_embeddings.weight", ident, ident),
+                ("bert.embeddings.token_type_embeddings.weight", "embedding.tokentype_embeddings.weight", ident,
+                 ident)]
+        rows += _norm_rows("bert.embeddings.LayerNorm.", "embedding.layernorm.")
+        for i in range(c["num_layers"]):
+            m, h = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
+            for kind in ("weight", "bias"):
+                qkv, q, k, v = (m + f"self_attention.linear_qkv.{kind}",
+                                *(h + f"attention.self.{x}.{kind}" for x in ("query", "key", "value")))
+                rows += [(q, qkv, lambda w: qkv_split(w, a, a, d)[0], None),
+                         (k, qkv, lambda w: qkv_split(w, a, a, d)[1], None),
+                         (v, qkv, lambda w: qkv_split(w, a, a, d)[2],
+                          ("join", (q, k), lambda q_, k_, v_: qkv_join(q_, k_, v_, a, a, d)))]
+            rows += _linear_rows(h + "attention.output.dense.", m + "self_attention.linear_proj.")
+            rows += _norm_rows(h + "attention.output.LayerNorm.", m + "post_attention_layernorm.")
+            rows += _linear_rows(h + "intermediate.dense.", m + "mlp.linear_fc1.")
+            rows += _linear_rows(h + "output.dense.", m + "mlp.linear_fc2.")
+            rows += _norm_rows(h + "output.LayerNorm.", m + "post_mlp_layernorm.")
+        rows += _linear_rows("bert.pooler.dense.", "pooler.")
+        rows += _linear_rows("cls.predictions.transform.dense.", "lm_head.dense.")
+        rows += _norm_rows("cls.predictions.transform.LayerNorm.", "lm_head.layernorm.")
+        rows.append(("cls.predictions.bias", "output_layer.bias", ident, ident))
+        rows += _linear_rows("cls.seq_relationship.", "binary_head.")
+        return rows
+
+
+def _linear_rows(hf, ours):
+    ident = (lambda x: x)
+    return [(hf + k, ours + k, ident, ident) for k in ("weight", "bias")]
+
+
+_norm_rows = _linear_rows  # LayerNorm: weight and bias, as they are
+
+ARCHS = {"gpt2": GPT2, "llama": Llama, "bert": Bert}
+BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "bert": Bert}
 
 
 def arch_for(config):
-    """The architecture a megalite model config maps to."""
+    """The architecture a megalite model config maps to (configs before model_type: GPT)."""
+    if config.get("model_type", "gpt") == "bert":
+        return Bert
     return Llama if config["position_embedding_type"] == "rope" else GPT2
