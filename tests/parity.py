@@ -224,11 +224,11 @@ def _cut_vocab(name, t, vocab):
 def train(lay, collect=None):
     """Run one layout on this process's grid (spawned rank or the test process)."""
     record = {"norms": []}
-    args = parse_args(lay.argv(), world_size=max(1, ps.world_size()))
+    entry = importlib.import_module(lay.entry)
+    args = parse_args(lay.argv(), world_size=max(1, ps.world_size()), defaults=getattr(entry, "ARGS_DEFAULTS", None))
     fault = lay.fault() if lay.fault is not None else contextlib.nullcontext()
     try:
         with recording(record), fault:
-            entry = importlib.import_module(lay.entry)
             losses, chunks, opt = pretrain(lay.datasets or learnable_datasets, entry.model_provider,
                                            entry.forward_step, args, return_state=True)
         out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},

@@ -138,20 +138,26 @@ class BertDataset:
         return out
 
     def mask_tokens(self, tokens, rng):
-        """(masked input, labels with -1 where nothing is predicted)."""
-        candidates = np.flatnonzero(~np.isin(tokens, self.specials))
-        labels = np.full(len(tokens), -1, np.int64)
-        text = tokens.copy()
-        if len(candidates) == 0:
-            return text, labels
-        k = max(1, int(round(len(candidates) * self.mask_prob)))
-        chosen = np.sort(rng.permutation(candidates)[:k])
-        labels[chosen] = tokens[chosen]
-        r = rng.random_sample(k)
-        text[chosen[r < 0.8]] = self.mask
-        rand = chosen[r >= 0.9]
-        text[rand] = self.random_ids[rng.randint(0, len(self.random_ids), len(rand))]
+        return mask_tokens(tokens, rng, self.specials, self.mask, self.random_ids, self.mask_prob)
+
+
+def mask_tokens(tokens, rng, specials, mask_id, random_ids, mask_prob=0.15):
+    """(masked input, labels: the original token where predicted, else -1). round(mask_prob x
+    candidates) of the non-special tokens are chosen: 80% become mask_id, 10% a random token
+    from random_ids, 10% stay as they are."""
+    candidates = np.flatnonzero(~np.isin(tokens, specials))
+    labels = np.full(len(tokens), -1, np.int64)
+    text = tokens.copy()
+    if len(candidates) == 0:
         return text, labels
+    k = max(1, int(round(len(candidates) * mask_prob)))
+    chosen = np.sort(rng.permutation(candidates)[:k])
+    labels[chosen] = tokens[chosen]
+    r = rng.random_sample(k)
+    text[chosen[r < 0.8]] = mask_id
+    rand = chosen[r >= 0.9]
+    text[rand] = random_ids[rng.randint(0, len(random_ids), len(rand))]
+    return text, labels
 
 
 def truncate_pair(a, b, max_tokens, rng):
