@@ -173,3 +173,17 @@ def test_hung_peer_fails_survivors_within_the_timeout(tmp_path, data):
     ours = [ln for ln in err.splitlines() if ln.startswith("megalite: error")]
     assert len(ours) == 1 and "communication failed" in ours[0] and "--distributed-timeout-minutes 0.05" in ours[0], err
     assert "Traceback" not in err, err
+
+
+def test_exit_duration_saves_and_stops(tmp_path, data, capsys):
+    import megalite.training as training
+    d = tmp_path / "ckpt"
+    args = parse_args(MODEL + data + ["--train-iters", "50", "--save", str(d), "--exit-duration-in-mins", "1e-9"],
+                      world_size=1)
+    try:
+        losses = training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                                   pretrain_gpt.forward_step, args)
+    finally:
+        ps.destroy_model_parallel()
+    assert len(losses) == 1 and "exiting at iteration 1 (--exit-duration-in-mins reached)" in capsys.readouterr().out
+    assert (d / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
