@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 
 import numpy as np
 
@@ -135,8 +136,13 @@ class GPTDataset:
                 raise RuntimeError(f"GPTDataset {split_name} indices for {indexed.path_prefix} are "
                                    f"missing in {cache_dir}: the building rank failed or does not "
                                    f"share this directory; set --data-cache-path to a shared path")
+            t0 = time.perf_counter()  # a long step on big corpora: say what is happening
+            print(f"megalite: building GPT dataset indices ({split_name}, {int(num_samples):,} samples of "
+                  f"{self.seq_length} tokens) for {indexed.path_prefix} ...", flush=True)
             idx = self._build(sizes, documents, int(num_samples), tokens_per_epoch, int(seed))
             save_cached(cache_dir, stem, self.description, idx)
+            print(f"megalite: GPT dataset indices ({split_name}) built in {time.perf_counter() - t0:.1f} s, cached "
+                  f"in {cache_dir}", flush=True)
         self.document_index = idx["document_index"]
         self.sample_index = idx["sample_index"]
         self.shuffle_index = idx["shuffle_index"]
