@@ -1,10 +1,11 @@
 """BERT: every parallel layout trains like one process (tests/parity.py); the dataset's masking
 statistics over 10,000 samples; HF BertForPreTraining conversion both ways.
 
-One 4-rank spawn runs TP2xDP2, PP2xDP2, TP2xPP2+SP (post-norm) and TP2xPP2+SP pre-norm on learnable BERT data (bigram chains
-split into two segments, swapped half the time, masked as the real dataset masks); the last
-layout saves its checkpoint, which the HF tests convert (nothing is downloaded).
-"""
+One 4-rank spawn runs TP2xDP2, PP2xDP2 interleaved (2 chunks per stage, each reading the batch
+for its padding mask), TP2xPP2+SP (post-norm, 1F1B) and TP2xPP2+SP pre-norm on
+learnable BERT data (bigram chains split into two segments, swapped half the time, masked as the
+real dataset masks); the third layout saves its checkpoint, which the HF tests convert (nothing
+is downloaded)."""
 
 import contextlib
 import importlib.util
@@ -100,14 +101,14 @@ def bert_layout(name, model=(), **kw):
 @pytest.fixture(scope="module")
 def bert_runs(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("bert") / "ckpt")
-    lays = [bert_layout("bert_tp2_dp2", tp=2, dp=2), bert_layout("bert_pp2_dp2", pp=2, dp=2),
+    lays = [bert_layout("bert_tp2_dp2", tp=2, dp=2), bert_layout("bert_pp2_dp2_interleaved", pp=2, dp=2, vp=1),
             bert_layout("bert_tp2_pp2_sp", tp=2, pp=2, sp=True, flags=("--save", ckpt)),
             bert_layout("bert_tp2_pp2_sp_pre_norm", tp=2, pp=2, sp=True,
                         model=("--layernorm-position", "pre", "--init-method-std", "0.02"))]
     return lays, run_layouts(lays, 4), ckpt
 
 
-@pytest.mark.parametrize("i", range(4), ids=["tp2_dp2", "pp2_dp2", "tp2_pp2_sp", "tp2_pp2_sp_pre_norm"])
+@pytest.mark.parametrize("i", range(4), ids=["tp2_dp2", "pp2_dp2_interleaved", "tp2_pp2_sp", "tp2_pp2_sp_pre_norm"])
 def test_bert_layouts_match_single_process(bert_runs, i):
     """Losses over the steps, every step-1 gradient before clipping (MLM head, tied embedding on
     both stages, pooler and SOP head included), grad norms and parameters at rel <= 1e-5."""
