@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.optimizer.clip_grads import clip_grads, get_grad_norm
-from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_and_find_inf_
 
 
 class NonFiniteGradError(RuntimeError):
@@ -74,10 +74,10 @@ class MixedPrecisionOptimizer:
     def _grads(self):
         return [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in self.model_params]
 
-    def _found_inf(self, grads):
-        flag = torch.zeros(1, dtype=torch.float32, device=ps.get_device())
-        if any(not torch.isfinite(g).all() for g in grads):
-            flag.fill_(1.0)
+    def _unscale_found_inf(self, grads, inv_scale):
+        """grads *= inv_scale and whether any rank saw inf/NaN: one fused pass per dtype group
+        (no kernel or host sync per parameter), one all-reduce, one host read."""
+        flag = unscale_and_find_inf_(grads, inv_scale, torch.zeros(1, dtype=torch.float32, device=ps.get_device()))
         # Every rank must take the same decision to skip, or the grid diverges.
         for group in self._inf_groups():
             if group is not None:
@@ -102,10 +102,7 @@ class MixedPrecisionOptimizer:
         """Returns (stepped, grad_norm); stepped is False for a skipped fp16 iteration."""
         grads = self._grads()
         if self.config.fp16:
-            inv = 1.0 / self.scaler.scale
-            for g in grads:
-                g.mul_(inv)
-            found_inf = self._found_inf(grads)
+            found_inf = self._unscale_found_inf(grads, 1.0 / self.scaler.scale)
             self.scaler.update(found_inf)
             if found_inf:
                 return False, None
