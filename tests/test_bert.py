@@ -245,3 +245,23 @@ def test_bert_hf_export_import_and_round_trips(bert_runs, tmp_path):
     rc, _, err = convert("--model-type", "gpt", "--loader", "megalite", "--saver", "hf", "--load-dir", src,
                          "--save-dir", str(tmp_path / "gpt"))
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "BERT" in err
+
+
+def test_log_line_shows_every_reported_loss(capsys):
+    """The loop averages every key the loss function reports; Megatron's line shows them all."""
+    from megalite.arguments import parse_args
+    from megalite.evaluation import mean_losses
+    from megalite.logger import MetricsLogger
+    from pretrain_bert import ARGS_DEFAULTS
+    ps.initialize_model_parallel(1, 1)
+    try:
+        reported = [{"lm loss": torch.tensor(2.0), "sop loss": torch.tensor(0.5)},
+                    {"lm loss": torch.tensor(4.0), "sop loss": torch.tensor(0.7)}]
+        lm, means = mean_losses(reported)
+        assert lm == 3.0 and {k: float(v) for k, v in means.items()} == pytest.approx({"lm loss": 3.0, "sop loss": 0.6})
+        fields = {"consumed": 20, "elapsed": 0.1, "tflops": 0.0, "lr": 1e-3, "loss_scale": 1.0, "grad_norm": 1.0,
+                  "skipped": 0, "timers": None, "losses": {k: float(v) for k, v in means.items()}}
+        MetricsLogger(parse_args(["--train-iters", "10"], 1, defaults=ARGS_DEFAULTS)).iteration(5, fields)
+    finally:
+        ps.destroy_model_parallel()
+    assert "| lm loss: 3.000000E+00 | sop loss: 6.000000E-01 | loss scale: 1.0 |" in capsys.readouterr().out
