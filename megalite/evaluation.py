@@ -26,7 +26,7 @@ def mean_loss(reported, key="lm loss"):
     return broadcast_from_last_rank(vals).item()
 
 
-def mean_losses(reported):
+def mean_losses(reported, read=True):
     """(lm loss on every rank, {key: mean} of every loss the loss function reports, e.g. "lm loss"
     and "sop loss"): means over micro-batches and DP ranks; the last pipeline stage holds them
     all, other stages get {"lm loss": ...} (the first key when there is no "lm loss")."""
@@ -40,7 +40,9 @@ def mean_losses(reported):
         lm = vals[keys.index("lm loss") if "lm loss" in keys else 0].reshape(1).clone()
     else:  # a stage without the loss (pipeline)
         lm = torch.zeros(1, device=dev)
-    lm = broadcast_from_last_rank(lm).item()
+    lm = broadcast_from_last_rank(lm)
+    if read:  # the training loop passes read=False: it reads its losses once per logging window
+        lm = lm.item()
     return lm, out or {"lm loss": lm}
 
 

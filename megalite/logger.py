@@ -58,7 +58,8 @@ class MetricsLogger:
         """f: iteration fields (losses dict, lr, grad_norm, elapsed, tflops, ...)."""
         a = self.args
         losses = "".join(f" {k}: {v:.6E} |" for k, v in f["losses"].items())
-        gn = f"{f['grad_norm']:.3f}" if f["grad_norm"] is not None else "nan"
+        norm = float(f["grad_norm"]) if f["grad_norm"] is not None else None  # a device tensor: read here
+        gn = f"{norm:.3f}" if norm is not None else "nan"
         extra = ""
         if f.get("params_norm") is not None:
             extra += f" params norm: {f['params_norm']:.3f} |"
@@ -71,7 +72,7 @@ class MetricsLogger:
             f"global batch size: {a.global_batch_size:5d} |{losses} loss scale: {f['loss_scale']:.1f} | "
             f"grad norm: {gn} |{extra} number of skipped iterations: {f['skipped']:3d} |")
         values = {**f["losses"], "learning-rate": f["lr"], "loss-scale": f["loss_scale"],
-                  "grad-norm": f["grad_norm"], "throughput": f["tflops"], "iteration-time": f["elapsed"],
+                  "grad-norm": norm, "throughput": f["tflops"], "iteration-time": f["elapsed"],
                   "params-norm": f.get("params_norm"), "num-zeros": f.get("num_zeros")}
         if a.log_memory_to_tensorboard or self.json is not None:
             values["memory-mb"] = memory_mb()

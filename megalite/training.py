@@ -223,6 +223,19 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
     flops_per_iter = num_floating_point_operations(mcfg, g, padded) if padded else 0.0
     losses, skipped, skipped_before, window, window_losses = [], 0, 0, start_iter, []
+    pending = []  # this window's lm losses, device tensors: read once per logging iteration
+
+    def read_losses():
+        """Append the window's losses to `losses` (one host read); a NaN/Inf loss stops the run."""
+        if pending:
+            first = start_iter + len(losses) + 1
+            vals = torch.cat(pending).tolist()
+            pending.clear()
+            for i, v in enumerate(vals):
+                if args.check_for_nan_in_loss_and_grad and not math.isfinite(v):
+                    _abort(f"iteration {first + i}: the lm loss is {v}; stopped", owns)
+            losses.extend(vals)
+
     saved_at, timers = start_iter, ({} if args.log_timers_to_tensorboard else None)
     window_start = time.perf_counter()
     for c in chunks:
@@ -237,13 +250,12 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                    "the optimizer step. Lower --lr, check the data, or use --bf16 / loss scaling", owns)
         scheduler.step()
         lr = optimizer.param_groups[0]["lr"]  # as Megatron logs it: after the scheduler step
-        loss, means = mean_losses(reported)  # lm loss (every rank); every reported loss (last stage)
-        if args.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
-            _abort(f"iteration {it}: the lm loss is {loss}; stopped", owns)
-        losses.append(loss)
+        loss, means = mean_losses(reported, read=False)  # lm loss (every rank); all losses (last stage)
+        pending.append(loss)
         window_losses.append(means)  # the forward's loss is valid even when the step was skipped
         skipped += 0 if stepped else 1
         if it % args.log_interval == 0 or it == args.train_iters:
+            read_losses()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - window_start) / (it - window)
@@ -278,6 +290,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                     saved_at = it
                 print_rank_last(f"megalite: exiting at iteration {it} ({why or 'another rank asked to stop'})")
                 break
+    read_losses()  # a loop left early (exit flags) still reports every loss
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
     last = start_iter + len(losses)

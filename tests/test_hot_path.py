@@ -152,9 +152,6 @@ def _syncs_per_iteration(argv):
     return per_iter
 
 
-@pytest.mark.xfail(strict=True, reason="the loop still reads the loss every iteration (evaluation.mean_losses: "
-                   "broadcast_from_last_rank(lm).item()) and the optimizer the grad norm (get_grad_norm .item() for "
-                   "math.isfinite and the returned float); measured 2 per iteration (fp32 and fp16); see issue 14 part 4")
 @pytest.mark.parametrize("dtype", [[], ["--fp16"]], ids=["fp32", "fp16"])
 def test_training_iteration_syncs_at_most_once_outside_logging(dtype):
     per_iter = _syncs_per_iteration(TRAIN + dtype)

@@ -60,7 +60,9 @@ def clip_grads(grads, max_norm, total_norm):
     if max_norm <= 0 or not grads:
         return
     if isinstance(total_norm, torch.Tensor):
-        coef = torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
+        # In float64, then rounded once to the gradients' dtype: the same factor as the float
+        # path (a Python float times an fp32 tensor), so no layout's trajectory moves.
+        coef = torch.clamp(max_norm / (total_norm.double() + 1e-6), max=1.0).float()
         groups = {}
         for g in grads:
             groups.setdefault(g.device, []).append(g)

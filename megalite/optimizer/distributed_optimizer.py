@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
-from megalite.optimizer.clip_grads import get_grad_norm
+from megalite.optimizer.clip_grads import grad_norm_tensor
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -82,7 +82,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return (ps.get_data_parallel_group(), ps.get_model_parallel_group())
 
     def _grad_norm(self, grads):
-        return get_grad_norm([pc.param for pc in self.pieces], grads, sharded_over_dp=True)
+        return grad_norm_tensor([pc.param for pc in self.pieces], grads, sharded_over_dp=True)
 
     def _copies(self):
         return [pc.data for pc in self.pieces]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
-from megalite.optimizer.clip_grads import clip_grads, get_grad_norm
+from megalite.optimizer.clip_grads import clip_grads, grad_norm_tensor
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_and_find_inf_
 
 
@@ -82,13 +82,13 @@ class MixedPrecisionOptimizer:
         for group in self._inf_groups():
             if group is not None:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        return flag
 
     def _inf_groups(self):
         return (ps.get_model_parallel_group(),)
 
     def _grad_norm(self, grads):
-        return get_grad_norm(self.model_params, grads)
+        return grad_norm_tensor(self.model_params, grads)
 
     def _copies(self):
         """Where the updated values go: the model's parameters."""
@@ -101,17 +101,22 @@ class MixedPrecisionOptimizer:
     def step(self):
         """Returns (stepped, grad_norm); stepped is False for a skipped fp16 iteration."""
         grads = self._grads()
-        if self.config.fp16:
-            found_inf = self._unscale_found_inf(grads, 1.0 / self.scaler.scale)
-            self.scaler.update(found_inf)
-            if found_inf:
-                return False, None
-        grad_norm = self._grad_norm(grads)
-        if self.config.check_for_nan_in_grad and not math.isfinite(grad_norm):
-            # Before the update: a NaN norm would disable clipping and write NaN into every weight.
-            bad = next((n for n, g in zip(self.names, grads) if not torch.isfinite(g).all()), None)
-            raise NonFiniteGradError(grad_norm, bad)
-        clip_grads(grads, self.config.clip_grad, grad_norm)
+        c = self.config
+        found_inf = self._unscale_found_inf(grads, 1.0 / self.scaler.scale) if c.fp16 else None
+        grad_norm = self._grad_norm(grads)  # a device tensor: clipping needs no host read
+        if c.fp16 or c.check_for_nan_in_grad:
+            # The iteration's one host read: fp16's skip decision and the NaN check together.
+            inf, norm = torch.cat([found_inf if found_inf is not None else torch.zeros_like(grad_norm.reshape(1)),
+                                   grad_norm.reshape(1).float()]).tolist()
+            if c.fp16:
+                self.scaler.update(bool(inf))
+                if inf:
+                    return False, None
+            if c.check_for_nan_in_grad and not math.isfinite(norm):
+                # Before the update: a NaN norm would disable clipping and write NaN into every weight.
+                bad = next((n for n, g in zip(self.names, grads) if not torch.isfinite(g).all()), None)
+                raise NonFiniteGradError(norm, bad)
+        clip_grads(grads, c.clip_grad, grad_norm)
         self._adam_update(grads, self._copies())
         self._after_step()
         return True, grad_norm
