@@ -53,7 +53,8 @@ FORMAT = "megalite-checkpoint"
 # Model fields that decide tensor shapes and meaning: a mismatch is the user's error.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                 "ffn_hidden_size", "vocab_size", "position_embedding_type", "normalization", "swiglu",
-                "add_bias_linear", "untie_embeddings_and_output_weights")
+                "add_bias_linear", "untie_embeddings_and_output_weights", "model_type", "layernorm_position", "gelu",
+                "num_tokentypes", "bert_binary_head")
 
 _pending = {"future": None, "executor": None, "group": None}
 
@@ -214,7 +215,8 @@ def _check_compatible(meta, model_config, path):
     mine = config_json(model_config)
     for f in SHAPE_FIELDS:
         if f in saved and saved[f] != mine[f]:
-            flag = "--" + f.replace("_", "-")
+            flag = {"model_type": "pretrain_gpt.py / pretrain_bert.py", "gelu": "--openai-gelu",
+                    "num_tokentypes": "the entry point"}.get(f, "--" + f.replace("_", "-"))
             raise CheckpointError(f"checkpoint {path} was saved with {f}={saved[f]} but this run has {f}={mine[f]}; "
                                   f"use the checkpoint's model flags ({flag})")
     if mine["position_embedding_type"] == "learned_absolute" and \

@@ -15,17 +15,6 @@ def run_forward_backward(forward_step_func, iters, chunks, num_microbatches, sha
     return fwd_bwd(forward_step_func, data, model, num_microbatches, tensor_shape=shape, dtype=dtype, **kw)
 
 
-def mean_loss(reported, key="lm loss"):
-    """Mean over micro-batches and DP ranks, the same number on every rank."""
-    dev = ps.get_device()
-    if reported:
-        vals = torch.stack([r[key].float() for r in reported]).mean().reshape(1).to(dev)
-        vals = average_over_data_parallel(vals)
-    else:  # a stage without the loss (pipeline)
-        vals = torch.zeros(1, device=dev)
-    return broadcast_from_last_rank(vals).item()
-
-
 def mean_losses(reported, read=True):
     """(lm loss on every rank, {key: mean} of every loss the loss function reports, e.g. "lm loss"
     and "sop loss"): means over micro-batches and DP ranks; the last pipeline stage holds them
