@@ -17,6 +17,7 @@ setup(
         "megalite.checkpoint",
         "kernels",
     ],
+    package_data={"megalite": ["megatron_flags.json"]},  # Megatron-LM's flag list (megatron_compat.py)
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",

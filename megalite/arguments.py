@@ -1,54 +1,50 @@
 """Megatron-LM-compatible command line -> args namespace -> config dataclasses.
 
-Flags megalite implements keep Megatron's names and meanings. A Megatron flag megalite
-does not implement yet is an error that says so; an unknown flag is an error too.
-Validation runs on every rank from the environment alone (WORLD_SIZE), before any
-process group exists, so a bad command fails fast everywhere instead of hanging.
+Flags megalite implements keep Megatron's names, defaults and meanings (flags Megatron
+requires, megalite requires too). Everything else a command passes is sorted by
+megatron_compat: accepted with a notice (implementation choices), or reported, all in one
+message (renamed, not implemented, unrecognized). Validation (megalite/validation.py) runs
+on every rank from the environment alone (WORLD_SIZE), before any process group exists, so
+a bad command fails fast everywhere instead of hanging.
 """
 
 import argparse
 import os
 
-
 from megalite.config import ConfigError, ModelConfig, TrainingConfig, fail
+from megalite.megatron_compat import print_notices, sort_unknown
 
-# Megatron flags that megalite recognises but does not implement (yet).
-NOT_IMPLEMENTED = {
-    "--context-parallel-size", "--expert-model-parallel-size", "--num-experts",
-    "--fp8-format", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--apply-query-key-layer-scaling", "--use-checkpoint-args",
-    "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
-    "--lr-warmup-fraction", "--train-samples", "--rampup-batch-size", "--tokenizer-model-type",
-    "--merge-file", "--qk-layernorm",
-    "--apply-residual-connection-post-layernorm", "--squared-relu", "--use-rotary-position-embeddings",
-    "--rotary-percent", "--onnx-safe", "--defer-embedding-wgrad-compute",
-    "--tp-comm-overlap", "--num-workers", "--dataloader-type", "--wandb-project",
-}
+TOKENIZER_CHOICES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                     "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
 
 
-# Megatron's dist-checkpoint tuning switches: they pick how Megatron's writer works, not
-# what is saved; megalite's writer is always fully parallel with a persistent thread.
-CKPT_TUNING_FLAGS = ("--use-persistent-ckpt-worker", "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load",
-                     "--use-dist-ckpt", "--auto-detect-ckpt-format", "--ckpt-assume-constant-structure")
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a bad value, a missing value) as one ConfigError line."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help)")
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description="megalite pretraining (Megatron-LM flags)", allow_abbrev=False)
+    p = _Parser(description="megalite pretraining (Megatron-LM flags)", allow_abbrev=False)
     a = p.add_argument
-    # model
-    a("--num-layers", type=int, default=4)
-    a("--hidden-size", type=int, default=256)
-    a("--ffn-hidden-size", type=int, default=None)
-    a("--num-attention-heads", type=int, default=4)
+    # model (Megatron requires the sizes: no defaults)
+    a("--num-layers", type=int, default=None)
+    a("--hidden-size", type=int, default=None)
+    a("--ffn-hidden-size", type=int, default=None, help="default 4h; with --swiglu int(8h/3/64)*64, as Megatron")
+    a("--num-attention-heads", type=int, default=None)
     a("--kv-channels", type=int, default=None)
     a("--group-query-attention", action="store_true")
     a("--num-query-groups", type=int, default=1)
-    a("--seq-length", type=int, default=128)
-    a("--max-position-embeddings", type=int, default=None)
+    a("--seq-length", type=int, default=None)
+    a("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     a("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
     a("--rotary-base", type=float, default=10000.0)
+    a("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims that rotary rotates")
     a("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     a("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    a("--apply-layernorm-1p", action="store_true", help="norm weights stored as w - 1 (zero-centred gamma)")
+    a("--qk-layernorm", action="store_true", help="normalize each head's queries and keys (--normalization)")
     a("--swiglu", action="store_true")
     a("--untie-embeddings-and-output-weights", action="store_true")
     a("--disable-bias-linear", action="store_true")
@@ -59,10 +55,11 @@ def build_parser():
     a("--recompute-granularity", default=None, choices=["full", "selective"])
     a("--recompute-method", default=None, choices=["uniform", "block"])
     a("--recompute-num-layers", type=int, default=None)
+    a("--recompute-activations", action="store_true", help="= --recompute-granularity selective (as Megatron)")
     a("--no-fused-kernels", action="store_true", help="use plain torch ops instead of Triton kernels on CUDA")
-    a("--transformer-impl", default="local", choices=["local"])
-    a("--use-mcore-models", action="store_true", help="accepted for compatibility: megalite has one model code")
-    a("--attention-softmax-in-fp32", action="store_true", help="accepted: softmax always accumulates in fp32")
+    a("--use-flash-attn", action="store_true",
+      help="megalite's Triton flash attention (the default on CUDA; this also overrides --no-fused-kernels)")
+    a("--deterministic-mode", action="store_true", help="deterministic algorithms only (bitwise-repeatable runs)")
     # BERT (pretrain_bert.py)
     a("--bert-binary-head", dest="bert_binary_head", action="store_true", default=True,
       help="BERT: pooler + sentence-order head (default, as Megatron)")
@@ -79,23 +76,36 @@ def build_parser():
     a("--decoder-first-pipeline-num-layers", type=int, default=None)
     a("--decoder-last-pipeline-num-layers", type=int, default=None)
     a("--sequence-parallel", action="store_true")
-    a("--distributed-backend", default=None, choices=["nccl", "gloo"])
-    a("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true", default=True)
+    a("--distributed-backend", default=None, choices=["nccl", "gloo"],
+      help="default: nccl with CUDA, gloo without (Megatron's default nccl needs GPUs)")
+    a("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true", default=True,
+      help="overlap the DP gradient reduction with the backward (megalite's default: same maths, faster)")
     a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
-    a("--ddp-bucket-size", type=int, default=40_000_000)
+    a("--ddp-bucket-size", type=int, default=None, help="elements per DP bucket (default max(40M, 1M x DP))")
     a("--use-distributed-optimizer", action="store_true", help="ZeRO: shard main params and Adam states over DP")
     a("--zero-stage", type=int, default=None, choices=[1, 2],
       help="with --use-distributed-optimizer: 1 (default, as Megatron) or 2 (gradients sharded too)")
     a("--overlap-param-gather", action="store_true", help="overlap the parameter all-gather with the next forward")
-    # training
-    a("--micro-batch-size", type=int, default=4)
+    # training and the LR schedule (Megatron's defaults: no warmup, linear decay to 0)
+    a("--micro-batch-size", type=int, default=None)
     a("--global-batch-size", type=int, default=None)
-    a("--train-iters", type=int, default=200)
-    a("--lr", type=float, default=1e-3)
-    a("--min-lr", type=float, default=1e-4)
-    a("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine"])
-    a("--lr-warmup-iters", type=int, default=10)
-    a("--lr-decay-iters", type=int, default=None)
+    a("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+      help="grow the global batch from START by INCREMENT over SAMPLES samples")
+    a("--train-iters", type=int, default=None)
+    a("--train-samples", type=int, default=None, help="sample-based training (instead of --train-iters)")
+    a("--lr", type=float, default=None)
+    a("--min-lr", type=float, default=0.0)
+    a("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    a("--lr-warmup-iters", type=int, default=0)
+    a("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay iterations/samples")
+    a("--lr-warmup-samples", type=int, default=0)
+    a("--lr-warmup-init", type=float, default=0.0, help="the LR warmup starts from")
+    a("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    a("--lr-decay-samples", type=int, default=None, help="default --train-samples")
+    a("--use-checkpoint-opt_param-scheduler", action="store_true",
+      help="take the LR schedule (lr, min lr, warmup, decay) from the checkpoint, ignoring the flags")
+    a("--override-opt_param-scheduler", action="store_true",
+      help="take the LR schedule from the flags even where the checkpoint's differs")
     a("--weight-decay", type=float, default=0.01)
     a("--clip-grad", type=float, default=1.0)
     a("--adam-beta1", type=float, default=0.9)
@@ -108,32 +118,39 @@ def build_parser():
     a("--min-loss-scale", type=float, default=1.0)
     a("--loss-scale-window", type=int, default=1000)
     a("--hysteresis", type=int, default=2)
+    a("--calculate-per-token-loss", action="store_true",
+      help="average the loss over the global batch's unmasked tokens instead of per micro-batch")
     a("--seed", type=int, default=1234)
+    a("--manual-gc", action="store_true", help="disable the automatic garbage collector; collect at fixed steps")
+    a("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations (0: never)")
+    a("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+      help="with --manual-gc: no collection around evaluations")
     # logging / evaluation
-    a("--log-interval", type=int, default=10)
-    a("--eval-interval", type=int, default=100)
-    a("--eval-iters", type=int, default=5)
+    a("--log-interval", type=int, default=100)
+    a("--eval-interval", type=int, default=None, help="validate every N iterations (default: only at the end)")
+    a("--eval-iters", type=int, default=100)
     a("--tensorboard-dir", default=None)
     a("--log-json", default=None, help="append one JSON object per logged iteration / evaluation to this file")
-    a("--log-throughput", action="store_true", help="accepted: the log line always shows TFLOP/s per GPU")
     a("--log-params-norm", action="store_true", help="log the norm of all parameters")
     a("--log-num-zeros-in-grad", action="store_true", help="log the number of zero gradient elements")
     a("--log-validation-ppl-to-tensorboard", action="store_true")
     a("--log-memory-to-tensorboard", action="store_true", help="peak device memory (CUDA) or peak RSS (CPU)")
     a("--log-timers-to-tensorboard", action="store_true", help="forward-backward and optimizer times")
-    a("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
-      help="accepted: megalite has one level of timers (--log-timers-to-tensorboard)")
     a("--skip-train", action="store_true", help="no training: evaluate (validation and test) and exit")
     # data
     a("--data-path", nargs="*", default=None)
-    a("--split", default="969,30,1")
+    a("--split", default=None, help="train,valid,test weights (commas or slashes; default 969,30,1)")
     a("--data-cache-path", default=None)
     a("--mock-data", action="store_true")
-    a("--tokenizer-type", default=None,
-      choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase",
-               "BertWordPieceCase"])
+    a("--num-workers", type=int, default=2, help="data loader worker processes (0: load in the training process)")
+    a("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    a("--reset-position-ids", action="store_true", help="position ids restart after each end-of-document token")
+    a("--reset-attention-mask", action="store_true", help="tokens attend only within their own document")
+    a("--tokenizer-type", default=None, choices=TOKENIZER_CHOICES,
+      help="default with --data-path: GPT2BPETokenizer (as Megatron)")
     a("--tokenizer-model", default=None)
-    a("--vocab-file", default=None, help="BertWordPieceLowerCase/Case: the WordPiece vocab.txt")
+    a("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json; BertWordPiece*: vocab.txt")
+    a("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     a("--vocab-size", type=int, default=None)
     # operations (megalite/training.py)
     a("--distributed-timeout-minutes", type=float, default=10,
@@ -157,10 +174,6 @@ def build_parser():
     a("--ckpt-format", default="torch_dist", help="torch_dist (the only format megalite writes)")
     a("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saving first)")
     a("--async-save", action="store_true", help="write checkpoints in the background; the next save waits")
-    for flag in CKPT_TUNING_FLAGS:
-        a(flag, action="store_true", help="accepted for Megatron scripts: tunes Megatron's checkpoint writer")
-    a("--dist-ckpt-strictness", default="assume_ok_unexpected",
-      help="accepted for Megatron scripts: megalite always loads strictly (every tensor must match)")
     return p
 
 
@@ -177,127 +190,17 @@ def _parse(argv, world_size, defaults=None):
     parser = build_parser()
     parser.set_defaults(**{"model_type": "gpt", **(defaults or {})})
     args, unknown = parser.parse_known_args(argv)
-    for tok in unknown:
-        if tok.startswith("--"):
-            flag = tok.split("=", 1)[0]
-            if flag in NOT_IMPLEMENTED:
-                raise ConfigError(f"Megatron flag {flag} is not implemented in megalite yet; remove it")
-            raise ConfigError(f"unrecognized argument {flag} (see --help)")
-        raise ConfigError(f"unexpected argument {tok!r} (see --help)")
+    known = [s for act in parser._actions for s in act.option_strings]
+    notices, problems = sort_unknown(unknown, known)
+    if problems:
+        raise ConfigError("Megatron flags megalite cannot honour (fix all, then relaunch): " + " | ".join(problems))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
+    from megalite.validation import validate_args  # it maps args through this module's configs
     validate_args(args)
+    print_notices(notices)
     return args
-
-
-def validate_args(args):
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp})")
-    for flag, minimum in (("micro_batch_size", 1), ("train_iters", 1), ("log_interval", 1), ("num_layers", 1),
-                          ("seq_length", 1), ("eval_interval", 0), ("eval_iters", 0)):
-        if getattr(args, flag) < minimum:
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= {minimum}")
-    if args.world_size % (tp * pp):
-        raise ConfigError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp} = {tp * pp}; change --nproc-per-node or the sizes")
-    args.data_parallel_size = args.world_size // (tp * pp)
-    _validate_pipeline(args)
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False  # as Megatron: nothing to split
-    if args.bf16 and args.fp16:
-        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
-    if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
-        raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
-    if args.use_distributed_optimizer and args.zero_stage is None:
-        args.zero_stage = 1
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if (args.recompute_method is not None or args.recompute_num_layers is not None) and \
-            args.recompute_granularity != "full":
-        raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
-    if args.skip_train and not (args.eval_interval > 0 and args.eval_iters > 0):
-        raise ConfigError("--skip-train evaluates only: it needs --eval-iters > 0 and --eval-interval > 0")
-    _validate_checkpoint_args(args)
-    _validate_bert(args)
-    if args.mock_data and args.data_path:
-        raise ConfigError("--mock-data and --data-path are exclusive; pick one")
-    if not args.group_query_attention:
-        args.num_query_groups = None
-    if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
-        args.vocab_size = 1024
-    num_micro = training_config(args).num_microbatches(args.data_parallel_size)
-    if args.virtual_pipeline_model_parallel_size is not None and num_micro % pp:
-        raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({num_micro}) to be a multiple "
-                          f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
-    # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
-    # loads) does not enter them.
-    model_config(args, args.vocab_size or 1).check_parallel(tp)
-
-
-def _validate_checkpoint_args(args):
-    if args.ckpt_format != "torch_dist":
-        raise ConfigError(f"--ckpt-format {args.ckpt_format} is not supported: megalite reads and writes torch_dist "
-                          "checkpoints only; remove the flag (convert others with tools/convert_checkpoint.py)")
-    if args.distributed_timeout_minutes <= 0:
-        raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
-        raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0")
-    for flag in ("save_interval", "exit_interval"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
-    for flag in ("save_interval", "async_save", "no_save_optim", "no_save_rng"):
-        if getattr(args, flag) and not args.save:
-            raise ConfigError(f"--{flag.replace('_', '-')} needs --save DIR")
-    for flag in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
-        if getattr(args, flag) and not args.load:
-            raise ConfigError(f"--{flag.replace('_', '-')} needs --load DIR")
-    given = [f for f in CKPT_TUNING_FLAGS if getattr(args, f[2:].replace("-", "_"))]
-    if given and os.environ.get("RANK", "0") == "0":
-        print(f"megalite: {' '.join(given)} accepted; megalite's checkpoint writer is always fully parallel",
-              flush=True)
-
-
-def _validate_bert(args):
-    bert = args.model_type == "bert"
-    if args.layernorm_position is None:
-        args.layernorm_position = "post" if bert else "pre"
-    if not bert:
-        return
-    if args.untie_embeddings_and_output_weights:
-        raise ConfigError("BERT ties its MLM output layer to the word embeddings; remove "
-                          "--untie-embeddings-and-output-weights")
-    if args.position_embedding_type != "learned_absolute":
-        raise ConfigError(f"BERT uses learned absolute positions; remove --position-embedding-type "
-                          f"{args.position_embedding_type}")
-    if not 0.0 < args.mask_prob < 1.0 or not 0.0 <= args.short_seq_prob <= 1.0:
-        raise ConfigError(f"--mask-prob {args.mask_prob} must be in (0, 1) and --short-seq-prob "
-                          f"{args.short_seq_prob} in [0, 1]")
-    if args.seq_length < 8:
-        raise ConfigError(f"--seq-length {args.seq_length}: a BERT sample [CLS] A [SEP] B [SEP] needs at least 8")
-
-
-def _validate_pipeline(args):
-    from megalite.transformer.pipeline_layers import stage_layer_counts
-    pp, L = args.pipeline_model_parallel_size, args.num_layers
-    args.virtual_pipeline_model_parallel_size = None
-    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        n = args.num_layers_per_virtual_pipeline_stage
-        if pp == 1:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        if uneven:
-            raise ConfigError("interleaving (--num-layers-per-virtual-pipeline-stage) cannot be combined with an "
-                              "uneven split (--decoder-first/last-pipeline-num-layers)")
-        if n < 1 or L % (pp * n):
-            raise ConfigError(f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {pp} x "
-                              f"--num-layers-per-virtual-pipeline-stage {n} = {pp * n}")
-        args.virtual_pipeline_model_parallel_size = L // (pp * n)
-        if args.virtual_pipeline_model_parallel_size == 1:
-            args.virtual_pipeline_model_parallel_size = None  # one chunk per stage: plain 1F1B
-        return
-    stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
 def model_config(args, vocab_size):
@@ -316,7 +219,8 @@ def model_config(args, vocab_size):
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed,
-        **_bert_fields(args))
+        rotary_percent=args.rotary_percent, apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
+        use_flash_attn=args.use_flash_attn, deterministic=args.deterministic_mode, **_bert_fields(args))
 
 
 def _bert_fields(args):
@@ -331,6 +235,11 @@ def training_config(args):
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters, weight_decay=args.weight_decay,
+        train_samples=args.train_samples, lr_warmup_fraction=args.lr_warmup_fraction,
+        lr_warmup_samples=args.lr_warmup_samples, lr_decay_samples=args.lr_decay_samples,
+        lr_warmup_init=args.lr_warmup_init, rampup_batch_size=args.rampup_batch_size,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         bf16=args.bf16, fp16=args.fp16,
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,

@@ -59,6 +59,11 @@ class ModelConfig:
     gelu: str = "tanh"  # "tanh" (approximation, as GPT-2) or "exact" (erf, as BERT)
     num_tokentypes: int = 0  # segment (token-type) embeddings; BERT uses 2
     bert_binary_head: bool = True  # BERT: pooler + sentence-order / next-sentence head
+    rotary_percent: float = 1.0  # fraction of each head's dims that rotary embeddings rotate
+    apply_layernorm_1p: bool = False  # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
+    qk_layernorm: bool = False  # normalize queries and keys per head before attention
+    use_flash_attn: bool = False  # flash attention even with fused_kernels off
+    deterministic: bool = False  # deterministic algorithms only
 
     def __post_init__(self):
         h, a = self.hidden_size, self.num_attention_heads
@@ -70,7 +75,10 @@ class ModelConfig:
                                   "pick sizes with hidden = heads x head dim")
             self.kv_channels = h // a
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * h if not self.swiglu else int((8 * h / 3 + 63) // 64 * 64)
+            # Megatron's SwiGLU size: 2/3 of 4h, rounded *down* to a multiple of 64
+            self.ffn_hidden_size = 4 * h if not self.swiglu else int(8 * h / 3 / 64) * 64
+        if self.ffn_hidden_size < 1:
+            raise ConfigError(f"the FFN size of --hidden-size {h} rounds to {self.ffn_hidden_size}; pass --ffn-hidden-size")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if a % self.num_query_groups:
@@ -143,6 +151,14 @@ class TrainingConfig:
     seed: int = 1234
     fused_kernels: bool = True  # fused AdamW (Triton) on CUDA
     check_for_nan_in_grad: bool = True  # stop before an update with a NaN/Inf grad norm
+    train_samples: Optional[int] = None  # sample-based training (train_iters derived from it)
+    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_samples: int = 0
+    lr_decay_samples: Optional[int] = None
+    lr_warmup_init: float = 0.0
+    rampup_batch_size: Optional[list] = None  # [start, increment, ramp-up samples]
+    use_checkpoint_opt_param_scheduler: bool = False
+    override_opt_param_scheduler: bool = False
 
     @property
     def params_dtype(self):

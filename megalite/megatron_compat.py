@@ -1,0 +1,189 @@
+"""What megalite does with a Megatron-LM flag it does not implement itself.
+
+Four answers, all collected over the whole command before anything is reported, so a user
+learns every problem of a launch script in one message instead of one per launch:
+- NOTICE: the flag only picks an implementation or tunes speed (Transformer Engine, fusions,
+  memory housekeeping); accepted, with one line on rank 0 saying what megalite does instead.
+- RENAMED: Megatron itself renamed or removed it; the message names the new spelling.
+- not implemented: a real Megatron flag (megatron_flags.json lists all of them) whose maths
+  megalite does not have (fp8, MoE, FSDP, ...); named as such, with what to do.
+- unrecognized: not a Megatron flag either (a typo): the closest megalite flag is suggested.
+"""
+
+import difflib
+import json
+import os
+
+_FLAGS_FILE = os.path.join(os.path.dirname(__file__), "megatron_flags.json")
+
+# Flags (switches or flags with a value) accepted with a notice: they do not change the maths.
+NOTICE = {
+    "--no-gradient-accumulation-fusion": "gradients always accumulate into fp32 main-grad buffers",
+    "--gradient-accumulation-fusion": "gradients always accumulate into fp32 main-grad buffers",
+    "--no-masked-softmax-fusion": "the softmax kernel is chosen per device (--no-fused-kernels for plain torch)",
+    "--masked-softmax-fusion": "the softmax kernel is chosen per device",
+    "--no-bias-gelu-fusion": "bias+GeLU is fused on CUDA unless --no-fused-kernels",
+    "--bias-gelu-fusion": "bias+GeLU is fused on CUDA unless --no-fused-kernels",
+    "--no-bias-swiglu-fusion": "SwiGLU is fused on CUDA unless --no-fused-kernels",
+    "--no-bias-dropout-fusion": "bias+dropout+add fusion is left to torch",
+    "--no-rope-fusion": "rotary embeddings use megalite's kernel on CUDA unless --no-fused-kernels",
+    "--no-persist-layer-norm": "megalite's layer norm kernel has no persistent variant",
+    "--cross-entropy-loss-fusion": "the vocab-parallel cross entropy is fused on CUDA unless --no-fused-kernels",
+    "--no-create-attention-mask-in-dataloader": "causal masks are built inside attention, never in the loader",
+    "--no-mmap-bin-files": ".bin files are always memory-mapped (pages are read on demand)",
+    "--empty-unused-memory-level": "the caching allocator is left alone",
+    "--logging-level": "megalite prints rank-0 progress lines only",
+    "--attention-backend": "attention runs megalite's Triton flash attention on CUDA (unless --no-fused-kernels), "
+                           "SDPA/torch otherwise",
+    "--transformer-impl": "megalite has one transformer implementation (no Transformer Engine)",
+    "--use-mcore-models": "megalite has one model code",
+    "--use-legacy-models": "megalite has one model code",
+    "--attention-softmax-in-fp32": "softmax always accumulates in fp32",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and reduced in fp32",
+    "--log-throughput": "the log line always shows TFLOP/s per GPU",
+    "--use-persistent-ckpt-worker": "megalite's checkpoint writer is always fully parallel",
+    "--no-ckpt-fully-parallel-save": "megalite's checkpoint writer is always fully parallel",
+    "--ckpt-fully-parallel-load": "every rank reads only its own shards",
+    "--ckpt-fully-parallel-save": "megalite's checkpoint writer is always fully parallel",
+    "--use-dist-ckpt": "torch_dist is megalite's only format",
+    "--auto-detect-ckpt-format": "torch_dist is megalite's only format",
+    "--ckpt-assume-constant-structure": "plans are rebuilt per save",
+    "--dist-ckpt-optim-fully-reshardable": "optimizer state is always saved fully reshardable",
+    "--dist-ckpt-strictness": "loads are always strict (every tensor must match)",
+    "--async-tensor-model-parallel-allreduce": "the TP all-reduce order is fixed by the layers",
+    "--no-async-tensor-model-parallel-allreduce": "the TP all-reduce order is fixed by the layers",
+    "--tp-comm-overlap": "TP communication is not overlapped with GEMMs (speed only)",
+    "--DDP-impl": "megalite's data-parallel wrapper is Megatron's local DDP with overlapped buckets",
+    "--data-impl": "the .bin/.idx format is always the mmap one",
+    "--use-cpu-initialization": "initialisation is topology independent; each rank makes only its shard",
+    "--no-async-save-check": "async saves are checked at the next save",
+    "--timing-log-level": "megalite has one level of timers (--log-timers-to-tensorboard)",
+}
+
+# Value-carrying flags whose *value* decides: accepted at these values, not implemented otherwise.
+NEUTRAL_VALUES = {
+    "--context-parallel-size": ("1", "context parallelism is not implemented in megalite"),
+    "--expert-model-parallel-size": ("1", "Mixture of Experts is not implemented in megalite"),
+    "--expert-tensor-parallel-size": (None, "Mixture of Experts is not implemented in megalite"),
+    "--num-experts": ("0", "Mixture of Experts is not implemented in megalite"),
+    "--encoder-tensor-model-parallel-size": ("0", "encoder-decoder models are not implemented in megalite"),
+    "--virtual-pipeline-model-parallel-size": (None, None),  # handled as a real flag in arguments.py
+    "--data-impl": ("mmap", "megalite reads only the mmap .bin/.idx format"),
+    "--transformer-impl": ("local transformer_engine inference_optimized", None),
+    "--attention-backend": ("auto flash fused unfused local", None),
+    "--DDP-impl": ("local torch", None),
+    "--dataloader-type": ("single", "only the 'single' (sequential) data loader is implemented"),
+}
+
+# Megatron's own renames and removals: old spelling -> what to write now.
+RENAMED = {
+    "--batch-size": "--micro-batch-size",
+    "--warmup": "--lr-warmup-fraction",
+    "--model-parallel-size": "--tensor-model-parallel-size",
+    "--checkpoint-activations": "--recompute-activations (or --recompute-granularity full)",
+    "--checkpoint-num-layers": "--recompute-num-layers",
+    "--distribute-checkpointed-activations": "--distribute-saved-activations (not implemented; remove it)",
+    "--use-rotary-position-embeddings": "--position-embedding-type rope",
+    "--no-position-embedding": "--position-embedding-type none (not implemented; remove it)",
+    "--use-checkpoint-lr-scheduler": "--use-checkpoint-opt_param-scheduler",
+    "--override-lr-scheduler": "--override-opt_param-scheduler",
+    "--fp16-lm-cross-entropy": "(removed in Megatron) remove it",
+    "--num-layers-per-virtual-pipeline-stage-old": "--num-layers-per-virtual-pipeline-stage",
+    "--tensorboard-log-interval": "(removed: TensorBoard logs every --log-interval) remove it",
+}
+
+# Why a Megatron flag is not implemented, by keyword: the first match names the feature.
+_WHY = (
+    (("fp8", "fp4", "quantiz", "kitchen"), "FP8/FP4 training (Transformer Engine) is not implemented in megalite"),
+    (("moe", "expert", "num-experts", "router"), "Mixture of Experts is not implemented in megalite"),
+    (("fsdp",), "FSDP is not implemented in megalite; --use-distributed-optimizer (ZeRO-1/2) shards optimizer "
+                "state and gradients"),
+    (("decoupled",), "decoupled embedding LRs are not implemented in megalite"),
+    (("wandb",), "Weights & Biases logging is not implemented in megalite; use --tensorboard-dir or --log-json"),
+    (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
+                                                              "run under torch.profiler or nsys yourself"),
+    (("context-parallel", "cp-comm", "hierarchical-context"), "context parallelism is not implemented in megalite"),
+    (("cuda-graph", "enable-cuda-graph"), "CUDA graphs are not implemented in megalite"),
+    (("mtp",), "multi-token prediction is not implemented in megalite"),
+    (("mla", "kv-lora", "q-lora", "multi-latent"), "multi-latent attention is not implemented in megalite"),
+    (("hybrid", "mamba"), "hybrid/Mamba models are not implemented in megalite"),
+    (("rl-", "grpo", "inference", "vision", "biencoder", "distill", "sft", "retro"),
+     "this Megatron workload is not implemented in megalite"),
+)
+
+
+def megatron_flags():
+    """{flag: [nargs, group]} for every flag of Megatron-LM's parser (see the file's _source)."""
+    if not hasattr(megatron_flags, "_cache"):
+        with open(_FLAGS_FILE) as f:
+            megatron_flags._cache = json.load(f)["flags"]
+    return megatron_flags._cache
+
+
+def _why_not(flag):
+    low = flag.lower()
+    for words, why in _WHY:
+        if any(w in low for w in words):
+            return why
+    return "not implemented in megalite"
+
+
+def _nargs(flag):
+    info = megatron_flags().get(flag)
+    if flag in RENAMED and info is None:
+        return 0 if flag in ("--checkpoint-activations", "--distribute-checkpointed-activations",
+                             "--use-rotary-position-embeddings", "--no-position-embedding",
+                             "--use-checkpoint-lr-scheduler", "--override-lr-scheduler",
+                             "--fp16-lm-cross-entropy") else 1
+    if info is None:
+        return None
+    return info[0]
+
+
+def sort_unknown(tokens, known_flags):
+    """Split argparse's leftover tokens into (notices, problems). notices: lines to print on
+    rank 0; problems: one entry per reason, naming every flag it applies to and what to do."""
+    notices, problems, i = [], {}, 0
+
+    def problem(shown, why):
+        problems.setdefault(why, []).append(shown)
+
+    while i < len(tokens):
+        tok = tokens[i]
+        i += 1
+        if not tok.startswith("--"):
+            problem(repr(tok), "unexpected value (the flag before it takes none)")
+            continue
+        flag, eq, inline = tok.partition("=")
+        n = _nargs(flag)
+        values = [inline] if eq else []
+        if not eq and n != 0:
+            # A flag's values run until the next --flag (nargs 1 takes exactly one; an
+            # unknown flag takes what follows it, so its value is not reported on its own).
+            while i < len(tokens) and not tokens[i].startswith("--") and (n != 1 or not values):
+                values.append(tokens[i])
+                i += 1
+        shown = " ".join([flag] + values)
+        if flag in RENAMED:
+            problem(flag, f"renamed in Megatron-LM: use {RENAMED[flag]}")
+        elif flag in NEUTRAL_VALUES:
+            ok, why = NEUTRAL_VALUES[flag]
+            if ok is None or (values and all(v in ok.split() for v in values)):
+                notices.append(f"{shown} accepted" + (f": {NOTICE[flag]}" if flag in NOTICE else ""))
+            else:
+                problem(shown, f"{why or 'not implemented in megalite'}; remove it")
+        elif flag in NOTICE:
+            notices.append(f"{shown} accepted: {NOTICE[flag]}")
+        elif flag in megatron_flags():
+            problem(flag, f"{_why_not(flag)}; remove it")
+        else:
+            near = difflib.get_close_matches(flag, known_flags, n=1, cutoff=0.75)
+            problem(flag, f"unrecognized (did you mean {near[0]}?)" if near else
+                    "unrecognized: neither a megalite nor a Megatron-LM flag (see --help)")
+    return notices, [f"{', '.join(flags)}: {why}" for why, flags in problems.items()]
+
+
+def print_notices(notices):
+    if notices and os.environ.get("RANK", "0") == "0":
+        for line in notices:
+            print(f"megalite: {line}", flush=True)

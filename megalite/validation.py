@@ -1,0 +1,193 @@
+"""Validation of the parsed command line: Megatron's checks and derived values, each error
+one line naming the values and what to change (all missing required flags in one line)."""
+
+import os
+
+from megalite.arguments import model_config, training_config
+from megalite.config import ConfigError
+
+# Flags Megatron has no default for: a launch script always passes them.
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
+
+
+def validate_args(args):
+    missing = [f"--{f.replace('_', '-')}" for f in REQUIRED if getattr(args, f) is None]
+    if args.train_iters is None and args.train_samples is None and not args.skip_train:
+        missing.append("--train-iters (or --train-samples)")
+    if missing:
+        raise ConfigError(f"missing required flag{'s' * (len(missing) > 1)} {', '.join(missing)} "
+                          "(Megatron has no defaults for these)")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp})")
+    if args.eval_interval == 0:
+        args.eval_interval = None  # megalite's older spelling of "no periodic evaluation"
+    for flag, minimum in (("micro_batch_size", 1), ("train_iters", 1), ("train_samples", 1), ("log_interval", 1),
+                          ("num_layers", 1), ("seq_length", 1), ("eval_interval", 1), ("eval_iters", 0),
+                          ("num_workers", 0), ("manual_gc_interval", 0)):
+        if getattr(args, flag) is not None and getattr(args, flag) < minimum:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= {minimum}")
+    if args.world_size % (tp * pp):
+        raise ConfigError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--pipeline-model-parallel-size {pp} = {tp * pp}; change --nproc-per-node or the sizes")
+    args.data_parallel_size = args.world_size // (tp * pp)
+    _validate_pipeline(args)
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron: nothing to split
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
+        raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
+    if args.use_distributed_optimizer and args.zero_stage is None:
+        args.zero_stage = 1
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    if (args.recompute_method is not None or args.recompute_num_layers is not None) and \
+            args.recompute_granularity != "full":
+        raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if args.skip_train and args.eval_iters <= 0:
+        raise ConfigError("--skip-train evaluates only: it needs --eval-iters > 0")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"  # Megatron's alias
+    if args.ddp_bucket_size is None:
+        args.ddp_bucket_size = max(40_000_000, 1_000_000 * args.data_parallel_size)  # Megatron's default
+    if args.distributed_backend == "nccl":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("--distributed-backend nccl needs CUDA GPUs and none is visible; use "
+                              "--distributed-backend gloo (or leave it out)")
+    _validate_schedule(args)
+    _validate_data(args)
+    _validate_checkpoint_args(args)
+    _validate_bert(args)
+    if not args.group_query_attention:
+        args.num_query_groups = None
+    if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
+        args.vocab_size = 1024
+    num_micro = training_config(args).num_microbatches(args.data_parallel_size)  # the full batch's count
+    if args.virtual_pipeline_model_parallel_size is not None and num_micro % pp:
+        raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({num_micro}) to be a multiple "
+                          f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
+    # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
+    # loads) does not enter them.
+    model_config(args, args.vocab_size or 1).check_parallel(tp)
+
+
+def _validate_checkpoint_args(args):
+    if args.ckpt_format != "torch_dist":
+        raise ConfigError(f"--ckpt-format {args.ckpt_format} is not supported: megalite reads and writes torch_dist "
+                          "checkpoints only; remove the flag (convert others with tools/convert_checkpoint.py)")
+    if args.distributed_timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0")
+    for flag in ("save_interval", "exit_interval"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    for flag in ("save_interval", "async_save", "no_save_optim", "no_save_rng"):
+        if getattr(args, flag) and not args.save:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --save DIR")
+    for flag in ("finetune", "no_load_optim", "no_load_rng", "exit_on_missing_checkpoint"):
+        if getattr(args, flag) and not args.load:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --load DIR")
+
+
+def _validate_bert(args):
+    bert = args.model_type == "bert"
+    if args.layernorm_position is None:
+        args.layernorm_position = "post" if bert else "pre"
+    if not bert:
+        return
+    if args.untie_embeddings_and_output_weights:
+        raise ConfigError("BERT ties its MLM output layer to the word embeddings; remove "
+                          "--untie-embeddings-and-output-weights")
+    if args.position_embedding_type != "learned_absolute":
+        raise ConfigError(f"BERT uses learned absolute positions; remove --position-embedding-type "
+                          f"{args.position_embedding_type}")
+    if not 0.0 < args.mask_prob < 1.0 or not 0.0 <= args.short_seq_prob <= 1.0:
+        raise ConfigError(f"--mask-prob {args.mask_prob} must be in (0, 1) and --short-seq-prob "
+                          f"{args.short_seq_prob} in [0, 1]")
+    if args.seq_length < 8:
+        raise ConfigError(f"--seq-length {args.seq_length}: a BERT sample [CLS] A [SEP] B [SEP] needs at least 8")
+
+
+def _validate_pipeline(args):
+    from megalite.transformer.pipeline_layers import stage_layer_counts
+    pp, L = args.pipeline_model_parallel_size, args.num_layers
+    args.virtual_pipeline_model_parallel_size = None
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        n = args.num_layers_per_virtual_pipeline_stage
+        if pp == 1:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        if uneven:
+            raise ConfigError("interleaving (--num-layers-per-virtual-pipeline-stage) cannot be combined with an "
+                              "uneven split (--decoder-first/last-pipeline-num-layers)")
+        if n < 1 or L % (pp * n):
+            raise ConfigError(f"--num-layers {L} is not divisible by --pipeline-model-parallel-size {pp} x "
+                              f"--num-layers-per-virtual-pipeline-stage {n} = {pp * n}")
+        args.virtual_pipeline_model_parallel_size = L // (pp * n)
+        if args.virtual_pipeline_model_parallel_size == 1:
+            args.virtual_pipeline_model_parallel_size = None  # one chunk per stage: plain 1F1B
+        return
+    stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+
+
+
+
+def _validate_schedule(args):
+    """Megatron's rules for iteration- vs sample-based training and the LR schedule."""
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples are exclusive; pick one")
+    if args.train_samples is not None:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            raise ConfigError("sample-based training (--train-samples) takes --lr-decay-samples and "
+                              "--lr-warmup-samples (or --lr-warmup-fraction), not --lr-decay-iters / --lr-warmup-iters")
+        if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-samples are exclusive; pick one")
+    else:
+        if args.lr_decay_samples is not None or args.lr_warmup_samples:
+            raise ConfigError("--lr-decay-samples / --lr-warmup-samples need --train-samples (sample-based "
+                              "training); with --train-iters use --lr-decay-iters / --lr-warmup-iters")
+        if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+            raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters are exclusive; pick one")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        raise ConfigError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1]")
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
+        raise ConfigError("--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are exclusive")
+    if args.rampup_batch_size is not None:
+        start, incr, samples = args.rampup_batch_size
+        if start < 1 or incr < 1 or samples < 0:
+            raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: need start >= 1, increment >= 1 "
+                              "and samples >= 0")
+    if args.train_samples is not None or args.rampup_batch_size is not None:
+        from megalite.microbatches import derive_train_iters
+        derive_train_iters(args)  # sets args.train_iters from the samples and the batch schedule
+
+
+def _validate_data(args):
+    if args.data_path and args.tokenizer_type is None:
+        args.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default (with --vocab-file / --merge-file)
+    if args.split is None:
+        args.split = "969,30,1"  # Megatron's legacy default
+    args.split = normalize_split(args.split)
+    if args.mock_data and args.data_path:
+        raise ConfigError("--mock-data and --data-path are exclusive; pick one")
+
+
+def normalize_split(split):
+    """Megatron's --split: weights separated by commas or slashes, optionally quoted (launch
+    scripts pass "'99,1,0'"), padded to three; returns "a,b,c"."""
+    text = split.strip().strip("'\"").replace(" ", "")
+    parts = text.replace("/", ",").split(",") if text else []
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        raise ConfigError(f"--split {split!r}: need up to three numbers separated by commas or slashes, "
+                          "e.g. 969,30,1") from None
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--split {split!r}: need one to three non-negative weights with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    return ",".join(f"{w:g}" for w in weights)
