@@ -113,7 +113,7 @@ _WHY = (
 
 
 def megatron_flags():
-    """{flag: [nargs, group]} for every flag of Megatron-LM's parser (see the file's _source)."""
+    """{flag: [nargs, group, default]} for every flag of Megatron-LM's parser (see the file's _source)."""
     if not hasattr(megatron_flags, "_cache"):
         with open(_FLAGS_FILE) as f:
             megatron_flags._cache = json.load(f)["flags"]
