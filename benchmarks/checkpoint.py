@@ -98,7 +98,8 @@ def main():
     p.add_argument("--out", default=None)
     a = p.parse_args()
     model = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", "8",
-             "--seq-length", "128", "--mock-data", "--vocab-size", "32000", "--micro-batch-size", "1"]
+             "--seq-length", "128", "--mock-data", "--vocab-size", "32000", "--micro-batch-size", "1", "--lr", "1e-4",
+             "--train-iters", "1", "--eval-iters", "0", "--num-workers", "0"]
     root = a.out or tempfile.mkdtemp(prefix="megalite-ckpt-bench-")
     layouts = [("TP1 DP1", 1, []), ("TP2 DP1", 2, ["--tensor-model-parallel-size", "2"]),
                ("DP2 ZeRO-1", 2, ["--use-distributed-optimizer"])]

@@ -16,7 +16,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = ("--mock-data --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
-       "--train-iters 6 --log-interval 3 --eval-interval 0").split()
+       "--train-iters 6 --log-interval 3 --eval-iters 0 --lr 1e-3 --num-workers 0").split()
 
 
 def run_once(nproc, extra=()):

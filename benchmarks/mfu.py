@@ -63,7 +63,8 @@ def matmul_ceiling(n=8192, reps=20):
 
 def run(config_flags, micro, steps, extra):
     argv = (config_flags + f" --mock-data --micro-batch-size {micro} --global-batch-size {micro} "
-            f"--hidden-dropout 0 --attention-dropout 0 --train-iters {steps} " + extra).split()
+            f"--hidden-dropout 0 --attention-dropout 0 --train-iters {steps} --lr 1e-4 --eval-iters 0 --num-workers 0 "
+            + extra).split()
     args = parse_args(argv, world_size=1)
     ps.initialize_model_parallel(1, 1)
     model_parallel_manual_seed(args.seed)

@@ -70,7 +70,7 @@ MODEL = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 1
 # more than 0.5 in 6 steps.
 TRAIN = (f"--micro-batch-size 1 --global-batch-size 8 --train-iters {STEPS} --lr 1e-2 --lr-warmup-iters 0 "
          "--lr-decay-style constant --clip-grad 1.0 --adam-eps 1e-3 --log-interval 1000 --eval-interval 0 "
-         "--ddp-bucket-size 3000 --seed 1234").split()
+         "--eval-iters 0 --num-workers 0 --ddp-bucket-size 3000 --seed 1234").split()
 BASE = tuple(MODEL + TRAIN)
 # `model=` flavours: the Llama family (rotary positions, RMSNorm, SwiGLU, grouped-query
 # attention, no linear biases, untied output layer); 8 layers for PP4 interleaving (at LR 1e-2

@@ -7,7 +7,8 @@ from megalite import parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.training import pretrain
 
-OK = "--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1"
+OK = "--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1 " \
+     "--lr 1e-3 --train-iters 2 --num-workers 0"
 
 BAD = {
     "--micro-batch-size 0": "--micro-batch-size 0 must be >= 1",

@@ -12,7 +12,7 @@ from dist_util import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OK = "--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1 " \
-     "--train-iters 1"
+     "--train-iters 1 --lr 1e-3 --eval-iters 0 --num-workers 0"
 
 CASES = {
     "world_not_divisible": (3, "--tensor-model-parallel-size 2", "world size 3 is not divisible"),
@@ -22,8 +22,11 @@ CASES = {
                      "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
     "global_batch": (2, "--global-batch-size 5", "--global-batch-size 5 is not divisible by --micro-batch-size 1"),
     "hidden_vs_heads": (2, "--hidden-size 50", "--hidden-size 50 is not divisible by --num-attention-heads 4"),
-    "not_implemented": (2, "--qk-layernorm", "Megatron flag --qk-layernorm is not implemented in megalite yet"),
-    "unknown_flag": (2, "--no-such-flag", "unrecognized argument --no-such-flag"),
+    "not_implemented": (2, "--fp8-format hybrid --no-such-flag --decoupled-lr 1e-4",
+                        "--fp8-format: FP8/FP4 training (Transformer Engine) is not implemented in megalite; remove it"
+                        " | --no-such-flag: unrecognized: neither a megalite nor a Megatron-LM flag (see --help) | "
+                        "--decoupled-lr: decoupled embedding LRs are not implemented"),
+    "missing_required": (2, "--lr", "expected one argument"),
     "layers_vs_pp": (2, "--pipeline-model-parallel-size 2 --num-layers 3",
                      "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     "layers_vs_virtual": (2, "--pipeline-model-parallel-size 2 --num-layers 6 --num-layers-per-virtual-pipeline-stage 2",

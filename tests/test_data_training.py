@@ -15,7 +15,7 @@ from megalite.training import pretrain
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 4 "
         "--hidden-dropout 0 --attention-dropout 0 --lr 3e-3 --lr-warmup-iters 2 --log-interval 5 "
-        "--eval-interval 10 --eval-iters 2").split()
+        "--eval-interval 10 --eval-iters 2 --num-workers 0").split()
 
 
 def _train(argv):

@@ -295,8 +295,12 @@ def test_state_reassembled_from_dp4_equals_dp2_and_reshards(dp2, full4):
 # ZeRO through pretrain() with TP, PP, interleaving and SP against the single process: tests/test_parity.py.
 
 
+REQUIRED = ("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1 --lr 1e-3 "
+            "--train-iters 1").split()
+
+
 def test_zero_flags(capsys):
     with pytest.raises(SystemExit):
-        parse_args(["--mock-data", "--zero-stage", "2"], world_size=1)
+        parse_args(REQUIRED + ["--mock-data", "--zero-stage", "2"], world_size=1)
     assert "--zero-stage and --overlap-param-gather need --use-distributed-optimizer" in capsys.readouterr().err
-    assert parse_args(["--mock-data", "--use-distributed-optimizer"], world_size=1).zero_stage == 1
+    assert parse_args(REQUIRED + ["--mock-data", "--use-distributed-optimizer"], world_size=1).zero_stage == 1

@@ -119,7 +119,7 @@ def test_forward_tp_all_reduce_reuses_the_gemm_output():
 
 TRAIN = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
          "--global-batch-size 4 --train-iters 4 --log-interval 100 --vocab-size 250 --make-vocab-size-divisible-by 8 "
-         "--lr 1e-3 --eval-interval 0 --mock-data --clip-grad 1.0").split()
+         "--lr 1e-3 --eval-interval 0 --eval-iters 0 --num-workers 0 --mock-data --clip-grad 1.0").split()
 
 
 def _syncs_per_iteration(argv):

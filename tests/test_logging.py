@@ -19,7 +19,7 @@ from megalite.training import pretrain
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ("--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
        "--vocab-size 128 --make-vocab-size-divisible-by 8 --train-iters 6 --log-interval 2 --eval-interval 3 "
-       "--eval-iters 2 --hidden-dropout 0 --attention-dropout 0").split()
+       "--eval-iters 2 --hidden-dropout 0 --attention-dropout 0 --lr 1e-3 --num-workers 0").split()
 
 
 def _train(argv, capsys):

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
          "--global-batch-size 8 --hidden-dropout 0.1 --attention-dropout 0.1 --lr 1e-2 --lr-warmup-iters 0 "
          "--log-interval 1 --eval-interval 0 --tokenizer-type NullTokenizer --vocab-size 63 --split 100,0,0 "
-         "--make-vocab-size-divisible-by 8").split()
+         "--make-vocab-size-divisible-by 8 --eval-iters 0 --num-workers 0").split()
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: (\S+)")
 
 

@@ -14,7 +14,8 @@ from parity import learnable_datasets
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --log-interval 1 --vocab-size 250 "
         "--make-vocab-size-divisible-by 8 --hidden-dropout 0 --attention-dropout 0 --lr 1e-2 "
-        "--lr-warmup-iters 0 --lr-decay-style constant --eval-interval 0 --ddp-bucket-size 2000").split()
+        "--lr-warmup-iters 0 --lr-decay-style constant --eval-interval 0 --eval-iters 0 --num-workers 0 "
+        "--ddp-bucket-size 2000").split()
 
 
 def _train(argv, world_size):
