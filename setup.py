@@ -30,7 +30,8 @@ setup(
         # megatron-core: the data-format cross-checks against Megatron's own code
         # (tests/data/test_data_megatron_compat.py); its core needs only torch, numpy, packaging.
         # transformers: the HF conversion tests load real GPT2LMHeadModel / LlamaForCausalLM.
-        "test": ["pytest", "megatron-core>=0.16", "transformers", "matplotlib"],
+        # tensorboard: Megatron's launch scripts pass --tensorboard-dir (tests/test_megatron_scripts.py).
+        "test": ["pytest", "megatron-core>=0.16", "transformers", "matplotlib", "tensorboard"],
         "hf": ["transformers", "safetensors"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],  # tools/plot_metrics.py

@@ -58,6 +58,7 @@ NOTICE = {
     "--use-cpu-initialization": "initialisation is topology independent; each rank makes only its shard",
     "--no-async-save-check": "async saves are checked at the next save",
     "--timing-log-level": "megalite has one level of timers (--log-timers-to-tensorboard)",
+    "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalite's tokenizers do not",
 }
 
 # Value-carrying flags whose *value* decides: accepted at these values, not implemented otherwise.
@@ -82,6 +83,8 @@ RENAMED = {
     "--model-parallel-size": "--tensor-model-parallel-size",
     "--checkpoint-activations": "--recompute-activations (or --recompute-granularity full)",
     "--checkpoint-num-layers": "--recompute-num-layers",
+    "--activations-checkpoint-method": "--recompute-granularity full --recompute-method (uniform or block)",
+    "--activations-checkpoint-num-layers": "--recompute-num-layers",
     "--distribute-checkpointed-activations": "--distribute-saved-activations (not implemented; remove it)",
     "--use-rotary-position-embeddings": "--position-embedding-type rope",
     "--no-position-embedding": "--position-embedding-type none (not implemented; remove it)",
@@ -94,6 +97,7 @@ RENAMED = {
 
 # Why a Megatron flag is not implemented, by keyword: the first match names the feature.
 _WHY = (
+    (("grad-reduce-in-bf16",), "megalite reduces gradients in fp32; bf16 gradient reduction is not implemented"),
     (("fp8", "fp4", "quantiz", "kitchen"), "FP8/FP4 training (Transformer Engine) is not implemented in megalite"),
     (("moe", "expert", "num-experts", "router"), "Mixture of Experts is not implemented in megalite"),
     (("fsdp",), "FSDP is not implemented in megalite; --use-distributed-optimizer (ZeRO-1/2) shards optimizer "
@@ -180,7 +184,8 @@ def sort_unknown(tokens, known_flags):
             near = difflib.get_close_matches(flag, known_flags, n=1, cutoff=0.75)
             problem(flag, f"unrecognized (did you mean {near[0]}?)" if near else
                     "unrecognized: neither a megalite nor a Megatron-LM flag (see --help)")
-    return notices, [f"{', '.join(flags)}: {why}" for why, flags in problems.items()]
+    return notices, [f"{', '.join(flags)}: {why.replace('remove it', 'remove them') if len(flags) > 1 else why}"
+                     for why, flags in problems.items()]
 
 
 def print_notices(notices):
