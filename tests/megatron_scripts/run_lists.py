@@ -1,0 +1,34 @@
+"""Under torchrun: train each Megatron launch script's argv (a JSON list of [name, argv]) with
+pretrain_gpt.py's own providers, one after the other on the same ranks (one interpreter start
+per rank for all scripts: the 2-core machine pays torch's import once). Prints, on the last
+rank, `LIST <name> <json losses>` per script; a script that fails stops the run non-zero."""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import pretrain_gpt  # noqa: E402
+from megalite import parallel_state as ps  # noqa: E402
+from megalite.arguments import parse_args  # noqa: E402
+from megalite.training import pretrain  # noqa: E402
+
+
+def main(path):
+    runs = json.load(open(path))
+    ps.initialize_distributed("gloo", 600)  # held across the scripts; each pretrain() builds its grid
+    for name, argv in runs:
+        print(f"megalite-test: {name}", flush=True)
+        args = parse_args(argv)
+        losses = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                          args)
+        ps.destroy_model_parallel()
+        if ps.global_rank() == ps.world_size() - 1:
+            print(f"LIST {name} {json.dumps(losses)}", flush=True)
+    ps.shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,128 @@
+"""Megatron-LM's own launch scripts run on megalite with only paths changed and the model shrunk.
+
+Each flag list in tests/megatron_scripts/ (Megatron's GPT examples and GPT functional-test
+configs, sources named in each file) is expanded by bash exactly as its script expands it, with
+the data / vocab / merges / checkpoint / TensorBoard paths pointing here, then shrunk by appended
+overrides (sizes, batch, 3 iterations, one eval iteration, gloo), and trained on 4 CPU ranks under
+torchrun. The data is GPT-2 BPE: vocab.json + merges.txt trained here with Hugging Face
+`tokenizers`, documents written by tools/preprocess_data.py, read through Megatron's default
+tokenizer (the scripts name none or GPT2BPETokenizer)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from dist_util import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPTS = os.path.join(HERE, "megatron_scripts")
+SHRINK = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+          "--micro-batch-size 1 --global-batch-size 8 --train-iters 3 --eval-iters 1 --distributed-backend gloo").split()
+# name: (script, extra overrides beyond SHRINK)
+LISTS = {
+    "gpt3_345m": ("gpt3_345m.sh", []),
+    # its rampup starts at 16 samples, above the shrunk global batch
+    "gpt3_175b": ("gpt3_175b.sh", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                   "--rampup-batch-size", "4", "4", "8"]),
+    "tp2_pp2_ce_fusion": ("gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion.sh", []),
+    "tp1_pp4_vp1_dist_opt": ("gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce.sh", []),
+    "tp4_dist_opt_param_gather": ("gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather.sh", []),
+    "tp1_pp4_swiglu": ("gpt3_mcore_te_tp1_pp4_resume_torch_dist_swiglu.sh", []),
+    # GQA with 8 groups and a 131k NullTokenizer vocabulary, shrunk with the model
+    "7b_tp1_pp4_mock": ("gpt3_7b_tp1_pp4_memory_speed.sh", ["--num-query-groups", "2", "--vocab-size", "500"]),
+}
+WORDS = ("the a cat dog runs sees big small red blue house tree river stone bird sings under over near far "
+         "quick slow green old new light dark warm cold high low").split()
+
+
+def _corpus(path, docs=1500):
+    """Short documents of a learnable word chain (each word picks its successor from 3)."""
+    rng = random.Random(0)
+    nxt = {w: rng.sample(WORDS, 3) for w in WORDS}
+    with open(path, "w") as f:
+        for _ in range(docs):
+            w, words = rng.choice(WORDS), []
+            for _ in range(rng.randint(10, 40)):
+                words.append(w)
+                w = rng.choice(nxt[w])
+            f.write(json.dumps({"text": " ".join(words).capitalize() + "."}) + "\n")
+
+
+def _data(root):
+    """Megatron's functional-test layout under root: text/common_pile/v01_filtered_data/{bpe/, my-gpt3_00_text_document}."""
+    from tokenizers import ByteLevelBPETokenizer
+    d = os.path.join(root, "text", "common_pile", "v01_filtered_data")
+    os.makedirs(os.path.join(d, "bpe"))
+    corpus = os.path.join(root, "corpus.jsonl")
+    _corpus(corpus)
+    texts = [json.loads(line)["text"] for line in open(corpus)]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
+    bpe.save_model(os.path.join(d, "bpe"))  # vocab.json, merges.txt: GPT-2's file formats
+    vocab, merges = os.path.join(d, "bpe", "vocab.json"), os.path.join(d, "bpe", "merges.txt")
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
+                    "--output-prefix", os.path.join(d, "my-gpt3_00"), "--tokenizer-type", "GPT2BPETokenizer",
+                    "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", "1"],
+                   check=True, capture_output=True)
+    return os.path.join(d, "my-gpt3_00_text_document"), vocab, merges
+
+
+def _argv(script, env):
+    out = subprocess.run(["bash", "-c", 'set -e; source "$1" >/dev/null; printf "%s\\0" "${ARGV[@]}"', "_",
+                          os.path.join(SCRIPTS, script)], env=dict(os.environ, **env), capture_output=True, check=True)
+    return out.stdout.decode().split("\0")[:-1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_scripts")
+    prefix, vocab, merges = _data(str(root))
+    jobs, dirs = [], {}
+    for name, (script, extra) in LISTS.items():
+        d = {k: str(root / name / k) for k in ("ckpt", "tb", "cache")}
+        dirs[name] = d
+        env = {  # each script's own path variables
+            "DATA_PATH": prefix if script in ("gpt3_345m.sh", "gpt3_175b.sh") else str(root),  # examples: a prefix
+            "VOCAB_FILE": vocab, "MERGE_FILE": merges,
+            "CHECKPOINT_PATH": d["ckpt"], "CHECKPOINT_SAVE_PATH": d["ckpt"], "CHECKPOINT_LOAD_PATH": d["ckpt"],
+            "TENSORBOARD_LOGS_PATH": d["tb"], "TENSORBOARD_PATH": d["tb"], "DATA_CACHE_PATH": d["cache"]}
+        jobs.append([name, _argv(script, env) + SHRINK + extra])
+    spec = str(root / "runs.json")
+    json.dump(jobs, open(spec, "w"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           os.path.join(SCRIPTS, "run_lists.py"), spec]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    losses = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("LIST "):
+            _, name, vals = line.split(" ", 2)
+            losses[name] = json.loads(vals)
+    return p, losses, dirs, jobs
+
+
+@pytest.mark.parametrize("name", list(LISTS))
+def test_megatron_script_trains_three_iterations(runs, name):
+    p, losses, dirs, jobs = runs
+    assert name in losses, f"{name} did not finish (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    assert len(losses[name]) == 3 and all(0 < v < 20 for v in losses[name]), losses[name]
+    argv = dict(jobs)[name]
+    if "--save" in argv:  # the final state is saved where the script says
+        meta = json.load(open(os.path.join(dirs[name]["ckpt"], "iter_0000003", "megalite.json")))
+        assert meta["iteration"] == 3
+        if "--swiglu" in argv:  # Megatron's SwiGLU size for hidden 64: int(8*64/3/64)*64
+            assert meta["model_config"]["ffn_hidden_size"] == 128, meta["model_config"]
+    if "--tensorboard-dir" in argv:
+        assert any(f.startswith("events.out.tfevents") for f in os.listdir(dirs[name]["tb"]))
+
+
+def test_implementation_flags_got_notices(runs):
+    out = runs[0].stdout
+    for flag in ("--transformer-impl transformer_engine accepted", "--no-gradient-accumulation-fusion accepted",
+                 "--attention-backend auto accepted", "--cross-entropy-loss-fusion accepted",
+                 "--use-persistent-ckpt-worker accepted"):
+        assert flag in out, flag
