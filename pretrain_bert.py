@@ -17,7 +17,8 @@ from megalite.config import ConfigError
 from megalite.models import BertModel
 from megalite.training import pretrain
 
-ARGS_DEFAULTS = {"model_type": "bert"}  # as Megatron's args_defaults: what makes the model a BERT
+# As Megatron's pretrain_bert.py args_defaults: what makes the model a BERT, and its tokenizer default
+ARGS_DEFAULTS = {"model_type": "bert", "tokenizer_type": "BertWordPieceLowerCase"}
 
 
 def model_provider(config, pre_process=True, post_process=True):

@@ -263,7 +263,9 @@ def test_log_line_shows_every_reported_loss(capsys):
         assert lm == 3.0 and {k: float(v) for k, v in means.items()} == pytest.approx({"lm loss": 3.0, "sop loss": 0.6})
         fields = {"consumed": 20, "elapsed": 0.1, "tflops": 0.0, "lr": 1e-3, "loss_scale": 1.0, "grad_norm": 1.0,
                   "skipped": 0, "timers": None, "losses": {k: float(v) for k, v in means.items()}}
-        MetricsLogger(parse_args(["--train-iters", "10"], 1, defaults=ARGS_DEFAULTS)).iteration(5, fields)
+        argv = ("--train-iters 10 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                "--micro-batch-size 1 --lr 1e-3").split()
+        MetricsLogger(parse_args(argv, 1, defaults=ARGS_DEFAULTS)).iteration(5, fields)
     finally:
         ps.destroy_model_parallel()
     assert "| lm loss: 3.000000E+00 | sop loss: 6.000000E-01 | loss scale: 1.0 |" in capsys.readouterr().out
