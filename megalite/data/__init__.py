@@ -7,7 +7,8 @@ from .builder import build_gpt_datasets, parse_data_path
 from .gpt_dataset import GPTDataset
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from .samplers import MegatronPretrainingSampler
-from .tokenizer import build_tokenizer
+from .tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 __all__ = ["BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder",
-           "MegatronPretrainingSampler", "build_gpt_datasets", "build_tokenizer", "parse_data_path"]
+           "MegatronPretrainingSampler", "TOKENIZER_TYPES", "build_gpt_datasets", "build_tokenizer",
+           "parse_data_path"]

@@ -3,7 +3,9 @@
 Parallelism: the documents are cut into contiguous chunks; a pool of forked workers (each
 with its own tokenizer, reading its chunk straight from the memory-mapped Arrow table)
 returns flat numpy token arrays, and the parent appends them in order. Only compact
-arrays cross process boundaries, so each worker spends its time in the tokenizer."""
+arrays cross process boundaries, so each worker spends its time in the tokenizer, which
+encodes a whole chunk per call where it can (`tokenize_batch`: `tokenizers`' Rust
+encode_batch for GPT2BPETokenizer)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class PreprocessConfig:
     tokenizer_type: str
     tokenizer_model: str | None = None
     vocab_size: int | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
     append_eod: bool = False
     split_sentences: bool = False
     sentence_splitter: str = "punctuation"  # or "lines" (code: the default corpus for BERT)
@@ -47,6 +51,10 @@ class PreprocessConfig:
     workers: int = 1
     log_interval: int = 1000
     chunk_docs: int | None = None  # documents per task; None = sized from len and workers
+
+    def build_tokenizer(self):
+        return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_size,
+                               vocab_file=self.vocab_file, merge_file=self.merge_file)
 
 
 def _children_cpu() -> float:
@@ -59,7 +67,7 @@ _W: dict = {}  # per-process worker state (dataset, tokenizer, config)
 
 def _init_worker(ds, cfg: PreprocessConfig) -> None:
     _W["ds"], _W["cfg"] = ds, cfg
-    _W["tok"] = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model, cfg.vocab_size)
+    _W["tok"] = cfg.build_tokenizer()
     _W["dtype"] = optimal_dtype(_W["tok"].vocab_size)
 
 
@@ -68,28 +76,42 @@ def _encode_chunk(bounds: tuple[int, int]):
     ds, cfg, tok = _W["ds"], _W["cfg"], _W["tok"]
     rows = ds[bounds[0]:bounds[1]]
     out, n_chars = {}, 0
+    batch = getattr(tok, "tokenize_batch", None)
     for key in cfg.json_keys:
-        seqs, per_doc = [], []
+        pieces, per_doc = [], []  # every document's pieces, flattened for one batch call
         for text in rows[key]:
             text = "" if text is None else str(text)
             n_chars += len(text)
             if not cfg.split_sentences:
-                pieces = [text]
+                doc = [text]
             elif cfg.sentence_splitter == "lines":
-                pieces = split_lines(text)
+                doc = split_lines(text)
             else:
-                pieces = split_sentences(text, cfg.keep_newlines)
+                doc = split_sentences(text, cfg.keep_newlines)
+            pieces.extend(doc)
+            per_doc.append(len(doc))
+        encoded = batch(pieces) if batch is not None and pieces else [tok.tokenize(p) for p in pieces]
+        seqs, counts, pos = [], [], 0
+        for n in per_doc:
             # As Megatron: empty sentences are dropped; eod goes on the document's last one.
-            ids = [s for s in (tok.tokenize(p) for p in pieces) if s]
+            ids = [s for s in encoded[pos:pos + n] if len(s)]
+            pos += n
             if ids and cfg.append_eod:
                 ids[-1] = list(ids[-1]) + [tok.eod]
             seqs.extend(ids)
-            per_doc.append(len(ids))
+            counts.append(len(ids))
+        per_doc = counts
         lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
         flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=_W["dtype"],
                            count=int(lengths.sum()))
         out[key] = (flat, lengths, np.asarray(per_doc, dtype=np.int64))
     return bounds[1] - bounds[0], n_chars, out
+
+
+def partition_order(num_docs: int, partitions: int) -> list[int]:
+    """Document order of Megatron's `--partitions N` (without --keep-sequential-samples):
+    input line i goes to partition i % N, and the partitions are concatenated in turn."""
+    return [i for p in range(partitions) for i in range(p, num_docs, partitions)]
 
 
 def output_prefixes(output_prefix: str, cfg: PreprocessConfig) -> dict[str, str]:
@@ -99,7 +121,7 @@ def output_prefixes(output_prefix: str, cfg: PreprocessConfig) -> dict[str, str]
 
 def preprocess_dataset(ds, output_prefix: str, cfg: PreprocessConfig, log=print) -> dict:
     """Write the files; return {"documents", "tokens", "seconds", "tokens_per_second", "prefixes"}."""
-    tok = build_tokenizer(cfg.tokenizer_type, cfg.tokenizer_model, cfg.vocab_size)
+    tok = cfg.build_tokenizer()
     if cfg.append_eod and tok.eod is None:
         raise ValueError(f"--append-eod: tokenizer {cfg.tokenizer_type} defines no end-of-document token")
     dtype = optimal_dtype(tok.vocab_size)

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import os
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
+from .tokenizer_bpe import GPT2BPETokenizer
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer",
+                   "BertWordPieceLowerCase", "BertWordPieceCase")
+# Megatron-LM's other types: named as not implemented rather than unknown.
+_MEGATRON_ONLY = ("TikTokenizer", "MultimodalTokenizer", "NullMultimodalTokenizer", "SFTTokenizer")
 
 
 class _Base:
@@ -108,6 +113,31 @@ class GPTSentencePieceTokenizer(_Base):
         return self.sp.DecodeIds([int(i) for i in ids])
 
 
+class Llama2Tokenizer(_Base):
+    """Megatron's `Llama2Tokenizer`: the sentencepiece model's vocabulary; tokenize
+    prepends BOS (no EOS), eod = eos."""
+
+    def __init__(self, model_file: str | None):
+        self.model_file = model_file
+        self.sp = _load_sentencepiece(model_file, "Llama2Tokenizer")
+        self.vocab_size = self.sp.GetPieceSize()
+        if self.sp.bos_id() < 0 or self.sp.eos_id() < 0:
+            raise ValueError(f"--tokenizer-model {model_file}: Llama2Tokenizer needs a model with BOS "
+                             f"and EOS ids (bos_id={self.sp.bos_id()}, eos_id={self.sp.eos_id()})")
+        self.bos, self.eod = self.sp.bos_id(), self.sp.eos_id()
+        self.eos = self.eod
+        self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else None
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos] + self.sp.EncodeAsIds(text)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [[self.bos] + ids for ids in self.sp.EncodeAsIds(texts)]
+
+    def detokenize(self, ids) -> str:
+        return self.sp.DecodeIds([int(i) for i in ids])
+
+
 class HuggingFaceTokenizer(_Base):
     """A `transformers` tokenizer from a local directory (no hub access)."""
 
@@ -131,6 +161,9 @@ class HuggingFaceTokenizer(_Base):
 
     def tokenize(self, text: str) -> list[int]:
         return self.tok(text).input_ids  # as Megatron: the tokenizer's own special tokens
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(texts).input_ids
 
     def detokenize(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -188,16 +221,25 @@ class NullTokenizer(_Base):
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None):
-    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
-        cls = SentencePieceTokenizer if tokenizer_type == "SentencePieceTokenizer" \
-            else GPTSentencePieceTokenizer
+                    vocab_size: int | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None):
+    """Megatron's `build_tokenizer` over its flags; files a type does not use are ignored
+    (as Megatron does)."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        cls = {"SentencePieceTokenizer": SentencePieceTokenizer, "Llama2Tokenizer": Llama2Tokenizer,
+               "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer}[tokenizer_type]
         return cls(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):  # tokenizer_model: the vocab file
-        return BertWordPieceTokenizer(tokenizer_model, tokenizer_type == "BertWordPieceLowerCase")
-    raise ValueError(f"--tokenizer-type {tokenizer_type}: not supported; "
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        # --vocab-file as Megatron; older megalite callers pass the vocab.txt as tokenizer_model.
+        return BertWordPieceTokenizer(vocab_file or tokenizer_model, tokenizer_type == "BertWordPieceLowerCase")
+    if tokenizer_type is None:
+        raise ValueError(f"--tokenizer-type is required: choose one of {', '.join(TOKENIZER_TYPES)}")
+    what = "is not implemented in megalite" if tokenizer_type in _MEGATRON_ONLY else "is not a tokenizer type"
+    raise ValueError(f"--tokenizer-type {tokenizer_type}: {what}; "
                      f"choose one of {', '.join(TOKENIZER_TYPES)}")
