@@ -91,6 +91,7 @@ def build_parser():
     a("--global-batch-size", type=int, default=None)
     a("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
       help="grow the global batch from START by INCREMENT over SAMPLES samples")
+    a("--step-batch-size-schedule", default=None, help='"THRESHOLD:BS ..." global batch BS from THRESHOLD tokens on')
     a("--train-iters", type=int, default=None)
     a("--train-samples", type=int, default=None, help="sample-based training (instead of --train-iters)")
     a("--lr", type=float, default=None)

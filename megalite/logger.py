@@ -7,6 +7,7 @@ JSON object per logged iteration and per evaluation, which `tools/plot_metrics.p
 import json
 import math
 import resource
+import time
 
 import torch
 
@@ -57,6 +58,7 @@ class MetricsLogger:
     def iteration(self, it, f):
         """f: iteration fields (losses dict, lr, grad_norm, elapsed, tflops, ...)."""
         a = self.args
+        batch = f.get("batch_size", a.global_batch_size)  # this iteration's (a ramp-up changes it)
         losses = "".join(f" {k}: {v:.6E} |" for k, v in f["losses"].items())
         norm = float(f["grad_norm"]) if f["grad_norm"] is not None else None  # a device tensor: read here
         gn = f"{norm:.3f}" if norm is not None else "nan"
@@ -69,9 +71,9 @@ class MetricsLogger:
             f" iteration {it:8d}/{a.train_iters:8d} | consumed samples: {f['consumed']:12d} | "
             f"elapsed time per iteration (ms): {f['elapsed'] * 1000:.1f} | "
             f"throughput per GPU (TFLOP/s/GPU): {f['tflops']:.3f} | learning rate: {f['lr']:.6E} | "
-            f"global batch size: {a.global_batch_size:5d} |{losses} loss scale: {f['loss_scale']:.1f} | "
+            f"global batch size: {batch:5d} |{losses} loss scale: {f['loss_scale']:.1f} | "
             f"grad norm: {gn} |{extra} number of skipped iterations: {f['skipped']:3d} |")
-        values = {**f["losses"], "learning-rate": f["lr"], "loss-scale": f["loss_scale"],
+        values = {**f["losses"], "learning-rate": f["lr"], "batch-size": batch, "loss-scale": f["loss_scale"],
                   "grad-norm": norm, "throughput": f["tflops"], "iteration-time": f["elapsed"],
                   "params-norm": f.get("params_norm"), "num-zeros": f.get("num_zeros")}
         if a.log_memory_to_tensorboard or self.json is not None:
@@ -96,3 +98,49 @@ class MetricsLogger:
             self.writer.close()
         if self.json is not None:
             self.json.close()
+
+
+class TrainingWindow:
+    """What the loop keeps between log lines: every iteration's lm loss (device tensors, read
+    on the host once per logged iteration), the mean losses of the iterations whose update went
+    through (Megatron's training_log: a skipped fp16 iteration's loss is not averaged) and the
+    skipped count."""
+
+    def __init__(self, start_iter):
+        self.start_iter, self.window_start = start_iter, start_iter
+        self.losses, self.pending, self.means, self.skipped = [], [], [], 0
+        self.t0 = time.perf_counter()
+
+    def add(self, loss, means, stepped):
+        self.pending.append(loss)
+        if stepped:
+            self.means.append(means)
+        else:
+            self.skipped += 1
+
+    def read_losses(self):
+        """Append the pending losses to `losses` (one host read); (iteration, value) of the
+        first non-finite one, or None."""
+        if not self.pending:
+            return None
+        first = self.start_iter + len(self.losses) + 1
+        vals = torch.cat(self.pending).tolist()
+        self.pending.clear()
+        self.losses.extend(vals)
+        return next(((first + i, v) for i, v in enumerate(vals) if not math.isfinite(v)), None)
+
+    def close(self, it):
+        """The window ending at iteration `it`: {elapsed (s per iteration), losses, skipped}; the
+        next window's clock starts at restart() (after the log line)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        # As Megatron: no loss is shown for a window whose every update was skipped.
+        shown = {k: float(sum(w[k] for w in self.means)) / len(self.means) for k in self.means[-1]} \
+            if self.means else {}
+        out = {"elapsed": (time.perf_counter() - self.t0) / max(it - self.window_start, 1), "losses": shown,
+               "skipped": self.skipped}
+        self.window_start, self.means, self.skipped = it, [], 0
+        return out
+
+    def restart(self):
+        self.t0 = time.perf_counter()

@@ -6,7 +6,7 @@ Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in M
     forward_step_func(data_iterator, model) -> (output, loss_func)
 """
 
-import math
+import gc
 import signal
 import time
 
@@ -29,8 +29,10 @@ from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.collectives import any_rank
 from megalite.evaluation import evaluate, mean_losses, run_forward_backward
 from megalite.flops import num_floating_point_operations
-from megalite.logger import MetricsLogger, print_rank_last
+from megalite.logger import MetricsLogger, TrainingWindow, print_rank_last
+from megalite.microbatches import batch_schedule
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
+from megalite.optimizer.lr_scheduler import schedule_steps
 from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.optimizer import NonFiniteGradError
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
@@ -112,9 +114,17 @@ def setup(args, model_provider):
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
     chunks = build_model(mcfg, model_provider, args)
     optimizer = (DistributedOptimizer if args.use_distributed_optimizer else MixedPrecisionOptimizer)(chunks, tcfg)
-    scheduler = LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters,
-                            tcfg.lr_decay_iters or tcfg.train_iters, tcfg.lr_decay_style)
-    return mcfg, tcfg, chunks, optimizer, scheduler
+    return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)
+
+
+def build_scheduler(optimizer, tcfg):
+    """Megatron's schedule in samples; --skip-train without a length takes the checkpoint's."""
+    if tcfg.train_iters is None and tcfg.train_samples is None:
+        warmup, decay, use_checkpoint = 0, 1, True
+    else:
+        (warmup, decay), use_checkpoint = schedule_steps(tcfg), tcfg.use_checkpoint_opt_param_scheduler
+    return LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, warmup, decay, tcfg.lr_decay_style, tcfg.lr_warmup_init,
+                       use_checkpoint, tcfg.override_opt_param_scheduler, legacy_step=tcfg.global_batch_size)
 
 
 def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
@@ -163,12 +173,31 @@ def _grad_stats(args, chunks, optimizer):
     return out
 
 
+def dataset_sizes(args, batches):
+    """(train, valid, test) samples: Megatron's get_train_valid_test_num_samples, with the
+    final validation counted when there is no periodic one; a sample-based ramp-up's last
+    batch may pass --train-samples, and the train set covers it."""
+    g = args.global_batch_size
+    if args.train_samples is not None:
+        train = max(args.train_samples, batches.samples_for(args.train_iters))
+    else:
+        train = (args.train_iters or 0) * g
+    if args.eval_iters <= 0:  # Megatron: --eval-iters 0 turns evaluation off
+        return train, 0, 0
+    evals = args.train_iters // args.eval_interval + 1 if args.eval_interval and not args.skip_train else 1
+    return train, evals * args.eval_iters * g, args.eval_iters * g
+
+
 def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
     """Train per the command line; returns the list of per-iteration lm losses (and, with
     return_state, the model chunks and optimizer too)."""
     args = args or parse_args()
     started = time.time()
     owns = ps.initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes * 60)
+    gc_enabled = gc.isenabled()
+    if args.manual_gc:  # as Megatron: collections at the same iterations on every rank
+        gc.disable()
+        gc.collect()
     try:
         return _pretrain(datasets_provider, model_provider, forward_step_func, args, return_state, started, owns)
     except RuntimeError as e:
@@ -178,28 +207,30 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
         # A dead or hung peer: one line (which operation, how long we waited), not a wall of C++.
         _abort(f"communication failed ({first[:300]}); a peer rank died or hung past "
                f"--distributed-timeout-minutes {args.distributed_timeout_minutes}", owns)
+    finally:
+        if args.manual_gc and gc_enabled:
+            gc.enable()
 
 
 def _pretrain(datasets_provider, model_provider, forward_step_func, args, return_state, started, owns):
     if args.exit_signal_handler:
         _SIGTERM["got"] = False
         signal.signal(signal.SIGTERM, lambda *_: _SIGTERM.update(got=True))
+    try:
+        batches = batch_schedule(args)  # each iteration's global batch (ramp-up), checked
+    except ConfigError as e:
+        _abort(str(e), owns)
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  args.virtual_pipeline_model_parallel_size)
     model_parallel_manual_seed(args.seed)
-    dp = ps.get_data_parallel_world_size()
-    g = args.global_batch_size
-    do_eval = args.eval_interval > 0 and args.eval_iters > 0  # Megatron: --eval-iters 0 turns it off
-    num_samples = (args.train_iters * g,
-                   (args.train_iters // args.eval_interval + 1) * args.eval_iters * g if do_eval else 0,
-                   args.eval_iters * g)
+    dp, micro = ps.get_data_parallel_world_size(), args.micro_batch_size
     log = MetricsLogger(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
-        train_ds, valid_ds, test_ds = datasets_provider(args, num_samples)
+        train_ds, valid_ds, test_ds = datasets_provider(args, dataset_sizes(args, batches))
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         _abort(str(e).splitlines()[0] if str(e) else type(e).__name__, owns)
-    if not do_eval:
+    if args.eval_iters <= 0:
         valid_ds = test_ds = None
     try:
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider)
@@ -207,11 +238,13 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     except (ConfigError, CheckpointError) as e:
         _abort(str(e), owns)
     start_iter, consumed_train, consumed_valid = start or (0, 0, 0)
-    num_micro = tcfg.num_microbatches(dp)
+    g = args.global_batch_size
+    eval_micro = g // (micro * dp)  # evaluation reads full global batches (Megatron's eval batch)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    ramp = "" if batches.is_constant() else f" now, {eval_micro} at the full batch {g}"
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} "
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
-                    f"{n_params:,} | micro-batches per iteration: {num_micro}")
+                    f"{n_params:,} | micro-batches per iteration: {batches.num_microbatches(consumed_train)}{ramp}")
     if args.skip_train or start_iter >= args.train_iters:
         train_ds = None  # nothing left to train on: no iterator (its position may be at the end)
     train_iters = data_iterators(train_ds, consumed_train, args, chunks)
@@ -219,28 +252,33 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     # evaluation (or --skip-train) starts again from its beginning.
     valid_pos = consumed_valid % len(valid_ds) if valid_ds is not None and len(valid_ds) else 0
     valid_iters = data_iterators(valid_ds, valid_pos, args, chunks)
-    shape, dtype = pipeline_tensor_shape(mcfg, args.micro_batch_size), mcfg.params_dtype
+    shape, dtype = pipeline_tensor_shape(mcfg, micro), mcfg.params_dtype
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
-    flops_per_iter = num_floating_point_operations(mcfg, g, padded) if padded else 0.0
-    losses, skipped, skipped_before, window, window_losses = [], 0, 0, start_iter, []
-    pending = []  # this window's lm losses, device tensors: read once per logging iteration
+    window = TrainingWindow(start_iter)
 
     def read_losses():
-        """Append the window's losses to `losses` (one host read); a NaN/Inf loss stops the run."""
-        if pending:
-            first = start_iter + len(losses) + 1
-            vals = torch.cat(pending).tolist()
-            pending.clear()
-            for i, v in enumerate(vals):
-                if args.check_for_nan_in_loss_and_grad and not math.isfinite(v):
-                    _abort(f"iteration {first + i}: the lm loss is {v}; stopped", owns)
-            losses.extend(vals)
+        bad = window.read_losses()  # a NaN/Inf loss stops the run
+        if bad is not None and args.check_for_nan_in_loss_and_grad:
+            _abort(f"iteration {bad[0]}: the lm loss is {bad[1]}; stopped", owns)
+
+    def run_eval(its):
+        if args.manual_gc and args.manual_gc_eval:
+            gc.collect()
+        out = evaluate(forward_step_func, its, chunks, eval_micro, args.eval_iters, shape, dtype)
+        if args.manual_gc and args.manual_gc_eval:
+            gc.collect(generation=0)  # what the evaluation made
+        return out
+
+    def save(it):
+        save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, consumed_train, consumed_valid)
+        return it
 
     saved_at, timers = start_iter, ({} if args.log_timers_to_tensorboard else None)
-    window_start = time.perf_counter()
     for c in chunks:
         c.train()
     for it in range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1):
+        num_micro = batches.num_microbatches(consumed_train)
+        batch = num_micro * micro * dp
         try:
             reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
                                                       shape, dtype, timers)
@@ -248,37 +286,33 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
             where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
             _abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped before "
                    "the optimizer step. Lower --lr, check the data, or use --bf16 / loss scaling", owns)
-        scheduler.step()
+        consumed_train += batch
+        if stepped:  # as Megatron: a skipped fp16 iteration does not advance the schedule
+            scheduler.step(batch)
         lr = optimizer.param_groups[0]["lr"]  # as Megatron logs it: after the scheduler step
         loss, means = mean_losses(reported, read=False)  # lm loss (every rank); all losses (last stage)
-        pending.append(loss)
-        window_losses.append(means)  # the forward's loss is valid even when the step was skipped
-        skipped += 0 if stepped else 1
+        window.add(loss, means, stepped)
+        if args.manual_gc and args.manual_gc_interval and it % args.manual_gc_interval == 0:
+            gc.collect()
         if it % args.log_interval == 0 or it == args.train_iters:
             read_losses()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            elapsed = (time.perf_counter() - window_start) / (it - window)
-            tflops = flops_per_iter / (elapsed * ps.world_size()) / 1e12
-            shown = {k: float(sum(w[k] for w in window_losses)) / len(window_losses) for k in window_losses[-1]} \
-                if window_losses else {"lm loss": float("nan")}
-            log.iteration(it, {"consumed": it * g, "elapsed": elapsed, "tflops": tflops, "lr": lr,
-                               "losses": shown, "loss_scale": optimizer.loss_scale,
-                               "grad_norm": grad_norm, "skipped": skipped - skipped_before, "timers": timers,
+            f = window.close(it)
+            flops = num_floating_point_operations(mcfg, batch, padded) if padded else 0.0
+            log.iteration(it, {**f, "consumed": consumed_train, "batch_size": batch, "lr": lr,
+                               "tflops": flops / (f["elapsed"] * ps.world_size()) / 1e12,
+                               "loss_scale": optimizer.loss_scale, "grad_norm": grad_norm, "timers": timers,
                                **_grad_stats(args, chunks, optimizer)})
-            window, window_losses, skipped_before = it, [], skipped
-            window_start = time.perf_counter()
-        if valid_ds is not None and it % args.eval_interval == 0:
-            log.evaluation(it, "validation", evaluate(forward_step_func, valid_iters, chunks, num_micro,
-                                                      args.eval_iters, shape, dtype))
+            window.restart()
+        if valid_ds is not None and args.eval_interval and it % args.eval_interval == 0:
+            t = time.perf_counter()
+            log.evaluation(it, "validation", run_eval(valid_iters))
             consumed_valid += args.eval_iters * g
+            window.t0 += time.perf_counter() - t  # as Megatron: evaluation is not iteration time
         if args.save and args.save_interval and it % args.save_interval == 0:
-            save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, it * g, consumed_valid)
-            saved_at = it
+            saved_at = save(it)
         if args.exit_interval and it % args.exit_interval == 0:
             if args.save and saved_at != it:
-                save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, it * g, consumed_valid)
-                saved_at = it
+                saved_at = save(it)
             print_rank_last(f"megalite: exiting at iteration {it} (--exit-interval {args.exit_interval})")
             break
         if args.exit_signal_handler or args.exit_duration_in_mins:
@@ -286,16 +320,16 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                 args.exit_duration_in_mins and time.time() - started > 60 * args.exit_duration_in_mins else None
             if any_rank(why is not None):  # every rank stops at the same iteration
                 if args.save and saved_at != it:
-                    save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, it * g, consumed_valid)
-                    saved_at = it
+                    saved_at = save(it)
                 print_rank_last(f"megalite: exiting at iteration {it} ({why or 'another rank asked to stop'})")
                 break
     read_losses()  # a loop left early (exit flags) still reports every loss
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
+    losses = window.losses
     last = start_iter + len(losses)
     if args.save and saved_at != last:  # as Megatron: the final state is saved too
-        save_checkpoint(last, chunks, optimizer, scheduler, mcfg, args, last * g, consumed_valid)
+        save(last)
     finish_checkpointing()
     if losses:
         print_rank_last(f"megalite: done {last} iterations | first lm loss {losses[0]:.4f} | "
@@ -303,10 +337,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     # As Megatron, after training: the validation set (where it was left) and the test set.
     for split, ds in (("validation", valid_ds), ("test", test_ds)):
         if ds is not None:
-            its = valid_iters if split == "validation" else \
-                data_iterators(ds, 0, args, chunks)
-            log.evaluation(last, split, evaluate(forward_step_func, its, chunks, num_micro, args.eval_iters,
-                                                 shape, dtype), final=True)
+            its = valid_iters if split == "validation" else data_iterators(ds, 0, args, chunks)
+            log.evaluation(last, split, run_eval(its), final=True)
     log.close()
     if owns and not return_state:
         ps.shutdown_distributed()  # a finished job exits 0: no communication thread left behind

@@ -1,0 +1,302 @@
+"""Megatron's LR schedule and batch ramp-up, against megatron-core's own code: its
+OptimizerParamScheduler (stepped as Megatron's train_step steps it: by the iteration's
+samples, only when the update went through) and its RampupBatchsizeNumMicroBatchesCalculator.
+Then short in-process runs: a skipped fp16 iteration leaves the LR and the logged loss alone;
+a ramp-up run's consumed samples, batch sizes and dataset sizes; the checkpoint's schedule
+(use-checkpoint / override / mismatch)."""
+
+import json
+import math
+import re
+
+import pytest
+
+import pretrain_gpt
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args, training_config
+from megalite.config import ConfigError
+from megalite.microbatches import BatchSchedule, batch_schedule, parse_step_schedule
+from megalite.optimizer.lr_scheduler import LRScheduler
+from megalite.training import build_scheduler, pretrain
+
+ops = pytest.importorskip("megatron.core.optimizer_param_scheduler",
+                          reason="megatron-core not installed (it is in the test extra: pip install -e \".[test]\")")
+nmc = pytest.importorskip("megatron.core.num_microbatches_calculator", reason="megatron-core not installed")
+
+MODEL = "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --lr 1e-3 --num-workers 0 "
+
+
+class _Opt:
+    def __init__(self):
+        self.param_groups = [{"lr": None}]
+
+
+def _megatron_scheduler(a):
+    """megatron/training/training.py get_optimizer_param_scheduler's arithmetic, on megatron-core's class."""
+    if a.train_samples is None:
+        decay = (a.lr_decay_iters if a.lr_decay_iters is not None else a.train_iters) * a.global_batch_size
+        warmup = a.lr_warmup_fraction * decay if a.lr_warmup_fraction is not None else \
+            a.lr_warmup_iters * a.global_batch_size
+    else:
+        decay = a.lr_decay_samples if a.lr_decay_samples is not None else a.train_samples
+        warmup = a.lr_warmup_fraction * decay if a.lr_warmup_fraction is not None else a.lr_warmup_samples
+    return ops.OptimizerParamScheduler(_Opt(), init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr,
+                                       lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=a.lr_decay_style,
+                                       start_wd=0.01, end_wd=0.01, wd_incr_steps=decay, wd_incr_style="constant")
+
+
+def _megatron_calculator(a):
+    if a.rampup_batch_size is None:
+        return nmc.ConstantNumMicroBatchesCalculator(a.global_batch_size, a.micro_batch_size, a.data_parallel_size,
+                                                     False, 1)
+    return nmc.RampupBatchsizeNumMicroBatchesCalculator(a.global_batch_size, a.micro_batch_size, a.data_parallel_size,
+                                                        False, 1, *a.rampup_batch_size)
+
+
+SCHEDULES = {
+    "iters_cosine_fraction_init": "--train-iters 120 --lr-decay-iters 100 --lr-decay-style cosine --min-lr 1e-5 "
+                                  "--lr-warmup-fraction 0.07 --lr-warmup-init 1e-4 --global-batch-size 24",
+    "iters_linear_warmup": "--train-iters 60 --lr-warmup-iters 7 --min-lr 2e-5 --global-batch-size 8",
+    "iters_inverse_sqrt_init": "--train-iters 80 --lr-decay-style inverse-square-root --lr-warmup-iters 9 "
+                               "--lr-warmup-init 3e-4 --min-lr 1e-4 --global-batch-size 16",
+    "iters_constant_warmup": "--train-iters 30 --lr-decay-style constant --lr-warmup-iters 5 --global-batch-size 8",
+    "iters_rampup_cosine": "--train-iters 70 --rampup-batch-size 8 8 400 --global-batch-size 40 "
+                           "--lr-decay-style cosine --lr-warmup-iters 3 --min-lr 1e-5",
+    "samples_rampup_cosine": "--train-samples 3001 --rampup-batch-size 8 16 1000 --global-batch-size 72 "
+                             "--lr-decay-samples 2500 --lr-warmup-samples 300 --lr-decay-style cosine --min-lr 1e-6 "
+                             "--lr-warmup-init 5e-5",
+    "samples_fraction_linear": "--train-samples 1000 --lr-warmup-fraction 0.1 --global-batch-size 24 --min-lr 1e-5",
+    "samples_inverse_sqrt": "--train-samples 777 --lr-decay-style inverse-square-root --lr-warmup-samples 64 "
+                            "--global-batch-size 16",
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_lr_and_batch_sizes_equal_megatron_core(name):
+    """Every iteration: the same batch size as megatron-core's calculator and the same LR as its
+    scheduler (exact floats), both driven as Megatron's training loop drives them."""
+    a = parse_args((MODEL + "--mock-data --micro-batch-size 2 " + SCHEDULES[name]).split(), world_size=4)
+    ours, batches = build_scheduler(_Opt(), training_config(a)), batch_schedule(a)
+    ref, calc = _megatron_scheduler(a), _megatron_calculator(a)
+    assert ours.optimizer.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"]  # before any step
+    consumed, sizes = 0, []
+    for it in range(1, a.train_iters + 1):
+        calc.update(consumed, True)
+        batch = calc.get() * a.micro_batch_size * a.data_parallel_size
+        assert batches.global_batch_size(consumed) == batch == calc.get_current_global_batch_size(), (name, it)
+        assert batches.num_microbatches(consumed) == calc.get(), (name, it)
+        ours.step(batch)
+        ref.step(increment=batch)
+        assert ours.optimizer.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"], (name, it, consumed)
+        consumed += batch
+        sizes.append(batch)
+    if a.rampup_batch_size is not None:
+        assert sizes[0] == a.rampup_batch_size[0] and sizes[-1] == a.global_batch_size and len(set(sizes)) > 3
+    if a.train_samples is not None and a.rampup_batch_size is not None:  # until consumed reaches --train-samples
+        assert consumed - sizes[-1] < a.train_samples <= consumed
+    elif a.train_samples is not None:  # Megatron's constant-batch rule: the partial last batch is dropped
+        assert a.train_iters == a.train_samples // a.global_batch_size < a.train_samples / a.global_batch_size
+
+
+def test_rampup_equals_megatron_core_at_slice_boundaries():
+    """The 175B script's ramp (16 -> 1536 by 16 over 5,859,375 samples: 95 slices of 61677.6
+    samples): every boundary and its neighbours, where the float slice length decides."""
+    calc = nmc.RampupBatchsizeNumMicroBatchesCalculator(1536, 1, 16, False, 1, 16, 16, 5859375)
+    ours = BatchSchedule(1536, 1, 16, rampup=[16, 16, 5859375])
+    per = 5859375 / 95
+    points = {c for k in range(97) for c in (math.floor(k * per) + d for d in (-1, 0, 1, 2)) if c >= 0}
+    points |= set(range(0, 6_000_000, 9973))
+    for c in sorted(points):
+        calc.update(c, False)
+        assert ours.global_batch_size(c) == calc.get_current_global_batch_size(), c
+        assert ours.num_microbatches(c) == calc.get(), c
+    # 14 slices of 18/14 samples: at 9 and 18 consumed the float quotient falls just short of
+    # 7 and 14 (Megatron's batch there: 14 and 28, not 16 and 30).
+    calc = nmc.RampupBatchsizeNumMicroBatchesCalculator(30, 1, 1, False, 1, 2, 2, 18)
+    ours = BatchSchedule(30, 1, 1, rampup=[2, 2, 18])
+    for c in range(40):
+        calc.update(c, False)
+        assert ours.global_batch_size(c) == calc.get_current_global_batch_size(), c
+    assert (ours.global_batch_size(9), ours.global_batch_size(18)) == (14, 28)
+
+
+BATCH_ERRORS = {
+    "--rampup-batch-size 8 5 100 --global-batch-size 32": "minus the start batch 8 = 24 is not divisible by the "
+                                                          "increment 5",
+    "--rampup-batch-size 8 4 100 --global-batch-size 32": "global batch 12 is not divisible by --micro-batch-size 2 x "
+                                                          "data-parallel size 4 = 8",
+    "--rampup-batch-size 64 8 100 --global-batch-size 32": "the start batch 64 exceeds --global-batch-size 32",
+    "--rampup-batch-size 4 4 100 --global-batch-size 32 --pipeline-model-parallel-size 2 --num-layers 4 "
+    "--num-layers-per-virtual-pipeline-stage 1": "global batch 4 gives 1 micro-batches, not a multiple of "
+                                                 "--pipeline-model-parallel-size 2",
+    "--train-samples 10 --global-batch-size 16": "--train-samples 10 is less than one global batch (16)",
+}
+
+
+@pytest.mark.parametrize("flags", list(BATCH_ERRORS))
+def test_batch_schedule_errors_are_one_line(flags, capsys):
+    argv = (MODEL + "--mock-data --micro-batch-size 2 " + flags).split()
+    if "--train-samples" not in flags:
+        argv += ["--train-iters", "5"]
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=4)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and BATCH_ERRORS[flags] in err[0], err
+
+
+def test_step_batch_size_schedule():
+    """Megatron's --step-batch-size-schedule: token thresholds with suffixes, // --seq-length."""
+    steps = parse_step_schedule("0:16 2.4K:32, 4.8K:64", seq_length=16)
+    assert steps == [(0, 16), (150, 32), (300, 64)]
+    s = BatchSchedule(64, 2, 2, steps=steps)
+    assert [s.global_batch_size(c) for c in (0, 149, 150, 299, 300, 10 ** 6)] == [16, 16, 32, 32, 64, 64]
+    assert s.iterations_for(400) == 10 + 5 + 2  # 160 samples at 16, 160 at 32, then 64s past 400
+    with pytest.raises(ConfigError, match="the first threshold must be 0"):
+        parse_step_schedule("1K:16 2K:32", 16)
+    with pytest.raises(ConfigError, match="not THRESHOLD:BATCH_SIZE"):
+        parse_step_schedule("0:16 2K", 16)
+    a = parse_args((MODEL + "--mock-data --micro-batch-size 2 --train-iters 5 --step-batch-size-schedule").split()
+                   + ["0:8 1K:32"], world_size=2)
+    assert batch_schedule(a).steps == [(0, 8), (62, 32)] and a.global_batch_size == 32
+    a = parse_args((MODEL + "--mock-data --micro-batch-size 2 --train-iters 5 --global-batch-size 16 "
+                    "--step-batch-size-schedule 0:8,1K:32").split(), world_size=2)
+    with pytest.raises(ConfigError, match="--global-batch-size 16 differs from the last batch size 32"):
+        batch_schedule(a)
+
+
+def test_checkpoint_schedule_rules():
+    """Megatron's load rules: equal values load; a differing one is an error naming it and both
+    flags; --use-checkpoint-opt_param-scheduler takes the checkpoint's, --override-... the flags'."""
+    saved = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine")
+    saved.step(96)
+    sd = json.loads(json.dumps(saved.state_dict()))  # as the checkpoint's JSON holds it
+    same = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine")
+    same.load_state_dict(sd)
+    assert same.num_steps == 96 and same.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
+    with pytest.raises(ConfigError) as e:
+        LRScheduler(_Opt(), 2e-3, 1e-5, 40, 400, "cosine").load_state_dict(sd)
+    msg = str(e.value)
+    assert "max_lr=0.001" in msg and "0.002" in msg and "--lr" in msg and "\n" not in msg
+    assert "--use-checkpoint-opt_param-scheduler" in msg and "--override-opt_param-scheduler" in msg
+    with pytest.raises(ConfigError, match="lr_decay_steps=400"):
+        LRScheduler(_Opt(), 1e-3, 1e-5, 40, 800, "cosine").load_state_dict(sd)
+    with pytest.raises(ConfigError, match="lr_decay_style=cosine"):
+        LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "linear").load_state_dict(sd)
+    use = LRScheduler(_Opt(), 2e-3, 0.0, 0, 800, "linear", use_checkpoint=True)
+    use.load_state_dict(sd)
+    assert (use.max_lr, use.min_lr, use.warmup, use.decay, use.style) == (1e-3, 1e-5, 40, 400, "cosine")
+    assert use.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
+    over = LRScheduler(_Opt(), 2e-3, 0.0, 0, 800, "linear", override=True)
+    over.load_state_dict(sd)
+    assert (over.max_lr, over.decay, over.style, over.num_steps) == (2e-3, 800, "linear", 96)
+    assert over.optimizer.param_groups[0]["lr"] == over.get_lr(96)
+    # A checkpoint from before the schedule was saved: {"num_steps": iterations}.
+    old = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine", legacy_step=8)
+    old.load_state_dict({"num_steps": 12})
+    assert old.num_steps == 96 and old.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"]
+
+
+# -- short in-process runs ---------------------------------------------------------------
+TINY = (MODEL + "--mock-data --vocab-size 64 --micro-batch-size 2 --global-batch-size 4 --eval-iters 0").split()
+_LINE = re.compile(r"iteration +(\d+)/ *\d+ \| consumed samples: +(\d+) \|.*\| global batch size: +(\d+) \|"
+                   r"(?: lm loss: ([0-9.E+-]+) \|)? loss scale.*skipped iterations: +(\d+) \|")
+
+
+def _run(argv, tmp_path, capsys, provider=pretrain_gpt.datasets_provider):
+    """(losses, [log json records], [(iteration, consumed, batch, lm loss or None, skipped)])."""
+    log = tmp_path / f"log{len(list(tmp_path.iterdir()))}.json"
+    args = parse_args(argv + ["--log-json", str(log)], world_size=1)
+    try:
+        losses = pretrain(provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+    finally:
+        ps.destroy_model_parallel()
+    out = capsys.readouterr().out
+    lines = [(int(m[1]), int(m[2]), int(m[3]), float(m[4]) if m[4] else None, int(m[5]))
+             for m in _LINE.finditer(out)]
+    records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    return losses, [r for r in records if "learning-rate" in r], lines, out
+
+
+def test_skipped_fp16_iterations_leave_lr_and_logged_loss_alone(tmp_path, capsys):
+    """fp16 with a loss scale that overflows: the first iterations are skipped. The LR advances
+    only on iterations whose update went through, and a window's logged lm loss averages only
+    those (a window of skipped iterations shows none), as Megatron's train_step / training_log."""
+    fp16 = TINY + "--train-iters 8 --fp16 --hysteresis 1 --initial-loss-scale 2e6 --lr-warmup-iters 3".split()
+    losses, records, lines, _ = _run(fp16 + ["--log-interval", "1"], tmp_path, capsys)
+    skipped = [n for _, _, _, _, n in lines]
+    assert len(lines) == 8 and 2 <= sum(skipped) <= 4 and skipped[:sum(skipped)] == [1] * sum(skipped), lines
+    ref = LRScheduler(_Opt(), 1e-3, 0.0, 3 * 4, 8 * 4, "linear")
+    done = 0
+    for (it, consumed, batch, loss, skip), rec in zip(lines, records):
+        done += 1 - skip
+        assert rec["learning-rate"] == ref.get_lr(done * 4), (it, rec, done)
+        assert (consumed, batch) == (4 * it, 4)
+        assert (loss is None) == bool(skip) and ("lm loss" in rec) != bool(skip), (it, loss, rec)
+        if not skip:
+            assert rec["lm loss"] == pytest.approx(losses[it - 1], rel=1e-6)
+    # Windows of two: the mean over each window's updated iterations only.
+    again, records2, lines2, _ = _run(fp16 + ["--log-interval", "2"], tmp_path, capsys)
+    assert again == losses and [it for it, *_ in lines2] == [2, 4, 6, 8]
+    kinds = set()
+    for (it, _, _, loss, skip), rec in zip(lines2, records2):
+        kept = [losses[i] for i in (it - 2, it - 1) if not skipped[i]]
+        assert skip == 2 - len(kept)
+        kinds.add(len(kept))
+        if kept:
+            assert rec["lm loss"] == pytest.approx(sum(kept) / len(kept), rel=1e-6), (it, rec, kept)
+            assert loss == pytest.approx(rec["lm loss"], rel=1e-6)
+        else:
+            assert loss is None and "lm loss" not in rec
+    assert kinds == {0, 1, 2}  # windows all skipped, mixed, and clean
+
+
+def test_step_schedule_run(tmp_path, capsys):
+    """A run with --step-batch-size-schedule: 2 samples per iteration until 256 tokens (16
+    samples of 16 tokens) are consumed, then 4."""
+    argv = (MODEL + "--mock-data --vocab-size 64 --micro-batch-size 2 --eval-iters 0 --train-iters 10 "
+            "--log-interval 1 --step-batch-size-schedule").split() + ["0:2 256:4"]
+    losses, records, lines, _ = _run(argv, tmp_path, capsys)
+    assert [(c, b) for _, c, b, _, _ in lines] == [(2 * i, 2) for i in range(1, 9)] + [(20, 4), (24, 4)]
+    assert len(losses) == 10
+
+
+def test_rampup_run_consumed_samples_and_batch_sizes(tmp_path, capsys):
+    """--train-samples with --rampup-batch-size on one rank: each log line's consumed samples
+    (cumulative) and global batch size follow megatron-core's calculator; the datasets are sized
+    for the samples read (a final validation and test run without --eval-interval); the saved
+    schedule then guards the resume (mismatch error; --use-checkpoint-opt_param-scheduler)."""
+    sizes = []
+
+    def provider(args, num_samples):
+        sizes.append(tuple(num_samples))
+        return pretrain_gpt.datasets_provider(args, num_samples)
+    ramp = (MODEL + "--mock-data --vocab-size 64 --micro-batch-size 2 --global-batch-size 8 --rampup-batch-size 2 2 12 "
+            "--train-samples 41 --lr-decay-samples 60 --log-interval 1 --eval-iters 1 --lr-decay-style cosine").split()
+    save = ["--save", str(tmp_path / "ckpt")]
+    losses, records, lines, out = _run(ramp + save, tmp_path, capsys, provider)
+    calc = nmc.RampupBatchsizeNumMicroBatchesCalculator(8, 2, 1, False, 1, 2, 2, 12)
+    consumed, want = 0, []
+    while consumed < 41:
+        calc.update(consumed, True)
+        consumed += calc.get_current_global_batch_size()
+        want.append((consumed, calc.get_current_global_batch_size()))
+    assert [(c, b) for _, c, b, _, _ in lines] == want and len(losses) == len(want)
+    assert [b for _, b in want][:6] == [2, 2, 4, 6, 8, 8]  # slices of 4 samples: 2, 4, 6, then 8
+    assert [r["batch-size"] for r in records] == [b for _, b in want]
+    assert sizes == [(max(41, want[-1][0]), 8, 8)]  # one (final) validation of one batch; the test set
+    assert "validation loss at iteration" not in out
+    assert "validation loss at the end of training for val data" in out and "for test data" in out
+    # Resume with another --lr: Megatron's schedule check, one line on the rank.
+    with pytest.raises(SystemExit):
+        _run([x if x != "1e-3" else "2e-3" for x in ramp] + ["--load", save[1]], tmp_path, capsys)
+    err = capsys.readouterr().err
+    assert "max_lr=0.001" in err and "--use-checkpoint-opt_param-scheduler" in err, err
+    # --use-checkpoint-opt_param-scheduler: the checkpoint's schedule and position, whatever --lr says.
+    args = parse_args([x if x != "1e-3" else "2e-3" for x in ramp] + ["--load", save[1], "--eval-iters", "0",
+                                                                        "--use-checkpoint-opt_param-scheduler"], 1)
+    try:
+        resumed, _, optimizer = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
+                                         pretrain_gpt.forward_step, args, return_state=True)
+    finally:
+        ps.destroy_model_parallel()
+    assert resumed == [] and optimizer.param_groups[0]["lr"] == records[-1]["learning-rate"] > 0
