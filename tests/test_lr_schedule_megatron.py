@@ -300,3 +300,23 @@ def test_rampup_run_consumed_samples_and_batch_sizes(tmp_path, capsys):
     finally:
         ps.destroy_model_parallel()
     assert resumed == [] and optimizer.param_groups[0]["lr"] == records[-1]["learning-rate"] > 0
+
+
+def test_manual_gc(tmp_path, capsys):
+    """--manual-gc: no automatic collection during the run; a full one at the start and every
+    --manual-gc-interval iterations; around each evaluation; the collector is back on after."""
+    import gc
+    seen = []
+
+    def record(phase, info):
+        if phase == "start" and not gc.isenabled():  # collections while the collector is off: the run's own
+            seen.append(info["generation"])
+    gc.callbacks.append(record)
+    try:
+        _run(TINY[:-2] + "--train-iters 4 --log-interval 4 --manual-gc --manual-gc-interval 2 --eval-iters 1 "
+             "--eval-interval 3".split(), tmp_path, capsys)
+    finally:
+        gc.callbacks.remove(record)
+    assert gc.isenabled()
+    # start, it 2, eval at 3 (full before, young after), it 4, final validation and test (each full + young)
+    assert seen == [2, 2, 2, 0, 2, 2, 0, 2, 0], seen
