@@ -4,13 +4,14 @@ Parallelism: the documents are cut into contiguous chunks; a pool of forked work
 with its own tokenizer, reading its chunk straight from the memory-mapped Arrow table)
 returns flat numpy token arrays, and the parent appends them in order. Only compact
 arrays cross process boundaries, so each worker spends its time in the tokenizer, which
-encodes a whole chunk per call where it can (`tokenize_batch`: `tokenizers`' Rust
-encode_batch for GPT2BPETokenizer)."""
+encodes a whole chunk per call where that is faster (`tokenizers`' Rust encode_batch for
+GPT2BPETokenizer and HuggingFaceTokenizer)."""
 
 from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
 import re
 import resource
 import sys
@@ -66,6 +67,8 @@ _W: dict = {}  # per-process worker state (dataset, tokenizer, config)
 
 
 def _init_worker(ds, cfg: PreprocessConfig) -> None:
+    if cfg.workers > 1:  # the worker processes use the cores; Rust threads on top oversubscribe them
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _W["ds"], _W["cfg"] = ds, cfg
     _W["tok"] = cfg.build_tokenizer()
     _W["dtype"] = optimal_dtype(_W["tok"].vocab_size)
@@ -76,7 +79,8 @@ def _encode_chunk(bounds: tuple[int, int]):
     ds, cfg, tok = _W["ds"], _W["cfg"], _W["tok"]
     rows = ds[bounds[0]:bounds[1]]
     out, n_chars = {}, 0
-    batch = getattr(tok, "tokenize_batch", None)
+    # Batches where encoding runs in Rust off the GIL; sentencepiece's list call costs more CPU.
+    batch = tok.tokenize_batch if getattr(tok, "batch_encodes_faster", False) else None
     for key in cfg.json_keys:
         pieces, per_doc = [], []  # every document's pieces, flattened for one batch call
         for text in rows[key]:

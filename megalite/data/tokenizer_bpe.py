@@ -75,6 +75,7 @@ class GPT2BPETokenizer:
     """Megatron's `GPT2BPETokenizer`: byte-level BPE from vocab.json + merges.txt."""
 
     pad = cls = sep = mask = None
+    batch_encodes_faster = True  # encode_batch: Rust threads, no GIL
 
     def __init__(self, vocab_file: str | None, merge_file: str | None):
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
