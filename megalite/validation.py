@@ -162,7 +162,8 @@ def _validate_schedule(args):
         if start < 1 or incr < 1 or samples < 0:
             raise ConfigError(f"--rampup-batch-size {start} {incr} {samples}: need start >= 1, increment >= 1 "
                               "and samples >= 0")
-    if args.train_samples is not None or args.rampup_batch_size is not None:
+    if args.train_samples is not None or args.rampup_batch_size is not None or \
+            getattr(args, "step_batch_size_schedule", None):
         from megalite.microbatches import derive_train_iters
         derive_train_iters(args)  # sets args.train_iters from the samples and the batch schedule
 
