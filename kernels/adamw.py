@@ -10,7 +10,6 @@ adamw_step(params, grads, exp_avg, exp_avg_sq, *, step, lr=1e-3, beta1=0.9, beta
 Semantics are torch.optim.AdamW's (decoupled weight decay, bias correction, eps added after
 the bias-corrected sqrt); the torch fallback runs the very ops of its single-tensor path.
 """
-import math
 
 import torch
 import triton
@@ -55,7 +54,7 @@ def adamw_step(params, grads, exp_avg, exp_avg_sq, *, step, lr=1e-3, beta1=0.9, 
     if step < 1:
         raise ValueError(f"kernels.adamw_step: step is 1-based, got {step}")
     bc1 = 1 - beta1 ** step
-    bc2_sqrt = math.sqrt(1 - beta2 ** step)
+    bc2_sqrt = (1 - beta2 ** step) ** 0.5  # as torch: pow and math.sqrt differ in the last bit for some steps
     step_size = lr / bc1
     if use_triton(params, grads, exp_avg, exp_avg_sq, model_params):
         if n:
@@ -68,7 +67,8 @@ def adamw_step(params, grads, exp_avg, exp_avg_sq, *, step, lr=1e-3, beta1=0.9, 
     g = grads if grad_scale == 1.0 else grads * grad_scale
     if g.dtype != torch.float32:
         g = g.float()
-    params.mul_(1 - lr * weight_decay)
+    if weight_decay != 0:
+        params.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)

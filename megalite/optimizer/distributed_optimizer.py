@@ -55,14 +55,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     self.model_params.append(p)
         index = {p: i for i, p in enumerate(self.model_params)}
         low_precision = c.bf16 or c.fp16
-        self.pieces, self.main_params, self.names = [], [], []
+        self.pieces, self.names = [], []
         for m in self.model_chunks:
             for b in m.buckets:
                 for piece in b.pieces:
-                    # fp32 models step their own parameter buffer in place (no copy).
-                    main = piece.data.detach().float().clone() if low_precision else piece.data
                     self.pieces.append(piece)
-                    self.main_params.append(main)
                     self.names.append(names[piece.param])
                     piece.index = index[piece.param]
         # Collective so that every rank fails together rather than one rank alone.
@@ -72,7 +69,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if empty.item():
             raise ConfigError("some data-parallel rank owns no parameter elements: use a smaller data-parallel "
                              "size (or a larger model)")
-        self._build_adamw(list(zip(self.names, [pc.param for pc in self.pieces], self.main_params)))
+        # fp32 models step their own slices of the parameter buffer in place (no copy); the
+        # flat buffers then hold exp_avg / exp_avg_sq of this rank's pieces, main params too otherwise.
+        own = not low_precision and self.pieces[0].data.dtype == torch.float32
+        self._build_adamw([(n, pc.param, pc.data) for n, pc in zip(self.names, self.pieces)], own, movable=False)
 
     def _grads(self):
         return [pc.grad for pc in self.pieces]
@@ -144,7 +144,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if mp is not pc.data:
                 pc.data.copy_(mp)  # the owned slice of the model takes the loaded weights
             self.optimizer.state[mp] = {"step": torch.tensor(float(src["step"]), dtype=torch.float32),
-                                        **{k: src[k].detach().clone().float().to(mp.device) for k in STATE_KEYS}}
+                                        **{k: src[k] for k in STATE_KEYS}}
+        for grp in self._flat:
+            self._adopt_state(grp)  # copied into the flat buffers
         self.scaler.load_state_dict(sd["scaler"])
         for g, saved in zip(self.param_groups, sd["param_groups"]):
             g.update(saved)

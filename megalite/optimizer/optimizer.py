@@ -4,8 +4,21 @@ fp32 models step their own parameters. bf16/fp16 models keep fp32 master copies 
 "main params"); gradients are read from the fp32 `main_grad` buffer the DDP wrapper
 fills, so low-precision gradients are never accumulated. fp16 scales the loss and skips
 a step (counted) whenever any rank of the model-parallel group saw inf/nan.
+
+The update runs over flat buffers: per param group (decay / no decay) the fp32 main params,
+exp_avg and exp_avg_sq are views into one contiguous buffer each, so one `kernels.adamw_step`
+updates the whole group (Triton on CUDA; on CPU the torch fallback runs torch.optim.AdamW's
+single-tensor ops, elementwise, so the numbers are bit-identical to stepping tensor by tensor).
+An fp32 model's parameters move into that buffer (`.data` becomes a view); ZeRO's fp32 pieces
+stay in the DDP parameter buffer and are gathered / scattered around the launch. Gradients are
+read through one view where they lie back to back in the grad buffer, else gathered by one
+torch.cat; bf16/fp16 copies come from the kernel's own pass or one foreach copy. The step count
+is a Python int per group (no host read); `optimizer.state[p]` keeps torch's entries ("step",
+"exp_avg", "exp_avg_sq", as views), so state dicts and checkpoints are unchanged.
 """
 
+import contextlib
+import itertools
 import math
 
 import torch
@@ -39,6 +52,36 @@ def build_loss_scaler(c):
     return ConstantLossScaler(1.0)
 
 
+class _FlatGroup:
+    """One param group on flat fp32 buffers. idx: positions in main_params / grads / copies, in
+    buffer order; mains, m_views, v_views: per position, views of main / exp_avg / exp_avg_sq
+    (mains are the model's own tensors when `own`; `main` is None for ZeRO's fp32 pieces)."""
+
+    def __init__(self, idx, sizes, own, main, exp_avg, exp_avg_sq):
+        self.idx, self.sizes, self.own, self.main = idx, sizes, own, main
+        self.exp_avg, self.exp_avg_sq = exp_avg, exp_avg_sq
+        self.mains, self.m_views, self.v_views = [], [], []
+        self.step = 0  # a Python int: bias correction needs no host read
+        self.step_t = torch.zeros((), dtype=torch.float32)  # torch's state["step"], shared by the group
+
+
+def _flat_view(ts):
+    """A 1-D view over tensors lying back to back, in this order, in one storage; else None."""
+    first = ts[0]
+    base, ptr, size = first.untyped_storage().data_ptr(), first.data_ptr(), first.element_size()
+    for t in ts:
+        if (t.dtype != first.dtype or t.data_ptr() != ptr or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != base):
+            return None
+        ptr += t.numel() * size
+    return first.detach().as_strided(((ptr - first.data_ptr()) // size,), (1,), first.storage_offset())
+
+
+def _flat_or_cat(ts):
+    flat = _flat_view(ts)
+    return flat if flat is not None else torch.cat([t.reshape(-1) for t in ts])
+
+
 class MixedPrecisionOptimizer:
     def __init__(self, model_chunks, config):
         c = config
@@ -46,23 +89,62 @@ class MixedPrecisionOptimizer:
         named = [(n, p) for m in model_chunks for n, p in m.named_parameters() if p.requires_grad]
         self.model_params = [p for _, p in named]
         self.names = [n for n, _ in named]  # aligned with _grads(), for error messages
-        low_precision = c.bf16 or c.fp16
-        self.main_params = [p.detach().float().clone() if low_precision else p for p in self.model_params]
-        for mp in self.main_params:
-            mp.requires_grad_(True)
-        self._build_adamw([(n, p, m) for (n, p), m in zip(named, self.main_params)])
+        own = not (c.bf16 or c.fp16) and all(p.dtype == torch.float32 for p in self.model_params)
+        self._build_adamw(list(zip(self.names, self.model_params, self.model_params)), own, movable=True)
 
-    def _build_adamw(self, triples):
-        """torch AdamW over the main params, Megatron's decay / no-decay groups, loss scaler.
-        triples: (name, model param, main param)."""
+    def _build_adamw(self, triples, own, movable):
+        """Megatron's decay / no-decay groups over flat fp32 buffers, torch's AdamW as the
+        container of groups and state (never stepped), the loss scaler.
+        triples: (name, model param (picks the group), tensor holding the values).
+        own: the values are fp32 and are stepped in place (fp32 models); movable: they are whole
+        parameters that may move into the flat buffer (ZeRO pieces live in the DDP buffer)."""
         c = self.config
-        decay = [m for n, p, m in triples if not no_weight_decay(n, p)]
-        nodecay = [m for n, p, m in triples if no_weight_decay(n, p)]
-        groups = [g for g in ({"params": decay, "weight_decay": c.weight_decay},
-                              {"params": nodecay, "weight_decay": 0.0}) if g["params"]]
+        self.main_params, self._flat, groups = [None] * len(triples), [], []
+        order = self._layout_order(len(triples))
+        with torch.no_grad():
+            for decay in (True, False):
+                idx = [i for i in order if no_weight_decay(*triples[i][:2]) != decay]
+                if idx:
+                    self._flat.append(self._flat_group(idx, [triples[i][2] for i in idx], own, movable))
+                    groups.append({"params": [self.main_params[i] for i in sorted(idx)],
+                                   "weight_decay": c.weight_decay if decay else 0.0})
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+        for grp in self._flat:  # torch's state entries, as views: state dicts and checkpoints read them
+            for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):
+                self.optimizer.state[mp] = {"step": grp.step_t, "exp_avg": m, "exp_avg_sq": v}
         self.scaler = build_loss_scaler(c)
-        self.param_groups = self.optimizer.param_groups
+
+    def _flat_group(self, idx, values, own, movable):
+        sizes = [t.numel() for t in values]
+        total = sum(sizes)
+
+        def buffer():
+            return torch.zeros(total, dtype=torch.float32, device=values[0].device)
+        grp = _FlatGroup(idx, sizes, own, None if own and not movable else buffer(), buffer(), buffer())
+        for i, t, off, n in zip(idx, values, itertools.accumulate([0] + sizes), sizes):
+            grp.m_views.append(grp.exp_avg[off:off + n].view(t.shape))
+            grp.v_views.append(grp.exp_avg_sq[off:off + n].view(t.shape))
+            mp = t
+            if grp.main is not None:
+                mp = grp.main[off:off + n].view(t.shape)
+                mp.copy_(t)
+                if own:  # an fp32 parameter moves into the buffer and stays its own main param
+                    t.data, mp = mp, t
+            grp.mains.append(mp)
+            self.main_params[i] = mp
+        return grp
+
+    def _layout_order(self, n):
+        """Flat-buffer order: the grad buffer's where all grads live in one (then a group whose
+        grads lie back to back is read through one view, no gather); else parameter order."""
+        grads = self._grads()
+        if all(g is not None for g in grads) and len({g.untyped_storage().data_ptr() for g in grads}) == 1:
+            return sorted(range(n), key=lambda i: grads[i].data_ptr())
+        return list(range(n))
+
+    @property
+    def param_groups(self):  # torch's load_state_dict replaces the list: always read it through
+        return self.optimizer.param_groups
 
     @property
     def loss_scale(self):
@@ -122,39 +204,51 @@ class MixedPrecisionOptimizer:
         return True, grad_norm
 
     def _adam_update(self, grads, copies):
-        """AdamW over the fp32 main params; then each model copy takes the new values.
-        On CUDA with fused kernels, one Triton pass per tensor does both, keeping torch's
-        optimizer-state layout so state dicts do not change."""
+        """One kernels.adamw_step per param group over its flat buffers (Triton on CUDA, torch
+        ops on CPU), model copies written in the same pass or by one foreach copy."""
         import kernels
-        # Triton on CUDA; also when a test forces the Triton backend (interpreter on CPU).
-        if self.config.fused_kernels and (self.main_params[0].is_cuda or kernels.get_backend() == "triton"):
-            if not hasattr(self, "_main_index"):  # group order -> position in main_params, once
-                self._main_index = {id(m): i for i, m in enumerate(self.main_params)}
-            where = self._main_index
-            for group in self.optimizer.param_groups:
+        with contextlib.nullcontext() if self.config.fused_kernels else kernels.use_backend("torch"):
+            for grp, group in zip(self._flat, self.optimizer.param_groups):
+                self._adopt_state(grp)
+                grp.step += 1
+                grp.step_t.fill_(grp.step)  # torch's state["step"], for state dicts (host tensor)
+                scatter, out, outs = False, None, None
+                if grp.own:  # the model's fp32 tensors: in the buffer unless they are ZeRO pieces
+                    main = _flat_view(grp.mains)
+                    if main is None:
+                        main, scatter = torch.cat([t.reshape(-1) for t in grp.mains]), True
+                else:
+                    main, outs = grp.main, [copies[i] for i in grp.idx]
+                    out = _flat_view(outs)
                 beta1, beta2 = group["betas"]
-                for mp in group["params"]:
-                    i = where[id(mp)]
-                    st = self.optimizer.state[mp]
-                    if not st:
-                        st["step"] = torch.zeros((), dtype=torch.float32)
-                        st["exp_avg"] = torch.zeros_like(mp)
-                        st["exp_avg_sq"] = torch.zeros_like(mp)
-                    st["step"] += 1
-                    out = copies[i]
-                    kernels.adamw_step(mp.view(-1), grads[i].reshape(-1), st["exp_avg"].view(-1),
-                                       st["exp_avg_sq"].view(-1), step=int(st["step"].item()), lr=group["lr"],
-                                       beta1=beta1, beta2=beta2, eps=group["eps"],
-                                       weight_decay=group["weight_decay"],
-                                       model_params=None if out is mp else out.view(-1))
+                kernels.adamw_step(main, _flat_or_cat([grads[i] for i in grp.idx]), grp.exp_avg, grp.exp_avg_sq,
+                                   step=grp.step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                   weight_decay=group["weight_decay"], model_params=out)
+                if scatter:
+                    torch._foreach_copy_([t.view(-1) for t in grp.mains], main.split(grp.sizes))
+                elif outs is not None and out is None:
+                    torch._foreach_copy_(outs, grp.mains)
+
+    def _adopt_state(self, grp):
+        """Keep optimizer.state's entries on the flat buffers and the step in grp.step. Loading
+        replaces them (checkpoint loading sets new "step" tensors, torch's load_state_dict whole
+        entries): their values are copied in, once; otherwise this reads nothing."""
+        state = self.optimizer.state
+        if all(st.get("step") is grp.step_t and st.get("exp_avg") is m and st.get("exp_avg_sq") is v
+               for st, m, v in zip(map(state.__getitem__, grp.mains), grp.m_views, grp.v_views)):
             return
-        for mp, g in zip(self.main_params, grads):
-            mp.grad = g if g.dtype == torch.float32 else g.float()
-        self.optimizer.step()
-        for mp, out in zip(self.main_params, copies):
-            mp.grad = None
-            if out is not mp:
-                out.copy_(mp)
+        steps = []
+        for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):
+            st = state[mp]
+            for k, view in (("exp_avg", m), ("exp_avg_sq", v)):
+                if k not in st:
+                    view.zero_()
+                elif st[k] is not view:
+                    view.copy_(st[k])
+            steps.append(float(st["step"]) if "step" in st else 0.0)  # a host tensor, as torch keeps it
+            state[mp] = {"step": grp.step_t, "exp_avg": m, "exp_avg_sq": v}
+        grp.step = int(max(steps))  # one count per group: its tensors are always stepped together
+        grp.step_t.fill_(grp.step)
 
     def state_dict(self):
         return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
@@ -162,6 +256,8 @@ class MixedPrecisionOptimizer:
 
     def load_state_dict(self, sd):
         self.optimizer.load_state_dict(sd["optimizer"])
+        for grp in self._flat:
+            self._adopt_state(grp)  # the loaded values into the flat buffers
         self.scaler.load_state_dict(sd["scaler"])
         with torch.no_grad():
             for m, s, out in zip(self.main_params, sd["main_params"], self.model_params):
