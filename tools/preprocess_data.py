@@ -1,8 +1,8 @@
 """Tokenize text into Megatron-format `{output_prefix}_{key}_{document|sentence}.bin/.idx`,
 with Megatron-LM's tools/preprocess_data.py flags.
 
-    python tools/preprocess_data.py --input corpus.jsonl --json-keys text \
-        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
+    python tools/preprocess_data.py --input corpus.jsonl --json-keys text \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \\
         --output-prefix out --append-eod --workers 2
 
 --input: a .json/.jsonl/.parquet/.csv/.txt file (or a glob of them, read in sorted order)
