@@ -25,7 +25,8 @@ def datasets_provider(args, num_samples):
     builder, barrier = ps.global_rank() == 0, ps.barrier
     if args.mock_data:
         if args.tokenizer_type is not None:
-            args.vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
+            args.vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, vocab_file=args.vocab_file,
+                                      merge_file=args.merge_file).vocab_size
         return tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed, split_id=i)
                      for i, n in enumerate(num_samples))
     if not args.data_path:
@@ -37,7 +38,8 @@ def datasets_provider(args, num_samples):
         args.tokenizer_type, args.tokenizer_model = "SentencePieceTokenizer", model_file
     if args.tokenizer_type is None:
         raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-size)")
-    args.vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size).vocab_size
+    args.vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, vocab_file=args.vocab_file,
+                                      merge_file=args.merge_file).vocab_size
     return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
                               args.data_cache_path, is_builder=builder, barrier=barrier)
 
