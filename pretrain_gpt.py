@@ -18,15 +18,20 @@ def model_provider(config, pre_process=True, post_process=True):
     return GPTModel(config, pre_process=pre_process, post_process=post_process)
 
 
+def _tokenizer(args):
+    from megalite.data import build_tokenizer
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file)
+
+
 def datasets_provider(args, num_samples):
-    from megalite.data import build_gpt_datasets, build_tokenizer
+    from megalite.data import build_gpt_datasets
     from megalite.data.mock_dataset import MockGPTDataset
 
     builder, barrier = ps.global_rank() == 0, ps.barrier
     if args.mock_data:
         if args.tokenizer_type is not None:
-            args.vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, vocab_file=args.vocab_file,
-                                      merge_file=args.merge_file).vocab_size
+            args.vocab_size = _tokenizer(args).vocab_size
         return tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed, split_id=i)
                      for i, n in enumerate(num_samples))
     if not args.data_path:
@@ -38,8 +43,7 @@ def datasets_provider(args, num_samples):
         args.tokenizer_type, args.tokenizer_model = "SentencePieceTokenizer", model_file
     if args.tokenizer_type is None:
         raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-size)")
-    args.vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, vocab_file=args.vocab_file,
-                                      merge_file=args.merge_file).vocab_size
+    args.vocab_size = _tokenizer(args).vocab_size
     return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
                               args.data_cache_path, is_builder=builder, barrier=barrier)
 
