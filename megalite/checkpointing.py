@@ -179,7 +179,9 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
                 "optimizer": {"step": optimizer_step(optimizer)},
                 "scheduler": scheduler.state_dict(), "loss_scaler": optimizer.scaler.state_dict(),
                 "tokenizer": {"type": getattr(args, "tokenizer_type", None),
-                              "model": getattr(args, "tokenizer_model", None)}}
+                              "model": getattr(args, "tokenizer_model", None),
+                              "vocab_file": getattr(args, "vocab_file", None),
+                              "merge_file": getattr(args, "merge_file", None)}}
         fsync_write(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
     if group is not None:
         dist.barrier(group=group)

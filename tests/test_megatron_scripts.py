@@ -97,11 +97,7 @@ def runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
            os.path.join(SCRIPTS, "run_lists.py"), spec]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    losses = {}
-    for line in p.stdout.splitlines():
-        if line.startswith("LIST "):
-            _, name, vals = line.split(" ", 2)
-            losses[name] = json.loads(vals)
+    losses = json.load(open(spec + ".losses")) if os.path.exists(spec + ".losses") else {}
     return p, losses, dirs, jobs
 
 
@@ -126,3 +122,12 @@ def test_implementation_flags_got_notices(runs):
                  "--attention-backend auto accepted", "--cross-entropy-loss-fusion accepted",
                  "--use-persistent-ckpt-worker accepted"):
         assert flag in out, flag
+
+
+def test_generate_reads_the_gpt2_bpe_tokenizer_from_the_checkpoint(runs):
+    """The checkpoint records the vocab/merges it was trained with: a text prompt needs no flags."""
+    ckpt = runs[2]["gpt3_345m"]["ckpt"]
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", ckpt, "--prompt",
+                        "The cat sees", "--max-new-tokens", "4", "--greedy"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().startswith("The cat sees"), r.stdout

@@ -37,6 +37,8 @@ def build_parser():
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="under torchrun: = the world size")
     p.add_argument("--tokenizer-type", default=None, help="override the checkpoint's tokenizer")
     p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer / BertWordPiece: override the checkpoint's")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: override the checkpoint's")
     return p
 
 
@@ -77,13 +79,16 @@ def main(argv=None):
         model, meta = load_model(a.load, a.tensor_model_parallel_size)
         vocab = model.config.vocab_size
         tok = None
-        ttype = a.tokenizer_type or (meta.get("tokenizer") or {}).get("type")
-        tmodel = a.tokenizer_model or (meta.get("tokenizer") or {}).get("model")
+        saved = meta.get("tokenizer") or {}
+        ttype = a.tokenizer_type or saved.get("type")
+        tmodel = a.tokenizer_model or saved.get("model")
         if a.prompt is not None:
             if not ttype:
                 raise ConfigError(f"{a.load} records no tokenizer: pass --prompt-ids, or --tokenizer-type/-model")
             from megalite.data import build_tokenizer
-            tok = build_tokenizer(ttype, tmodel, vocab - 1 if ttype == "NullTokenizer" else None)
+            tok = build_tokenizer(ttype, tmodel, vocab - 1 if ttype == "NullTokenizer" else None,
+                                  vocab_file=a.vocab_file or saved.get("vocab_file"),
+                                  merge_file=a.merge_file or saved.get("merge_file"))
             ids = tok.tokenize(a.prompt)
         else:
             ids = [int(x) for x in a.prompt_ids.split()]

@@ -1,7 +1,8 @@
 """Under torchrun: train each Megatron launch script's argv (a JSON list of [name, argv]) with
 pretrain_gpt.py's own providers, one after the other on the same ranks (one interpreter start
 per rank for all scripts: the 2-core machine pays torch's import once). Prints, on the last
-rank, `LIST <name> <json losses>` per script; a script that fails stops the run non-zero."""
+rank, writes {name: losses} to <argv json>.losses (a file: the ranks' interleaved stdout can split
+a printed line); a script that fails stops the run non-zero."""
 
 import json
 import os
@@ -17,7 +18,7 @@ from megalite.training import pretrain  # noqa: E402
 
 
 def main(path):
-    runs = json.load(open(path))
+    runs, done = json.load(open(path)), {}
     ps.initialize_distributed("gloo", 600)  # held across the scripts; each pretrain() builds its grid
     for name, argv in runs:
         print(f"megalite-test: {name}", flush=True)
@@ -26,7 +27,9 @@ def main(path):
                           args)
         ps.destroy_model_parallel()
         if ps.global_rank() == ps.world_size() - 1:
-            print(f"LIST {name} {json.dumps(losses)}", flush=True)
+            done[name] = losses
+            with open(path + ".losses", "w") as f:
+                json.dump(done, f)
     ps.shutdown_distributed()
 
 
