@@ -63,7 +63,22 @@ def adamw_step(params, grads, exp_avg, exp_avg_sq, *, step, lr=1e-3, beta1=0.9, 
                 1.0 - lr * weight_decay, beta1, beta2, eps, step_size, bc2_sqrt, grad_scale,
                 HAS_OUT=model_params is not None, BLOCK=BLOCK, num_warps=4)
         return
-    # torch.optim.AdamW single-tensor path, op for op
+    # torch.optim.AdamW single-tensor path, op for op. On a CPU the ops run chunk by chunk: each
+    # op streams its operands, and a chunk's stay in cache across the six ops (a whole flat
+    # buffer would go through memory once per op: measured 2x slower). Elementwise: same values.
+    chunk = n if params.is_cuda else _CPU_CHUNK
+    for start in range(0, n, chunk):
+        sl = slice(start, start + chunk)
+        _torch_update(params[sl], grads[sl], exp_avg[sl], exp_avg_sq[sl],
+                      None if model_params is None else model_params[sl], lr, beta1, beta2, eps, weight_decay,
+                      grad_scale, step_size, bc2_sqrt)
+
+
+_CPU_CHUNK = 1 << 16
+
+
+def _torch_update(params, grads, exp_avg, exp_avg_sq, model_params, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                  step_size, bc2_sqrt):
     g = grads if grad_scale == 1.0 else grads * grad_scale
     if g.dtype != torch.float32:
         g = g.float()
