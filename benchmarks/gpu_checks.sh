@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-mfu)
+PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu)
 
 describe() {
     case "$1" in
@@ -21,6 +21,7 @@ describe() {
         compile) echo "pytest tests/kernels/test_gpu_compile.py with this machine's triton" ;;
         bench-kernels-rowwise) echo "python benchmarks/kernels.py --only layer_norm rms_norm softmax bias_gelu swiglu rotary" ;;
         bench-kernels-attention) echo "python benchmarks/kernels.py --only cross_entropy flash_attention" ;;
+        bench-adamw) echo "python benchmarks/adamw_flat.py (flat AdamW vs per-tensor / torch fused)" ;;
         bench-mfu) echo "python benchmarks/mfu.py" ;;
         *) return 1 ;;
     esac
@@ -37,6 +38,7 @@ else 'NO GPU')" && (nvidia-smi || true) && python -c "import torch, sys; sys.exi
         compile) python -m pytest -q -s tests/kernels/test_gpu_compile.py --junitxml="$out/$part.junit.xml" ;;
         bench-kernels-rowwise) python benchmarks/kernels.py --only layer_norm rms_norm softmax bias_gelu swiglu rotary ;;
         bench-kernels-attention) python benchmarks/kernels.py --only cross_entropy flash_attention ;;
+        bench-adamw) python benchmarks/adamw_flat.py ;;
         bench-mfu) python benchmarks/mfu.py ;;
     esac
 }
