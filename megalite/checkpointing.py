@@ -54,7 +54,7 @@ FORMAT = "megalite-checkpoint"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                 "ffn_hidden_size", "vocab_size", "position_embedding_type", "normalization", "swiglu",
                 "add_bias_linear", "untie_embeddings_and_output_weights", "model_type", "layernorm_position", "gelu",
-                "num_tokentypes", "bert_binary_head")
+                "num_tokentypes", "bert_binary_head", "qk_layernorm", "apply_layernorm_1p", "rotary_percent")
 
 _pending = {"future": None, "executor": None, "group": None}
 

@@ -104,8 +104,11 @@ class ModelConfig:
         if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
             raise ConfigError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                               f"{self.max_position_embeddings}")
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
-            raise ConfigError(f"rotary embeddings need an even head dim, got {self.kv_channels}")
+        if self.position_embedding_type == "rope":
+            rot = int(self.kv_channels * self.rotary_percent)
+            if not 0 < self.rotary_percent <= 1 or rot < 2 or rot % 2:
+                raise ConfigError(f"--rotary-percent {self.rotary_percent} of head dim {self.kv_channels} gives a "
+                                  f"rotary dim of {rot}: it needs 0 < p <= 1 and an even rotary dim")
 
     def check_parallel(self, tp):
         """Checks that depend on the tensor-parallel size."""

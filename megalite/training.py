@@ -213,6 +213,9 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
 
 
 def _pretrain(datasets_provider, model_provider, forward_step_func, args, return_state, started, owns):
+    if args.deterministic_mode:
+        from megalite.determinism import enable_deterministic
+        enable_deterministic()
     if args.exit_signal_handler:
         _SIGTERM["got"] = False
         signal.signal(signal.SIGTERM, lambda *_: _SIGTERM.update(got=True))

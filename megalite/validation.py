@@ -58,6 +58,10 @@ def validate_args(args):
                               "--distributed-backend gloo (or leave it out)")
     _validate_schedule(args)
     _validate_data(args)
+    if args.use_flash_attn and os.environ.get("RANK", "0") == "0":
+        import torch
+        if not torch.cuda.is_available():
+            print("megalite: --use-flash-attn: no CUDA device here, attention runs the torch path (SDPA)", flush=True)
     _validate_checkpoint_args(args)
     _validate_bert(args)
     if not args.group_query_attention:

@@ -27,6 +27,14 @@ def qkv_join(q, k, v, heads, groups, d):
     return x.reshape((heads + 2 * groups) * d, *rest)
 
 
+def _plain(cfg, arch):
+    """Megatron-only variations no HF class of ours represents (absent in older checkpoints)."""
+    for field, default in (("qk_layernorm", False), ("apply_layernorm_1p", False), ("rotary_percent", 1.0)):
+        if cfg.get(field, default) != default:
+            raise CheckpointError(f"{arch} cannot represent {field}={cfg[field]!r}; convert a model trained "
+                                  f"without --{field.replace('_', '-')}")
+
+
 def _need(cfg, arch, **want):
     for field, value in want.items():
         if cfg.get(field) != value:
@@ -39,6 +47,7 @@ class GPT2:
 
     @staticmethod
     def check(c):
+        _plain(c, "GPT2LMHeadModel")
         if c.get("layernorm_position", "pre") != "pre" or c.get("gelu", "tanh") != "tanh":
             raise CheckpointError("GPT2LMHeadModel cannot represent a post-norm model or exact GeLU")
         _need(c, "GPT2LMHeadModel", position_embedding_type="learned_absolute", normalization="LayerNorm",
@@ -115,6 +124,7 @@ class Llama:
 
     @staticmethod
     def check(c):
+        _plain(c, "LlamaForCausalLM")
         if c.get("layernorm_position", "pre") != "pre":
             raise CheckpointError("LlamaForCausalLM cannot represent a post-norm model")
         _need(c, "LlamaForCausalLM", position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -194,6 +204,7 @@ class Bert:
 
     @staticmethod
     def check(c):
+        _plain(c, "BertForPreTraining")
         a = c["num_attention_heads"]
         _need(c, "BertForPreTraining", layernorm_position="post", bert_binary_head=True,
               position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,

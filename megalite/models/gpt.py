@@ -115,7 +115,8 @@ class GPTModel(nn.Module):
         key = (seq, device)
         if getattr(self, "_rotary_key", None) != key:
             c = self.config
-            self._rotary, self._rotary_key = rotary_cos_sin(seq, c.kv_channels, c.rotary_base, device), key
+            rot = int(c.kv_channels * c.rotary_percent)  # Megatron's rotary dim
+            self._rotary, self._rotary_key = rotary_cos_sin(seq, rot, c.rotary_base, device), key
         return self._rotary
 
     def set_input_tensor(self, tensor):

@@ -10,11 +10,12 @@ import kernels
 from megalite import parallel_state as ps
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
 from megalite.tensor_parallel.layers import init_normal
+from megalite.transformer.norm import build_norm
 from megalite.transformer.rope import apply_rotary
 from megalite.transformer.utils import output_init_std, param_seed
 
 
-def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None):
+def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=False):
     """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given
     (bool [b, 1 or h, sq, sk], True = masked out; a key-padding mask [b, 1, 1, sk] runs flash
     attention on CUDA).
@@ -22,11 +23,12 @@ def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None):
     Dropout on attention probabilities drops this rank's heads only, so it draws from the
     per-TP-rank stream (`get_rng_tracker().fork()`), whichever path runs: flash attention
     takes its Philox seed from it, SDPA and the unfused softmax path their masks.
-    GQA: k/v keep their hkv heads on every path (no repeat_interleave copies)."""
+    GQA: k/v keep their hkv heads on every path (no repeat_interleave copies).
+    flash (--use-flash-attn): the Triton flash attention on CUDA even with fused kernels off."""
     p = dropout_p if training else 0.0
     triton = fused and kernels.use_triton(q)
     key_padding = attn_mask is not None and attn_mask.shape[1:3] == (1, 1)  # [b, 1, 1, sk]: BERT's padding
-    if triton and (attn_mask is None or key_padding):  # the default on CUDA, attention dropout or not
+    if (triton or flash and q.is_cuda) and (attn_mask is None or key_padding):  # the default on CUDA, attention dropout or not
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             if key_padding:
                 return kernels.flash_attention(q, k, v, causal=False, dropout_p=p, key_padding_mask=~attn_mask[:, 0, 0])
@@ -72,6 +74,9 @@ class SelfAttention(nn.Module):
             init_method=init_normal(output_init_std(c)), skip_bias_add=True,
             sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_proj"),
             params_dtype=c.params_dtype)
+        if c.qk_layernorm:  # per head, weights shared by the heads; a TP rank sees only its heads
+            self.q_layernorm = build_norm(c, self.d, partial_grads=True)
+            self.k_layernorm = build_norm(c, self.d, partial_grads=True)
 
     def forward(self, x, rotary=None, attn_mask=None, inference_cache=None):
         """x [s, b, h] (sequence-sharded under SP) -> (out [s, b, h], bias or None).
@@ -82,12 +87,14 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.d).transpose(0, 1)
         q = qkv[:, :, :, :self.q_per_group].reshape(b, s, self.groups_local * self.q_per_group, self.d)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [b, s, groups_local, d]
+        if c.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin, c.fused_kernels), apply_rotary(k, cos, sin, c.fused_kernels)
         if inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
-        args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask)
+        args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn)
         if c.recompute_granularity == "selective":
             ctx = checkpoint(core_attention, *args)
         else:

@@ -1,0 +1,129 @@
+"""Megatron's model flags: --qk-layernorm, --apply-layernorm-1p, --rotary-percent, and the
+run flags --deterministic-mode / --use-flash-attn. Parity against one process through the
+harness (tests/parity.py); the pieces against direct formulas."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.training import pretrain
+from megalite.transformer.norm import LayerNorm, RMSNorm
+from megalite.transformer.rope import apply_rotary, rotary_cos_sin
+from parity import BASE, LLAMA, assert_parity, check_reference, layout, learnable_datasets, reference, run_layouts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NEW = ("--qk-layernorm", "--apply-layernorm-1p", "--rotary-percent", "0.5")
+ROPE_LN = ("--position-embedding-type", "rope")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    lays = [layout("tp2_sp_pp2_llama_qk_1p_rot50", tp=2, pp=2, sp=True, model=LLAMA + NEW),
+            layout("tp2_sp_pp2_layernorm_qk_1p_rot50", tp=2, pp=2, sp=True, model=ROPE_LN + NEW)]
+    return lays, run_layouts(lays, 4)
+
+
+@pytest.mark.parametrize("i", [0, 1], ids=["rmsnorm", "layernorm"])
+def test_flags_match_single_process_at_tp2_sp_pp2(runs, i):
+    """Every step-1 gradient (q/k norm weights summed over the TP ranks' heads included), grad
+    norms, losses and parameters after 6 steps at rel <= 1e-5."""
+    lays, results = runs
+    ref = reference(lays[i])
+    check_reference(ref)
+    names = set(ref["grads"])
+    assert {"decoder.layers.0.self_attention.q_layernorm.weight",
+            "decoder.layers.3.self_attention.k_layernorm.weight"} <= names
+    assert float(ref["params"]["decoder.layers.0.self_attention.q_layernorm.weight"].abs().max()) > 0  # it trains
+    assert_parity(lays[i], results[i])
+
+
+@pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])
+def test_zero_centered_norm_is_one_plus_weight(cls):
+    x = torch.randn(5, 3, 24, dtype=torch.float64)
+    w = torch.randn(24, dtype=torch.float64) * 0.1
+    one_p = cls(24, fused=False, dtype=torch.float64, zero_centered=True)
+    plain = cls(24, fused=False, dtype=torch.float64)
+    assert float(one_p.weight.detach().abs().max()) == 0.0  # starts at gamma = 1
+    with torch.no_grad():
+        one_p.weight.copy_(w)
+        plain.weight.copy_(1 + w)
+        if cls is LayerNorm:
+            plain.bias.copy_(one_p.bias)
+    torch.testing.assert_close(one_p(x), plain(x), rtol=0, atol=1e-12)
+
+
+def test_rotary_percent_rotates_the_head_dims_only():
+    x = torch.randn(2, 7, 3, 16)
+    cos, sin = rotary_cos_sin(7, 8, 10000.0, "cpu")  # 50% of 16 dims
+    out = apply_rotary(x, cos, sin)  # fp32 arithmetic
+    assert torch.equal(out[..., 8:], x[..., 8:])
+    h = x[..., :8].double()
+    c, s = cos[None, :, None].double(), sin[None, :, None].double()
+    expected = h * c + torch.cat([-h[..., 4:], h[..., :4]], dim=-1) * s
+    torch.testing.assert_close(out[..., :8].double(), expected, rtol=0, atol=1e-6)
+
+
+def test_qk_layernorm_normalizes_each_head(monkeypatch):
+    """q and k reach core attention RMS-normalized per head (times 1 + w with 1p)."""
+    from megalite.arguments import model_config
+    from megalite.transformer import attention
+    ps.initialize_model_parallel(1, 1)
+    try:
+        args = parse_args(list(BASE) + ["--normalization", "RMSNorm", "--qk-layernorm", "--apply-layernorm-1p"],
+                          world_size=1)
+        att = attention.SelfAttention(model_config(args, 128), "decoder.layers.0.self_attention").double()
+        with torch.no_grad():
+            att.q_layernorm.weight.uniform_(-0.5, 0.5)
+        seen = {}
+        real = attention.core_attention
+        monkeypatch.setattr(attention, "core_attention", lambda q, k, v, *a: seen.update(q=q, k=k) or real(q, k, v, *a))
+        x = torch.randn(16, 2, 32, dtype=torch.float64)
+        att(x)
+        qkv = att.linear_qkv(x).view(16, 2, 4, 3, 8).transpose(0, 1)
+        q, k = qkv[:, :, :, 0], qkv[:, :, :, 1]
+
+        def rms(t, w):
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + args.norm_epsilon) * (1 + w)
+        torch.testing.assert_close(seen["q"], rms(q, att.q_layernorm.weight.detach()), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(seen["k"], rms(k, att.k_layernorm.weight.detach()), rtol=1e-10, atol=1e-12)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _train(argv):
+    args = parse_args(list(BASE) + list(LLAMA) + list(NEW) + argv, world_size=1)
+    try:
+        return pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
+                        return_state=True)
+    finally:
+        ps.destroy_model_parallel()
+        torch.use_deterministic_algorithms(False)  # --deterministic-mode sets it process-wide
+
+
+def test_checkpoint_round_trip_and_hf_refusal(tmp_path):
+    """The new parameters save and load (a resumed run continues exactly), and the HF
+    converter refuses what Llama cannot represent, in one line."""
+    ckpt = str(tmp_path / "ckpt")
+    straight = _train(["--train-iters", "4"])[0]
+    _train(["--train-iters", "4", "--save", ckpt, "--exit-interval", "2"])
+    resumed = _train(["--train-iters", "4", "--load", ckpt])[0]
+    assert resumed == straight[2:]
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--loader", "megalite",
+                        "--saver", "hf", "--load-dir", ckpt, "--save-dir", str(tmp_path / "hf")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "LlamaForCausalLM cannot represent qk_layernorm=True" in r.stderr, r.stderr
+
+
+def test_deterministic_mode_repeats_bitwise():
+    a, chunks_a, _ = _train(["--deterministic-mode", "--train-iters", "3"])
+    b, chunks_b, _ = _train(["--deterministic-mode", "--train-iters", "3"])
+    assert a == b
+    for (n, p), (_, q) in zip(chunks_a[0].named_parameters(), chunks_b[0].named_parameters()):
+        assert torch.equal(p, q), n
