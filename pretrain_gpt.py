@@ -28,12 +28,16 @@ def datasets_provider(args, num_samples):
     from megalite.data import build_gpt_datasets
     from megalite.data.mock_dataset import MockGPTDataset
 
+    from megalite.data.gpt_batch import with_batch_masks
+
     builder, barrier = ps.global_rank() == 0, ps.barrier
     if args.mock_data:
+        eod = None
         if args.tokenizer_type is not None:
-            args.vocab_size = _tokenizer(args).vocab_size
-        return tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed, split_id=i)
-                     for i, n in enumerate(num_samples))
+            tok = _tokenizer(args)
+            args.vocab_size, eod = tok.vocab_size, tok.eod
+        return with_batch_masks(tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed, split_id=i)
+                                      for i, n in enumerate(num_samples)), args, eod)
     if not args.data_path:
         from megalite.data.default_corpus import prepare_default_corpus
         cache = args.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megalite")
@@ -43,21 +47,38 @@ def datasets_provider(args, num_samples):
         args.tokenizer_type, args.tokenizer_model = "SentencePieceTokenizer", model_file
     if args.tokenizer_type is None:
         raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-size)")
-    args.vocab_size = _tokenizer(args).vocab_size
-    return build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
-                              args.data_cache_path, is_builder=builder, barrier=barrier)
+    tok = _tokenizer(args)
+    args.vocab_size = tok.vocab_size
+    return with_batch_masks(build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
+                                               args.data_cache_path, is_builder=builder, barrier=barrier), args, tok.eod)
 
 
 def forward_step(data_iterator, model):
-    """Megatron's contract: (per-token loss, loss_func)."""
+    """Megatron's contract: (per-token loss, loss_func). The batch may carry Megatron's
+    loss_mask / position_ids / attention_mask (megalite/data/gpt_batch.py); with a document
+    mask every pipeline stage reads the batch (the model asks for it: input_on_every_stage)."""
     tokens = labels = None
-    if data_iterator is not None:  # middle pipeline stages read no data
-        text = next(data_iterator)["text"]
-        tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-    output = model(tokens, labels=labels)
+    b = next(data_iterator) if data_iterator is not None else {}  # middle stages may read nothing
+    if "text" in b:
+        tokens, labels = b["text"][:, :-1].contiguous(), b["text"][:, 1:].contiguous()
+    output = model(tokens, position_ids=b.get("position_ids"), labels=labels,
+                   attention_mask=b.get("attention_mask"))
+    loss_mask = b.get("loss_mask")
+    per_token = getattr(model, "module", model).config.calculate_per_token_loss
 
     def loss_func(per_token_loss):
-        loss = per_token_loss.float().mean()
+        losses = per_token_loss.float()
+        if loss_mask is None and not per_token:
+            loss = losses.mean()
+            return loss, {"lm loss": loss.detach()}
+        if loss_mask is None:
+            total, count = losses.sum(), torch.full((), float(losses.numel()), device=losses.device)
+        else:
+            mask = loss_mask.to(losses.device, torch.float)
+            total, count = (losses * mask).sum(), mask.sum()
+        if per_token:  # Megatron: the schedule sums; gradients are divided by the batch's token count
+            return total, count, {"lm loss": torch.stack([total.detach(), count])}
+        loss = total / count
         return loss, {"lm loss": loss.detach()}
     return output, loss_func
 

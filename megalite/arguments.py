@@ -221,7 +221,9 @@ def model_config(args, vocab_size):
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed,
         rotary_percent=args.rotary_percent, apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
-        use_flash_attn=args.use_flash_attn, deterministic=args.deterministic_mode, **_bert_fields(args))
+        use_flash_attn=args.use_flash_attn, deterministic=args.deterministic_mode,
+        reset_attention_mask=args.reset_attention_mask, calculate_per_token_loss=args.calculate_per_token_loss,
+        **_bert_fields(args))
 
 
 def _bert_fields(args):

@@ -64,6 +64,8 @@ class ModelConfig:
     qk_layernorm: bool = False  # normalize queries and keys per head before attention
     use_flash_attn: bool = False  # flash attention even with fused_kernels off
     deterministic: bool = False  # deterministic algorithms only
+    reset_attention_mask: bool = False  # document masks: attention on every pipeline stage needs the batch
+    calculate_per_token_loss: bool = False  # loss summed over tokens, divided by the global batch's count
 
     def __post_init__(self):
         h, a = self.hidden_size, self.num_attention_heads

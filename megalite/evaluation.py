@@ -23,8 +23,14 @@ def mean_losses(reported, read=True):
     out = {}
     if reported:
         keys = list(reported[0])
-        vals = torch.stack([torch.stack([r[k].float().reshape(()).to(dev) for k in keys]) for r in reported]).mean(0)
-        vals = average_over_data_parallel(vals)
+        if reported[0][keys[0]].numel() == 2:  # [loss sum, token count] (--calculate-per-token-loss)
+            sums = torch.stack([torch.stack([r[k].float().to(dev) for k in keys]) for r in reported]).sum(0)
+            sums = average_over_data_parallel(sums.reshape(-1)).reshape(len(keys), 2)
+            vals = sums[:, 0] / sums[:, 1].clamp(min=1.0)  # sum over tokens / tokens, batch-wide
+        else:
+            vals = torch.stack([torch.stack([r[k].float().reshape(()).to(dev) for k in keys])
+                                for r in reported]).mean(0)
+            vals = average_over_data_parallel(vals)
         out = dict(zip(keys, vals.unbind()))  # device scalars: read when logged, no sync here
         lm = vals[keys.index("lm loss") if "lm loss" in keys else 0].reshape(1).clone()
     else:  # a stage without the loss (pipeline)

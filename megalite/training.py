@@ -26,6 +26,7 @@ from megalite.checkpointing import (
 )
 from megalite.config import ConfigError, fail
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
+from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.distributed.collectives import any_rank
 from megalite.evaluation import evaluate, mean_losses, run_forward_backward
 from megalite.flops import num_floating_point_operations
@@ -154,6 +155,10 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
                                     loss_scale=optimizer.loss_scale)
     t1 = time.perf_counter()
     finalize_model_grads(chunks)
+    if chunks[0].module.config.calculate_per_token_loss:
+        dev = ps.get_device()
+        count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only
+        scale_grads_by_token_count(chunks, count)
     stepped, grad_norm = optimizer.step()
     if timers is not None:  # --log-timers-to-tensorboard (host-side times)
         timers.update({"forward-backward": t1 - t0, "optimizer": time.perf_counter() - t1})

@@ -63,3 +63,17 @@ def finalize_model_grads(model_chunks):
         params.extend(p for p in m.parameters() if p.requires_grad)
     allreduce_sequence_parallel_grads(params)
     allreduce_embedding_grads(model_chunks)
+
+
+def scale_grads_by_token_count(model_chunks, count):
+    """--calculate-per-token-loss: the loss was summed over tokens; divide every gradient by the
+    global batch's token count (summed over DP; the last pipeline stage counts, every rank needs
+    it). The DP reduction averaged, so the factor is DP / count. No host read."""
+    count = count.reshape(1).float().clone()
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(count, group=ps.get_data_parallel_group())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(count, src=dist.get_world_size() - 1)
+    grads = [_grad(p) for m in model_chunks for p in m.parameters() if p.requires_grad and _grad(p) is not None]
+    if grads:
+        torch._foreach_mul_(grads, (ps.get_data_parallel_world_size() / count.clamp(min=1.0)).reshape(()))

@@ -86,6 +86,7 @@ class GPTModel(nn.Module):
         self.share_embeddings_and_output_weights = not c.untie_embeddings_and_output_weights
         self.padded_vocab_size = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, tp)
         self.input_tensor = None
+        self.input_on_every_stage = c.reset_attention_mask  # every stage's attention needs the document mask
         if pre_process:
             self.embedding = GPTEmbedding(c, self.padded_vocab_size)
         self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset or 0,
@@ -130,9 +131,10 @@ class GPTModel(nn.Module):
             return self.output_layer.weight
         return None
 
-    def forward(self, input_ids, position_ids=None, labels=None, inference_cache=None):
+    def forward(self, input_ids, position_ids=None, labels=None, inference_cache=None, attention_mask=None):
         """inference_cache (megalite.inference.KVCache): input_ids are the tokens after those
-        already cached (generation); positions continue from there."""
+        already cached (generation); positions continue from there. attention_mask [b, 1, s, s]
+        bool, True = masked out (Megatron's --reset-attention-mask); default causal."""
         c = self.config
         offset = inference_cache.offset if inference_cache is not None else 0
         if self.pre_process:
@@ -150,7 +152,7 @@ class GPTModel(nn.Module):
             else:  # one table for the whole generation, sliced at this step's positions
                 full = self._rotary_tables(max(c.max_position_embeddings, offset + seq), x.device)
                 rotary = tuple(t[offset:offset + seq] for t in full)
-        x = self.decoder(x, rotary, None, inference_cache)
+        x = self.decoder(x, rotary, attention_mask, inference_cache)
         if inference_cache is not None:
             inference_cache.offset += x.shape[0]
         if not self.post_process:

@@ -3,8 +3,11 @@
 A forward step function has Megatron's contract:
     forward_step_func(data_iterator, model) -> (output_tensor, loss_func)
     loss_func(output_tensor) -> (loss, {"lm loss": detached loss})
+                              or (loss sum, token count, {"lm loss": [sum, count]})
 Each micro-batch's loss is divided by the number of micro-batches, so the accumulated
-gradient is that of the mean loss over the global batch. The DP gradient reduction is
+gradient is that of the mean loss over the global batch. A loss function that returns a
+token count (Megatron's --calculate-per-token-loss) is not divided: its gradients are divided by
+the global batch's token count after the reduction (distributed/finalize.py). The DP gradient reduction is
 left to the hooks of each model chunk's last backward (buckets start as they fill).
 
 `last_run` records the latest call's operations (("F"|"B", chunk, micro-batch) in order)
@@ -52,9 +55,10 @@ class _Run:
         last_run["ops"].append(("F", chunk, mb))
         output, loss_func = self.func(self.iters[chunk], model)
         if ps.is_pipeline_last_stage():
-            loss, reported = loss_func(output)
+            out = loss_func(output)
+            loss, reported = out[0], out[-1]
             self.reported.append(reported)
-            output = loss * (self.loss_scale / self.m)
+            output = loss * (self.loss_scale if len(out) == 3 else self.loss_scale / self.m)
         if not self.forward_only:
             self.alive += 1
             last_run["max_alive"] = max(last_run["max_alive"], self.alive)
