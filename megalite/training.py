@@ -25,6 +25,7 @@ from megalite.checkpointing import (
     unwrap_checkpoint_error,
 )
 from megalite.config import ConfigError, fail
+from megalite.data.loader import build_data_iterator, chunk_iterators, data_iterators  # noqa: F401  (mfu.py)
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.distributed.collectives import any_rank
@@ -52,45 +53,6 @@ def _abort(msg, owns):
     if owns:
         ps.shutdown_distributed(barrier=False)
     fail(msg)
-
-
-def build_data_iterator(dataset, consumed_samples, args, every_stage=False):
-    """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
-    for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
-    labels (first and last) read data, unless every_stage."""
-    if dataset is None or not (every_stage or ps.is_pipeline_first_stage(ignore_virtual=True)
-                               or ps.is_pipeline_last_stage(ignore_virtual=True)):
-        return None
-    from megalite.data import MegatronPretrainingSampler
-    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
-                                         ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-    device = ps.get_device()
-
-    def gen():
-        for indices in sampler:
-            samples = [dataset[i] for i in indices]
-            yield {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(device, non_blocking=True)
-                   for k in samples[0]}
-    return gen()
-
-
-def chunk_iterators(it, num_chunks):
-    """Per model chunk: the first chunk of the first stage and the last chunk of the last
-    stage read the data; other chunks get None."""
-    its = [None] * num_chunks
-    if ps.is_pipeline_first_stage(ignore_virtual=True):
-        its[0] = it
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        its[-1] = it
-    return its
-
-
-def data_iterators(dataset, consumed_samples, args, chunks):
-    """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask:
-    `input_on_every_stage`), one iterator per chunk on every stage, each over the same samples."""
-    if getattr(chunks[0].module, "input_on_every_stage", False):
-        return [build_data_iterator(dataset, consumed_samples, args, every_stage=True) for _ in chunks]
-    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args), len(chunks))
 
 
 def build_model(mcfg, model_provider, args):

@@ -115,3 +115,49 @@ def test_layouts_match_single_process(runs, i):
     lays, results = runs
     check_reference(reference(lays[i]))
     assert_parity(lays[i], results[i])
+
+
+class _Counting(DocChainDataset):
+    reads = 0
+
+    def __getitem__(self, i):
+        _Counting.reads += 1
+        return super().__getitem__(i)
+
+
+def _loader_batches(workers):
+    """On a TP2 x DP2 grid: 5 micro-batches from consumed sample 6, and this process's reads."""
+    from types import SimpleNamespace
+
+    from megalite.data.loader import build_data_iterator
+    ps.initialize_model_parallel(2, 1)
+    try:
+        ds = GPTBatchDataset(_Counting(64, 16, 1), EOD, True, True, True)
+        _Counting.reads = 0
+        it = build_data_iterator(ds, 6, SimpleNamespace(micro_batch_size=2, num_workers=workers))
+        batches = [{k: v.clone() for k, v in next(it).items()} for _ in range(5)]
+        return batches, _Counting.reads, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _both_loaders():
+    return _loader_batches(0), _loader_batches(2)
+
+
+def test_loader_workers_and_tp_broadcast():
+    """--num-workers 2 yields exactly the in-process batches; only TP rank 0 reads samples, the
+    other TP rank receives the same batch (masks included); DP ranks read their own slices."""
+    from dist_util import run_on_ranks
+    per_rank = run_on_ranks(_both_loaders, 4)
+    by_coord = {}
+    for (b0, reads0, tp, dp), (b2, _, _, _) in per_rank:
+        assert [sorted(b) for b in b0] == [["attention_mask", "loss_mask", "position_ids", "text"]] * 5
+        for x, y in zip(b0, b2):
+            assert all(torch.equal(x[k], y[k]) for k in x)
+        assert reads0 == (10 if tp == 0 else 0), (tp, reads0)  # 5 micro-batches of 2 samples
+        by_coord[(tp, dp)] = b0
+    for dp in (0, 1):
+        assert all(torch.equal(a["text"], b["text"]) for a, b in zip(by_coord[(0, dp)], by_coord[(1, dp)]))
+    expected = DocChainDataset(64, 16, 1)[6 + 2]["text"]  # step 1 starts at 6; DP rank 1 reads samples 8, 9
+    assert torch.equal(by_coord[(0, 1)][0]["text"][0], torch.as_tensor(expected))

@@ -29,3 +29,23 @@ def any_rank(flag):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
+
+
+
+def broadcast_batch(batch, layout=None):
+    """TP rank 0's batch ({key: tensor}) to the other ranks of its TP group; returns (batch,
+    layout). The layout (keys, shapes, dtypes) goes once per data iterator as an object (pass
+    back the returned one); after that a micro-batch is one broadcast per key, no host read."""
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return batch, layout
+    group = ps.get_tensor_model_parallel_group()
+    src = ps.global_rank() - ps.get_tensor_model_parallel_rank()  # TP ranks are neighbours
+    if layout is None:
+        obj = [None if batch is None else tuple((k, tuple(v.shape), v.dtype) for k, v in batch.items())]
+        dist.broadcast_object_list(obj, src=src, group=group)
+        layout = obj[0]
+    if ps.get_tensor_model_parallel_rank() != 0:
+        batch = {k: torch.empty(shape, dtype=dtype, device=ps.get_device()) for k, shape, dtype in layout}
+    for k in batch:
+        dist.broadcast(batch[k], src=src, group=group)
+    return batch, layout
