@@ -15,7 +15,6 @@ from megalite import parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.models import BertModel
-from megalite.training import pretrain
 
 # As Megatron's pretrain_bert.py args_defaults: what makes the model a BERT, and its tokenizer default
 ARGS_DEFAULTS = {"model_type": "bert", "tokenizer_type": "BertWordPieceLowerCase"}
@@ -69,5 +68,7 @@ def forward_step(data_iterator, model):
 
 
 if __name__ == "__main__":
+    args = parse_args(defaults=ARGS_DEFAULTS)  # a bad command line fails before the training stack is imported
+    from megalite.training import pretrain
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    pretrain(datasets_provider, model_provider, forward_step, args=parse_args(defaults=ARGS_DEFAULTS))
+    pretrain(datasets_provider, model_provider, forward_step, args=args)
