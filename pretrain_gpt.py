@@ -78,7 +78,7 @@ def forward_step(data_iterator, model):
             total, count = (losses * mask).sum(), mask.sum()
         if per_token:  # Megatron: the schedule sums; gradients are divided by the batch's token count
             return total, count, {"lm loss": torch.stack([total.detach(), count])}
-        loss = total / count
+        loss = total / count.clamp(min=1.0)  # as Megatron: a fully masked micro-batch gives 0, not NaN
         return loss, {"lm loss": loss.detach()}
     return output, loss_func
 

@@ -134,9 +134,14 @@ def _loader_batches(workers):
     try:
         ds = GPTBatchDataset(_Counting(64, 16, 1), EOD, True, True, True)
         _Counting.reads = 0
+        torch.manual_seed(0)
         it = build_data_iterator(ds, 6, SimpleNamespace(micro_batch_size=2, num_workers=workers))
         batches = [{k: v.clone() for k, v in next(it).items()} for _ in range(5)]
-        return batches, _Counting.reads, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+        draw = torch.rand(4)  # the global RNG (hidden dropout on CPU) is untouched by the reader's loader
+        batches[0]["draw"] = draw
+        reads = _Counting.reads
+        left = sum(1 for _ in it)  # the rest of the sampler, then a clean end on every TP rank
+        return batches, reads, ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), left
     finally:
         ps.destroy_model_parallel()
 
@@ -151,13 +156,39 @@ def test_loader_workers_and_tp_broadcast():
     from dist_util import run_on_ranks
     per_rank = run_on_ranks(_both_loaders, 4)
     by_coord = {}
-    for (b0, reads0, tp, dp), (b2, _, _, _) in per_rank:
-        assert [sorted(b) for b in b0] == [["attention_mask", "loss_mask", "position_ids", "text"]] * 5
+    keys = ["attention_mask", "loss_mask", "position_ids", "text"]
+    for (b0, reads0, tp, dp, left0), (b2, _, _, _, left2) in per_rank:
+        assert [sorted(b) for b in b0] == [sorted(keys + ["draw"])] + [keys] * 4
         for x, y in zip(b0, b2):
             assert all(torch.equal(x[k], y[k]) for k in x)
         assert reads0 == (10 if tp == 0 else 0), (tp, reads0)  # 5 micro-batches of 2 samples
+        assert left0 == left2 == (64 - 6) // 4 - 5  # steps of 4 samples (micro 2 x DP 2) after the 5
         by_coord[(tp, dp)] = b0
     for dp in (0, 1):
         assert all(torch.equal(a["text"], b["text"]) for a, b in zip(by_coord[(0, dp)], by_coord[(1, dp)]))
+        assert torch.equal(by_coord[(0, dp)][0]["draw"], by_coord[(1, dp)][0]["draw"])
     expected = DocChainDataset(64, 16, 1)[6 + 2]["text"]  # step 1 starts at 6; DP rank 1 reads samples 8, 9
     assert torch.equal(by_coord[(0, 1)][0]["text"][0], torch.as_tensor(expected))
+
+
+def test_loss_func_is_megatrons_masked_mean():
+    """loss = sum(loss * mask) / sum(mask) per micro-batch (a fully masked one gives 0, not NaN,
+    as Megatron's clamp); with --calculate-per-token-loss: (sum, count, [sum, count])."""
+    import types
+
+    import pretrain_gpt
+    losses = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0]])
+    for per_token in (False, True):
+        def fake(*args, **kwargs):  # the model: its per-token loss
+            return losses
+        fake.config = types.SimpleNamespace(calculate_per_token_loss=per_token)
+        for m, want_sum, want_count in ((mask, 1 + 3 + 4 + 7, 4), (torch.zeros_like(mask), 0.0, 0)):
+            out, loss_func = pretrain_gpt.forward_step(iter([{"text": torch.zeros(2, 5, dtype=torch.long),
+                                                               "loss_mask": m}]), fake)
+            res = loss_func(out)
+            if per_token:
+                assert len(res) == 3 and float(res[0].detach()) == want_sum and float(res[1]) == want_count
+                assert res[2]["lm loss"].tolist() == [want_sum, want_count]
+            else:
+                assert len(res) == 2 and float(res[0].detach()) == (want_sum / want_count if want_count else 0.0)

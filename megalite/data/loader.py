@@ -27,17 +27,19 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False):
     reader = ps.get_tensor_model_parallel_rank() == 0
     workers = getattr(args, "num_workers", 0)
 
-    # Started here, not at the first batch: the workers prefetch while the model is built, and
-    # the loader's set-up (its seed draw) stays out of the training iterations.
+    # Started here, not at the first batch: the workers prefetch while the model is built.
+    # Its own generator: the loader's seed draw must not advance the global RNG on the reader
+    # only (hidden dropout on CPU draws from it and must match across TP ranks).
     batches = iter(torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=workers, collate_fn=_collate,
-        pin_memory=device.type == "cuda")) if reader else None
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(getattr(args, "seed", 0)))) if reader else None
 
     def gen():
         layout = None
-        while True:
+        for _ in range(len(sampler)):  # every TP rank stops together (no receiver left waiting)
             batch = None
-            if reader:  # the loop asks for exactly the samples the datasets were sized for
+            if reader:
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             batch, layout = broadcast_batch(batch, layout)  # TP > 1: rank 0's batch to the others
             yield batch
