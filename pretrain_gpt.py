@@ -11,7 +11,6 @@ import torch
 
 from megalite import parallel_state as ps
 from megalite.models import GPTModel
-from megalite.training import pretrain
 
 
 def model_provider(config, pre_process=True, post_process=True):
@@ -84,5 +83,8 @@ def forward_step(data_iterator, model):
 
 
 if __name__ == "__main__":
+    from megalite.arguments import parse_args
+    args = parse_args()  # a bad command line fails here, before the training stack is imported
+    from megalite.training import pretrain
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    pretrain(datasets_provider, model_provider, forward_step)
+    pretrain(datasets_provider, model_provider, forward_step, args=args)

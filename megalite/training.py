@@ -25,7 +25,7 @@ from megalite.checkpointing import (
     unwrap_checkpoint_error,
 )
 from megalite.config import ConfigError, fail
-from megalite.data.loader import build_data_iterator, chunk_iterators, data_iterators  # noqa: F401  (mfu.py)
+from megalite.data_iterators import build_data_iterator, chunk_iterators, data_iterators  # noqa: F401  (mfu.py)
 from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.distributed.collectives import any_rank

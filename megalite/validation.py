@@ -102,6 +102,11 @@ def _validate_bert(args):
         args.layernorm_position = "post" if bert else "pre"
     if not bert:
         return
+    flags = [f for f in ("calculate_per_token_loss", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+             if getattr(args, f)]
+    if flags:
+        raise ConfigError(f"{', '.join('--' + f.replace('_', '-') for f in flags)}: GPT flags; pretrain_bert.py "
+                          "masks its own tokens (remove them)")
     if args.untie_embeddings_and_output_weights:
         raise ConfigError("BERT ties its MLM output layer to the word embeddings; remove "
                           "--untie-embeddings-and-output-weights")

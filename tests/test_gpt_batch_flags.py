@@ -51,7 +51,8 @@ def test_masks_equal_megatron_cores():
         t = torch.randint(0, 5, (s,), generator=g)  # EOD = 0: frequent, adjacent, first and last
         for flags in itertools.product([False, True], repeat=3):
             am, lm, pos = mcore._get_ltor_masks_and_position_ids(t, 0, *flags, True)
-            mask, loss_mask, position_ids = ltor_masks_and_position_ids(t, 0, *flags)
+            mask, loss_mask, position_ids = (a if a is None else torch.from_numpy(a)
+                                             for a in ltor_masks_and_position_ids(t.numpy(), 0, *flags))
             if mask is None:  # only causal: the model's own mask
                 mask = ~torch.tril(torch.ones(s, s, dtype=torch.bool))[None]
             assert torch.equal(mask, am) and torch.equal(loss_mask, lm) and torch.equal(position_ids, pos), (t, flags)
@@ -72,9 +73,9 @@ def test_a_document_sees_only_itself():
         a, b = [3, 7, 1, EOD], [5, 9, 2, 8, 4]
 
         def logits(tokens):
-            mask, _, pos = ltor_masks_and_position_ids(torch.tensor(tokens), EOD, True, True, False)
-            return model(torch.tensor([tokens]), position_ids=pos[None], attention_mask=None if mask is None
-                         else mask[None])[0]
+            mask, _, pos = ltor_masks_and_position_ids(tokens, EOD, True, True, False)
+            return model(torch.tensor([tokens]), position_ids=torch.from_numpy(pos)[None],
+                         attention_mask=torch.from_numpy(mask)[None])[0]
         with torch.no_grad():
             packed = logits(a + b)[len(a):]
             rewritten = logits([11, 12, 13, EOD] + b)[len(a):]
@@ -129,7 +130,7 @@ def _loader_batches(workers):
     """On a TP2 x DP2 grid: 5 micro-batches from consumed sample 6, and this process's reads."""
     from types import SimpleNamespace
 
-    from megalite.data.loader import build_data_iterator
+    from megalite.data_iterators import build_data_iterator
     ps.initialize_model_parallel(2, 1)
     try:
         ds = GPTBatchDataset(_Counting(64, 16, 1), EOD, True, True, True)

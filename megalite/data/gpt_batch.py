@@ -5,33 +5,32 @@ Everything is decided on the input tokens (the sample without its last token): a
 document token still belongs to its document; the token after it starts the next one.
 """
 
-import torch
+import numpy as np
 
 
 def ltor_masks_and_position_ids(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
     """tokens [s] -> (attention_mask [1, s, s] bool, True = masked out, or None when causal is
-    enough; loss_mask [s] float; position_ids [s] long)."""
-    s = tokens.numel()
+    enough; loss_mask [s] float32; position_ids [s] int64)."""
+    tokens = np.asarray(tokens)
+    s = tokens.size
     is_eod = tokens == eod
-    loss_mask = torch.ones(s, dtype=torch.float)
+    loss_mask = np.ones(s, dtype=np.float32)
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
-    # document of each position: the number of EODs strictly before it
-    doc = torch.cumsum(is_eod.long(), 0) - is_eod.long()
-    pos = torch.arange(s)
+    doc = np.cumsum(is_eod) - is_eod  # document of each position: the EODs strictly before it
+    pos = np.arange(s, dtype=np.int64)
     position_ids = pos
-    if reset_position_ids:
-        starts = torch.zeros(int(doc[-1]) + 1 if s else 1, dtype=torch.long)
+    if reset_position_ids and s:
+        starts = np.zeros(int(doc[-1]) + 1, dtype=np.int64)
         starts[1:] = pos[is_eod][: len(starts) - 1] + 1  # each later document starts after an EOD
         position_ids = pos - starts[doc]
     mask = None
     if reset_attention_mask:
-        causal = pos[None, :] > pos[:, None]
-        mask = (causal | (doc[None, :] != doc[:, None]))[None]
+        mask = ((pos[None, :] > pos[:, None]) | (doc[None, :] != doc[:, None]))[None]
     return mask, loss_mask, position_ids
 
 
-class GPTBatchDataset(torch.utils.data.Dataset):
+class GPTBatchDataset:
     """A GPT dataset's samples ({"text": [s + 1]}) with the masks the flags ask for added:
     "loss_mask" and "position_ids" [s], and "attention_mask" [1, s, s] with --reset-attention-mask
     (built with the sample, as Megatron's loader does, so the model never scans for EODs)."""
@@ -45,8 +44,8 @@ class GPTBatchDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         sample = dict(self.dataset[i])
-        tokens = torch.as_tensor(sample["text"][:-1])
-        mask, loss_mask, position_ids = ltor_masks_and_position_ids(tokens, self.eod, *self.flags)
+        mask, loss_mask, position_ids = ltor_masks_and_position_ids(np.asarray(sample["text"])[:-1], self.eod,
+                                                                    *self.flags)
         sample.update(loss_mask=loss_mask, position_ids=position_ids)
         if mask is not None:
             sample["attention_mask"] = mask

@@ -1,0 +1,65 @@
+"""The training loop's data: Megatron's sampler through a torch DataLoader (--num-workers worker
+processes; pinned host memory on CUDA), read by TP rank 0 of each TP group and broadcast to the
+other TP ranks, which hold the same samples (Megatron's get_batch_on_this_tp_rank idea: one
+reader per TP group instead of TP copies of the same reads)."""
+
+import torch
+
+from megalite import parallel_state as ps
+from megalite.distributed.collectives import broadcast_batch
+
+
+def _collate(samples):
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+
+
+def build_data_iterator(dataset, consumed_samples, args, every_stage=False):
+    """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
+    for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
+    labels (first and last) read data, unless every_stage."""
+    if dataset is None or not (every_stage or ps.is_pipeline_first_stage(ignore_virtual=True)
+                               or ps.is_pipeline_last_stage(ignore_virtual=True)):
+        return None
+    from megalite.data import MegatronPretrainingSampler
+    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
+                                         ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    device = ps.get_device()
+    reader = ps.get_tensor_model_parallel_rank() == 0
+    workers = getattr(args, "num_workers", 0)
+
+    # Started here, not at the first batch: the workers prefetch while the model is built.
+    # Its own generator: the loader's seed draw must not advance the global RNG on the reader
+    # only (hidden dropout on CPU draws from it and must match across TP ranks).
+    batches = iter(torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=workers, collate_fn=_collate,
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(getattr(args, "seed", 0)))) if reader else None
+
+    def gen():
+        layout = None
+        for _ in range(len(sampler)):  # every TP rank stops together (no receiver left waiting)
+            batch = None
+            if reader:
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            batch, layout = broadcast_batch(batch, layout)  # TP > 1: rank 0's batch to the others
+            yield batch
+    return gen()
+
+
+def chunk_iterators(it, num_chunks):
+    """Per model chunk: the first chunk of the first stage and the last chunk of the last
+    stage read the data; other chunks get None."""
+    its = [None] * num_chunks
+    if ps.is_pipeline_first_stage(ignore_virtual=True):
+        its[0] = it
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        its[-1] = it
+    return its
+
+
+def data_iterators(dataset, consumed_samples, args, chunks):
+    """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask,
+    GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage."""
+    if getattr(chunks[0].module, "input_on_every_stage", False):
+        return [build_data_iterator(dataset, consumed_samples, args, every_stage=True) for _ in chunks]
+    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args), len(chunks))
