@@ -9,12 +9,17 @@ import sys
 import pytest
 import torch
 
+import kernels
 import pretrain_gpt
+from dist_util import rel_err
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
+from megalite.models import GPTModel
+from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.training import pretrain
 from megalite.transformer.norm import LayerNorm, RMSNorm
 from megalite.transformer.rope import apply_rotary, rotary_cos_sin
+from model_util import batch, tiny_config
 from parity import BASE, LLAMA, assert_parity, check_reference, layout, learnable_datasets, reference, run_layouts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +63,51 @@ def test_zero_centered_norm_is_one_plus_weight(cls):
     torch.testing.assert_close(one_p(x), plain(x), rtol=0, atol=1e-12)
 
 
+def test_rotary_percent_on_the_kernel_path():
+    """The Triton rotary (interpreter on CPU) gets the whole head and rotates only cos's dims."""
+    x = torch.randn(2, 7, 3, 20, requires_grad=True)
+    cos, sin = rotary_cos_sin(7, 10, 10000.0, "cpu")
+    with kernels.use_backend("triton"):
+        out = apply_rotary(x, cos, sin, fused=True)
+    ref = apply_rotary(x, cos, sin)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(out)
+    dx, = torch.autograd.grad(out, x, g)
+    dref, = torch.autograd.grad(ref, x, g)
+    torch.testing.assert_close(dx, dref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(dx[..., 10:], g[..., 10:])
+
+
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_gpt_triton_path_with_the_flags(flavour):
+    """The model's kernel path (norm kernels given 1 + w, q/k norms, partial rotary) against its
+    torch path: loss and every gradient."""
+    def run(backend):
+        ps.initialize_model_parallel(1, 1)
+        try:
+            model_parallel_manual_seed(3)
+            cfg = tiny_config(flavour, hidden_size=64, position_embedding_type="rope", qk_layernorm=True,
+                              apply_layernorm_1p=True, rotary_percent=0.5)
+            model = GPTModel(cfg)
+            with torch.no_grad():  # move the norm weights off 0 so 1 + w is tested, not 1
+                for n, p in model.named_parameters():
+                    if "layernorm" in n:
+                        p.uniform_(-0.5, 0.5)
+            ids, labels = batch(cfg)
+            with kernels.use_backend(backend):
+                loss = model(ids, labels=labels).mean()
+                loss.backward()
+            return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+        finally:
+            ps.destroy_model_parallel()
+    ref_loss, ref = run("torch")
+    loss, grads = run("triton")
+    assert "decoder.layers.1.self_attention.k_layernorm.weight" in grads
+    errs = {"loss": rel_err(loss, ref_loss), **{n: rel_err(grads[n], ref[n]) for n in ref}}
+    bad = {k: v for k, v in errs.items() if not v <= 1e-5}
+    assert not bad, bad
+
+
 def test_rotary_percent_rotates_the_head_dims_only():
     x = torch.randn(2, 7, 3, 16)
     cos, sin = rotary_cos_sin(7, 8, 10000.0, "cpu")  # 50% of 16 dims
@@ -96,8 +146,8 @@ def test_qk_layernorm_normalizes_each_head(monkeypatch):
         ps.destroy_model_parallel()
 
 
-def _train(argv):
-    args = parse_args(list(BASE) + list(LLAMA) + list(NEW) + argv, world_size=1)
+def _train(argv, model=LLAMA + NEW):
+    args = parse_args(list(BASE) + list(model) + argv, world_size=1)
     try:
         return pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
                         return_state=True)
@@ -127,3 +177,19 @@ def test_deterministic_mode_repeats_bitwise():
     assert a == b
     for (n, p), (_, q) in zip(chunks_a[0].named_parameters(), chunks_b[0].named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_layernorm_1p_exports_gamma_to_hf(tmp_path):
+    """HF stores gamma = 1 + w: the exported model gives the megalite model's logits."""
+    from test_checkpoint_hf import _tokens, hf_logits, megalite_logits
+    for name, model in (("llama", LLAMA + ("--apply-layernorm-1p",)), ("gpt2", ("--apply-layernorm-1p",))):
+        ckpt, hf = str(tmp_path / name), str(tmp_path / (name + "_hf"))
+        _train(["--train-iters", "3", "--save", ckpt], model=model)
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--loader",
+                            "megalite", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        tokens = _tokens()
+        ours = megalite_logits(ckpt, tokens)
+        _, theirs = hf_logits(hf, tokens)
+        torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)

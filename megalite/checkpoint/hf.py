@@ -27,12 +27,25 @@ def qkv_join(q, k, v, heads, groups, d):
     return x.reshape((heads + 2 * groups) * d, *rest)
 
 
-def _plain(cfg, arch):
+def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent")):
     """Megatron-only variations no HF class of ours represents (absent in older checkpoints)."""
-    for field, default in (("qk_layernorm", False), ("apply_layernorm_1p", False), ("rotary_percent", 1.0)):
-        if cfg.get(field, default) != default:
+    defaults = {"qk_layernorm": False, "apply_layernorm_1p": False, "rotary_percent": 1.0}
+    for field in fields:
+        if cfg.get(field, defaults[field]) != defaults[field]:
             raise CheckpointError(f"{arch} cannot represent {field}={cfg[field]!r}; convert a model trained "
                                   f"without --{field.replace('_', '-')}")
+
+
+def _gamma_rows(table):
+    """--apply-layernorm-1p stores gamma - 1 in the norm weights (every norm built by build_norm);
+    HF stores gamma: +1 on export, -1 on import."""
+    def rows(c):
+        out = table(c)
+        if not c.get("apply_layernorm_1p"):
+            return out
+        return [(h, m, (lambda x: x + 1), (lambda x: x - 1)) if m.endswith("layernorm.weight") else (h, m, t, f)
+                for h, m, t, f in out]
+    return rows
 
 
 def _need(cfg, arch, **want):
@@ -47,7 +60,7 @@ class GPT2:
 
     @staticmethod
     def check(c):
-        _plain(c, "GPT2LMHeadModel")
+        _plain(c, "GPT2LMHeadModel", ("qk_layernorm", "rotary_percent"))
         if c.get("layernorm_position", "pre") != "pre" or c.get("gelu", "tanh") != "tanh":
             raise CheckpointError("GPT2LMHeadModel cannot represent a post-norm model or exact GeLU")
         _need(c, "GPT2LMHeadModel", position_embedding_type="learned_absolute", normalization="LayerNorm",
@@ -85,6 +98,7 @@ class GPT2:
                 raise CheckpointError(f"GPT-2 {f}=True has no megalite equivalent")
 
     @staticmethod
+    @_gamma_rows
     def table(c):
         """[(hf name, megalite names, to_hf(*tensors), from_hf(tensor) -> tensors)]."""
         a, d = c["num_attention_heads"], c["hidden_size"] // c["num_attention_heads"]
@@ -124,7 +138,7 @@ class Llama:
 
     @staticmethod
     def check(c):
-        _plain(c, "LlamaForCausalLM")
+        _plain(c, "LlamaForCausalLM", ("qk_layernorm", "rotary_percent"))
         if c.get("layernorm_position", "pre") != "pre":
             raise CheckpointError("LlamaForCausalLM cannot represent a post-norm model")
         _need(c, "LlamaForCausalLM", position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -170,6 +184,7 @@ class Llama:
                 raise CheckpointError(f"Llama {f}=True has no megalite equivalent (megalite's Llama has no biases)")
 
     @staticmethod
+    @_gamma_rows
     def table(c):
         a, g, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
         ident = (lambda x: x)

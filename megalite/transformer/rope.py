@@ -22,10 +22,10 @@ def rotate_half(x):
 def apply_rotary(x, cos, sin, fused=False):
     """x [b, s, heads, dim]; cos/sin [s, rot] with rot <= dim (Megatron's --rotary-percent): the
     first rot dims of each head rotate, the rest pass through. Triton on CUDA unless fused is False."""
+    if fused and kernels.use_triton(x):
+        return kernels.rotary(x, cos, sin)  # rotates cos.shape[-1] dims, copies the rest in the same pass
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
-        return torch.cat([apply_rotary(x[..., :rot], cos, sin, fused), x[..., rot:]], dim=-1)
-    if fused and kernels.use_triton(x):
-        return kernels.rotary(x, cos, sin)
+        return torch.cat([apply_rotary(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     return (x.float() * c + rotate_half(x.float()) * s).to(x.dtype)
