@@ -45,6 +45,9 @@ def build_parser():
     a("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     a("--apply-layernorm-1p", action="store_true", help="norm weights stored as w - 1 (zero-centred gamma)")
     a("--qk-layernorm", action="store_true", help="normalize each head's queries and keys (--normalization)")
+    a("--apply-query-key-layer-scaling", action="store_true",
+      help="fp16: attention scores computed divided by the layer number and multiplied back in the fp32 "
+           "softmax (same function, no fp16 overflow of large scores)")
     a("--swiglu", action="store_true")
     a("--untie-embeddings-and-output-weights", action="store_true")
     a("--disable-bias-linear", action="store_true")
@@ -172,7 +175,6 @@ def build_parser():
     a("--no-save-optim", action="store_true", help="do not save optimizer state")
     a("--no-save-rng", action="store_true", help="do not save RNG states")
     a("--exit-on-missing-checkpoint", action="store_true", help="with --load: exit if it holds no checkpoint")
-    a("--ckpt-format", default="torch_dist", help="torch_dist (the only format megalite writes)")
     a("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saving first)")
     a("--async-save", action="store_true", help="write checkpoints in the background; the next save waits")
     return p
@@ -221,6 +223,7 @@ def model_config(args, vocab_size):
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed,
         rotary_percent=args.rotary_percent, apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         use_flash_attn=args.use_flash_attn, deterministic=args.deterministic_mode,
         reset_attention_mask=args.reset_attention_mask, calculate_per_token_loss=args.calculate_per_token_loss,
         **_bert_fields(args))

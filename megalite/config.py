@@ -62,6 +62,8 @@ class ModelConfig:
     rotary_percent: float = 1.0  # fraction of each head's dims that rotary embeddings rotate
     apply_layernorm_1p: bool = False  # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
     qk_layernorm: bool = False  # normalize queries and keys per head before attention
+    # fp16 attention scores computed / layer_number, multiplied back inside the fp32 softmax (Megatron)
+    apply_query_key_layer_scaling: bool = False
     use_flash_attn: bool = False  # flash attention even with fused_kernels off
     deterministic: bool = False  # deterministic algorithms only
     reset_attention_mask: bool = False  # document masks: attention on every pipeline stage needs the batch

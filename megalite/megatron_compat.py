@@ -59,6 +59,27 @@ NOTICE = {
     "--no-async-save-check": "async saves are checked at the next save",
     "--timing-log-level": "megalite has one level of timers (--log-timers-to-tensorboard)",
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalite's tokenizers do not",
+    "--ckpt-format": "megalite writes one layout (Megatron's directory names; sharded safetensors + JSON "
+                     "through torch.distributed.checkpoint); Megatron's own checkpoint files are not read",
+    "--async-strategy": "async saves use megalite's own background writer",
+    "--async-ckpt-use-cpu-shm": "async saves use megalite's own background writer",
+    "--ddp-average-in-collective": "the DP mean is the same either way: megalite scales by 1/DP around a sum "
+                                   "(gloo has no AVG); only rounding differs",
+    "--defer-embedding-wgrad-compute": "embedding weight-gradient GEMMs are not deferred (speed only)",
+    "--wgrad-deferral-limit": "embedding weight-gradient GEMMs are not deferred (speed only)",
+    "--overlap-p2p-communication-warmup-flush": "pipeline send/recv overlap is fixed by megalite's schedules "
+                                                "(speed only)",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "the interleaved schedule groups --pipeline-model-"
+                                                          "parallel-size micro-batches per virtual stage; the "
+                                                          "order changes no value",
+    "--disable-gloo-process-groups": "megalite keeps one gloo group, for its checkpoint writer's CPU "
+                                     "collectives (off the training stream)",
+    "--overlap-param-gather-with-optimizer-step": "the ZeRO parameter all-gather overlaps the next forward "
+                                                  "(--overlap-param-gather), not the optimizer step (speed only)",
+    "--cross-entropy-fusion-impl": "the vocab-parallel cross entropy is fused on CUDA unless --no-fused-kernels",
+    "--spec": "megalite has one transformer layer implementation (Megatron's local spec)",
+    "--rerun-mode": "iterations are never re-run to tell transient from persistent faults; a NaN/Inf loss or "
+                    "gradient stops training (--check-for-nan-in-loss-and-grad, on by default)",
 }
 
 # Value-carrying flags whose *value* decides: accepted at these values, not implemented otherwise.
@@ -74,6 +95,11 @@ NEUTRAL_VALUES = {
     "--attention-backend": ("auto flash fused unfused local", None),
     "--DDP-impl": ("local torch", None),
     "--dataloader-type": ("single", "only the 'single' (sequential) data loader is implemented"),
+    "--ckpt-format": ("torch_dist torch", "megalite writes one checkpoint layout (torch_dist-like)"),
+    "--async-strategy": ("nvrx mcore", None),
+    "--spec": ("local", "custom layer specs are not implemented in megalite (Megatron's local spec is)"),
+    "--rerun-mode": ("disabled validate_results", "the re-run state machine's statistics mode is not "
+                                                  "implemented in megalite"),
 }
 
 # Megatron's own renames and removals: old spelling -> what to write now.

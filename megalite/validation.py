@@ -5,6 +5,7 @@ import os
 
 from megalite.arguments import model_config, training_config
 from megalite.config import ConfigError
+from megalite.megatron_compat import print_notices
 
 # Flags Megatron has no default for: a launch script always passes them.
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
@@ -44,7 +45,12 @@ def validate_args(args):
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     if (args.recompute_method is not None or args.recompute_num_layers is not None) and \
             args.recompute_granularity != "full":
-        raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+        if args.recompute_granularity is not None:
+            raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+        # Megatron ignores them without a granularity (its scripts pass --recompute-num-layers 1): so do we, aloud
+        print_notices(["--recompute-method / --recompute-num-layers without --recompute-granularity: "
+                       "no activation recomputation (as Megatron)"])
+        args.recompute_method = args.recompute_num_layers = None
     if args.skip_train and args.eval_iters <= 0:
         raise ConfigError("--skip-train evaluates only: it needs --eval-iters > 0")
     if args.recompute_activations:
@@ -78,9 +84,6 @@ def validate_args(args):
 
 
 def _validate_checkpoint_args(args):
-    if args.ckpt_format != "torch_dist":
-        raise ConfigError(f"--ckpt-format {args.ckpt_format} is not supported: megalite reads and writes torch_dist "
-                          "checkpoints only; remove the flag (convert others with tools/convert_checkpoint.py)")
     if args.distributed_timeout_minutes <= 0:
         raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:

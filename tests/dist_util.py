@@ -1,18 +1,26 @@
-"""Run a test body on N spawned CPU ranks (gloo).
+"""Run a test body on N CPU ranks (gloo).
 
 `run_on_ranks(fn, world_size, *args)` starts N processes, each with torch.distributed
 initialised (gloo, a free port, one thread), calls `fn(*args)` and returns the list of the
 ranks' return values. A rank's exception surfaces with its traceback; a run that exceeds
 `timeout` is killed and reported instead of hanging the suite.
+
+The ranks are forked from the test process: a spawned rank re-imports torch, megalite and the
+test module (seconds per rank on the 2-core machine, most of the suite's time). Each rank then
+starts as a spawned one would: its own parallel state torn down, kernel backend "auto", freshly
+seeded random streams, one thread. Where the test process has initialised CUDA (the GPU machine), a fork
+could not use it, so the ranks are spawned.
 """
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
 import traceback
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -27,11 +35,20 @@ def _worker(rank, world_size, port, fn, args, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    torch.seed()  # fresh, as a new process: a fork would share the test process's streams
+    np.random.seed()
+    random.seed()
     import torch.distributed as dist
 
+    import kernels
     from megalite import parallel_state as ps
+    kernels.set_backend("auto")
     result = None
     try:
+        if dist.is_initialized():
+            raise RuntimeError("the test process left torch.distributed initialised: a forked rank cannot start "
+                               "its own group; destroy it in the test that made it")
+        ps.destroy_model_parallel()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
@@ -45,7 +62,7 @@ def _worker(rank, world_size, port, fn, args, out_dir):
 
 
 def run_on_ranks(fn, world_size, *args, timeout=180):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir)) for r in range(world_size)]

@@ -215,7 +215,8 @@ def _check_parity(results):
         for name, c in r["exact"].items():
             assert c["exact"], f"rank {rank} {name}: not bit-exact vs plain optimizer: {c}"
         for name, c in r["round"].items():
-            assert c["loss"] <= 1e-6, f"rank {rank} {name}: loss rel diff {c['loss']:.2e}"
+            # losses of weights that differ by rounding: DESIGN's fp32 bound (sums ordered differently)
+            assert c["loss"] <= 1e-5, f"rank {rank} {name}: loss rel diff {c['loss']:.2e}"
             assert c["params"] <= 1e-3 * LR, f"rank {rank} {name}: param diff {c['params']:.2e}"
     losses = results[0]["ref_losses"]
     assert len(set(losses)) == len(losses), "the weights must move every step"
@@ -276,9 +277,13 @@ def test_state_reassembled_from_dp4_equals_dp2_and_reshards(dp2, full4):
     assert full2["params"].keys() == full4["params"].keys()
     for n, f in full4["params"].items():
         assert f["step"] == full2["params"][n]["step"] == STEPS
-        for k in ("main_param", "exp_avg", "exp_avg_sq"):
-            # same global batch, reduced in another order: rounding-level differences only
-            assert rel_err(full2["params"][n][k], f[k]) <= 2e-6, f"{n}.{k}"
+        # Same global batch, reduced in another order (DP4 vs DP2 with two micro-batches):
+        # weights in units of one Adam step, as every clipped run here (module docstring),
+        # moments at DESIGN's fp32 bound.
+        diff = (full2["params"][n]["main_param"] - f["main_param"]).abs().max().item()
+        assert diff <= 1e-3 * LR, f"{n}.main_param: {diff:.2e}"
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert rel_err(full2["params"][n][k], f[k]) <= 1e-5, f"{n}.{k}"
     loaded = reassemble_full_state([r["loaded_state"] for r in dp2])  # DP=4 state loaded into DP=2 shards
     for n, f in full4["params"].items():
         for k in ("main_param", "exp_avg", "exp_avg_sq"):

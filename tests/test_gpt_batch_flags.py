@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dist_util import rel_err
 from megalite import parallel_state as ps
 from megalite.data.gpt_batch import GPTBatchDataset, ltor_masks_and_position_ids
 from parity import ALPHABET, VOCAB, assert_parity, check_reference, layout, reference, run_layouts
@@ -81,7 +82,8 @@ def test_a_document_sees_only_itself():
             rewritten = logits([11, 12, 13, EOD] + b)[len(a):]
             alone = logits(b)
         torch.testing.assert_close(packed, rewritten, rtol=0, atol=0)
-        torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
+        # alone: shorter attention rows and GEMMs, so sums ordered differently: DESIGN's fp32 bound
+        assert rel_err(packed, alone) <= 1e-5, rel_err(packed, alone)
     finally:
         ps.destroy_model_parallel()
 

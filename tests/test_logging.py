@@ -53,7 +53,8 @@ def test_log_json_evaluations_skip_train_and_plot(tmp_path, capsys):
     path, _ = find_checkpoint(ckpt)
     rd = Reader(path)
     norm = math.sqrt(sum(rd.get(n).double().pow(2).sum().item() for n in rd.names() if not n.startswith("optim")))
-    assert abs(train[-1]["params-norm"] - norm) <= 1e-6 * norm
+    # fp32 squares summed per tensor, over tensors and ranks, against float64: DESIGN's fp32 bound
+    assert abs(train[-1]["params-norm"] - norm) <= 1e-5 * norm
     # --skip-train evaluates the loaded checkpoint: the same test loss, no training line
     out2 = _train(["--load", ckpt, "--skip-train", "--log-json", str(tmp_path / "eval.jsonl")], capsys)
     again = _rows(str(tmp_path / "eval.jsonl"))

@@ -35,6 +35,9 @@ LISTS = {
     "tp1_pp4_swiglu": ("gpt3_mcore_te_tp1_pp4_resume_torch_dist_swiglu.sh", []),
     # GQA with 8 groups and a 131k NullTokenizer vocabulary, shrunk with the model
     "7b_tp1_pp4_mock": ("gpt3_7b_tp1_pp4_memory_speed.sh", ["--num-query-groups", "2", "--vocab-size", "500"]),
+    # fp16 with --apply-query-key-layer-scaling (Megatron's local transformer, no TE)
+    "tp1_pp2_fp16_qk_scaling": ("gpt3_mcore_tp1_pp2_fp16.sh", []),
+    "tp2_pp2_local_fp16_qk_scaling": ("gpt3_mcore_tp2_pp2_uninstall_te.sh", []),
 }
 WORDS = ("the a cat dog runs sees big small red blue house tree river stone bird sings under over near far "
          "quick slow green old new light dark warm cold high low").split()

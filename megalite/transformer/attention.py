@@ -2,6 +2,7 @@
 
 import contextlib
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -15,7 +16,7 @@ from megalite.transformer.rope import apply_rotary
 from megalite.transformer.utils import output_init_std, param_seed
 
 
-def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=False):
+def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=False, layer_scale=None):
     """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given
     (bool [b, 1 or h, sq, sk], True = masked out; a key-padding mask [b, 1, 1, sk] runs flash
     attention on CUDA).
@@ -24,27 +25,23 @@ def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=Fa
     per-TP-rank stream (`get_rng_tracker().fork()`), whichever path runs: flash attention
     takes its Philox seed from it, SDPA and the unfused softmax path their masks.
     GQA: k/v keep their hkv heads on every path (no repeat_interleave copies).
-    flash (--use-flash-attn): the Triton flash attention on CUDA even with fused kernels off."""
+    flash (--use-flash-attn): the Triton flash attention on CUDA even with fused kernels off.
+    layer_scale (--apply-query-key-layer-scaling: the layer number): fp16 scores are computed
+    in fp16 as q.k / (sqrt(d) * layer_scale) and multiplied back by layer_scale in the fp32
+    softmax, as Megatron's DotProductAttention; other dtypes never hold scores in fp16, so
+    for them it changes nothing and the fast paths stay."""
     p = dropout_p if training else 0.0
     triton = fused and kernels.use_triton(q)
     key_padding = attn_mask is not None and attn_mask.shape[1:3] == (1, 1)  # [b, 1, 1, sk]: BERT's padding
-    if (triton or flash and q.is_cuda) and (attn_mask is None or key_padding):  # the default on CUDA, attention dropout or not
+    scaled = layer_scale is not None and q.dtype == torch.float16
+    if not scaled and (triton or flash and q.is_cuda) and (attn_mask is None or key_padding):
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             if key_padding:
                 return kernels.flash_attention(q, k, v, causal=False, dropout_p=p, key_padding_mask=~attn_mask[:, 0, 0])
             return kernels.flash_attention(q, k, v, causal=True, dropout_p=p)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if triton:
-        # Explicit masks: Megatron's fused scaled masked softmax, then dropout and the PV product.
-        # Query heads grouped as [b, hkv, rep, s, d] broadcast against k/v [b, hkv, 1, s, d].
-        b, hq, s, d = q.shape
-        hkv = k.shape[1]
-        qg, kg, vg = q.reshape(b, hkv, hq // hkv, s, d), k.unsqueeze(2), v.unsqueeze(2)
-        scores = (qg @ kg.transpose(-1, -2)).reshape(b, hq, s, -1)
-        probs = kernels.softmax(scores, scale=d ** -0.5, mask=attn_mask, causal=False)
-        with get_rng_tracker().fork():
-            probs = F.dropout(probs, p=p, training=True)
-        return (probs.reshape(b, hkv, hq // hkv, s, -1) @ vg).reshape(b, hq, s, d).transpose(1, 2)
+    if triton or scaled:
+        return _explicit_scores_attention(q, k, v, p, attn_mask, layer_scale if scaled else 1, triton)
     with get_rng_tracker().fork():
         sdpa_mask = None if attn_mask is None else ~attn_mask  # SDPA: True = take part
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=p,
@@ -52,13 +49,33 @@ def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=Fa
     return out.transpose(1, 2)
 
 
+def _explicit_scores_attention(q, k, v, p, attn_mask, layer_scale, triton):
+    """Megatron's unfused attention on q [b, hq, s, d], k, v [b, hkv, s, d] -> [b, s, hq, d]:
+    scores in the input dtype (one batched GEMM scaled by 1 / (sqrt(d) * layer_scale)), the
+    scaled masked softmax in fp32 (times layer_scale; causal when attn_mask is None), dropout,
+    probs @ v. Query heads are grouped per KV head, so GQA needs no repeated k/v."""
+    b, hq, s, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    qg = q.reshape(b * hkv, hq // hkv * s, d)
+    kg = k.reshape(b * hkv, sk, d).transpose(1, 2)
+    scores = torch.baddbmm(qg.new_empty(qg.shape[0], qg.shape[1], sk), qg, kg, beta=0.0,
+                           alpha=d ** -0.5 / layer_scale).reshape(b, hq, s, sk)
+    with contextlib.nullcontext() if triton else kernels.use_backend("torch"):
+        probs = kernels.softmax(scores, scale=layer_scale, mask=attn_mask, causal=attn_mask is None)
+    with get_rng_tracker().fork():
+        probs = F.dropout(probs, p=p, training=True)
+    out = probs.reshape(b * hkv, hq // hkv * s, sk) @ v.reshape(b * hkv, sk, d)
+    return out.reshape(b, hq, s, d).transpose(1, 2)
+
+
 class SelfAttention(nn.Module):
     """QKV rows are laid out per query group: [q heads of group g | k_g | v_g] for each g,
     so a contiguous TP shard holds whole groups with their queries."""
 
-    def __init__(self, config, prefix):
+    def __init__(self, config, prefix, layer_number=1):
         super().__init__()
         c = config
+        self.layer_number = layer_number  # global, 1-based: --apply-query-key-layer-scaling divides by it
         tp = ps.get_tensor_model_parallel_world_size()
         self.config = c
         self.d = c.kv_channels
@@ -94,7 +111,8 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin, c.fused_kernels), apply_rotary(k, cos, sin, c.fused_kernels)
         if inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
-        args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn)
+        args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
+                self.layer_number if c.apply_query_key_layer_scaling else None)
         if c.recompute_granularity == "selective":
             ctx = checkpoint(core_attention, *args)
         else:

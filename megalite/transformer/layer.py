@@ -21,7 +21,7 @@ class TransformerLayer(nn.Module):
         self.post_norm = config.layernorm_position == "post"
         if not self.post_norm:
             self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, prefix + ".self_attention")
+        self.self_attention = SelfAttention(config, prefix + ".self_attention", layer_number)
         if self.post_norm:
             self.post_attention_layernorm = build_norm(config, config.hidden_size)
         else:

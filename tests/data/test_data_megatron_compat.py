@@ -45,11 +45,20 @@ def test_blending_indices_equal_megatron():
 
 def test_gpt_and_blended_samples_equal_megatron(tmp_path):
     import torch.distributed as dist
+    warnings.filterwarnings("ignore")
+    owned = not dist.is_initialized()
+    if owned:  # Megatron's blended builder asks for the rank
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        _compare_with_megatron(tmp_path)
+    finally:
+        if owned:  # later tests fork ranks from this process: leave no default group behind
+            dist.destroy_process_group()
+
+
+def _compare_with_megatron(tmp_path):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    warnings.filterwarnings("ignore")
-    if not dist.is_initialized():  # Megatron's blended builder asks for the rank
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
 
     class Tok:  # the few attributes Megatron's GPTDataset reads
         eod, pad, vocab_size, unique_identifiers = 5000, -1, 5001, {"class": "Tok"}

@@ -74,6 +74,7 @@ def test_mask_equals_reference_and_keep_rate():
     assert torch.isfinite(got).all()
     assert torch.equal(got > 0, ref), f"{(got > 0).ne(ref).sum()} mask elements differ from the reference"
     expect = ref.float() / (s * (1 - p))
+    # probabilities exactly 1/s (q = 0), scaled by 1 / (1 - p) and summed with zeros: 1-2 roundings
     assert torch.allclose(got, expect, rtol=1e-6, atol=0), (got - expect).abs().max()
     rate, n = ref.float().mean().item(), ref.numel()
     assert abs(rate - (1 - p)) < 5 * ((p * (1 - p)) / n) ** 0.5, f"keep rate {rate:.4f}, want {1 - p}"

@@ -1,0 +1,50 @@
+"""Run many `pretrain_gpt.py` command lines one after the other in this one process, each as
+`python pretrain_gpt.py ...` would run (its own argv, WORLD_SIZE as given, stderr captured),
+so a test of many one-rank user errors pays torch's import once instead of once per case.
+
+    python tests/cli_batch.py CASES.json OUT.json
+CASES.json: {name: [world_size, argv]}; OUT.json: {name: [exit code, stderr]}.
+"""
+
+import contextlib
+import io
+import json
+import os
+import runpy
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
+
+
+def run_case(world_size, argv):
+    import torch.distributed as dist
+
+    from megalite import parallel_state as ps
+    os.environ["WORLD_SIZE"] = str(world_size)
+    sys.argv = [PRETRAIN] + argv
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_path(PRETRAIN, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException as e:  # noqa: BLE001 - an uncaught error is a finding, reported as such
+            code = f"uncaught {type(e).__name__}: {e}"
+        finally:
+            ps.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return code, err.getvalue()
+
+
+def main(cases_path, out_path):
+    cases = json.load(open(cases_path))
+    out = {name: run_case(n, argv) for name, (n, argv) in cases.items()}
+    json.dump(out, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    os.environ.pop("RANK", None)  # plain `python pretrain_gpt.py`: one process, no groups
+    sys.path.insert(0, ROOT)
+    main(*sys.argv[1:])
