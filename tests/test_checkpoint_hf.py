@@ -5,6 +5,8 @@ Models are trained first (TP2 x PP2, on the parity harness's learnable data), so
 logits carry structure a wrong mapping would break; nothing is downloaded.
 """
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -53,9 +55,17 @@ def trained(tmp_path_factory):
 
 
 def convert(*argv):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *argv],
-                       capture_output=True, text=True, timeout=300)
-    return r.returncode, r.stdout, r.stderr
+    """tools/convert_checkpoint.py in this process (a process per call would re-import torch and
+    transformers): (exit status, stdout, stderr). test_converter_refuses_what_it_cannot_represent
+    also runs it as a program."""
+    from test_bert import tool
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = tool("convert_checkpoint").main(list(argv))
+        except SystemExit as e:  # argparse
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
 
 
 def _tokens():
@@ -162,7 +172,10 @@ def test_converter_refuses_what_it_cannot_represent(trained, tmp_path):
     rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", dirs["gpt2"],
                          "--save-dir", str(tmp_path / "z"))
     assert rc == 2 and "add_bias_linear=False" in err and len(err.strip().splitlines()) == 1
-    rc, out, _ = convert("--help")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)  # the script as a program
+    rc, out = r.returncode, r.stdout
+    assert rc == 0, r.stderr
     for flag in ("--loader", "--saver", "--load-dir", "--save-dir", "--target-tensor-parallel-size",
                  "--target-pipeline-parallel-size", "--model-type"):
         assert flag in out

@@ -73,15 +73,21 @@ def workers(proc):
     return [int(x) for x in r.stdout.split()]
 
 
-def test_finished_jobs_exit_zero(tmp_path, data):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data):
+    """An 8-iteration job on 4 ranks run start to end: the clean exit, and the losses a
+    restarted job must reproduce."""
+    p = torchrun(data + ["--train-iters", "8"], tmp_path_factory.mktemp("uninterrupted"))
+    return p.communicate(timeout=240)[0], p
+
+
+def test_finished_jobs_exit_zero(uninterrupted):
     # (each torchrun test below checks its exit code too; benchmarks/clean_exit.py runs 20)
-    for i in range(2):
-        p = torchrun(data + ["--train-iters", "3"], tmp_path)
-        out = p.communicate(timeout=240)[0]
-        assert p.returncode == 0 and "megalite: done 3 iterations" in out, f"run {i}: exit {p.returncode}\n{out[-2000:]}"
+    out, p = uninterrupted
+    assert p.returncode == 0 and "megalite: done 8 iterations" in out, f"exit {p.returncode}\n{out[-2000:]}"
 
 
-def test_killed_rank_restarts_and_resumes_exactly(tmp_path, data):
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path, data, uninterrupted):
     job = data + ["--train-iters", "8", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     p = torchrun(job, tmp_path, extra=["--max-restarts", "1"])
     before = wait_for(p, r"iteration\s+5/")
@@ -90,8 +96,7 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, data):
     out = before + p.communicate(timeout=300)[0]
     assert p.returncode == 0, out[-3000:]
     assert "loaded checkpoint" in out  # the restarted workers found --save by themselves
-    ref = torchrun(data + ["--train-iters", "8"], tmp_path)
-    ref_out = ref.communicate(timeout=240)[0]
+    ref_out, ref = uninterrupted
     assert ref.returncode == 0, ref_out[-2000:]
     expect = losses(ref_out)
     resumed = losses(out[out.index("loaded checkpoint"):])
