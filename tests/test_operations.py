@@ -44,7 +44,7 @@ def data(tmp_path_factory):
     return ["--data-path", prefix, "--data-cache-path", str(tmp_path_factory.mktemp("cache"))]
 
 
-def torchrun(args, cwd, nproc=4, extra=(), **kw):
+def torchrun(args, cwd, nproc=2, extra=(), **kw):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *extra,
            os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *args]
     return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
@@ -75,7 +75,7 @@ def workers(proc):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, data):
-    """An 8-iteration job on 4 ranks run start to end: the clean exit, and the losses a
+    """An 8-iteration job on 2 ranks run start to end: the clean exit, and the losses a
     restarted job must reproduce."""
     p = torchrun(data + ["--train-iters", "8"], tmp_path_factory.mktemp("uninterrupted"))
     return p.communicate(timeout=240)[0], p
