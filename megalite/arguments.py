@@ -176,6 +176,8 @@ def build_parser():
     a("--no-save-rng", action="store_true", help="do not save RNG states")
     a("--exit-on-missing-checkpoint", action="store_true", help="with --load: exit if it holds no checkpoint")
     a("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saving first)")
+    a("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+      help="every N iterations, stop if the data-parallel replicas' weights differ in any bit")
     a("--async-save", action="store_true", help="write checkpoints in the background; the next save waits")
     return p
 

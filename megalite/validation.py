@@ -88,7 +88,7 @@ def _validate_checkpoint_args(args):
         raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0")
-    for flag in ("save_interval", "exit_interval"):
+    for flag in ("save_interval", "exit_interval", "check_weight_hash_across_dp_replicas_interval"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     for flag in ("save_interval", "async_save", "no_save_optim", "no_save_rng"):
