@@ -178,6 +178,8 @@ def build_parser():
     a("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saving first)")
     a("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
       help="every N iterations, stop if the data-parallel replicas' weights differ in any bit")
+    a("--test-mode", action="store_true", help="Megatron's real-time checks: every iteration, the replicas' "
+      "weights compared bit for bit over DP, and the weights every TP rank holds whole over TP")
     a("--async-save", action="store_true", help="write checkpoints in the background; the next save waits")
     return p
 

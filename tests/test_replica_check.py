@@ -1,7 +1,8 @@
-"""--check-weight-hash-across-dp-replicas-interval: DP replicas that agree train on (TP2 x DP2
-with ZeRO-1 and the overlapped parameter all-gather, which the hash waits for); one ulp moved in
-one replica's weight (plain DP: each replica updates its own copy, so the drift persists) stops
-every rank at the next check with one line naming the parameter."""
+"""--check-weight-hash-across-dp-replicas-interval and --test-mode: replicas that agree train on
+(TP2 x DP2 with ZeRO-1 and the overlapped parameter all-gather, which the hash waits for; SP with
+q/k norms under --test-mode); one ulp moved in one replica's weight (plain DP: each replica updates
+its own copy, so the drift persists) stops every rank at the next check with one line naming the
+parameter."""
 
 import contextlib
 import io
@@ -17,17 +18,21 @@ from parity import BASE, learnable_datasets
 FLAGS = ["--tensor-model-parallel-size", "2", "--train-iters", "4", "--check-weight-hash-across-dp-replicas-interval", "2"]
 ZERO = ["--use-distributed-optimizer", "--overlap-param-gather"]
 VICTIM = "decoder.layers.1.mlp.linear_fc1.weight"
+NORM = "decoder.layers.0.input_layernorm.weight"  # whole on every TP rank
+TEST_MODE = ["--test-mode", "--sequence-parallel", "--qk-layernorm"]
 
 
 def _train(corrupt, flags):
+    """corrupt: None, or (name, group coordinate that must be 1 for the rank that drifts)."""
     import megalite.training as training
     real = training.train_step
 
     def step(*a, **kw):
         out = real(*a, **kw)
         step.calls += 1
-        if corrupt and step.calls == 3 and ps.get_data_parallel_rank() == 1:  # after the check at iteration 2
-            w = dict(a[2][0].module.named_parameters())[VICTIM]
+        rank = {"dp": ps.get_data_parallel_rank, "tp": ps.get_tensor_model_parallel_rank}
+        if corrupt and step.calls == 3 and rank[corrupt[1]]() == 1:  # in iteration 3, after its step
+            w = dict(a[2][0].module.named_parameters())[corrupt[0]]
             w.data.view(-1)[5] = w.data.view(-1)[5].nextafter(w.data.view(-1)[5] + 1)  # one ulp
         return out
     step.calls = 0
@@ -45,27 +50,41 @@ def _train(corrupt, flags):
         ps.destroy_model_parallel()
 
 
-def _both():
-    return _train(False, ZERO), _train(True, [])
+def _all():
+    return (_train(None, ZERO), _train((VICTIM, "dp"), []), _train(None, TEST_MODE), _train((NORM, "tp"), TEST_MODE))
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_on_ranks(_both, 4)
+    return run_on_ranks(_all, 4)
 
 
 def test_agreeing_replicas_train_on(runs):
-    for rank, (clean, _) in enumerate(runs):
-        assert clean[0] == "ok" and len(clean[1]) == 4, (rank, clean)
+    for rank, (clean, _, test_mode, _) in enumerate(runs):
+        for run in (clean, test_mode):
+            assert run[0] == "ok" and len(run[1]) == 4, (rank, run)
+
+
+def _stopped(run, iteration):
+    code, _, err = run
+    lines = [ln for ln in err.splitlines() if ln.startswith("megalite: error")]
+    assert code == 2 and len(lines) == 1, (code, err)
+    assert f"iteration {iteration}: replicas hold different weights" in lines[0], lines[0]
+    return lines[0]
 
 
 def test_one_ulp_in_one_replica_stops_every_rank(runs):
-    for rank, (_, bad) in enumerate(runs):
-        code, _, err = bad
-        lines = [ln for ln in err.splitlines() if ln.startswith("megalite: error")]
-        assert code == 2 and len(lines) == 1, (rank, code, err)
-        assert "iteration 4: data-parallel replicas hold different weights" in lines[0], lines[0]
-        assert VICTIM in lines[0] and lines[0].count("decoder.") == 1, lines[0]
+    for rank, (_, bad, _, _) in enumerate(runs):
+        line = _stopped(bad, 4)  # the next check (interval 2)
+        assert VICTIM in line and line.count("decoder.") == 1, line
+
+
+def test_test_mode_checks_tp_replicated_weights_every_iteration(runs):
+    """--test-mode: a norm weight that drifted on TP rank 1 only (DP replicas still agree pairwise
+    on TP rank 0) stops the job at the very next iteration."""
+    for rank, (_, _, _, bad) in enumerate(runs):
+        line = _stopped(bad, 3)
+        assert f"{NORM} (over TP)" in line, line
 
 
 def test_interval_must_be_positive(capsys):

@@ -1,8 +1,9 @@
-"""Megatron's --check-weight-hash-across-dp-replicas-interval: data-parallel replicas must hold
-bit-identical weights after every step. Each rank hashes its parameters (SHA-256 of their bytes,
-as Megatron does) and the hashes are all-gathered over the DP group, so every rank learns the
-same answer from the same collective and they stop together (a skipped reduction, a faulty
-device or link shows here before it spreads)."""
+"""Replicas must hold bit-identical weights after every step: Megatron's
+--check-weight-hash-across-dp-replicas-interval (every weight over its data-parallel replicas)
+and --test-mode (also the weights every TP rank holds whole, norms and q/k norms among them).
+Each rank hashes its parameters (SHA-256 of their bytes, as Megatron does) and the hashes are
+all-gathered over the group, so every rank learns the same answer from the same collective and
+they stop together (a skipped reduction, a faulty device or link shows here before it spreads)."""
 
 import hashlib
 
@@ -12,28 +13,38 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 
 
-def weight_hashes(chunks):
+def weight_hashes(chunks, tp_replicated_only=False):
     """(names, int64 tensor of the first 8 bytes of each parameter's SHA-256), this rank."""
     names, digests = [], []
     for chunk in chunks:
         for name, p in getattr(chunk, "module", chunk).named_parameters():
+            if tp_replicated_only and getattr(p, "tensor_model_parallel", False):
+                continue
             raw = p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
             names.append(name)
             digests.append(int.from_bytes(hashlib.sha256(raw).digest()[:8], "little", signed=True))
     return names, torch.tensor(digests, dtype=torch.int64, device=ps.get_device())
 
 
-def dp_replicas_differ(chunks):
+def _differ(names, mine, group, size):
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=group)
+    stacked = torch.stack(every)
+    return [n for n, d in zip(names, (stacked != stacked[:1]).any(dim=0).tolist()) if d]
+
+
+def replicas_differ(chunks, tp_too=False):
     """Names of the parameters whose bits differ between DP replicas ([] when they agree), the
-    same list on every rank. Pending ZeRO all-gathers (--overlap-param-gather) finish first."""
-    if ps.get_data_parallel_world_size() == 1:
-        return []
+    same list on every rank; tp_too: also the TP-replicated ones between TP ranks. Pending ZeRO
+    all-gathers (--overlap-param-gather) finish first."""
     for chunk in chunks:
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    names, mine = weight_hashes(chunks)
-    every = [torch.empty_like(mine) for _ in range(ps.get_data_parallel_world_size())]
-    dist.all_gather(every, mine, group=ps.get_data_parallel_group())
-    stacked = torch.stack(every)
-    differ = (stacked != stacked[:1]).any(dim=0).tolist()
-    return [n for n, d in zip(names, differ) if d]
+    out = []
+    if ps.get_data_parallel_world_size() > 1:
+        out += _differ(*weight_hashes(chunks), ps.get_data_parallel_group(), ps.get_data_parallel_world_size())
+    if tp_too and ps.get_tensor_model_parallel_world_size() > 1:
+        out += [f"{n} (over TP)" for n in _differ(*weight_hashes(chunks, tp_replicated_only=True),
+                                                  ps.get_tensor_model_parallel_group(),
+                                                  ps.get_tensor_model_parallel_world_size())]
+    return out
