@@ -175,6 +175,8 @@ def build_parser():
     a("--no-save-optim", action="store_true", help="do not save optimizer state")
     a("--no-save-rng", action="store_true", help="do not save RNG states")
     a("--exit-on-missing-checkpoint", action="store_true", help="with --load: exit if it holds no checkpoint")
+    a("--verify-integrity", action="store_true",
+      help="record each checkpoint file's SHA-256 at save; check them at load before reading a tensor")
     a("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saving first)")
     a("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
       help="every N iterations, stop if the data-parallel replicas' weights differ in any bit")

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import __version__
 from megalite import parallel_state as ps
+from megalite.checkpoint.integrity import verify_integrity, write_integrity
 from megalite.checkpoint.planner import ChunkLoadPlanner, ChunkSavePlanner
 from megalite.checkpoint.state import (
     main_params_from_model,
@@ -131,12 +132,14 @@ def check_save_dir(root):
 class _CommittingWriter(SafetensorsWriter):
     """Runs on the coordinator once every rank's data is written: index, rename, tracker."""
 
-    def __init__(self, tmp, root, iteration):
+    def __init__(self, tmp, root, iteration, hash_files=False):
         super().__init__(tmp)
-        self.root, self.iteration = root, iteration
+        self.root, self.iteration, self.hash_files = root, iteration, hash_files
 
     def finish(self, metadata, results):
         super().finish(metadata, results)
+        if self.hash_files:  # --verify-integrity
+            write_integrity(self.path)
         final, tmp = iteration_dir(self.root, self.iteration), self.path
         for d in (os.path.join(tmp, "rng"), tmp):
             fsync_dir(d)
@@ -190,7 +193,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
     entries = model_entries(chunks, for_save=True)
     if not args.no_save_optim:
         entries.update(optimizer_entries(optimizer, chunks, for_save=True))
-    kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration), planner=ChunkSavePlanner(entries),
+    kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration, args.verify_integrity),
+              planner=ChunkSavePlanner(entries),
               process_group=group, no_dist=group is None)
     if not args.async_save:
         _dcp(dcp.save, {}, **kw)
@@ -252,9 +256,11 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
         opt = optimizer_entries(optimizer, chunks, for_save=False)
         optional = {k for k in opt if k.startswith("optimizer.main_param.")}  # absent in fp32 checkpoints
         entries.update(opt)
+    group = _group()
+    if args.verify_integrity:
+        verify_integrity(path, group)
     validate_files(path)  # a corrupt or foreign file: one clean line on every rank, before DCP
     planner = ChunkLoadPlanner(entries, optional)
-    group = _group()
     _dcp(dcp.load, {}, storage_reader=SafetensorsReader(path), planner=planner, process_group=group,
          no_dist=group is None)
     if load_optim:

@@ -6,6 +6,7 @@ loss falls fast), so a checkpoint that loses or scrambles state shows in the los
 schedule still spans 10), save, and a fresh process (a new spawn) loads and trains 5 more.
 """
 
+import json
 import os
 import pickle
 import shutil
@@ -56,7 +57,8 @@ def _rel(a, b):
 RESUME_LAYOUTS = {
     # name: (world size, layout flags); "async" names save with --async-save
     "single_dropout": (1, DROPOUT),
-    "tp2_sp_dp2_dropout_async": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + DROPOUT),
+    "tp2_sp_dp2_dropout_async_verified": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                              "--verify-integrity"] + DROPOUT),
     "pp2_interleaved_dp2_zero1": (4, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
                                       "1", "--use-distributed-optimizer"]),
     "pp2_dp2_zero2_bf16": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
@@ -92,6 +94,12 @@ def test_resume_is_bit_identical(name, resumed):
     assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read().strip() == "5"
     assert sorted(os.listdir(d)) == ["iter_0000003", "iter_0000005", "latest_checkpointed_iteration.txt"]
     assert second == straight[5:], f"{name}: resumed {second} vs straight {straight[5:]}"
+    if "verified" in name:  # --verify-integrity: every file hashed at save (and checked at the load above)
+        for it in ("iter_0000003", "iter_0000005"):
+            recorded = json.load(open(os.path.join(d, it, "integrity.json")))
+            on_disk = {os.path.relpath(os.path.join(r, f), os.path.join(d, it)) for r, _, fs in os.walk(os.path.join(d, it))
+                       for f in fs}
+            assert set(recorded) == on_disk - {"integrity.json"} and "rng/rank_00003.json" in recorded, recorded
 
 
 def test_resume_at_another_topology(tmp_path):
@@ -165,6 +173,24 @@ def test_pickle_payload_is_refused(victim, tmp_path, capsys):
     assert len(err) == 1 and victim.split("/")[-1] in err[0] and "refusing to load it" in err[0], err
     assert "pickle" in err[0]
     assert not os.path.exists(marker)
+
+
+def test_verify_integrity_names_what_changed(tmp_path, capsys):
+    d, plain = str(tmp_path / "ckpt"), str(tmp_path / "plain")
+    _spawn(1, [["--save", d, "--exit-interval", "2", "--verify-integrity"], ["--save", plain, "--exit-interval", "2"]])
+    with open(os.path.join(d, "iter_0000002", "__0_0.safetensors"), "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))  # one bit of one weight: every other check still passes
+    os.remove(os.path.join(d, "iter_0000002", "rng", "rank_00000.json"))
+    for argv, expect in ((["--load", d, "--verify-integrity"], "__0_0.safetensors changed since it was saved, "
+                                                                "rng/rank_00000.json is missing"),
+                         (["--load", plain, "--verify-integrity"], "has no integrity.json")):
+        with pytest.raises(SystemExit):
+            _train(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--verify-integrity" in err[0] and expect in err[0], err
 
 
 def test_missing_load_dir_trains_from_scratch_and_bad_paths_fail(tmp_path, capsys):
