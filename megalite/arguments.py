@@ -175,6 +175,8 @@ def build_parser():
     a("--no-save-optim", action="store_true", help="do not save optimizer state")
     a("--no-save-rng", action="store_true", help="do not save RNG states")
     a("--exit-on-missing-checkpoint", action="store_true", help="with --load: exit if it holds no checkpoint")
+    a("--use-checkpoint-args", action="store_true",
+      help="take the model flags (sizes, positions, norms, ...) from --load's newest checkpoint")
     a("--verify-integrity", action="store_true",
       help="record each checkpoint file's SHA-256 at save; check them at load before reading a tensor")
     a("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saving first)")

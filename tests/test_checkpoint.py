@@ -193,6 +193,22 @@ def test_verify_integrity_names_what_changed(tmp_path, capsys):
         assert len(err) == 1 and "--verify-integrity" in err[0] and expect in err[0], err
 
 
+def test_use_checkpoint_args_takes_the_saved_model_flags(tmp_path, capsys):
+    """The checkpoint (hidden 32, 4 heads, biases) overrides a command line that says hidden 64,
+    8 heads, no biases, so it loads and goes on exactly; without a checkpoint the command line stands."""
+    d = str(tmp_path / "ckpt")
+    straight = _spawn(1, [["--save", d, "--exit-interval", "2"], []])[1]
+    other = ["--hidden-size", "64", "--num-attention-heads", "8", "--disable-bias-linear"]
+    resumed = _train(["--load", d, "--use-checkpoint-args", "--exit-interval", "4"] + other)
+    assert resumed == straight[2:4], (resumed, straight)
+    assert f"--use-checkpoint-args: model flags from {d}/iter_0000002" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # the same command line without the flag
+        _train(["--load", d, "--exit-interval", "4"] + other)
+    assert "hidden_size=32 but this run has hidden_size=64" in capsys.readouterr().err
+    fresh = _train(["--load", str(tmp_path / "empty"), "--use-checkpoint-args", "--exit-interval", "1"] + other)
+    assert len(fresh) == 1 and "no checkpoint in --load" in capsys.readouterr().out
+
+
 def test_missing_load_dir_trains_from_scratch_and_bad_paths_fail(tmp_path, capsys):
     fresh = _spawn(1, [["--load", str(tmp_path / "nothing-here"), "--exit-interval", "2"]])[0]
     assert len(fresh) == 2
