@@ -45,6 +45,8 @@ def build_parser():
     a("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     a("--apply-layernorm-1p", action="store_true", help="norm weights stored as w - 1 (zero-centred gamma)")
     a("--qk-layernorm", action="store_true", help="normalize each head's queries and keys (--normalization)")
+    a("--rotary-interleaved", action="store_true",
+      help="rotary embeddings rotate adjacent pairs of dims (2i, 2i+1) instead of the two halves of each head")
     a("--apply-query-key-layer-scaling", action="store_true",
       help="fp16: attention scores computed divided by the layer number and multiplied back in the fp32 "
            "softmax (same function, no fp16 overflow of large scores)")
@@ -231,7 +233,7 @@ def model_config(args, vocab_size):
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed,
         rotary_percent=args.rotary_percent, apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
-        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, rotary_interleaved=args.rotary_interleaved,
         use_flash_attn=args.use_flash_attn, deterministic=args.deterministic_mode,
         reset_attention_mask=args.reset_attention_mask, calculate_per_token_loss=args.calculate_per_token_loss,
         **_bert_fields(args))

@@ -55,14 +55,16 @@ FORMAT = "megalite-checkpoint"
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                 "ffn_hidden_size", "vocab_size", "position_embedding_type", "normalization", "swiglu",
                 "add_bias_linear", "untie_embeddings_and_output_weights", "model_type", "layernorm_position", "gelu",
-                "num_tokentypes", "bert_binary_head", "qk_layernorm", "apply_layernorm_1p", "rotary_percent")
+                "num_tokentypes", "bert_binary_head", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
+                "rotary_interleaved")
 
 _pending = {"future": None, "executor": None, "group": None}
 # --use-checkpoint-args: command-line dest -> the ModelConfig field a checkpoint records (Megatron's list,
 # for what megalite has); disable_bias_linear is add_bias_linear negated
 CHECKPOINT_ARGS = {a: a for a in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                   "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
-                                  "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+                                  "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
+                                  "normalization",
                                   "swiglu", "untie_embeddings_and_output_weights", "qk_layernorm",
                                   "apply_layernorm_1p", "apply_query_key_layer_scaling")}
 CHECKPOINT_ARGS.update(norm_epsilon="layernorm_epsilon", disable_bias_linear="add_bias_linear")

@@ -60,6 +60,7 @@ class ModelConfig:
     num_tokentypes: int = 0  # segment (token-type) embeddings; BERT uses 2
     bert_binary_head: bool = True  # BERT: pooler + sentence-order / next-sentence head
     rotary_percent: float = 1.0  # fraction of each head's dims that rotary embeddings rotate
+    rotary_interleaved: bool = False  # rotate adjacent pairs (2i, 2i+1), not the two halves (GPT-J / Megatron)
     apply_layernorm_1p: bool = False  # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
     qk_layernorm: bool = False  # normalize queries and keys per head before attention
     # fp16 attention scores computed / layer_number, multiplied back inside the fp32 softmax (Megatron)

@@ -1,5 +1,5 @@
-"""Megatron's model flags: --qk-layernorm, --apply-layernorm-1p, --rotary-percent, and the
-run flags --deterministic-mode / --use-flash-attn. Parity against one process through the
+"""Megatron's model flags: --qk-layernorm, --apply-layernorm-1p, --rotary-percent,
+--rotary-interleaved, and the run flags --deterministic-mode / --use-flash-attn. Parity against one process through the
 harness (tests/parity.py); the pieces against direct formulas."""
 
 import os
@@ -30,7 +30,8 @@ ROPE_LN = ("--position-embedding-type", "rope")
 @pytest.fixture(scope="module")
 def runs():
     lays = [layout("tp2_sp_pp2_llama_qk_1p_rot50", tp=2, pp=2, sp=True, model=LLAMA + NEW),
-            layout("tp2_sp_pp2_layernorm_qk_1p_rot50", tp=2, pp=2, sp=True, model=ROPE_LN + NEW)]
+            layout("tp2_sp_pp2_layernorm_qk_1p_rot50_interleaved", tp=2, pp=2, sp=True,
+                   model=ROPE_LN + NEW + ("--rotary-interleaved",))]
     return lays, run_layouts(lays, 4)
 
 
@@ -121,6 +122,27 @@ def test_rotary_percent_rotates_the_head_dims_only():
     # fp32 against float64 with the same fp32 cos/sin: two products and a sum, <= 2u (|h| + |r|)
     # = 8e-7 for |x| < 3.5 (randn over 672 values)
     torch.testing.assert_close(out[..., :8].double(), expected, rtol=0, atol=1e-6)
+
+
+def test_rotary_interleaved_rotates_adjacent_pairs():
+    """Dims 2i and 2i+1 turn together by frequency i (Megatron's --rotary-interleaved), float64
+    formula against the fp32 path; the fused flag keeps it in torch (the kernel is rotate-half)."""
+    x = torch.randn(2, 7, 3, 16)
+    cos, sin = rotary_cos_sin(7, 8, 10000.0, "cpu", interleaved=True)  # 50% of 16 dims
+    assert torch.equal(cos[:, 0::2], cos[:, 1::2])
+    out = apply_rotary(x, cos, sin, fused=True, interleaved=True)
+    assert torch.equal(out[..., 8:], x[..., 8:])
+    h, c, s = x[..., :8].double(), cos[None, :, None].double(), sin[None, :, None].double()
+    expected = torch.empty_like(h)
+    expected[..., 0::2] = h[..., 0::2] * c[..., 0::2] - h[..., 1::2] * s[..., 0::2]
+    expected[..., 1::2] = h[..., 1::2] * c[..., 1::2] + h[..., 0::2] * s[..., 1::2]
+    torch.testing.assert_close(out[..., :8].double(), expected, rtol=0, atol=1e-6)  # bound: see above
+    half = apply_rotary(x, *rotary_cos_sin(7, 8, 10000.0, "cpu"))
+    assert (half - out).abs().max() > 0.1  # a different rotation, not a relabelling of the same one
+    from megalite.checkpoint.hf import _plain
+    from megalite.checkpoint.storage import CheckpointError
+    with pytest.raises(CheckpointError, match="LlamaForCausalLM cannot represent rotary_interleaved=True"):
+        _plain({"rotary_interleaved": True}, "LlamaForCausalLM", ("qk_layernorm", "rotary_interleaved"))
 
 
 def test_qk_layernorm_normalizes_each_head(monkeypatch):

@@ -27,9 +27,9 @@ def qkv_join(q, k, v, heads, groups, d):
     return x.reshape((heads + 2 * groups) * d, *rest)
 
 
-def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent")):
+def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent", "rotary_interleaved")):
     """Megatron-only variations no HF class of ours represents (absent in older checkpoints)."""
-    defaults = {"qk_layernorm": False, "apply_layernorm_1p": False, "rotary_percent": 1.0}
+    defaults = {"qk_layernorm": False, "apply_layernorm_1p": False, "rotary_percent": 1.0, "rotary_interleaved": False}
     for field in fields:
         if cfg.get(field, defaults[field]) != defaults[field]:
             raise CheckpointError(f"{arch} cannot represent {field}={cfg[field]!r}; convert a model trained "
@@ -138,7 +138,7 @@ class Llama:
 
     @staticmethod
     def check(c):
-        _plain(c, "LlamaForCausalLM", ("qk_layernorm", "rotary_percent"))
+        _plain(c, "LlamaForCausalLM", ("qk_layernorm", "rotary_percent", "rotary_interleaved"))
         if c.get("layernorm_position", "pre") != "pre":
             raise CheckpointError("LlamaForCausalLM cannot represent a post-norm model")
         _need(c, "LlamaForCausalLM", position_embedding_type="rope", normalization="RMSNorm", swiglu=True,

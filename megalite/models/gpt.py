@@ -117,7 +117,8 @@ class GPTModel(nn.Module):
         if getattr(self, "_rotary_key", None) != key:
             c = self.config
             rot = int(c.kv_channels * c.rotary_percent)  # Megatron's rotary dim
-            self._rotary, self._rotary_key = rotary_cos_sin(seq, rot, c.rotary_base, device), key
+            self._rotary = rotary_cos_sin(seq, rot, c.rotary_base, device, interleaved=c.rotary_interleaved)
+            self._rotary_key = key
         return self._rotary
 
     def set_input_tensor(self, tensor):

@@ -108,7 +108,8 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin, c.fused_kernels), apply_rotary(k, cos, sin, c.fused_kernels)
+            q = apply_rotary(q, cos, sin, c.fused_kernels, c.rotary_interleaved)
+            k = apply_rotary(k, cos, sin, c.fused_kernels, c.rotary_interleaved)
         if inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
         args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
