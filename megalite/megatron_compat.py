@@ -72,6 +72,8 @@ NOTICE = {
     "--microbatch-group-size-per-virtual-pipeline-stage": "the interleaved schedule groups --pipeline-model-"
                                                           "parallel-size micro-batches per virtual stage; the "
                                                           "order changes no value",
+    "--num-distributed-optimizer-instances": "the distributed optimizer shards over the whole DP group (one "
+                                             "instance): the same update, a different communication pattern",
     "--disable-gloo-process-groups": "megalite keeps one gloo group, for its checkpoint writer's CPU "
                                      "collectives (off the training stream)",
     "--overlap-param-gather-with-optimizer-step": "the ZeRO parameter all-gather overlaps the next forward "

@@ -29,7 +29,6 @@ KNOWN_GAPS = {
     "--wandb-project": "W&B logging", "--wandb-entity": "W&B logging", "--wandb-exp-name": "W&B logging",
     "--wandb-save-dir": "W&B logging", "--squared-relu": "squared-ReLU MLP",
     "--save-retain-interval": "checkpoint retention", "--eval-global-batch-size": "separate eval batch",
-    "--num-distributed-optimizer-instances": "partial distributed optimizer",
     "--error-injection-rate": "re-run state machine fault injection",
     "--error-injection-type": "re-run state machine fault injection",
     "--fim-data": "fill-in-the-middle data", "--fim-rate": "fill-in-the-middle data",
