@@ -59,6 +59,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "rotary_interleaved")
 
 _pending = {"future": None, "executor": None, "group": None}
+# A forked process has none of its parent's threads or process groups: it starts its own.
+os.register_at_fork(after_in_child=lambda: _pending.update(future=None, executor=None, group=None))
 # --use-checkpoint-args: command-line dest -> the ModelConfig field a checkpoint records (Megatron's list,
 # for what megalite has); disable_bias_linear is add_bias_linear negated
 CHECKPOINT_ARGS = {a: a for a in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

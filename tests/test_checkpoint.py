@@ -175,6 +175,33 @@ def test_pickle_payload_is_refused(victim, tmp_path, capsys):
     assert not os.path.exists(marker)
 
 
+def _pending_is_empty(out):
+    from megalite import checkpointing
+    out.put(all(v is None for v in checkpointing._pending.values()))
+
+
+def test_forked_process_starts_without_the_parents_save_thread():
+    """An async save's executor thread (and gloo group) does not survive a fork: a forked rank
+    submitting to it would wait forever. The child starts with none."""
+    import multiprocessing as mp
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megalite import checkpointing
+    old = dict(checkpointing._pending)
+    checkpointing._pending["executor"] = ThreadPoolExecutor(max_workers=1)
+    try:
+        checkpointing._pending["executor"].submit(lambda: None).result()
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        p = ctx.Process(target=_pending_is_empty, args=(out,))
+        p.start()
+        p.join(60)
+        assert out.get(timeout=10) is True and p.exitcode == 0
+    finally:
+        checkpointing._pending["executor"].shutdown()
+        checkpointing._pending.update(old)
+
+
 def test_verify_integrity_names_what_changed(tmp_path, capsys):
     d, plain = str(tmp_path / "ckpt"), str(tmp_path / "plain")
     _spawn(1, [["--save", d, "--exit-interval", "2", "--verify-integrity"], ["--save", plain, "--exit-interval", "2"]])
