@@ -20,8 +20,8 @@ import pytest
 from megalite.arguments import parse_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PATHS = {"${DATA_PATH}": "/data", "${TENSORBOARD_PATH}": "/tb", "${CHECKPOINT_SAVE_PATH}": "/ckpt",
-         "${CHECKPOINT_LOAD_PATH}": "/ckpt", "${DATA_CACHE_PATH}": "/cache", "${REPEAT}": "1"}
+PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH": "/ckpt",
+         "CHECKPOINT_LOAD_PATH": "/ckpt", "DATA_CACHE_PATH": "/cache", "REPEAT": "1"}
 
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
 KNOWN_GAPS = {
@@ -53,9 +53,17 @@ KNOWN_GAP_CONFIGS = {  # interleaved 1F1B with micro-batches not a multiple of P
         "gpt/gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_tunable_overlap")}
 
 
-def _configs():
+def functional_configs():
+    """{"gpt/NAME" or "bert/NAME": argv with ${VARS}} of every Megatron GPT/BERT functional test."""
     with gzip.open(os.path.join(HERE, "megatron_scripts", "functional_configs.json.gz"), "rt") as f:
         return json.load(f)["configs"]
+
+
+def fill(argv, values):
+    """The launcher's ${VAR}s replaced by values[VAR]."""
+    for var, value in values.items():
+        argv = [a.replace("${%s}" % var, value) for a in argv]
+    return argv
 
 
 def _value(argv, flag, default):
@@ -78,10 +86,7 @@ def out_of_scope(argv):
 
 
 def _parse(name, argv):
-    argv = [PATHS.get(a, a) for a in argv]
-    for var, path in PATHS.items():
-        argv = [a.replace(var, path) for a in argv]
-    argv = ["gloo" if a == "nccl" else a for a in argv]
+    argv = ["gloo" if a == "nccl" else a for a in fill(argv, PATHS)]
     model_parallel = int(_value(argv, "--tensor-model-parallel-size", "1")) * \
         int(_value(argv, "--pipeline-model-parallel-size", "1"))
     # Megatron's functional tests run on a node of 8 GPUs; a global batch too small for 8 on fewer
@@ -107,7 +112,7 @@ def _refused_flags(line):
 
 
 def test_every_functional_config_starts_or_names_its_cause():
-    configs = _configs()
+    configs = functional_configs()
     assert len(configs) > 200, len(configs)
     started, problems = [], []
     for name, argv in sorted(configs.items()):

@@ -1,10 +1,11 @@
 """Megatron-LM's own launch scripts run on megalite with only paths changed and the model shrunk.
 
-Each flag list in tests/megatron_scripts/ (Megatron's GPT examples and GPT functional-test
-configs, sources named in each file) is expanded by bash exactly as its script expands it, with
-the data / vocab / merges / checkpoint / TensorBoard paths pointing here, then shrunk by appended
-overrides (sizes, batch, 3 iterations, one eval iteration, gloo), and trained on 4 CPU ranks under
-torchrun. The data is GPT-2 BPE: vocab.json + merges.txt trained here with Hugging Face
+Megatron's GPT examples (tests/megatron_scripts/*.sh, sources named in each file) are expanded by
+bash exactly as their scripts expand them; its GPT functional-test configs come from the table of
+all of them (functional_configs.json.gz, tests/test_megatron_configs.py) with their ${VARS} filled
+in the same way. The data / vocab / merges / checkpoint / TensorBoard paths point here; each list
+is shrunk by appended overrides (sizes, batch, 3 iterations, one eval iteration, gloo) and trained
+on 4 CPU ranks under torchrun. The data is GPT-2 BPE: vocab.json + merges.txt trained here with Hugging Face
 `tokenizers`, documents written by tools/preprocess_data.py, read through Megatron's default
 tokenizer (the scripts name none or GPT2BPETokenizer)."""
 
@@ -17,27 +18,28 @@ import sys
 import pytest
 
 from dist_util import free_port
+from test_megatron_configs import fill, functional_configs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPTS = os.path.join(HERE, "megatron_scripts")
 SHRINK = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
           "--micro-batch-size 1 --global-batch-size 8 --train-iters 3 --eval-iters 1 --distributed-backend gloo").split()
-# name: (script, extra overrides beyond SHRINK)
+# name: (example script or functional-test config, extra overrides beyond SHRINK)
 LISTS = {
     "gpt3_345m": ("gpt3_345m.sh", []),
     # its rampup starts at 16 samples, above the shrunk global batch
     "gpt3_175b": ("gpt3_175b.sh", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                    "--rampup-batch-size", "4", "4", "8"]),
-    "tp2_pp2_ce_fusion": ("gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion.sh", []),
-    "tp1_pp4_vp1_dist_opt": ("gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce.sh", []),
-    "tp4_dist_opt_param_gather": ("gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather.sh", []),
-    "tp1_pp4_swiglu": ("gpt3_mcore_te_tp1_pp4_resume_torch_dist_swiglu.sh", []),
+    "tp2_pp2_ce_fusion": ("gpt/gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion", []),
+    "tp1_pp4_vp1_dist_opt": ("gpt/gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce", []),
+    "tp4_dist_opt_param_gather": ("gpt/gpt3_mcore_te_tp4_pp1_dist_optimizer_overlap_grad_reduce_param_gather", []),
+    "tp1_pp4_swiglu": ("gpt/gpt3_mcore_te_tp1_pp4_resume_torch_dist_swiglu", []),
     # GQA with 8 groups and a 131k NullTokenizer vocabulary, shrunk with the model
-    "7b_tp1_pp4_mock": ("gpt3_7b_tp1_pp4_memory_speed.sh", ["--num-query-groups", "2", "--vocab-size", "500"]),
+    "7b_tp1_pp4_mock": ("gpt/gpt3_7b_tp1_pp4_memory_speed", ["--num-query-groups", "2", "--vocab-size", "500"]),
     # fp16 with --apply-query-key-layer-scaling (Megatron's local transformer, no TE)
-    "tp1_pp2_fp16_qk_scaling": ("gpt3_mcore_tp1_pp2_fp16.sh", []),
-    "tp2_pp2_local_fp16_qk_scaling": ("gpt3_mcore_tp2_pp2_uninstall_te.sh", []),
+    "tp1_pp2_fp16_qk_scaling": ("gpt/gpt3_mcore_tp1_pp2_fp16", []),
+    "tp2_pp2_local_fp16_qk_scaling": ("gpt/gpt3_mcore_tp2_pp2_uninstall_te", []),
 }
 WORDS = ("the a cat dog runs sees big small red blue house tree river stone bird sings under over near far "
          "quick slow green old new light dark warm cold high low").split()
@@ -76,6 +78,8 @@ def _data(root):
 
 
 def _argv(script, env):
+    if not script.endswith(".sh"):  # a functional-test config: its launcher fills the ${VARS}
+        return fill(functional_configs()[script], env)
     out = subprocess.run(["bash", "-c", 'set -e; source "$1" >/dev/null; printf "%s\\0" "${ARGV[@]}"', "_",
                           os.path.join(SCRIPTS, script)], env=dict(os.environ, **env), capture_output=True, check=True)
     return out.stdout.decode().split("\0")[:-1]
