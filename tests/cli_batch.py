@@ -1,12 +1,16 @@
-"""Run many `pretrain_gpt.py` command lines one after the other in this one process, each as
-`python pretrain_gpt.py ...` would run (its own argv, WORLD_SIZE as given, stderr captured),
-so a test of many one-rank user errors pays torch's import once instead of once per case.
+"""megalite's command-line programs run in an already started interpreter (every process start
+re-imports torch: seconds on the 2-core machine).
 
-    python tests/cli_batch.py CASES.json OUT.json
-CASES.json: {name: [world_size, argv]}; OUT.json: {name: [exit code, stderr]}.
+- tool(name), convert(*argv): a tools/ script as a module, and tools/convert_checkpoint.py run in
+  the calling process ((exit status, stdout, stderr)).
+- As a script, many `pretrain_gpt.py` command lines one after the other in one process, each as
+  `python pretrain_gpt.py ...` would run (its own argv, WORLD_SIZE as given, stderr captured):
+      python tests/cli_batch.py CASES.json OUT.json
+  CASES.json: {name: [world_size, argv]}; OUT.json: {name: [exit code, stderr]}.
 """
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -15,6 +19,25 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
+
+
+def tool(name):
+    """A tools/ script as a module."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def convert(*argv):
+    """tools/convert_checkpoint.py in process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = tool("convert_checkpoint").main(list(argv))
+        except SystemExit as e:  # argparse
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
 
 
 def run_case(world_size, argv):

@@ -7,9 +7,6 @@ learnable BERT data (bigram chains split into two segments, swapped half the tim
 real dataset masks); the third layout saves its checkpoint, which the HF tests convert (nothing
 is downloaded)."""
 
-import contextlib
-import importlib.util
-import io
 import json
 import os
 
@@ -18,6 +15,7 @@ import pytest
 import torch
 
 import kernels
+from cli_batch import convert, tool
 from dist_util import rel_err
 from megalite import parallel_state as ps
 from megalite.checkpoint.convert import Reader, find_checkpoint
@@ -32,7 +30,6 @@ from test_checkpoint_hf import tensors
 transformers = pytest.importorskip("transformers", reason="the BERT HF tests need transformers (the [test] extra "
                                    "installs it)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLS, SEP, MASK, PAD = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
 SPECIALS = np.array([CLS, SEP, MASK, PAD])
 
@@ -68,22 +65,6 @@ class BigramBertDataset:
         out["types"][len(a) + 2:m], out["loss_mask"][:m] = 1, labels >= 0
         out["is_random"] = np.int64(swap)
         return out
-
-
-def tool(name):
-    """A tools/ script as a module (run in process: no interpreter start per call)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def convert(*argv):
-    """tools/convert_checkpoint.py in process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = tool("convert_checkpoint").main(list(argv))
-    return rc, out.getvalue(), err.getvalue()
 
 
 def bigram_bert_datasets(args, num_samples):

@@ -5,8 +5,6 @@ Models are trained first (TP2 x PP2, on the parity harness's learnable data), so
 logits carry structure a wrong mapping would break; nothing is downloaded.
 """
 
-import contextlib
-import io
 import json
 import math
 import os
@@ -16,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from cli_batch import convert  # in process; test_converter_refuses_what_it_cannot_represent also runs the program
 from dist_util import run_on_ranks
 from megalite import parallel_state as ps
 from megalite.checkpoint.convert import Reader, find_checkpoint
@@ -52,20 +51,6 @@ def trained(tmp_path_factory):
     for f, lo in zip(FLAVOURS, losses):
         assert lo[0] - lo[-1] > 0.5, f"{f}: the model did not learn ({lo})"
     return base, dirs
-
-
-def convert(*argv):
-    """tools/convert_checkpoint.py in this process (a process per call would re-import torch and
-    transformers): (exit status, stdout, stderr). test_converter_refuses_what_it_cannot_represent
-    also runs it as a program."""
-    from test_bert import tool
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = tool("convert_checkpoint").main(list(argv))
-        except SystemExit as e:  # argparse
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
 
 
 def _tokens():
