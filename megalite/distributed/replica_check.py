@@ -13,20 +13,20 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 
 
-def weight_hashes(chunks, tp_replicated_only=False):
-    """(names, int64 tensor of the first 8 bytes of each parameter's SHA-256), this rank."""
-    names, digests = [], []
+def weight_hashes(chunks):
+    """{name: (first 8 bytes of the parameter's SHA-256 as an int64, whether every TP rank holds
+    it whole)} of this rank's parameters; each is hashed once."""
+    out = {}
     for chunk in chunks:
         for name, p in getattr(chunk, "module", chunk).named_parameters():
-            if tp_replicated_only and getattr(p, "tensor_model_parallel", False):
-                continue
             raw = p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
-            names.append(name)
-            digests.append(int.from_bytes(hashlib.sha256(raw).digest()[:8], "little", signed=True))
-    return names, torch.tensor(digests, dtype=torch.int64, device=ps.get_device())
+            digest = int.from_bytes(hashlib.sha256(raw).digest()[:8], "little", signed=True)
+            out[name] = (digest, not getattr(p, "tensor_model_parallel", False))
+    return out
 
 
-def _differ(names, mine, group, size):
+def _differ(hashes, names, group, size):
+    mine = torch.tensor([hashes[n][0] for n in names], dtype=torch.int64, device=ps.get_device())
     every = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(every, mine, group=group)
     stacked = torch.stack(every)
@@ -40,11 +40,11 @@ def replicas_differ(chunks, tp_too=False):
     for chunk in chunks:
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    out = []
+    hashes, out = weight_hashes(chunks), []
     if ps.get_data_parallel_world_size() > 1:
-        out += _differ(*weight_hashes(chunks), ps.get_data_parallel_group(), ps.get_data_parallel_world_size())
+        out += _differ(hashes, list(hashes), ps.get_data_parallel_group(), ps.get_data_parallel_world_size())
     if tp_too and ps.get_tensor_model_parallel_world_size() > 1:
-        out += [f"{n} (over TP)" for n in _differ(*weight_hashes(chunks, tp_replicated_only=True),
-                                                  ps.get_tensor_model_parallel_group(),
+        whole = [n for n, (_, tp_replicated) in hashes.items() if tp_replicated]
+        out += [f"{n} (over TP)" for n in _differ(hashes, whole, ps.get_tensor_model_parallel_group(),
                                                   ps.get_tensor_model_parallel_world_size())]
     return out
