@@ -102,6 +102,9 @@ def build_parser():
     a("--lr", type=float, default=None)
     a("--min-lr", type=float, default=0.0)
     a("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    a("--decoupled-lr", type=float, default=None,
+      help="a separate peak LR for the input embedding and the output layer (same schedule)")
+    a("--decoupled-min-lr", type=float, default=None, help="their minimum LR (default --min-lr)")
     a("--lr-warmup-iters", type=int, default=0)
     a("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay iterations/samples")
     a("--lr-warmup-samples", type=int, default=0)
@@ -256,6 +259,7 @@ def training_config(args):
         lr_warmup_init=args.lr_warmup_init, rampup_batch_size=args.rampup_batch_size,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         bf16=args.bf16, fp16=args.fp16,
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,

@@ -167,6 +167,8 @@ class TrainingConfig:
     rampup_batch_size: Optional[list] = None  # [start, increment, ramp-up samples]
     use_checkpoint_opt_param_scheduler: bool = False
     override_opt_param_scheduler: bool = False
+    decoupled_lr: Optional[float] = None  # the input embedding's and output layer's own peak LR
+    decoupled_min_lr: Optional[float] = None  # ... and floor (default --min-lr)
 
     @property
     def params_dtype(self):

@@ -89,7 +89,8 @@ def build_scheduler(optimizer, tcfg):
     else:
         (warmup, decay), use_checkpoint = schedule_steps(tcfg), tcfg.use_checkpoint_opt_param_scheduler
     return LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, warmup, decay, tcfg.lr_decay_style, tcfg.lr_warmup_init,
-                       use_checkpoint, tcfg.override_opt_param_scheduler, legacy_step=tcfg.global_batch_size)
+                       use_checkpoint, tcfg.override_opt_param_scheduler, legacy_step=tcfg.global_batch_size,
+                       decoupled=(tcfg.decoupled_lr, tcfg.decoupled_min_lr))
 
 
 def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
@@ -272,7 +273,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         consumed_train += batch
         if stepped:  # as Megatron: a skipped fp16 iteration does not advance the schedule
             scheduler.step(batch)
-        lr = optimizer.param_groups[0]["lr"]  # as Megatron logs it: after the scheduler step
+        lr = scheduler.lr  # as Megatron logs it: after the scheduler step (not the decoupled LR)
         hash_every = 1 if args.test_mode else args.check_weight_hash_across_dp_replicas_interval
         if hash_every and it % hash_every == 0 and (drifted := replicas_differ(chunks, tp_too=args.test_mode)):
             _abort(f"iteration {it}: replicas hold different weights ({', '.join(drifted[:3])}"

@@ -37,6 +37,9 @@ def validate_args(args):
         args.sequence_parallel = False  # as Megatron: nothing to split
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; pick one")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ConfigError(f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr (the embedding and "
+                          "output layer's peak LR)")
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
     if args.use_distributed_optimizer and args.zero_stage is None:

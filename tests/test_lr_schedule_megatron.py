@@ -320,3 +320,33 @@ def test_manual_gc(tmp_path, capsys):
     assert gc.isenabled()
     # start, it 2, eval at 3 (full before, young after), it 4, final validation and test (each full + young)
     assert seen == [2, 2, 2, 0, 2, 2, 0, 2, 0], seen
+
+
+@pytest.mark.parametrize("flags", ["--decoupled-lr 4e-3 --decoupled-min-lr 3e-4", "--decoupled-lr 2e-4"])
+def test_decoupled_lr_equals_megatron_core(flags):
+    """--decoupled-lr / --decoupled-min-lr: the decoupled param groups follow megatron-core's
+    scheduler with its param-group override (max_lr, min_lr; min_lr defaults to --min-lr); the
+    others and the logged LR the main schedule. Exact floats, every iteration."""
+    a = parse_args((MODEL + "--mock-data --micro-batch-size 2 --train-iters 50 --global-batch-size 8 "
+                    "--lr-warmup-iters 5 --lr-decay-style cosine --min-lr 1e-5 " + flags).split(), world_size=4)
+    groups = [{"lr": None, "decoupled": False}, {"lr": None, "decoupled": True}]
+    ours = build_scheduler(type("O", (), {"param_groups": groups})(), training_config(a))
+    ref = _megatron_scheduler(a)
+    override = {"max_lr": a.decoupled_lr, **({"min_lr": a.decoupled_min_lr} if a.decoupled_min_lr is not None else {})}
+    ref.optimizer.param_groups = [{"lr": None}, {"lr": None, **override}]
+    ref.step(0)
+    for it in range(a.train_iters + 1):
+        assert [g["lr"] for g in groups] == [g["lr"] for g in ref.optimizer.param_groups], it
+        assert ours.lr == groups[0]["lr"] and (it in (0, a.train_iters) or groups[0]["lr"] != groups[1]["lr"])
+        ours.step(8)
+        ref.step(increment=8)
+    sd = json.loads(json.dumps(ours.state_dict()))
+    with pytest.raises(ConfigError, match="--decoupled-lr"):  # a checkpoint with it, a run without
+        LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine").load_state_dict(sd)
+
+
+def test_decoupled_min_lr_alone_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_args((MODEL + "--mock-data --micro-batch-size 2 --train-iters 5 --decoupled-min-lr 1e-5").split())
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--decoupled-min-lr 1e-05 needs --decoupled-lr" in err[0], err

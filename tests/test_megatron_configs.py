@@ -25,7 +25,6 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
 
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
 KNOWN_GAPS = {
-    "--decoupled-lr": "separate LR for embeddings", "--decoupled-min-lr": "separate LR for embeddings",
     "--wandb-project": "W&B logging", "--wandb-entity": "W&B logging", "--wandb-exp-name": "W&B logging",
     "--wandb-save-dir": "W&B logging", "--squared-relu": "squared-ReLU MLP",
     "--save-retain-interval": "checkpoint retention", "--eval-global-batch-size": "separate eval batch",

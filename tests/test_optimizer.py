@@ -159,3 +159,40 @@ def _model_weights_at_init():
         return [p.detach().clone() for p in GPTModel(tiny_config("gpt2")).parameters()]
     finally:
         ps.destroy_model_parallel()
+
+
+def _one_step_decoupled(distributed, lr, decoupled_lr):
+    """Named weights after one AdamW step of a tiny untied GPT (DP=1) at --lr / --decoupled-lr."""
+    from megalite.optimizer import DistributedOptimizer
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_manual_seed(0)
+    try:
+        tcfg = TrainingConfig(lr=lr, decoupled_lr=decoupled_lr, weight_decay=0.1, global_batch_size=2,
+                              lr_decay_style="constant")
+        model = DistributedDataParallel(GPTModel(tiny_config("gpt2", untie_embeddings_and_output_weights=True)),
+                                        bucket_size=1000, use_distributed_optimizer=distributed)
+        opt = (DistributedOptimizer if distributed else MixedPrecisionOptimizer)([model], tcfg)
+        LRScheduler(opt, lr, 0.0, 0, 10, "constant", decoupled=(decoupled_lr, None))
+        ids, labels = batch(model.module.config)
+        model.zero_grad_buffer()
+        model(ids, labels=labels).mean().backward()
+        model.finish_grad_sync()
+        opt.step()
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "zero"])
+def test_decoupled_lr_steps_embedding_and_output_at_their_own_lr(distributed):
+    """--decoupled-lr D with --lr L: the word embeddings and the output layer take exactly the
+    step of a run at --lr D (same first gradient, same elementwise AdamW), every other weight
+    exactly that of a run at --lr L; position embeddings are not among the decoupled."""
+    both = _one_step_decoupled(distributed, 1e-3, 5e-2)
+    at_l, at_d = _one_step_decoupled(distributed, 1e-3, None), _one_step_decoupled(distributed, 5e-2, None)
+    decoupled = {"embedding.word_embeddings.weight", "output_layer.weight"}
+    assert decoupled <= set(both) and "embedding.position_embeddings.weight" in both
+    for name, w in both.items():
+        ref, other = (at_d, at_l) if name in decoupled else (at_l, at_d)
+        assert torch.equal(w, ref[name]), name
+        assert not torch.equal(w, other[name]), name  # the two LRs really differ on this weight

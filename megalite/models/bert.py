@@ -127,6 +127,7 @@ class BertModel(nn.Module):
                 init_method=init_normal(c.init_method_std, real_rows=c.vocab_size), sequence_parallel=False,
                 init_seed=param_seed(c.seed, "embedding.word_embeddings"), params_dtype=c.params_dtype)
             self.output_layer.weight.real_vocab_size = c.vocab_size
+            self.output_layer.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             self.output_layer.bias.real_vocab_size = c.vocab_size
             if pre_process:
                 del self.output_layer.weight  # one parameter used twice

@@ -36,6 +36,7 @@ class GPTEmbedding(nn.Module):
             padded_vocab, c.hidden_size, init_method=init_normal(c.init_method_std), real_vocab_size=c.vocab_size,
             init_seed=param_seed(c.seed, "embedding.word_embeddings"), reduce_scatter=c.sequence_parallel,
             params_dtype=c.params_dtype)
+        self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
         self.position_embeddings = None
         if c.position_embedding_type == "learned_absolute":
             w = init_master((c.max_position_embeddings, c.hidden_size), init_normal(c.init_method_std),
@@ -101,6 +102,7 @@ class GPTModel(nn.Module):
                                      else "output_layer"),
                 params_dtype=c.params_dtype)
             self.output_layer.weight.real_vocab_size = c.vocab_size
+            self.output_layer.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             if self.share_embeddings_and_output_weights:
                 if pre_process:
                     # One parameter used twice; the output layer's own copy is dropped.

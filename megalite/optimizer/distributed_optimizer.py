@@ -148,6 +148,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for grp in self._flat:
             self._adopt_state(grp)  # copied into the flat buffers
         self.scaler.load_state_dict(sd["scaler"])
+        if [g.get("decoupled", False) for g in sd["param_groups"]] != [g["decoupled"] for g in self.param_groups]:
+            raise ValueError("the optimizer state was saved with other param groups (--decoupled-lr differs)")
         for g, saved in zip(self.param_groups, sd["param_groups"]):
             g.update(saved)
         self._publish()

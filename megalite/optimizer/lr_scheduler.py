@@ -32,14 +32,19 @@ def schedule_steps(tcfg):
 _CHECKED = {"max_lr": "--lr", "min_lr": "--min-lr",
             "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction",
             "lr_decay_steps": "--lr-decay-iters/--lr-decay-samples (default --train-iters/--train-samples)",
-            "lr_decay_style": "--lr-decay-style"}
+            "lr_decay_style": "--lr-decay-style", "decoupled_lr": "--decoupled-lr",
+            "decoupled_min_lr": "--decoupled-min-lr"}
+_CHECKED_IF_SET = ("decoupled_lr", "decoupled_min_lr")  # present only when the run sets them
 
 
 class LRScheduler:
     def __init__(self, optimizer, max_lr, min_lr, warmup_iters, decay_iters, decay_style, init_lr=0.0,
-                 use_checkpoint=False, override=False, legacy_step=1):
+                 use_checkpoint=False, override=False, legacy_step=1, decoupled=(None, None)):
         """warmup_iters / decay_iters: in steps (samples when training). legacy_step: steps per
-        iteration of a checkpoint from before the schedule counted samples ({"num_steps"} only)."""
+        iteration of a checkpoint from before the schedule counted samples ({"num_steps"} only).
+        decoupled: (peak, minimum) LR of the param groups marked "decoupled" (Megatron's
+        --decoupled-lr / --decoupled-min-lr: the input embedding and output layer); the same
+        warmup and decay, to their own peak and floor."""
         if decay_style not in STYLES:
             raise ConfigError(f"--lr-decay-style {decay_style!r} is not one of {', '.join(STYLES)}")
         if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
@@ -52,34 +57,45 @@ class LRScheduler:
         self.optimizer, self.max_lr, self.min_lr, self.init_lr = optimizer, float(max_lr), min_lr, init_lr
         self.warmup, self.decay, self.style = warmup_iters, decay_iters, decay_style
         self.use_checkpoint, self.override, self.legacy_step = use_checkpoint, override, legacy_step
+        self.decoupled_lr, self.decoupled_min_lr = decoupled[0], decoupled[1] if decoupled[1] is not None else min_lr
+        if self.decoupled_lr is not None and not 0.0 <= self.decoupled_min_lr <= self.decoupled_lr:
+            raise ConfigError(f"the LR schedule needs 0 <= --decoupled-min-lr ({self.decoupled_min_lr}, default "
+                              f"--min-lr) <= --decoupled-lr ({self.decoupled_lr})")
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self, step):
-        """The LR after `step` completed steps (Megatron's get_lr, same float operations)."""
+    def get_lr(self, step, max_lr=None, min_lr=None):
+        """The LR after `step` completed steps (Megatron's get_lr, same float operations), for
+        the main schedule or, given, another peak and floor (a param group's override)."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup > 0 and step <= self.warmup:
-            return self.init_lr + (self.max_lr - self.init_lr) * float(step) / float(self.warmup)
+            return self.init_lr + (max_lr - self.init_lr) * float(step) / float(self.warmup)
         if self.style == "constant":
-            return self.max_lr
+            return max_lr
         if step > self.decay:
-            return self.min_lr
+            return min_lr
         if self.style == "inverse-square-root":
-            lr = self.max_lr * max(self.warmup, 1) ** 0.5 / max(step, 1) ** 0.5
-            return max(self.min_lr, lr)
+            lr = max_lr * max(self.warmup, 1) ** 0.5 / max(step, 1) ** 0.5
+            return max(min_lr, lr)
         ratio = float(step - self.warmup) / float(self.decay - self.warmup)
         coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment=1):
         self.num_steps += increment
-        lr = self.get_lr(self.num_steps)  # the LR for the next iteration
+        self.lr = self.get_lr(self.num_steps)  # the LR for the next iteration
+        decoupled = self.lr if self.decoupled_lr is None else \
+            self.get_lr(self.num_steps, self.decoupled_lr, self.decoupled_min_lr)
         for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        return lr
+            g["lr"] = decoupled if g.get("decoupled") else self.lr
+        return self.lr
 
     def state_dict(self):
         return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup,
-                "lr_decay_steps": self.decay, "lr_decay_style": self.style, "num_steps": self.num_steps}
+                "lr_decay_steps": self.decay, "lr_decay_style": self.style, "num_steps": self.num_steps,
+                **({} if self.decoupled_lr is None else {"decoupled_lr": self.decoupled_lr,
+                                                          "decoupled_min_lr": self.decoupled_min_lr})}
 
     def load_state_dict(self, sd):
         """Megatron's rule: --use-checkpoint-opt_param-scheduler takes the checkpoint's
@@ -90,8 +106,14 @@ class LRScheduler:
             return
         mine = self.state_dict()
         for key, flags in _CHECKED.items():
-            if key not in sd or self.override:
+            if self.override or key not in sd and key not in mine:
                 continue
+            if key not in sd or key not in mine:  # --decoupled-lr in only one of the two runs
+                if key not in _CHECKED_IF_SET:
+                    continue  # an older checkpoint's schedule without this key
+                raise ConfigError(f"the checkpoint's LR schedule {'has' if key in sd else 'lacks'} {flags} but this "
+                                  f"run's flags {'do not' if key in sd else 'do'}: pass the same {flags} or "
+                                  "--override-opt_param-scheduler to take the flags'")
             if not self.use_checkpoint and sd[key] != mine[key]:
                 raise ConfigError(f"the checkpoint's LR schedule has {key}={sd[key]} but this run's flags give "
                                   f"{mine[key]} ({flags}); pass --use-checkpoint-opt_param-scheduler to keep the "
@@ -100,5 +122,7 @@ class LRScheduler:
             self.max_lr, self.min_lr = float(sd.get("max_lr", self.max_lr)), sd.get("min_lr", self.min_lr)
             self.warmup, self.decay = sd.get("lr_warmup_steps", self.warmup), sd.get("lr_decay_steps", self.decay)
             self.style = sd.get("lr_decay_style", self.style)
+            if self.decoupled_lr is not None:
+                self.decoupled_lr, self.decoupled_min_lr = sd["decoupled_lr"], sd["decoupled_min_lr"]
         self.num_steps = 0
         self.step(sd["num_steps"])

@@ -101,13 +101,17 @@ class MixedPrecisionOptimizer:
         c = self.config
         self.main_params, self._flat, groups = [None] * len(triples), [], []
         order = self._layout_order(len(triples))
+        # --decoupled-lr: the input embedding and output layer form groups of their own, which
+        # the LR scheduler steps to their own peak and floor (Megatron's param-group override).
+        split = getattr(c, "decoupled_lr", None) is not None
         with torch.no_grad():
-            for decay in (True, False):
-                idx = [i for i in order if no_weight_decay(*triples[i][:2]) != decay]
+            for decay, decoupled in itertools.product((True, False), (False, True) if split else (False,)):
+                idx = [i for i in order if (not no_weight_decay(*triples[i][:2]), split and getattr(
+                    triples[i][1], "is_embedding_or_output_parameter", False)) == (decay, decoupled)]
                 if idx:
                     self._flat.append(self._flat_group(idx, [triples[i][2] for i in idx], own, movable))
                     groups.append({"params": [self.main_params[i] for i in sorted(idx)],
-                                   "weight_decay": c.weight_decay if decay else 0.0})
+                                   "weight_decay": c.weight_decay if decay else 0.0, "decoupled": decoupled})
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
         for grp in self._flat:  # torch's state entries, as views: state dicts and checkpoints read them
             for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):
