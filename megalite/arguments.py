@@ -51,6 +51,7 @@ def build_parser():
       help="fp16: attention scores computed divided by the layer number and multiplied back in the fp32 "
            "softmax (same function, no fp16 overflow of large scores)")
     a("--swiglu", action="store_true")
+    a("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU")
     a("--untie-embeddings-and-output-weights", action="store_true")
     a("--disable-bias-linear", action="store_true")
     a("--hidden-dropout", type=float, default=0.1)
@@ -227,6 +228,7 @@ def model_config(args, vocab_size):
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
+        squared_relu=args.squared_relu,
         add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,

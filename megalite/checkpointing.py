@@ -56,7 +56,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "ffn_hidden_size", "vocab_size", "position_embedding_type", "normalization", "swiglu",
                 "add_bias_linear", "untie_embeddings_and_output_weights", "model_type", "layernorm_position", "gelu",
                 "num_tokentypes", "bert_binary_head", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
-                "rotary_interleaved")
+                "rotary_interleaved", "squared_relu")
 
 _pending = {"future": None, "executor": None, "group": None}
 # A forked process has none of its parent's threads or process groups: it starts its own.
@@ -67,7 +67,7 @@ CHECKPOINT_ARGS = {a: a for a in ("num_layers", "hidden_size", "num_attention_he
                                   "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
                                   "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
                                   "normalization",
-                                  "swiglu", "untie_embeddings_and_output_weights", "qk_layernorm",
+                                  "swiglu", "squared_relu", "untie_embeddings_and_output_weights", "qk_layernorm",
                                   "apply_layernorm_1p", "apply_query_key_layer_scaling")}
 CHECKPOINT_ARGS.update(norm_epsilon="layernorm_epsilon", disable_bias_linear="add_bias_linear")
 

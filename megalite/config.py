@@ -40,6 +40,7 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False
+    squared_relu: bool = False  # MLP activation relu(x)^2 instead of GeLU (Megatron's --squared-relu)
     add_bias_linear: bool = True
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -82,6 +83,8 @@ class ModelConfig:
         if self.ffn_hidden_size is None:
             # Megatron's SwiGLU size: 2/3 of 4h, rounded *down* to a multiple of 64
             self.ffn_hidden_size = 4 * h if not self.swiglu else int(8 * h / 3 / 64) * 64
+        if self.squared_relu and self.swiglu:
+            raise ConfigError("--squared-relu and --swiglu are exclusive (as Megatron); pick one activation")
         if self.ffn_hidden_size < 1:
             raise ConfigError(f"the FFN size of --hidden-size {h} rounds to {self.ffn_hidden_size}; pass --ffn-hidden-size")
         if self.max_position_embeddings is None:

@@ -26,7 +26,7 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
 KNOWN_GAPS = {
     "--wandb-project": "W&B logging", "--wandb-entity": "W&B logging", "--wandb-exp-name": "W&B logging",
-    "--wandb-save-dir": "W&B logging", "--squared-relu": "squared-ReLU MLP",
+    "--wandb-save-dir": "W&B logging",
     "--save-retain-interval": "checkpoint retention", "--eval-global-batch-size": "separate eval batch",
     "--error-injection-rate": "re-run state machine fault injection",
     "--error-injection-type": "re-run state machine fault injection",

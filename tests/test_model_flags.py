@@ -1,5 +1,5 @@
 """Megatron's model flags: --qk-layernorm, --apply-layernorm-1p, --rotary-percent,
---rotary-interleaved, and the run flags --deterministic-mode / --use-flash-attn. Parity against one process through the
+--rotary-interleaved, --squared-relu, and the run flags --deterministic-mode / --use-flash-attn. Parity against one process through the
 harness (tests/parity.py); the pieces against direct formulas."""
 
 import os
@@ -30,8 +30,8 @@ ROPE_LN = ("--position-embedding-type", "rope")
 @pytest.fixture(scope="module")
 def runs():
     lays = [layout("tp2_sp_pp2_llama_qk_1p_rot50", tp=2, pp=2, sp=True, model=LLAMA + NEW),
-            layout("tp2_sp_pp2_layernorm_qk_1p_rot50_interleaved", tp=2, pp=2, sp=True,
-                   model=ROPE_LN + NEW + ("--rotary-interleaved",))]
+            layout("tp2_sp_pp2_layernorm_qk_1p_rot50_interleaved_relu2", tp=2, pp=2, sp=True,
+                   model=ROPE_LN + NEW + ("--rotary-interleaved", "--squared-relu"))]
     return lays, run_layouts(lays, 4)
 
 
@@ -143,6 +143,34 @@ def test_rotary_interleaved_rotates_adjacent_pairs():
     from megalite.checkpoint.storage import CheckpointError
     with pytest.raises(CheckpointError, match="LlamaForCausalLM cannot represent rotary_interleaved=True"):
         _plain({"rotary_interleaved": True}, "LlamaForCausalLM", ("qk_layernorm", "rotary_interleaved"))
+
+
+def test_squared_relu_mlp_against_formula():
+    """--squared-relu: fc2(relu(fc1(x) + b1)^2) + b2 against float64 (bound: fp32 rounding of
+    sums of 32 and 128 terms of O(1) values, far under 1e-5); exclusive with --swiglu; no HF
+    class of ours represents it."""
+    from megalite.transformer.mlp import MLP
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_manual_seed(0)
+    try:
+        mlp = MLP(tiny_config("gpt2", squared_relu=True, init_method_std=0.3), "decoder.layers.0.mlp")
+        x = torch.randn(7, 2, 32)
+        out, bias = mlp(x)
+        w1, b1 = mlp.linear_fc1.weight.double(), mlp.linear_fc1.bias.double()
+        w2 = mlp.linear_fc2.weight.double()
+        ref = torch.relu(x.double() @ w1.t() + b1).pow(2) @ w2.t()
+        assert float((x.double() @ w1.t() + b1 < 0).float().mean()) > 0.2  # the ReLU cuts some
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        assert bias is not None and torch.equal(bias, mlp.linear_fc2.bias)
+    finally:
+        ps.destroy_model_parallel()
+    from megalite.config import ConfigError
+    with pytest.raises(ConfigError, match="--squared-relu and --swiglu are exclusive"):
+        tiny_config("gpt2", squared_relu=True, swiglu=True)
+    from megalite.checkpoint.hf import _plain
+    from megalite.checkpoint.storage import CheckpointError
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel cannot represent squared_relu=True"):
+        _plain({"squared_relu": True}, "GPT2LMHeadModel", ("qk_layernorm", "rotary_percent", "squared_relu"))
 
 
 def test_qk_layernorm_normalizes_each_head(monkeypatch):

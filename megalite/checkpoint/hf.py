@@ -27,9 +27,11 @@ def qkv_join(q, k, v, heads, groups, d):
     return x.reshape((heads + 2 * groups) * d, *rest)
 
 
-def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent", "rotary_interleaved")):
+def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent", "rotary_interleaved",
+                              "squared_relu")):
     """Megatron-only variations no HF class of ours represents (absent in older checkpoints)."""
-    defaults = {"qk_layernorm": False, "apply_layernorm_1p": False, "rotary_percent": 1.0, "rotary_interleaved": False}
+    defaults = {"qk_layernorm": False, "apply_layernorm_1p": False, "rotary_percent": 1.0, "rotary_interleaved": False,
+                "squared_relu": False}
     for field in fields:
         if cfg.get(field, defaults[field]) != defaults[field]:
             raise CheckpointError(f"{arch} cannot represent {field}={cfg[field]!r}; convert a model trained "
@@ -60,7 +62,7 @@ class GPT2:
 
     @staticmethod
     def check(c):
-        _plain(c, "GPT2LMHeadModel", ("qk_layernorm", "rotary_percent"))
+        _plain(c, "GPT2LMHeadModel", ("qk_layernorm", "rotary_percent", "squared_relu"))
         if c.get("layernorm_position", "pre") != "pre" or c.get("gelu", "tanh") != "tanh":
             raise CheckpointError("GPT2LMHeadModel cannot represent a post-norm model or exact GeLU")
         _need(c, "GPT2LMHeadModel", position_embedding_type="learned_absolute", normalization="LayerNorm",
@@ -138,7 +140,7 @@ class Llama:
 
     @staticmethod
     def check(c):
-        _plain(c, "LlamaForCausalLM", ("qk_layernorm", "rotary_percent", "rotary_interleaved"))
+        _plain(c, "LlamaForCausalLM", ("qk_layernorm", "rotary_percent", "rotary_interleaved", "squared_relu"))
         if c.get("layernorm_position", "pre") != "pre":
             raise CheckpointError("LlamaForCausalLM cannot represent a post-norm model")
         _need(c, "LlamaForCausalLM", position_embedding_type="rope", normalization="RMSNorm", swiglu=True,

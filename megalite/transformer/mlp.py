@@ -1,4 +1,5 @@
-"""The feed-forward block: h -> ffn (GeLU tanh or exact, or SwiGLU with [gate | up]) -> h, sharded over TP."""
+"""The feed-forward block: h -> ffn (GeLU tanh or exact, squared ReLU, or SwiGLU with [gate | up]) -> h,
+sharded over TP."""
 
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +47,8 @@ class MLP(nn.Module):
         c = self.config
         if c.swiglu:
             h = swiglu(h, b, c.fused_kernels)
+        elif c.squared_relu:  # Megatron's squared_relu, after the bias
+            h = F.relu(h if b is None else h + b).pow(2)
         elif c.gelu == "exact":  # erf GeLU (BERT); the fused kernel is the tanh approximation
             h = F.gelu(h if b is None else h + b)
         else:
