@@ -175,6 +175,8 @@ def build_parser():
     a("--save", default=None, help="directory to save checkpoints in")
     a("--load", default=None, help="directory to resume from (no checkpoint there: train from scratch)")
     a("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    a("--save-retain-interval", type=int, default=None,
+      help="keep only checkpoints at multiples of N (and the newest); others are deleted at the next save")
     a("--finetune", action="store_true", help="load weights only: iteration 0, fresh optimizer and RNG")
     a("--no-load-optim", action="store_true", help="do not load optimizer and LR-scheduler state")
     a("--no-load-rng", action="store_true", help="do not load RNG states")

@@ -158,11 +158,14 @@ def check_save_dir(root):
 
 
 class _CommittingWriter(SafetensorsWriter):
-    """Runs on the coordinator once every rank's data is written: index, rename, tracker."""
+    """Runs on the coordinator once every rank's data is written: index, rename, tracker, and
+    with --save-retain-interval R the previous checkpoint goes unless its iteration is a
+    multiple of R (Megatron's rule: the newest is always kept)."""
 
-    def __init__(self, tmp, root, iteration, hash_files=False):
+    def __init__(self, tmp, root, iteration, hash_files=False, retain_interval=None):
         super().__init__(tmp)
         self.root, self.iteration, self.hash_files = root, iteration, hash_files
+        self.retain_interval = retain_interval
 
     def finish(self, metadata, results):
         super().finish(metadata, results)
@@ -180,9 +183,14 @@ class _CommittingWriter(SafetensorsWriter):
         else:
             os.rename(tmp, final)
         fsync_dir(self.root)
+        previous = read_tracker(self.root) if self.retain_interval else None
         fsync_write(os.path.join(self.root, TRACKER + ".tmp"), f"{self.iteration}\n", mode="w")
         os.replace(os.path.join(self.root, TRACKER + ".tmp"), os.path.join(self.root, TRACKER))
         fsync_dir(self.root)
+        if isinstance(previous, int) and 0 < previous != self.iteration and previous % self.retain_interval:
+            old = iteration_dir(self.root, previous)
+            if not os.path.islink(old):  # as Megatron: a linked checkpoint is the user's
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args, consumed_train, consumed_valid):
@@ -221,7 +229,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
     entries = model_entries(chunks, for_save=True)
     if not args.no_save_optim:
         entries.update(optimizer_entries(optimizer, chunks, for_save=True))
-    kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration, args.verify_integrity),
+    kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration, args.verify_integrity,
+                                               getattr(args, "save_retain_interval", None)),
               planner=ChunkSavePlanner(entries),
               process_group=group, no_dist=group is None)
     if not args.async_save:

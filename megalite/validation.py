@@ -94,6 +94,10 @@ def _validate_checkpoint_args(args):
     for flag in ("save_interval", "exit_interval", "check_weight_hash_across_dp_replicas_interval"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    if args.save_retain_interval is not None and (not args.save_interval or args.save_retain_interval < 1 or
+                                                  args.save_retain_interval % args.save_interval):
+        raise ConfigError(f"--save-retain-interval {args.save_retain_interval} must be a positive multiple of "
+                          f"--save-interval ({args.save_interval}), as Megatron")
     for flag in ("save_interval", "async_save", "no_save_optim", "no_save_rng"):
         if getattr(args, flag) and not args.save:
             raise ConfigError(f"--{flag.replace('_', '-')} needs --save DIR")

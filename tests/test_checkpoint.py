@@ -258,3 +258,18 @@ def test_model_shape_mismatch_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "hidden_size=32" in err[0] and "hidden_size=64" in err[0], err
     shutil.rmtree(d)
+
+
+def test_save_retain_interval_keeps_multiples_and_the_newest(tmp_path, capsys):
+    """Megatron's --save-retain-interval: each save deletes the previous checkpoint unless its
+    iteration is a multiple of the interval; the newest is kept and resumes."""
+    d = str(tmp_path / "ckpt")
+    _train(["--save", d, "--save-interval", "1", "--save-retain-interval", "2", "--exit-interval", "5"])
+    assert sorted(n for n in os.listdir(d) if n.startswith("iter_")) == \
+        ["iter_0000002", "iter_0000004", "iter_0000005"]
+    assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read().strip() == "5"
+    assert len(_train(["--load", d, "--exit-interval", "6"])) == 1  # resumes at 5
+    with pytest.raises(SystemExit):
+        parse_args(list(BASE) + TEN + ["--save", d, "--save-interval", "2", "--save-retain-interval", "3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--save-retain-interval 3 must be a positive multiple of --save-interval (2)" in err[-1]
