@@ -139,6 +139,9 @@ def build_parser():
     a("--log-interval", type=int, default=100)
     a("--eval-interval", type=int, default=None, help="validate every N iterations (default: only at the end)")
     a("--eval-iters", type=int, default=100)
+    a("--eval-global-batch-size", type=int, default=None, help="samples per evaluation iteration (default "
+      "--global-batch-size)")
+    a("--eval-micro-batch-size", type=int, default=None, help="evaluation micro-batch (default --micro-batch-size)")
     a("--tensorboard-dir", default=None)
     a("--log-json", default=None, help="append one JSON object per logged iteration / evaluation to this file")
     a("--log-params-norm", action="store_true", help="log the norm of all parameters")

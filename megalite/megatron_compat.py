@@ -130,7 +130,6 @@ _WHY = (
     (("moe", "expert", "num-experts", "router"), "Mixture of Experts is not implemented in megalite"),
     (("fsdp",), "FSDP is not implemented in megalite; --use-distributed-optimizer (ZeRO-1/2) shards optimizer "
                 "state and gradients"),
-    (("decoupled",), "decoupled embedding LRs are not implemented in megalite"),
     (("wandb",), "Weights & Biases logging is not implemented in megalite; use --tensorboard-dir or --log-json"),
     (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
                                                               "run under torch.profiler or nsys yourself"),

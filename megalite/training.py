@@ -147,7 +147,7 @@ def dataset_sizes(args, batches):
     """(train, valid, test) samples: Megatron's get_train_valid_test_num_samples, with the
     final validation counted when there is no periodic one; a sample-based ramp-up's last
     batch may pass --train-samples, and the train set covers it."""
-    g = args.global_batch_size
+    g, eval_g = args.global_batch_size, eval_batch(args)[0]
     if args.train_samples is not None:
         train = max(args.train_samples, batches.samples_for(args.train_iters))
     else:
@@ -155,7 +155,14 @@ def dataset_sizes(args, batches):
     if args.eval_iters <= 0:  # Megatron: --eval-iters 0 turns evaluation off
         return train, 0, 0
     evals = args.train_iters // args.eval_interval + 1 if args.eval_interval and not args.skip_train else 1
-    return train, evals * args.eval_iters * g, args.eval_iters * g
+    return train, evals * args.eval_iters * eval_g, args.eval_iters * eval_g
+
+
+def eval_batch(args):
+    """(samples, micro-batch size) of one evaluation iteration: --eval-global-batch-size and
+    --eval-micro-batch-size, by default the training's full batch (as Megatron)."""
+    g = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    return g, getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
@@ -222,10 +229,11 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     except (ConfigError, CheckpointError) as e:
         _abort(str(e), owns)
     start_iter, consumed_train, consumed_valid = start or (0, 0, 0)
-    g = args.global_batch_size
-    eval_micro = g // (micro * dp)  # evaluation reads full global batches (Megatron's eval batch)
+    eval_g, eval_mbs = eval_batch(args)
+    eval_micro = eval_g // (eval_mbs * dp)  # micro-batches per evaluation iteration, on each DP rank
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
-    ramp = "" if batches.is_constant() else f" now, {eval_micro} at the full batch {g}"
+    ramp = "" if batches.is_constant() else f" now, {args.global_batch_size // (micro * dp)} at the full batch " \
+        f"{args.global_batch_size}"
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} "
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
                     f"{n_params:,} | micro-batches per iteration: {batches.num_microbatches(consumed_train)}{ramp}")
@@ -235,8 +243,9 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     # The validation set is sized for every evaluation of a run; a resumed run's extra final
     # evaluation (or --skip-train) starts again from its beginning.
     valid_pos = consumed_valid % len(valid_ds) if valid_ds is not None and len(valid_ds) else 0
-    valid_iters = data_iterators(valid_ds, valid_pos, args, chunks)
+    valid_iters = data_iterators(valid_ds, valid_pos, args, chunks, eval_mbs)
     shape, dtype = pipeline_tensor_shape(mcfg, micro), mcfg.params_dtype
+    eval_shape = pipeline_tensor_shape(mcfg, eval_mbs)
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
     window = TrainingWindow(start_iter)
 
@@ -248,7 +257,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     def run_eval(its):
         if args.manual_gc and args.manual_gc_eval:
             gc.collect()
-        out = evaluate(forward_step_func, its, chunks, eval_micro, args.eval_iters, shape, dtype)
+        out = evaluate(forward_step_func, its, chunks, eval_micro, args.eval_iters, eval_shape, dtype)
         if args.manual_gc and args.manual_gc_eval:
             gc.collect(generation=0)  # what the evaluation made
         return out
@@ -294,7 +303,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         if valid_ds is not None and args.eval_interval and it % args.eval_interval == 0:
             t = time.perf_counter()
             log.evaluation(it, "validation", run_eval(valid_iters))
-            consumed_valid += args.eval_iters * g
+            consumed_valid += args.eval_iters * eval_g
             window.t0 += time.perf_counter() - t  # as Megatron: evaluation is not iteration time
         if args.save and args.save_interval and it % args.save_interval == 0:
             saved_at = save(it)
@@ -325,7 +334,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     # As Megatron, after training: the validation set (where it was left) and the test set.
     for split, ds in (("validation", valid_ds), ("test", test_ds)):
         if ds is not None:
-            its = valid_iters if split == "validation" else data_iterators(ds, 0, args, chunks)
+            its = valid_iters if split == "validation" else data_iterators(ds, 0, args, chunks, eval_mbs)
             log.evaluation(last, split, run_eval(its), final=True)
     log.close()
     if owns and not return_state:

@@ -81,9 +81,27 @@ def validate_args(args):
     if args.virtual_pipeline_model_parallel_size is not None and num_micro % pp:
         raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({num_micro}) to be a multiple "
                           f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
+    _validate_eval_batch(args)
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
     model_config(args, args.vocab_size or 1).check_parallel(tp)
+
+
+def _validate_eval_batch(args):
+    """Megatron's evaluation batch: --eval-global-batch-size / --eval-micro-batch-size, defaulting
+    to the training ones, in whole micro-batches on every DP rank."""
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    g, m, dp = args.eval_global_batch_size, args.eval_micro_batch_size, args.data_parallel_size
+    if g < 1 or m < 1 or g % (m * dp):
+        raise ConfigError(f"--eval-global-batch-size {g} must be a positive multiple of --eval-micro-batch-size {m} x "
+                          f"data-parallel size {dp} = {m * dp}")
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None and (g // (m * dp)) % pp:
+        raise ConfigError(f"interleaved pipelining needs the evaluation's micro-batches ({g // (m * dp)}) to be a "
+                          f"multiple of --pipeline-model-parallel-size {pp}; change --eval-global-batch-size")
 
 
 def _validate_checkpoint_args(args):

@@ -60,6 +60,20 @@ def test_log_json_evaluations_skip_train_and_plot(tmp_path, capsys):
     again = _rows(str(tmp_path / "eval.jsonl"))
     assert not [r for r in again if "lm loss" in r] and not re.search(r" iteration +\d+/", out2)
     assert [r["test lm loss"] for r in again if "test lm loss" in r] == [test[0]["test lm loss"]]
+    # --eval-global-batch-size / --eval-micro-batch-size: the same 4 test samples as 1 batch of 4
+    # micro-batches of 1 (or of one micro-batch of 4) as in 2 batches of 2: the same mean loss,
+    # summed in another order (DESIGN's fp32 bound)
+    for eval_flags in ("--eval-global-batch-size 4 --eval-micro-batch-size 1", "--eval-global-batch-size 4 "
+                       "--eval-micro-batch-size 4"):
+        _train(["--load", ckpt, "--skip-train", "--eval-iters", "1", "--log-json", str(tmp_path / "e4.jsonl")]
+               + eval_flags.split(), capsys)
+        one = [r["test lm loss"] for r in _rows(str(tmp_path / "e4.jsonl")) if "test lm loss" in r][-1]
+        assert abs(one - test[0]["test lm loss"]) <= 1e-5 * test[0]["test lm loss"], (eval_flags, one, test)
+    with pytest.raises(SystemExit):
+        parse_args(RUN + ["--eval-global-batch-size", "6", "--eval-micro-batch-size", "4"], world_size=1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--eval-global-batch-size 6 must be a positive multiple of --eval-micro-batch-size 4" \
+        in err[0], err
     # the plot
     pytest.importorskip("matplotlib", reason="tools/plot_metrics.py needs matplotlib (the [test] extra has it)")
     png = str(tmp_path / "run.png")
