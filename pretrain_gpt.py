@@ -10,6 +10,7 @@ import os
 import torch
 
 from megalite import parallel_state as ps
+from megalite.distributed.cp_comm import cp_size, slice_for_cp_rank, sum_over_cp
 from megalite.models import GPTModel
 
 
@@ -55,19 +56,22 @@ def datasets_provider(args, num_samples):
 def forward_step(data_iterator, model):
     """Megatron's contract: (per-token loss, loss_func). The batch may carry Megatron's
     loss_mask / position_ids / attention_mask (megalite/data/gpt_batch.py); with a document
-    mask every pipeline stage reads the batch (the model asks for it: input_on_every_stage)."""
+    mask every pipeline stage reads the batch (the model asks for it: input_on_every_stage).
+    Under context parallelism each rank keeps its two chunks of every sequence (Megatron's
+    get_batch_on_this_cp_rank) and the loss is the mean over the whole sequence's tokens."""
     tokens = labels = None
     b = next(data_iterator) if data_iterator is not None else {}  # middle stages may read nothing
     if "text" in b:
         tokens, labels = b["text"][:, :-1].contiguous(), b["text"][:, 1:].contiguous()
-    output = model(tokens, position_ids=b.get("position_ids"), labels=labels,
-                   attention_mask=b.get("attention_mask"))
-    loss_mask = b.get("loss_mask")
+    tokens, labels, position_ids, loss_mask = (None if t is None else slice_for_cp_rank(t, 1) for t in (
+        tokens, labels, b.get("position_ids"), b.get("loss_mask")))
+    output = model(tokens, position_ids=position_ids, labels=labels, attention_mask=b.get("attention_mask"))
     per_token = getattr(model, "module", model).config.calculate_per_token_loss
+    cp = cp_size() > 1
 
     def loss_func(per_token_loss):
         losses = per_token_loss.float()
-        if loss_mask is None and not per_token:
+        if loss_mask is None and not per_token and not cp:
             loss = losses.mean()
             return loss, {"lm loss": loss.detach()}
         if loss_mask is None:
@@ -75,10 +79,13 @@ def forward_step(data_iterator, model):
         else:
             mask = loss_mask.to(losses.device, torch.float)
             total, count = (losses * mask).sum(), mask.sum()
+        whole = total.detach()
+        if cp:  # the whole sequence's sum and count; this rank's gradient is its part of the sum
+            whole, count = sum_over_cp(torch.stack([whole, count])).unbind()
         if per_token:  # Megatron: the schedule sums; gradients are divided by the batch's token count
-            return total, count, {"lm loss": torch.stack([total.detach(), count])}
+            return total, count, {"lm loss": torch.stack([whole, count])}
         loss = total / count.clamp(min=1.0)  # as Megatron: a fully masked micro-batch gives 0, not NaN
-        return loss, {"lm loss": loss.detach()}
+        return loss, {"lm loss": whole / count.clamp(min=1.0) if cp else loss.detach()}
     return output, loss_func
 
 

@@ -82,6 +82,10 @@ def build_parser():
     a("--decoder-first-pipeline-num-layers", type=int, default=None)
     a("--decoder-last-pipeline-num-layers", type=int, default=None)
     a("--sequence-parallel", action="store_true")
+    a("--context-parallel-size", type=int, default=1,
+      help="split every sequence over N ranks (2N chunks, rank r keeps chunks r and 2N-1-r)")
+    a("--cp-comm-type", nargs="+", default=["p2p"],
+      help="context-parallel attention: p2p (ring), a2a (Ulysses all-to-all) or allgather; one, or one per layer")
     a("--distributed-backend", default=None, choices=["nccl", "gloo"],
       help="default: nccl with CUDA, gloo without (Megatron's default nccl needs GPUs)")
     a("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true", default=True,
@@ -245,6 +249,7 @@ def model_config(args, vocab_size):
         rotary_percent=args.rotary_percent, apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, rotary_interleaved=args.rotary_interleaved,
         use_flash_attn=args.use_flash_attn, deterministic=args.deterministic_mode,
+        cp_comm_type=list(args.cp_comm_type) if args.context_parallel_size > 1 else None,
         reset_attention_mask=args.reset_attention_mask, calculate_per_token_loss=args.calculate_per_token_loss,
         **_bert_fields(args))
 

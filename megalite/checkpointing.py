@@ -210,6 +210,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
                 "parallel": {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
                              "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
                              "data_parallel_size": ps.get_data_parallel_world_size(),
+                             "context_parallel_size": ps.get_context_parallel_world_size(),
                              "virtual_pipeline_model_parallel_size":
                                  ps.get_virtual_pipeline_model_parallel_world_size(),
                              "use_distributed_optimizer": bool(args.use_distributed_optimizer),

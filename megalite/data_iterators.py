@@ -1,7 +1,8 @@
 """The training loop's data: Megatron's sampler through a torch DataLoader (--num-workers worker
-processes; pinned host memory on CUDA), read by TP rank 0 of each TP group and broadcast to the
-other TP ranks, which hold the same samples (Megatron's get_batch_on_this_tp_rank idea: one
-reader per TP group instead of TP copies of the same reads)."""
+processes; pinned host memory on CUDA), read by the first rank of each TP x CP group and
+broadcast to the others, which hold the same samples (Megatron's get_batch_on_this_tp_rank
+idea: one reader per group instead of copies of the same reads); each CP rank then keeps its
+part of every sequence (megalite.distributed.cp_comm.slice_for_cp_rank, in forward_step)."""
 
 import torch
 
@@ -25,7 +26,7 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
                                          ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     device = ps.get_device()
-    reader = ps.get_tensor_model_parallel_rank() == 0
+    reader = ps.get_tensor_and_context_parallel_rank() == 0  # one reader per TP x CP group
     workers = getattr(args, "num_workers", 0)
 
     # Started here, not at the first batch: the workers prefetch while the model is built.

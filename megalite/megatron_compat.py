@@ -86,7 +86,6 @@ NOTICE = {
 
 # Value-carrying flags whose *value* decides: accepted at these values, not implemented otherwise.
 NEUTRAL_VALUES = {
-    "--context-parallel-size": ("1", "context parallelism is not implemented in megalite"),
     "--expert-model-parallel-size": ("1", "Mixture of Experts is not implemented in megalite"),
     "--expert-tensor-parallel-size": (None, "Mixture of Experts is not implemented in megalite"),
     "--num-experts": ("0", "Mixture of Experts is not implemented in megalite"),
@@ -133,7 +132,8 @@ _WHY = (
     (("wandb",), "Weights & Biases logging is not implemented in megalite; use --tensorboard-dir or --log-json"),
     (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
                                                               "run under torch.profiler or nsys yourself"),
-    (("context-parallel", "cp-comm", "hierarchical-context"), "context parallelism is not implemented in megalite"),
+    (("hierarchical-context",), "hierarchical context parallelism (--cp-comm-type a2a+p2p) is not implemented in "
+                                "megalite; use --cp-comm-type p2p, a2a or allgather"),
     (("cuda-graph", "enable-cuda-graph"), "CUDA graphs are not implemented in megalite"),
     (("mtp",), "multi-token prediction is not implemented in megalite"),
     (("mla", "kv-lora", "q-lora", "multi-latent"), "multi-latent attention is not implemented in megalite"),

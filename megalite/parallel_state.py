@@ -1,10 +1,11 @@
-"""The process-group grid: tensor (TP) x data (DP) x pipeline (PP) parallel.
+"""The process-group grid: tensor (TP) x context (CP) x data (DP) x pipeline (PP) parallel.
 
-Rank order follows Megatron-LM: TP varies fastest, then DP, then PP,
-    rank = tp_rank + TP * (dp_rank + DP * pp_rank)
-so that a TP group is made of neighbouring ranks (one node). A context-parallel axis
-would slot in between TP and DP (rank = tp + TP * (cp + CP * (dp + DP * pp))); it is
-accepted as size 1 today so the grid's coordinates already have a place for it.
+Rank order follows Megatron-LM: TP varies fastest, then CP, then DP, then PP,
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
+so that a TP group is made of neighbouring ranks (one node), and a TP x CP group too.
+CP ranks hold the same weights (each a part of every sequence): gradients are reduced and
+the distributed optimizer shards over DP x CP, as Megatron's
+get_data_parallel_group(with_context_parallel=True).
 
 Without torch.distributed initialised the grid is a single process: every size is 1,
 every group is None and the communication primitives become identities. Tests use this
@@ -29,15 +30,17 @@ class _Grid:
     def __init__(self, tp, pp, dp, cp, vpp):
         self.tp, self.pp, self.dp, self.cp, self.vpp = tp, pp, dp, cp, vpp
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.emb_group = None
-        self.tp_rank = self.pp_rank = self.dp_rank = 0
+        self.cp_group = self.dp_cp_group = self.tp_cp_group = None
+        self.tp_rank = self.pp_rank = self.dp_rank = self.cp_rank = 0
         self.pp_ranks = [0]
         self.emb_ranks = [0]
+        self.cp_ranks = [0]
         self.virtual_rank = 0
 
 
-def rank_of(tp_rank, dp_rank, pp_rank, tp, dp):
-    """Global rank of a grid coordinate (Megatron's order)."""
-    return tp_rank + tp * (dp_rank + dp * pp_rank)
+def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1):
+    """Global rank of a grid coordinate (Megatron's order: TP, CP, DP, PP)."""
+    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 
 _TIMEOUT = None  # --distributed-timeout-minutes, for every group
@@ -96,57 +99,58 @@ def shutdown_distributed(barrier=True):
 
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               virtual_pipeline_model_parallel_size=None, context_parallel_size=1):
-    """Build the TP/PP/DP/model-parallel/embedding groups for the current world."""
+    """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world."""
     global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    if cp != 1:
-        raise ValueError(f"context parallelism is not implemented yet (context_parallel_size={cp}); use 1")
-    for name, v in (("tensor", tp), ("pipeline", pp)):
+    for name, v in (("tensor-model", tp), ("pipeline-model", pp), ("context", cp)):
         if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}-model-parallel size must be a positive integer, got {v}")
-    if world % (tp * pp) != 0:
+            raise ValueError(f"{name}-parallel size must be a positive integer, got {v}")
+    if world % (tp * cp * pp) != 0:
         raise ValueError(
-            f"world size {world} is not divisible by tensor-model-parallel size {tp} x "
-            f"pipeline-model-parallel size {pp} = {tp * pp}; change --nproc-per-node or the parallel sizes")
-    dp = world // (tp * pp)
+            f"world size {world} is not divisible by tensor-model-parallel size {tp} x context-parallel size {cp} x "
+            f"pipeline-model-parallel size {pp} = {tp * cp * pp}; change --nproc-per-node or the parallel sizes")
+    dp = world // (tp * cp * pp)
     grid = _Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
     if not dist.is_initialized():
         _GRID = grid
         return
     rank = dist.get_rank()
     grid.tp_rank = rank % tp
-    grid.dp_rank = (rank // tp) % dp
-    grid.pp_rank = rank // (tp * dp)
-    # Every rank must create every group, in the same order.
-    for d in range(dp):
-        for p in range(pp):
-            ranks = [rank_of(t, d, p, tp, dp) for t in range(tp)]
-            g = new_group(ranks)
-            if rank in ranks:
-                grid.tp_group = g
-    for t in range(tp):
-        for p in range(pp):
-            ranks = [rank_of(t, d, p, tp, dp) for d in range(dp)]
-            g = new_group(ranks)
-            if rank in ranks:
-                grid.dp_group = g
-    for t in range(tp):
-        for d in range(dp):
-            ranks = [rank_of(t, d, p, tp, dp) for p in range(pp)]
-            g = new_group(ranks)
-            if rank in ranks:
-                grid.pp_group, grid.pp_ranks = g, ranks
-            if pp > 1:  # tied word embeddings live on the first and last stage
-                emb = [ranks[0], ranks[-1]]
-                g = new_group(emb)
-                if rank in emb:
-                    grid.emb_group, grid.emb_ranks = g, emb
-    for d in range(dp):
-        ranks = [rank_of(t, d, p, tp, dp) for p in range(pp) for t in range(tp)]
-        g = new_group(sorted(ranks))
-        if rank in ranks:
-            grid.mp_group = g
+    grid.cp_rank = (rank // tp) % cp
+    grid.dp_rank = (rank // (tp * cp)) % dp
+    grid.pp_rank = rank // (tp * cp * dp)
+
+    def at(t, c, d, p):
+        return rank_of(t, d, p, tp, dp, c, cp)
+
+    def make(ranks):  # every rank creates every group, in the same order (torch requires it)
+        g = new_group(ranks)
+        return g if rank in ranks else None
+
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+    for c, d, p in ((c, d, p) for d in D for p in P for c in C):
+        grid.tp_group = make([at(t, c, d, p) for t in T]) or grid.tp_group
+    for t, c, p in ((t, c, p) for t in T for p in P for c in C):
+        grid.dp_group = make([at(t, c, d, p) for d in D]) or grid.dp_group
+    for t, d, p in ((t, d, p) for t in T for d in D for p in P):
+        ranks = [at(t, c, d, p) for c in C]
+        if (g := make(ranks)) is not None:
+            grid.cp_group, grid.cp_ranks = g, ranks
+    for t, p in ((t, p) for t in T for p in P):  # gradients and ZeRO shards: DP x CP
+        grid.dp_cp_group = make(sorted(at(t, c, d, p) for d in D for c in C)) or grid.dp_cp_group
+    for d, p in ((d, p) for d in D for p in P):  # the batch is read once per TP x CP group
+        grid.tp_cp_group = make(sorted(at(t, c, d, p) for c in C for t in T)) or grid.tp_cp_group
+    for t, c, d in ((t, c, d) for t in T for d in D for c in C):
+        ranks = [at(t, c, d, p) for p in P]
+        if (g := make(ranks)) is not None:
+            grid.pp_group, grid.pp_ranks = g, ranks
+        if pp > 1:  # tied word embeddings live on the first and last stage
+            emb = [ranks[0], ranks[-1]]
+            if (g := make(emb)) is not None:
+                grid.emb_group, grid.emb_ranks = g, emb
+    for c, d in ((c, d) for d in D for c in C):
+        grid.mp_group = make(sorted(at(t, c, d, p) for p in P for t in T)) or grid.mp_group
     _GRID = grid
 
 
@@ -194,16 +198,47 @@ def get_pipeline_model_parallel_ranks():
     return list(_grid().pp_ranks)
 
 
-def get_data_parallel_group():
-    return _grid().dp_group
+def get_data_parallel_group(with_context_parallel=False):
+    """DP; with_context_parallel: DP x CP (gradient reduction and ZeRO shards, as Megatron)."""
+    g = _grid()
+    return g.dp_cp_group if with_context_parallel and g.cp > 1 else g.dp_group
 
 
-def get_data_parallel_rank():
-    return _grid().dp_rank
+def get_data_parallel_rank(with_context_parallel=False):
+    g = _grid()
+    return g.dp_rank * g.cp + g.cp_rank if with_context_parallel else g.dp_rank
 
 
-def get_data_parallel_world_size():
-    return _grid().dp
+def get_data_parallel_world_size(with_context_parallel=False):
+    g = _grid()
+    return g.dp * g.cp if with_context_parallel else g.dp
+
+
+def get_context_parallel_group():
+    return _grid().cp_group
+
+
+def get_context_parallel_rank():
+    return _grid().cp_rank
+
+
+def get_context_parallel_world_size():
+    return _grid().cp
+
+
+def get_context_parallel_global_ranks():
+    return list(_grid().cp_ranks)
+
+
+def get_tensor_and_context_parallel_group():
+    """TP x CP: the ranks that read one batch (each CP rank then keeps its part)."""
+    g = _grid()
+    return g.tp_cp_group if g.cp > 1 else g.tp_group
+
+
+def get_tensor_and_context_parallel_rank():
+    g = _grid()
+    return g.cp_rank * g.tp + g.tp_rank
 
 
 def get_model_parallel_group():

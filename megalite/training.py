@@ -212,7 +212,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     except (ConfigError, CheckpointError) as e:
         _abort(str(e), owns)
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                 args.virtual_pipeline_model_parallel_size)
+                                 args.virtual_pipeline_model_parallel_size, args.context_parallel_size)
     model_parallel_manual_seed(args.seed)
     dp, micro = ps.get_data_parallel_world_size(), args.micro_batch_size
     log = MetricsLogger(args)
@@ -234,7 +234,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     ramp = "" if batches.is_constant() else f" now, {args.global_batch_size // (micro * dp)} at the full batch " \
         f"{args.global_batch_size}"
-    print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} "
+    cp = ps.get_context_parallel_world_size()
+    print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} {f'CP={cp} ' if cp > 1 else ''}"
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
                     f"{n_params:,} | micro-batches per iteration: {batches.num_microbatches(consumed_train)}{ramp}")
     if args.skip_train or start_iter >= args.train_iters:

@@ -18,9 +18,9 @@ def validate_args(args):
     if missing:
         raise ConfigError(f"missing required flag{'s' * (len(missing) > 1)} {', '.join(missing)} "
                           "(Megatron has no defaults for these)")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp})")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp}, CP={cp})")
     if args.eval_interval == 0:
         args.eval_interval = None  # megalite's older spelling of "no periodic evaluation"
     for flag, minimum in (("micro_batch_size", 1), ("train_iters", 1), ("train_samples", 1), ("log_interval", 1),
@@ -28,11 +28,13 @@ def validate_args(args):
                           ("num_workers", 0), ("manual_gc_interval", 0)):
         if getattr(args, flag) is not None and getattr(args, flag) < minimum:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= {minimum}")
-    if args.world_size % (tp * pp):
+    if args.world_size % (tp * cp * pp):
         raise ConfigError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp} = {tp * pp}; change --nproc-per-node or the sizes")
-    args.data_parallel_size = args.world_size // (tp * pp)
+                          f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {tp * cp * pp}; "
+                          "change --nproc-per-node or the sizes")
+    args.data_parallel_size = args.world_size // (tp * cp * pp)
     _validate_pipeline(args)
+    _validate_context_parallel(args)
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron: nothing to split
     if args.bf16 and args.fp16:
@@ -170,6 +172,42 @@ def _validate_pipeline(args):
     stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
+
+
+def _validate_context_parallel(args):
+    """Megatron's rules for --context-parallel-size / --cp-comm-type, and what megalite's CP
+    does not compose with yet, one line each."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    kinds = args.cp_comm_type
+    if len(kinds) not in (1, args.num_layers):
+        raise ConfigError(f"--cp-comm-type takes one type or one per layer ({args.num_layers}), got {len(kinds)}")
+    for kind in kinds:
+        if kind == "a2a+p2p":
+            raise ConfigError("--cp-comm-type a2a+p2p (hierarchical context parallelism) is not implemented in "
+                              "megalite; use p2p, a2a or allgather")
+        if kind not in ("p2p", "a2a", "allgather"):
+            raise ConfigError(f"--cp-comm-type {kind!r} is not one of p2p, a2a, allgather")
+    if cp == 1:
+        return
+    s = args.seq_length
+    if s % (2 * cp):
+        raise ConfigError(f"--seq-length {s} must be a multiple of 2 x --context-parallel-size {cp} = {2 * cp} "
+                          "(each CP rank keeps two of 2 x CP equal chunks)")
+    if args.sequence_parallel and tp > 1 and (s // cp) % tp:
+        raise ConfigError(f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length {s} / {cp} "
+                          f"divisible by --tensor-model-parallel-size {tp}")
+    if "a2a" in kinds:
+        heads, groups = args.num_attention_heads, args.num_query_groups if args.group_query_attention else \
+            args.num_attention_heads
+        if (heads // tp) % cp or (groups // tp) % cp:
+            raise ConfigError(f"--cp-comm-type a2a splits each TP rank's heads over CP: {heads} heads and {groups} "
+                              f"query groups / TP {tp} must be divisible by --context-parallel-size {cp}")
+    for flag, what in (("reset_attention_mask", "--reset-attention-mask (document masks)"),
+                       ("apply_query_key_layer_scaling", "--apply-query-key-layer-scaling")):
+        if getattr(args, flag):
+            raise ConfigError(f"--context-parallel-size {cp} does not compose with {what} in megalite yet")
+    if args.model_type == "bert":
+        raise ConfigError(f"--context-parallel-size {cp} is not implemented for BERT (its padding mask) in megalite")
 
 
 def _validate_schedule(args):

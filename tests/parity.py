@@ -126,14 +126,17 @@ class Layout:
 
 
 def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dtype="fp32", flags=(),
-           model=(), base=BASE, fault=None, entry="pretrain_gpt", datasets=None):
-    """vp: layers per virtual pipeline stage; zero: 0 (plain optimizer), 1 or 2;
+           model=(), base=BASE, fault=None, entry="pretrain_gpt", datasets=None, cp=1, cp_comm=None):
+    """vp: layers per virtual pipeline stage; zero: 0 (plain optimizer), 1 or 2; cp: context-
+    parallel size, cp_comm: its --cp-comm-type (default p2p);
     recompute: None, "full" (uniform, 1 layer per checkpoint) or "selective"; flags: more
     flags of this layout only; model: flags that change the model or training (e.g.
     "--num-layers 8", "--untie-embeddings-and-output-weights"), given to the reference too."""
     f = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     if sp:
         f.append("--sequence-parallel")
+    if cp > 1:
+        f += ["--context-parallel-size", str(cp)] + (["--cp-comm-type", cp_comm] if cp_comm else [])
     if vp is not None:
         f += ["--num-layers-per-virtual-pipeline-stage", str(vp)]
     if zero:
@@ -142,7 +145,7 @@ def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dt
         f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif recompute is not None:
         f += ["--recompute-granularity", recompute]
-    return Layout(name, tuple(f) + tuple(flags), dtype, tuple(base) + tuple(model), tp * pp * dp, fault, entry,
+    return Layout(name, tuple(f) + tuple(flags), dtype, tuple(base) + tuple(model), tp * pp * dp * cp, fault, entry,
                   datasets)
 
 
@@ -179,8 +182,8 @@ def _full_local_grads(opt, grads):
     for pc, g in zip(opt.pieces, grads):
         out[id(pc.param)][pc.start:pc.end] = g.float()
     for p in opt.model_params:
-        if ps.get_data_parallel_world_size() > 1:
-            dist.all_reduce(out[id(p)], group=ps.get_data_parallel_group())  # disjoint pieces
+        if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # disjoint pieces over DP x CP
+            dist.all_reduce(out[id(p)], group=ps.get_data_parallel_group(with_context_parallel=True))
         out[id(p)] = out[id(p)].view(p.shape)
     return out
 
@@ -233,7 +236,7 @@ def train(lay, collect=None):
                                            entry.forward_step, args, return_state=True)
         out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},
                "coords": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                          ps.get_data_parallel_rank())}
+                          ps.get_data_parallel_rank(with_context_parallel=True))}
         for name, p in _named(chunks):
             out["grads"][name] = _cut_vocab(name, gather_full(p, record["grads"][id(p)]), args.vocab_size)
             out["params"][name] = _cut_vocab(name, gather_full(p, p.detach().float()), args.vocab_size)

@@ -4,8 +4,8 @@ megalite's command line, with only paths changed (and gloo for nccl: these are C
 
 - a dense fp32/bf16/fp16 pretraining config is accepted, unless it uses a Megatron feature
   megalite does not have yet (KNOWN_GAPS, each named), and then the refusal names exactly those;
-- fp8, MoE, context parallelism and non-pretraining workloads (inference, RL, distillation) are
-  refused in one line that names the cause.
+- fp8, MoE and non-pretraining workloads (inference, RL, distillation) are refused in one line
+  that names the cause (context parallelism runs: --context-parallel-size, --cp-comm-type).
 Parsing and validation only, in this process; tests/test_megatron_scripts.py trains a sample of
 them for 3 iterations."""
 
@@ -26,7 +26,8 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
 KNOWN_GAPS = {
     "--wandb-project": "W&B logging", "--wandb-entity": "W&B logging", "--wandb-exp-name": "W&B logging",
-    "--wandb-save-dir": "W&B logging",
+    "--wandb-save-dir": "W&B logging", "--use-tp-pp-dp-mapping": "rank order TP-PP-DP",
+    "--hierarchical-context-parallel-sizes": "hierarchical context parallelism (a2a+p2p)",
     "--error-injection-rate": "re-run state machine fault injection",
     "--error-injection-type": "re-run state machine fault injection",
     "--fim-data": "fill-in-the-middle data", "--fim-rate": "fill-in-the-middle data",
@@ -78,8 +79,6 @@ def out_of_scope(argv):
         return "FP8/FP4"
     if int(_value(argv, "--num-experts", "0")) > 0 or any(a.startswith("--moe-") for a in argv):
         return "Mixture of Experts"
-    if int(_value(argv, "--context-parallel-size", "1")) > 1:
-        return "context parallelism"
     return None
 
 

@@ -36,7 +36,8 @@ def _add(entries, name, layout, dtype, chunks):
 
 def model_entries(chunks, for_save):
     """Save: what this rank writes. Load: everything this rank holds."""
-    entries, dp_rank = {}, ps.get_data_parallel_rank()
+    # The first replica over DP x CP writes (CP ranks hold the same weights).
+    entries, dp_rank = {}, ps.get_data_parallel_rank(with_context_parallel=True)
     for p, lay in _layouts(chunks).items():
         if for_save and not (lay.owner and dp_rank == 0):
             continue
@@ -66,7 +67,7 @@ def _optimizer_slots(optimizer, chunks):
 def optimizer_entries(optimizer, chunks, for_save):
     entries = {}
     sharded = hasattr(optimizer, "pieces")
-    dp_rank = ps.get_data_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)  # ZeRO shards over DP x CP
     for lay, mp, start, end, separate in _optimizer_slots(optimizer, chunks):
         if for_save and not (lay.owner and (sharded or dp_rank == 0)):
             continue

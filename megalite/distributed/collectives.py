@@ -33,18 +33,20 @@ def any_rank(flag):
 
 
 def broadcast_batch(batch, layout=None):
-    """TP rank 0's batch ({key: tensor}) to the other ranks of its TP group; returns (batch,
-    layout). The layout (keys, shapes, dtypes) goes once per data iterator as an object (pass
-    back the returned one); after that a micro-batch is one broadcast per key, no host read."""
-    if ps.get_tensor_model_parallel_world_size() == 1:
+    """The first rank's batch ({key: tensor}) to the other ranks of its TP x CP group (TP ranks
+    use the same samples; CP ranks each keep their part of them); returns (batch, layout). The
+    layout (keys, shapes, dtypes) goes once per data iterator as an object (pass back the
+    returned one); after that a micro-batch is one broadcast per key, no host read."""
+    if ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size() == 1:
         return batch, layout
-    group = ps.get_tensor_model_parallel_group()
-    src = ps.global_rank() - ps.get_tensor_model_parallel_rank()  # TP ranks are neighbours
+    group = ps.get_tensor_and_context_parallel_group()
+    rank = ps.get_tensor_and_context_parallel_rank()
+    src = ps.global_rank() - rank  # TP x CP ranks are neighbours
     if layout is None:
         obj = [None if batch is None else tuple((k, tuple(v.shape), v.dtype) for k, v in batch.items())]
         dist.broadcast_object_list(obj, src=src, group=group)
         layout = obj[0]
-    if ps.get_tensor_model_parallel_rank() != 0:
+    if rank != 0:
         batch = {k: torch.empty(shape, dtype=dtype, device=ps.get_device()) for k, shape, dtype in layout}
     for k in batch:
         dist.broadcast(batch[k], src=src, group=group)

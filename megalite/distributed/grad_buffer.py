@@ -26,8 +26,8 @@ class _Bucket:
     """A bucket all-reduced (averaged) over DP: every rank holds the full result."""
     reduce_every_microbatch = False
 
-    def __init__(self, params, data, dp, group):
-        self.params, self.data, self.dp, self.group = params, data, dp, group
+    def __init__(self, params, data, dp, group, divisor):
+        self.params, self.data, self.dp, self.group, self.divisor = params, data, dp, group, divisor
         self.ready, self.handle = set(), None
         offset = 0
         for p in params:
@@ -43,7 +43,8 @@ class _Bucket:
         if self.dp == 1:
             self.handle = True
             return
-        self.data.div_(self.dp)  # average over DP, as Megatron
+        if self.divisor > 1:
+            self.data.div_(self.divisor)  # average over DP, as Megatron (summed over CP)
         self.handle = comm.all_reduce(self.data, group=self.group, async_op=True)
 
     def finish(self):
@@ -102,8 +103,11 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
         self.sync_enabled = True
-        self.dp = ps.get_data_parallel_world_size()
-        self.dp_group = ps.get_data_parallel_group()
+        # Gradients reduce (and ZeRO shards) over DP x CP; CP ranks hold parts of one sequence,
+        # so their gradients are parts of one sum: averaged over DP only.
+        self.dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.grad_divisor = ps.get_data_parallel_world_size()
         if use_distributed_optimizer and zero_stage not in (1, 2):
             raise ValueError(f"--zero-stage {zero_stage} is not supported; use 1 or 2")
         self.zero_stage = zero_stage if use_distributed_optimizer else 0
@@ -126,9 +130,10 @@ class DistributedDataParallel(nn.Module):
             grad = self.grad_data[offset:offset + n] if self.grad_data is not None else None
             if self.zero_stage:
                 b = ShardedBucket(bucket_params, n, self.zero_stage, grad, self.param_data[offset:offset + n],
-                                  self.dp, ps.get_data_parallel_rank(), self.dp_group)
+                                  self.dp, ps.get_data_parallel_rank(with_context_parallel=True), self.dp_group,
+                                  self.grad_divisor)
             else:
-                b = _Bucket(bucket_params, grad, self.dp, self.dp_group)
+                b = _Bucket(bucket_params, grad, self.dp, self.dp_group, self.grad_divisor)
             b.index = len(self.buckets)
             self.buckets.append(b)
             for p in bucket_params:

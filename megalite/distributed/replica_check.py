@@ -41,8 +41,9 @@ def replicas_differ(chunks, tp_too=False):
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
     hashes, out = weight_hashes(chunks), []
-    if ps.get_data_parallel_world_size() > 1:
-        out += _differ(hashes, list(hashes), ps.get_data_parallel_group(), ps.get_data_parallel_world_size())
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # CP ranks are replicas too
+        out += _differ(hashes, list(hashes), ps.get_data_parallel_group(with_context_parallel=True),
+                       ps.get_data_parallel_world_size(with_context_parallel=True))
     if tp_too and ps.get_tensor_model_parallel_world_size() > 1:
         whole = [n for n, (_, tp_replicated) in hashes.items() if tp_replicated]
         out += [f"{n} (over TP)" for n in _differ(hashes, whole, ps.get_tensor_model_parallel_group(),

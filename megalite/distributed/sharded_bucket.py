@@ -29,8 +29,11 @@ class Piece:
 
 
 class ShardedBucket:
-    def __init__(self, params, padded, stage, grad, param_data, dp, dp_rank, group):
+    def __init__(self, params, padded, stage, grad, param_data, dp, dp_rank, group, divisor=None):
+        """dp, dp_rank, group: the ranks that shard (DP x CP); divisor: the gradient average's
+        (DP; default dp)."""
         self.params, self.stage, self.dp, self.group = params, stage, dp, group
+        self.divisor = dp if divisor is None else divisor
         self.padded, self.shard = padded, padded // dp
         self.lo, self.hi = dp_rank * self.shard, (dp_rank + 1) * self.shard
         self.param_data = param_data
@@ -88,7 +91,8 @@ class ShardedBucket:
         self.ready.clear()
         self.state = "inflight"
         if self.dp > 1:
-            self.data.div_(self.dp)  # average over DP, as Megatron
+            if self.divisor > 1:
+                self.data.div_(self.divisor)  # average over DP, as Megatron (summed over CP)
             # A separate output: an output aliasing the input is not safe on every backend.
             self._out = torch.empty(self.shard, dtype=torch.float32, device=self.data.device)
             self._handle = comm.reduce_scatter(self._out, self.data, group=self.group, async_op=True)

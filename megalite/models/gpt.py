@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megalite import parallel_state as ps
+from megalite.distributed.cp_comm import cp_size, global_token_index
 from megalite.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -60,8 +61,8 @@ class GPTEmbedding(nn.Module):
         """Word + position embeddings, [s(/TP under SP), b, h], before dropout."""
         x = self.word_embeddings(input_ids.t())  # [s(/TP under SP), b, h]
         if self.position_embeddings is not None:
-            if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            if position_ids is None:  # under CP: the global positions of this rank's tokens
+                position_ids = global_token_index(input_ids.shape[1], input_ids.device).unsqueeze(0)
             x = x + self.position_embeddings(self.sequence_slice(position_ids.t()))  # [s, b or 1]
         return x
 
@@ -150,7 +151,10 @@ class GPTModel(nn.Module):
         if c.position_embedding_type == "rope":
             sp = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
             seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if sp else 1)
-            if inference_cache is None:
+            if inference_cache is None and cp_size() > 1:  # the rows of this rank's tokens
+                idx = global_token_index(seq, x.device)
+                rotary = tuple(t[idx] for t in self._rotary_tables(seq * cp_size(), x.device))
+            elif inference_cache is None:
                 rotary = self._rotary_tables(seq, x.device)
             else:  # one table for the whole generation, sliced at this step's positions
                 full = self._rotary_tables(max(c.max_position_embeddings, offset + seq), x.device)

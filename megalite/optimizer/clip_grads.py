@@ -40,8 +40,8 @@ def grad_norm_tensor(params, grads, sharded_over_dp=False):
     1-element device tensor (no host sync); with sharded_over_dp (ZeRO: each DP rank holds a
     disjoint slice) summed over DP too."""
     sq = _foreach_sq_norm([g for p, g in zip(params, grads) if counted_once(p)], ps.get_device())
-    if sharded_over_dp and ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(sq, group=ps.get_data_parallel_group())
+    if sharded_over_dp and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        dist.all_reduce(sq, group=ps.get_data_parallel_group(with_context_parallel=True))  # ZeRO: DP x CP shards
     group = ps.get_model_parallel_group()
     if group is not None and ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(sq, group=group)

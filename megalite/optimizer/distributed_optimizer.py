@@ -79,7 +79,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _inf_groups(self):
         # Only the owner of a slice sees its inf: reduce over DP and TP x PP (= every rank).
-        return (ps.get_data_parallel_group(), ps.get_model_parallel_group())
+        return (ps.get_data_parallel_group(with_context_parallel=True), ps.get_model_parallel_group())
 
     def _grad_norm(self, grads):
         return grad_norm_tensor([pc.param for pc in self.pieces], grads, sharded_over_dp=True)
@@ -108,8 +108,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for k in STATE_KEYS:
                 entry[k] = st[k].detach().clone() if k in st else torch.zeros_like(entry["main_param"])
             shards.append(entry)
-        return {"format": "megalite-zero-shard", "dp_rank": ps.get_data_parallel_rank(),
-                "dp_size": ps.get_data_parallel_world_size(), "scaler": self.scaler.state_dict(),
+        return {"format": "megalite-zero-shard", "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
+                "dp_size": ps.get_data_parallel_world_size(with_context_parallel=True),
+                "scaler": self.scaler.state_dict(),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "shards": shards}
 
@@ -120,7 +121,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         have = [(n, pc.start, pc.end) for n, pc in zip(self.names, self.pieces)]
         if mine != have:
             raise ValueError(f"optimizer shard from DP rank {sd['dp_rank']}/{sd['dp_size']} does not match this rank's "
-                             f"slices (DP {ps.get_data_parallel_rank()}/{ps.get_data_parallel_world_size()}); "
+                             f"slices (DP x CP {ps.get_data_parallel_rank(with_context_parallel=True)}/"
+                             f"{ps.get_data_parallel_world_size(with_context_parallel=True)}); "
                              "re-shard with reassemble_full_state() + load_full_state()")
         self._load_entries(sd["shards"], sd)
 

@@ -17,8 +17,8 @@ def global_norm_and_zeros(params, tensors, count_zeros=False, sharded_over_dp=Fa
             sq[0] += t.detach().double().pow(2).sum()
             if count_zeros:
                 sq[1] += (t == 0).sum()
-    if sharded_over_dp and dist.is_initialized() and ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(sq, group=ps.get_data_parallel_group())  # ZeRO: each DP rank holds a slice
+    if sharded_over_dp and dist.is_initialized() and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        dist.all_reduce(sq, group=ps.get_data_parallel_group(with_context_parallel=True))  # ZeRO: DP x CP slices
     group = ps.get_model_parallel_group()
     if dist.is_initialized() and group is not None:
         dist.all_reduce(sq, group=group)

@@ -90,9 +90,10 @@ def _free_output(t):
 
 
 def pipeline_tensor_shape(model_config, micro_batch_size):
-    """What travels between stages: [seq (/TP under SP), micro-batch, hidden]."""
+    """What travels between stages: [seq (/CP) (/TP under SP), micro-batch, hidden]."""
     c, tp = model_config, ps.get_tensor_model_parallel_world_size()
-    seq = c.seq_length // tp if c.sequence_parallel and tp > 1 else c.seq_length
+    seq = c.seq_length // ps.get_context_parallel_world_size()
+    seq = seq // tp if c.sequence_parallel and tp > 1 else seq
     return (seq, micro_batch_size, c.hidden_size)
 
 

@@ -81,18 +81,21 @@ def get_rng_tracker():
 
 
 def model_parallel_manual_seed(seed):
-    """Seed both streams: default identical across TP, tracked one distinct per TP rank.
+    """Seed both streams: default identical across TP (and CP), tracked one distinct per TP
+    (and CP) rank.
 
     Pipeline stages get distinct default seeds (their layers differ anyway).
     """
     tp_rank = ps.get_tensor_model_parallel_rank()
     pp_rank = ps.get_pipeline_model_parallel_rank()
+    # CP ranks attend to different tokens: each draws its own attention-dropout stream
+    tracked_rank = tp_rank + ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_rank()
     default_seed = seed + 100 * pp_rank
     torch.manual_seed(default_seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed(default_seed)
     _TRACKER.reset()
-    _TRACKER.add(_MODEL_PARALLEL_RNG, default_seed + 2718 + tp_rank)
+    _TRACKER.add(_MODEL_PARALLEL_RNG, default_seed + 2718 + tracked_rank)
 
 
 class _CheckpointFunction(torch.autograd.Function):

@@ -11,6 +11,8 @@ import kernels
 from megalite import parallel_state as ps
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
 from megalite.tensor_parallel.layers import init_normal
+from megalite.distributed.cp_comm import cp_size
+from megalite.transformer.cp_attention import context_parallel_attention
 from megalite.transformer.norm import build_norm
 from megalite.transformer.rope import apply_rotary
 from megalite.transformer.utils import output_init_std, param_seed
@@ -112,11 +114,15 @@ class SelfAttention(nn.Module):
             k = apply_rotary(k, cos, sin, c.fused_kernels, c.rotary_interleaved)
         if inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
-        args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
-                self.layer_number if c.apply_query_key_layer_scaling else None)
-        if c.recompute_granularity == "selective":
-            ctx = checkpoint(core_attention, *args)
+        if inference_cache is None and cp_size() > 1:  # this rank's part of every sequence
+            kinds = c.cp_comm_type or ["p2p"]
+            fn = context_parallel_attention
+            args = (q, k, v, kinds[0] if len(kinds) == 1 else kinds[self.layer_number - 1], c.attention_dropout,
+                    self.training, core_attention, c.fused_kernels)
         else:
-            ctx = core_attention(*args)
+            fn = core_attention
+            args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
+                    self.layer_number if c.apply_query_key_layer_scaling else None)
+        ctx = checkpoint(fn, *args) if c.recompute_granularity == "selective" else fn(*args)
         ctx = ctx.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, heads_local * d]
         return self.linear_proj(ctx)

@@ -1,0 +1,183 @@
+"""Causal self-attention over a sequence split across context-parallel (CP) ranks.
+
+Each CP rank holds two of the 2 x CP chunks of every sequence (megalite.distributed.cp_comm)
+and computes the attention of its own queries. `--cp-comm-type`:
+- p2p (ring, Megatron's default): K/V blocks travel around the CP ring, the next block's
+  exchange overlapping this block's attention. Each block gives a partial output normalised
+  on its own and its log-sum-exp (LSE); partials merge exactly through their LSEs. A block
+  is computed only where queries can see keys: with the balanced chunks that is half of
+  every remote block (all queries against the first chunk of a lower rank, the second
+  query chunk against the whole block of a higher rank), so every rank does the same work.
+  The backward recomputes each block's probabilities from the merged output and LSE, and
+  the dK/dV of a block travel around the ring with it back to their owner.
+- a2a (Ulysses): all-to-all from sequence-sharded to head-sharded, full attention over the
+  whole sequence for 1/CP of the heads, all-to-all back.
+- allgather: K/V all-gathered, attention for the local queries (backward: reduce-scatter).
+Causality is by global token index, so each path equals attention over the whole sequence.
+Dropout on the probabilities draws from the per-(TP, CP)-rank tracked stream; the ring keeps
+its block masks for the backward.
+"""
+
+import contextlib
+
+import torch
+
+from megalite import parallel_state as ps
+from megalite.distributed.cp_comm import Ring, all_gather_over_cp, all_to_all_over_cp, local_token_index
+from megalite.tensor_parallel import get_rng_tracker
+
+COMM_TYPES = ("p2p", "a2a", "allgather")
+
+
+def _finite(lse):
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # fully masked rows: -inf -> 0
+
+
+def _plan(qi, ki):
+    """(query rows, key columns, mask or None) of the part of a block where queries can see
+    keys (causal by global index, True = masked); None when no query sees any key."""
+    rows = (qi >= ki.min()).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return None
+    cols = (ki <= qi.max()).nonzero().squeeze(1)
+    mask = ki[cols][None, :] > qi[rows][:, None]
+    return rows, cols, (mask if bool(mask.any()) else None)
+
+
+def _scores(q, k, scale, mask):
+    """q [b, hkv, g, sq, d], k [b, hkv, sk, d] -> scores [b, hkv, g, sq, sk] (masked: -inf)."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(mask, float("-inf"))
+
+
+def block_forward(q, k, v, scale, mask=None, p=0.0):
+    """Attention of q on one K/V block, normalised within the block: (out [b, hkv, g, sq, d],
+    lse [b, hkv, g, sq], dropout keep-mask or None)."""
+    s = _scores(q, k, scale, mask)
+    lse = torch.logsumexp(s, dim=-1)
+    probs = torch.exp(s - _finite(lse)[..., None])
+    keep = None
+    if p > 0:
+        keep = torch.rand_like(probs) >= p
+        probs = probs * keep / (1.0 - p)
+    return torch.matmul(probs, v.unsqueeze(2)), lse, keep
+
+
+def merge(out, lse, o, lse_o):
+    """Two partial attentions of the same queries (each normalised on its own) -> one."""
+    new = torch.logaddexp(lse, lse_o)
+    n = _finite(new)[..., None]
+    return out * torch.exp(lse[..., None] - n) + o * torch.exp(lse_o[..., None] - n), new
+
+
+def block_backward(q, k, v, lse, dout, delta, scale, mask=None, p=0.0, keep=None):
+    """Gradients of one block given the *merged* output's lse and delta = rowsum(dout * out):
+    (dq, dk, dv); dk, dv summed over the query heads of each KV head."""
+    probs = torch.exp(_scores(q, k, scale, mask) - _finite(lse)[..., None])
+    dprobs = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
+    if keep is not None:
+        dv = torch.matmul((probs * keep / (1.0 - p)).transpose(-1, -2), dout).sum(2)
+        dprobs = dprobs * keep / (1.0 - p)
+    else:
+        dv = torch.matmul(probs.transpose(-1, -2), dout).sum(2)
+    ds = probs * (dprobs - delta[..., None])
+    dq = torch.matmul(ds, k.unsqueeze(2)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale
+    return dq, dk, dv
+
+
+class RingAttention(torch.autograd.Function):
+    """q [b, hkv, g, s, d], k, v [b, hkv, s, d] (fp32, this rank's rows) -> (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, p, ring):
+        n, r, s = ring.size, ring.rank, q.shape[-2]
+        qi = local_token_index(s, r, n, q.device)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv, keeps, plans = torch.stack([k, v]), [], []
+        for i in range(n):
+            handle = ring.start(kv) if i < n - 1 else None  # the next block travels meanwhile
+            plan = _plan(qi, local_token_index(s, (r - i) % n, n, q.device))
+            keep = None
+            if plan is not None:
+                rows, cols, mask = plan
+                o, lo, keep = block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], scale, mask, p)
+                out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], o, lo)
+            plans.append(plan)
+            keeps.append(keep)
+            if handle is not None:
+                kv = Ring.wait(handle)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.p, ctx.ring, ctx.plans, ctx.keeps = scale, p, ring, plans, keeps
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, n = ctx.ring, ctx.ring.size
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros_like(kv)  # the gradient of the block held now, travelling with it
+        for i in range(n):
+            handle = ring.start(kv, tag=0) if i < n - 1 else None
+            plan = ctx.plans[i]
+            if plan is not None:
+                rows, cols, mask = plan
+                gq, gk, gv = block_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], lse[..., rows],
+                                            dout[..., rows, :], delta[..., rows], ctx.scale, mask, ctx.p,
+                                            ctx.keeps[i])
+                dq[..., rows, :] += gq
+                dkv[0][..., cols, :] += gk
+                dkv[1][..., cols, :] += gv
+            dhandle = ring.start(dkv, tag=1)  # after the last step this reaches the block's owner
+            if handle is not None:
+                kv = Ring.wait(handle)
+            dkv = Ring.wait(dhandle)
+        return dq, dkv[0], dkv[1], None, None, None
+
+
+def _dropout_stream(p):
+    return get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
+
+
+def ring_attention(q, k, v, dropout_p=0.0, softmax_scale=None, ring=None, return_lse=False):
+    """q [b, s, hq, d], k, v [b, s, hkv, d] (this CP rank's rows) -> [b, s, hq, d] (and the
+    LSE [b, hq, s] with return_lse); GQA: the KV heads travel, never repeated ones."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    qf = q.float().permute(0, 2, 1, 3).reshape(b, hkv, hq // hkv, s, d)
+    kf, vf = (t.float().permute(0, 2, 1, 3).contiguous() for t in (k, v))
+    with _dropout_stream(dropout_p):
+        out, lse = RingAttention.apply(qf, kf, vf, scale, dropout_p, ring or Ring())
+    out = out.reshape(b, hq, s, d).permute(0, 2, 1, 3).to(q.dtype)
+    return (out, lse.reshape(b, hq, s)) if return_lse else out
+
+
+def _global_index(s, n, device):
+    """Global token index of the rows of a sequence gathered from all CP ranks in rank order."""
+    return torch.cat([local_token_index(s, j, n, device) for j in range(n)])
+
+
+def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attention, fused=False):
+    """This CP rank's attention output [b, s, hq, d] for q [b, s, hq, d], k, v [b, s, hkv, d].
+    core_attention: the local attention (megalite.transformer.attention.core_attention) that
+    a2a and allgather run with an explicit causal mask by global index."""
+    n, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    p = dropout_p if training else 0.0
+    s = q.shape[1]
+    if kind == "p2p":
+        return ring_attention(q, k, v, p)
+    if kind == "allgather":
+        kg, vg = all_gather_over_cp(k, 1), all_gather_over_cp(v, 1)  # [b, n*s, hkv, d] in rank order
+        qi, ki = local_token_index(s, r, n, q.device), _global_index(s, n, q.device)
+        return core_attention(q, kg, vg, p, fused, True, attn_mask=(ki[None, :] > qi[:, None])[None, None])
+    if kind == "a2a":
+        qa, ka, va = (all_to_all_over_cp(t, 2, 1) for t in (q, k, v))  # heads out, sequence in
+        gi = _global_index(s, n, q.device)
+        out = core_attention(qa, ka, va, p, fused, True, attn_mask=(gi[None, :] > gi[:, None])[None, None])
+        return all_to_all_over_cp(out, 1, 2)
+    raise ValueError(f"--cp-comm-type {kind!r} is not one of {', '.join(COMM_TYPES)}")
