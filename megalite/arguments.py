@@ -85,7 +85,11 @@ def build_parser():
     a("--context-parallel-size", type=int, default=1,
       help="split every sequence over N ranks (2N chunks, rank r keeps chunks r and 2N-1-r)")
     a("--cp-comm-type", nargs="+", default=["p2p"],
-      help="context-parallel attention: p2p (ring), a2a (Ulysses all-to-all) or allgather; one, or one per layer")
+      help="context-parallel attention: p2p (ring), a2a (Ulysses all-to-all), allgather or a2a+p2p "
+           "(with --hierarchical-context-parallel-sizes); one, or one per layer")
+    a("--hierarchical-context-parallel-sizes", nargs="+", default=None,
+      help="a2a+p2p: two sizes A B (A x B = CP): all-to-all within groups of A consecutive CP ranks, ring "
+           "across the B groups")
     a("--distributed-backend", default=None, choices=["nccl", "gloo"],
       help="default: nccl with CUDA, gloo without (Megatron's default nccl needs GPUs)")
     a("--overlap-grad-reduce", dest="overlap_grad_reduce", action="store_true", default=True,

@@ -67,7 +67,7 @@ class ModelConfig:
     # fp16 attention scores computed / layer_number, multiplied back inside the fp32 softmax (Megatron)
     apply_query_key_layer_scaling: bool = False
     use_flash_attn: bool = False  # flash attention even with fused_kernels off
-    cp_comm_type: Optional[list] = None  # context parallelism's attention: one of p2p/a2a/allgather, or one per layer
+    cp_comm_type: Optional[list] = None  # context parallelism's attention: p2p/a2a/allgather/a2a+p2p, or one per layer
     deterministic: bool = False  # deterministic algorithms only
     reset_attention_mask: bool = False  # document masks: attention on every pipeline stage needs the batch
     calculate_per_token_loss: bool = False  # loss summed over tokens, divided by the global batch's count

@@ -132,8 +132,6 @@ _WHY = (
     (("wandb",), "Weights & Biases logging is not implemented in megalite; use --tensorboard-dir or --log-json"),
     (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
                                                               "run under torch.profiler or nsys yourself"),
-    (("hierarchical-context",), "hierarchical context parallelism (--cp-comm-type a2a+p2p) is not implemented in "
-                                "megalite; use --cp-comm-type p2p, a2a or allgather"),
     (("cuda-graph", "enable-cuda-graph"), "CUDA graphs are not implemented in megalite"),
     (("mtp",), "multi-token prediction is not implemented in megalite"),
     (("mla", "kv-lora", "q-lora", "multi-latent"), "multi-latent attention is not implemented in megalite"),

@@ -12,6 +12,7 @@ every group is None and the communication primitives become identities. Tests us
 to compute single-process references.
 """
 
+import math
 import os
 from datetime import timedelta
 
@@ -31,6 +32,7 @@ class _Grid:
         self.tp, self.pp, self.dp, self.cp, self.vpp = tp, pp, dp, cp, vpp
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.emb_group = None
         self.cp_group = self.dp_cp_group = self.tp_cp_group = None
+        self.hcp = []  # --hierarchical-context-parallel-sizes: [(group, global ranks)] per level
         self.tp_rank = self.pp_rank = self.dp_rank = self.cp_rank = 0
         self.pp_ranks = [0]
         self.emb_ranks = [0]
@@ -98,7 +100,8 @@ def shutdown_distributed(barrier=True):
 
 
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              virtual_pipeline_model_parallel_size=None, context_parallel_size=1):
+                              virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
+                              hierarchical_context_parallel_sizes=None):
     """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world."""
     global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -137,6 +140,13 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
         ranks = [at(t, c, d, p) for c in C]
         if (g := make(ranks)) is not None:
             grid.cp_group, grid.cp_ranks = g, ranks
+        sizes = hierarchical_context_parallel_sizes or []
+        for level, size in enumerate(sizes):  # Megatron's levels: level 0 = runs of consecutive CP ranks
+            inner, outer = math.prod(sizes[:level]), math.prod(sizes[level + 1:])
+            for lo, u in ((lo, u) for lo in range(outer) for u in range(inner)):
+                sub = [ranks[u + inner * (s_ + size * lo)] for s_ in range(size)]
+                if (g := make(sub)) is not None:
+                    grid.hcp.append((g, sub))
     for t, p in ((t, p) for t in T for p in P):  # gradients and ZeRO shards: DP x CP
         grid.dp_cp_group = make(sorted(at(t, c, d, p) for d in D for c in C)) or grid.dp_cp_group
     for d, p in ((d, p) for d in D for p in P):  # the batch is read once per TP x CP group
@@ -228,6 +238,11 @@ def get_context_parallel_world_size():
 
 def get_context_parallel_global_ranks():
     return list(_grid().cp_ranks)
+
+
+def get_hierarchical_context_parallel_groups():
+    """[(group, global ranks)] per level of --hierarchical-context-parallel-sizes ([] without)."""
+    return list(_grid().hcp)
 
 
 def get_tensor_and_context_parallel_group():

@@ -2,6 +2,7 @@
 one line naming the values and what to change (all missing required flags in one line)."""
 
 import os
+import re
 
 from megalite.arguments import model_config, training_config
 from megalite.config import ConfigError
@@ -182,12 +183,21 @@ def _validate_context_parallel(args):
     if len(kinds) not in (1, args.num_layers):
         raise ConfigError(f"--cp-comm-type takes one type or one per layer ({args.num_layers}), got {len(kinds)}")
     for kind in kinds:
-        if kind == "a2a+p2p":
-            raise ConfigError("--cp-comm-type a2a+p2p (hierarchical context parallelism) is not implemented in "
-                              "megalite; use p2p, a2a or allgather")
-        if kind not in ("p2p", "a2a", "allgather"):
-            raise ConfigError(f"--cp-comm-type {kind!r} is not one of p2p, a2a, allgather")
+        if kind not in ("p2p", "a2a", "allgather", "a2a+p2p"):
+            raise ConfigError(f"--cp-comm-type {kind!r} is not one of p2p, a2a, allgather, a2a+p2p")
+    sizes = args.hierarchical_context_parallel_sizes
+    if sizes is not None:  # "2 2", or one token "2 2" / "[2, 2]" as Megatron's test launcher writes it
+        text = " ".join(sizes)
+        if not re.fullmatch(r"[\[\s]*\d+(?:[\s,]+\d+)*[\]\s]*", text):
+            raise ConfigError(f"--hierarchical-context-parallel-sizes {text}: need integers, e.g. 2 2")
+        sizes = args.hierarchical_context_parallel_sizes = [int(x) for x in re.findall(r"\d+", text)]
+    if ("a2a+p2p" in kinds) != (sizes is not None) and cp > 1:
+        raise ConfigError("--cp-comm-type a2a+p2p and --hierarchical-context-parallel-sizes go together (as Megatron)")
+    if sizes is not None and (len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp):
+        raise ConfigError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: need two sizes A B "
+                          f"with A x B = --context-parallel-size {cp} (all-to-all within A, ring across B)")
     if cp == 1:
+        args.hierarchical_context_parallel_sizes = None
         return
     s = args.seq_length
     if s % (2 * cp):
@@ -196,16 +206,17 @@ def _validate_context_parallel(args):
     if args.sequence_parallel and tp > 1 and (s // cp) % tp:
         raise ConfigError(f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length {s} / {cp} "
                           f"divisible by --tensor-model-parallel-size {tp}")
-    if "a2a" in kinds:
+    for kind, a2a in (("a2a", cp), ("a2a+p2p", (sizes or [1])[0])):
+        if kind not in kinds:
+            continue
         heads, groups = args.num_attention_heads, args.num_query_groups if args.group_query_attention else \
             args.num_attention_heads
-        if (heads // tp) % cp or (groups // tp) % cp:
-            raise ConfigError(f"--cp-comm-type a2a splits each TP rank's heads over CP: {heads} heads and {groups} "
-                              f"query groups / TP {tp} must be divisible by --context-parallel-size {cp}")
-    for flag, what in (("reset_attention_mask", "--reset-attention-mask (document masks)"),
-                       ("apply_query_key_layer_scaling", "--apply-query-key-layer-scaling")):
-        if getattr(args, flag):
-            raise ConfigError(f"--context-parallel-size {cp} does not compose with {what} in megalite yet")
+        if (heads // tp) % a2a or (groups // tp) % a2a:
+            raise ConfigError(f"--cp-comm-type {kind} splits each TP rank's heads over {a2a} CP ranks: {heads} heads "
+                              f"and {groups} query groups / TP {tp} must be divisible by {a2a}")
+    if args.apply_query_key_layer_scaling:
+        raise ConfigError(f"--context-parallel-size {cp} does not compose with --apply-query-key-layer-scaling in "
+                          "megalite yet")
     if args.model_type == "bert":
         raise ConfigError(f"--context-parallel-size {cp} is not implemented for BERT (its padding mask) in megalite")
 

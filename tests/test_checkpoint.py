@@ -63,6 +63,7 @@ RESUME_LAYOUTS = {
                                       "1", "--use-distributed-optimizer"]),
     "pp2_dp2_zero2_bf16": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                                "--zero-stage", "2", "--bf16"]),
+    "cp2_dp2_zero1_dropout": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer"] + DROPOUT),
 }
 
 
@@ -113,6 +114,20 @@ def test_resume_at_another_topology(tmp_path):
     assert _rel(tp4, straight[5:]) <= 1e-5, f"TP4 x DP2 ZeRO: {tp4} vs {straight[5:]}"
     # a wrong load (e.g. fresh weights) would restart near ln(V): rule that out plainly
     assert straight[4] - single[0] > -0.05 and single[0] < straight[0] - 0.5
+
+
+def test_context_parallel_checkpoint_continues_at_cp1_and_cp4(resumed):
+    """CP shards no weights: the CP2 x DP2 checkpoint (ZeRO shards over DP x CP) goes on at
+    CP1 (one process) and at CP4 with ZeRO-2, as the straight CP2 run does (dropout off here:
+    CP ranks draw their own attention-dropout streams, so only the same layout repeats them)."""
+    straight, _, _, d = resumed["cp2_dp2_zero1_dropout"]
+    nodrop = ["--hidden-dropout", "0", "--attention-dropout", "0", "--load", d]
+    (single,) = _spawn(1, [nodrop])
+    cp4, cp2 = _spawn(4, [nodrop + ["--context-parallel-size", "4", "--use-distributed-optimizer", "--zero-stage", "2"],
+                          nodrop + ["--context-parallel-size", "2", "--use-distributed-optimizer"]])
+    assert _rel(single, cp2) <= 1e-5, f"CP1: {single} vs CP2 {cp2}"
+    assert _rel(cp4, cp2) <= 1e-5, f"CP4 ZeRO-2: {cp4} vs CP2 {cp2}"
+    assert straight[4] - cp2[0] > -0.3 and cp2[0] < straight[0] - 0.5  # the trained weights, not fresh ones
 
 
 def _kill_during_second_save(d):

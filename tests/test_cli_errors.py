@@ -27,6 +27,16 @@ CASES = {
                         " | --no-such-flag: unrecognized: neither a megalite nor a Megatron-LM flag (see --help) | "
                         "--grad-reduce-in-bf16: megalite reduces gradients in fp32"),
     "missing_required": (2, "--lr", "expected one argument"),
+    "seq_vs_cp": (2, "--context-parallel-size 2 --seq-length 6",
+                  "--seq-length 6 must be a multiple of 2 x --context-parallel-size 2 = 4"),
+    "world_vs_cp": (3, "--context-parallel-size 2", "world size 3 is not divisible by --tensor-model-parallel-size 1 "
+                                                    "x --context-parallel-size 2 x --pipeline-model-parallel-size 1"),
+    "a2a_heads_vs_cp": (4, "--context-parallel-size 4 --cp-comm-type a2a --num-attention-heads 2 --hidden-size 32",
+                        "a2a splits each TP rank's heads over 4 CP ranks: 2 heads and 2 query groups / TP 1 must be "
+                        "divisible by 4"),
+    "cp_hierarchical_sizes": (4, "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes "
+                                 "2 3", "--hierarchical-context-parallel-sizes 2 3: need two sizes A B with A x B = "
+                                        "--context-parallel-size 4"),
     "layers_vs_pp": (2, "--pipeline-model-parallel-size 2 --num-layers 3",
                      "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     "layers_vs_virtual": (2, "--pipeline-model-parallel-size 2 --num-layers 6 --num-layers-per-virtual-pipeline-stage 2",

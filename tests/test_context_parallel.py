@@ -15,18 +15,20 @@ from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.distributed.cp_comm import Ring, local_token_index, slice_for_cp_rank
 from megalite.transformer.attention import core_attention
 from megalite.transformer.cp_attention import context_parallel_attention, ring_attention
-from parity import LLAMA, assert_parity, check_reference, layout, reference, run_layouts
+from test_gpt_batch_flags import DOC_FLAGS, doc_datasets
+from parity import LLAMA, BigramChainDataset, assert_parity, check_reference, layout, reference, run_layouts
 
 SHAPES = [(2, 4, 4), (1, 4, 2), (2, 4, 1)]  # (batch, query heads, KV heads)
 
 
-def _reference(q, k, v):
-    """Causal attention over the whole sequence in float64: (out [b, s, hq, d], lse [b, hq, s])."""
+def _reference(q, k, v, mask=None):
+    """Causal (or `mask`ed: [b, 1, s, s], True = masked) attention over the whole sequence in
+    float64: (out [b, s, hq, d], lse [b, hq, s])."""
     b, s, hq, d = q.shape
     rep = hq // k.shape[2]
     qt, kt, vt = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
     scores = qt @ kt.transpose(-1, -2) * d ** -0.5
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1) if mask is None else mask, float("-inf"))
     lse = torch.logsumexp(scores, -1)
     return (torch.softmax(scores, -1) @ vt).transpose(1, 2), lse
 
@@ -37,18 +39,26 @@ def _inputs(b, hq, hkv, s, d=8, seed=0):
     return q, k, v, torch.randn(b, s, hq, d, generator=g)  # the last: d(out)
 
 
-def _cp_case(path, n, shape, ring=None, s=24):
+def _doc_mask(b, s, seed=1):
+    """Packed documents: causal within segments that start at random places ([b, 1, s, s])."""
+    g = torch.Generator().manual_seed(seed)
+    seg = (torch.rand(b, s, generator=g) < 0.25).cumsum(1)
+    return torch.ones(s, s, dtype=torch.bool).triu(1) | (seg[:, :, None] != seg[:, None, :])
+
+
+def _cp_case(path, n, shape, ring=None, s=24, docs=False):
     """This rank's errors against the float64 whole-sequence reference, for CP size n."""
     r = ring.rank if ring is not None else ps.get_context_parallel_rank()
     q, k, v, dout = _inputs(*shape, s)
+    mask = _doc_mask(shape[0], s)[:, None] if docs else None
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = _reference(*ref_in)
+    ref_out, ref_lse = _reference(*ref_in, mask)
     ref_out.backward(dout.double())
     mine = [slice_for_cp_rank(t, 1, r, n).clone().requires_grad_() for t in (q, k, v)]
     if path == "p2p":
-        out, lse = ring_attention(*mine, ring=ring, return_lse=True)
+        out, lse = ring_attention(*mine, ring=ring, return_lse=True, doc_mask=mask)
     else:
-        out, lse = context_parallel_attention(*mine, path, 0.0, True, core_attention), None
+        out, lse = context_parallel_attention(*mine, path, 0.0, True, core_attention, doc_mask=mask), None
     out.backward(slice_for_cp_rank(dout, 1, r, n))
     idx = local_token_index(s // n, r, n)
     errs = {"out": rel_err(out, ref_out[:, idx]), "finite": bool(torch.isfinite(out).all())}
@@ -66,6 +76,7 @@ def _all_cases():
         for shape in SHAPES:
             mine = dist.get_rank() < n
             out[("p2p", n, shape)] = _cp_case("p2p", n, shape, Ring(group, list(range(n)))) if mine else None
+        out[("p2p docs", n)] = _cp_case("p2p", n, SHAPES[1], Ring(group, list(range(n))), docs=True) if mine else None
         dist.barrier()
     for n in (2, 4):  # a2a and allgather on the grid's CP groups
         ps.initialize_model_parallel(1, 1, context_parallel_size=n)
@@ -75,7 +86,15 @@ def _all_cases():
                 if path == "a2a" and shape[2] % n:
                     continue  # KV heads not divisible by CP: refused by the command line
                 out[(path, n, shape)] = _cp_case(path, n, shape)
+            out[(path + " docs", n)] = _cp_case(path, n, SHAPES[0], docs=True)
         ps.destroy_model_parallel()
+    # a2a+p2p: all-to-all within pairs of CP ranks, the ring across the two pairs
+    ps.initialize_model_parallel(1, 1, context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
+    model_parallel_manual_seed(0)
+    for shape in SHAPES[:2]:
+        out[("a2a+p2p", 4, shape)] = _cp_case("a2a+p2p", 4, shape)
+    out[("a2a+p2p docs", 4)] = _cp_case("a2a+p2p", 4, SHAPES[0], docs=True)
+    ps.destroy_model_parallel()
     return out
 
 
@@ -87,7 +106,8 @@ def cases():
 def test_cp_attention_equals_whole_sequence_attention(cases):
     """fp32 against float64 over sums of <= 24 terms: DESIGN's 1e-5 bound."""
     keys = set(cases[0])
-    assert {("p2p", 3, SHAPES[2]), ("a2a", 4, SHAPES[0]), ("allgather", 4, SHAPES[2])} <= keys
+    assert {("p2p", 3, SHAPES[2]), ("a2a", 4, SHAPES[0]), ("allgather", 4, SHAPES[2]), ("p2p docs", 3),
+            ("a2a docs", 4), ("allgather docs", 2), ("a2a+p2p", 4, SHAPES[1]), ("a2a+p2p docs", 4)} <= keys
     bad = []
     for key in sorted(keys, key=str):
         for rank, per_rank in enumerate(cases):
@@ -110,13 +130,34 @@ def test_chunks_are_balanced_and_cover_the_sequence():
 
 
 # -- whole runs against the single process ----------------------------------------------------
+class _Masked(BigramChainDataset):
+    """The learnable data with a loss mask that differs between samples and between the CP
+    chunks of a sample: sample i masks its first 3 x (i % 5) tokens (sample 4k + ... all kept)."""
+
+    def __getitem__(self, i):
+        out = super().__getitem__(i)
+        mask = torch.ones(self.seq, dtype=torch.float32)
+        mask[:3 * (int(i) % 5)] = 0.0
+        return {**out, "loss_mask": mask}
+
+
+def masked_datasets(args, num_samples):
+    return _Masked(num_samples[0], args.seq_length, args.seed), None, None
+
+
 FOUR = [
     layout("cp2_dp2_p2p", cp=2, dp=2),
     layout("cp2_dp2_a2a_zero2", cp=2, dp=2, zero=2, cp_comm="a2a"),
     layout("cp2_dp2_allgather_recompute_full", cp=2, dp=2, cp_comm="allgather", recompute="full"),
     layout("cp4_p2p", cp=4),
+    layout("cp4_a2a_p2p_llama", cp=4, cp_comm="a2a+p2p", model=LLAMA, flags=("--hierarchical-context-parallel-sizes",
+                                                                           "2", "2")),
     layout("cp2_tp2_sp_llama", cp=2, tp=2, sp=True, model=LLAMA),
     layout("cp2_pp2_interleaved", cp=2, pp=2, vp=1),
+    layout("cp2_dp2_loss_mask", cp=2, dp=2, datasets=masked_datasets),
+    layout("cp2_dp2_loss_mask_per_token", cp=2, dp=2, datasets=masked_datasets, model=("--calculate-per-token-loss",)),
+    layout("docs_cp2_dp2_a2a", cp=2, dp=2, cp_comm="a2a", datasets=doc_datasets, model=DOC_FLAGS),
+    layout("docs_cp2_tp2_sp_p2p", cp=2, tp=2, sp=True, datasets=doc_datasets, model=DOC_FLAGS),
 ]
 
 

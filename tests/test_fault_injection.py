@@ -85,6 +85,52 @@ def zero_shard_update_skipped():
     return _patched(DistributedOptimizer, "_adam_update", update)
 
 
+def cp_lse_merge_dropped():
+    """Ring attention adds the partial outputs instead of weighting them by their LSEs."""
+    import torch
+    from megalite.transformer import cp_attention
+    return _patched(cp_attention, "merge", lambda out, lse, o, lse_o: (out + o, torch.logaddexp(lse, lse_o)))
+
+
+def cp_chunk_pairing_reversed():
+    """Attention believes a rank holds chunks 2CP-1-r and r while the data gives it r and 2CP-1-r."""
+    import torch
+    from megalite.transformer import cp_attention
+
+    def reversed_index(local_len, rank, size, device=None):
+        c, a, b = local_len // 2, rank, 2 * size - 1 - rank
+        return torch.cat([torch.arange(b * c, (b + 1) * c, device=device), torch.arange(a * c, (a + 1) * c, device=device)])
+    return _patched(cp_attention, "local_token_index", reversed_index)
+
+
+def cp_grads_not_reduced():
+    """Gradients reduced over DP only, not DP x CP (each CP rank keeps its part of the sum)."""
+    from megalite import parallel_state as ps
+    from megalite.distributed.grad_buffer import _Bucket
+    original = _Bucket.start
+
+    def start(self):
+        self.group = ps.get_data_parallel_group()
+        original(self)
+    return _patched(_Bucket, "start", start)
+
+
+def cp_grad_norm_counted_cp_times():
+    """The grad norm sums the (replicated) gradients over the CP ranks too."""
+    from megalite import parallel_state as ps
+    from megalite.optimizer import optimizer
+    original = optimizer.grad_norm_tensor
+    return _patched(optimizer, "grad_norm_tensor", lambda *a, **k: original(*a, **k) *
+                    ps.get_context_parallel_world_size() ** 0.5)
+
+
+def cp_local_positions():
+    """Position ids and rope rows from each rank's local 0..s/CP-1 instead of the global ones."""
+    import torch
+    from megalite.models import gpt
+    return _patched(gpt, "global_token_index", lambda n, device=None: torch.arange(n, device=device))
+
+
 # (fault, layout name, layout, what the mismatch report must name): each fault on the smallest
 # layout with its code path (two ranks), and again on an eight-rank layout of tests/test_parity.py
 # (interleaving, ZeRO-2, SP, TP4, PP4), so those layouts are seen to fail too.
@@ -96,6 +142,11 @@ FAULTS = [
     (tp_duplicates_counted_tp_times, "tp2", dict(tp=2), "norms"),
     (loss_not_divided_by_microbatches, "pp2", dict(pp=2), "step-1 grad"),
     (zero_shard_update_skipped, "dp2_zero1", dict(dp=2, zero=1), "param after"),
+    (cp_lse_merge_dropped, "cp2", dict(cp=2), "step-1 grad"),
+    (cp_chunk_pairing_reversed, "cp2", dict(cp=2), "step-1 grad"),
+    (cp_grads_not_reduced, "cp2", dict(cp=2), "step-1 grad"),
+    (cp_grad_norm_counted_cp_times, "cp2", dict(cp=2), "norms"),
+    (cp_local_positions, "cp2_llama", dict(cp=2, model=LLAMA), "step-1 grad"),
     (no_dp_averaging, "tp2_pp2_dp2_sp_interleaved_zero2", dict(tp=2, pp=2, dp=2, sp=True, vp=1, zero=2),
      "step-1 grad"),
     (no_tied_embedding_sync, "tp2_pp2_dp2_interleaved_zero1", dict(tp=2, pp=2, dp=2, vp=1, zero=1),

@@ -27,7 +27,6 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
 KNOWN_GAPS = {
     "--wandb-project": "W&B logging", "--wandb-entity": "W&B logging", "--wandb-exp-name": "W&B logging",
     "--wandb-save-dir": "W&B logging", "--use-tp-pp-dp-mapping": "rank order TP-PP-DP",
-    "--hierarchical-context-parallel-sizes": "hierarchical context parallelism (a2a+p2p)",
     "--error-injection-rate": "re-run state machine fault injection",
     "--error-injection-type": "re-run state machine fault injection",
     "--fim-data": "fill-in-the-middle data", "--fim-rate": "fill-in-the-middle data",

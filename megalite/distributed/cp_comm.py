@@ -116,8 +116,8 @@ def _all_to_all(x, split_dim, cat_dim, group):
     return torch.cat(recv.unbind(0), dim=cat_dim)
 
 
-def all_to_all_over_cp(x, split_dim, cat_dim):
-    return _AllToAll.apply(x, split_dim, cat_dim, ps.get_context_parallel_group())
+def all_to_all_over_cp(x, split_dim, cat_dim, group=None):
+    return _AllToAll.apply(x, split_dim, cat_dim, ps.get_context_parallel_group() if group is None else group)
 
 
 def sum_over_cp(t):

@@ -150,10 +150,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for grp in self._flat:
             self._adopt_state(grp)  # copied into the flat buffers
         self.scaler.load_state_dict(sd["scaler"])
-        if [g.get("decoupled", False) for g in sd["param_groups"]] != [g["decoupled"] for g in self.param_groups]:
-            raise ValueError("the optimizer state was saved with other param groups (--decoupled-lr differs)")
-        for g, saved in zip(self.param_groups, sd["param_groups"]):
-            g.update(saved)
+        # Groups by kind: a rank's slices may lack a kind another rank (whose groups were saved) has.
+        saved = {(s.get("decay", s["weight_decay"] > 0), s.get("decoupled", False)): s for s in sd["param_groups"]}
+        for g in self.param_groups:
+            if (g["decay"], g["decoupled"]) in saved:
+                g.update(saved[(g["decay"], g["decoupled"])])
         self._publish()
 
 

@@ -111,7 +111,8 @@ class MixedPrecisionOptimizer:
                 if idx:
                     self._flat.append(self._flat_group(idx, [triples[i][2] for i in idx], own, movable))
                     groups.append({"params": [self.main_params[i] for i in sorted(idx)],
-                                   "weight_decay": c.weight_decay if decay else 0.0, "decoupled": decoupled})
+                                   "weight_decay": c.weight_decay if decay else 0.0, "decay": decay,
+                                   "decoupled": decoupled})
         self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
         for grp in self._flat:  # torch's state entries, as views: state dicts and checkpoints read them
             for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):

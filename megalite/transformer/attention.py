@@ -118,7 +118,7 @@ class SelfAttention(nn.Module):
             kinds = c.cp_comm_type or ["p2p"]
             fn = context_parallel_attention
             args = (q, k, v, kinds[0] if len(kinds) == 1 else kinds[self.layer_number - 1], c.attention_dropout,
-                    self.training, core_attention, c.fused_kernels)
+                    self.training, core_attention, c.fused_kernels, attn_mask)
         else:
             fn = core_attention
             args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,

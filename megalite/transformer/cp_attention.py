@@ -13,7 +13,12 @@ and computes the attention of its own queries. `--cp-comm-type`:
 - a2a (Ulysses): all-to-all from sequence-sharded to head-sharded, full attention over the
   whole sequence for 1/CP of the heads, all-to-all back.
 - allgather: K/V all-gathered, attention for the local queries (backward: reduce-scatter).
-Causality is by global token index, so each path equals attention over the whole sequence.
+- a2a+p2p (--hierarchical-context-parallel-sizes A B): all-to-all within each group of A
+  consecutive CP ranks (each then holds 1/A of the heads for the group's tokens), the ring
+  across the B groups, all-to-all back.
+Causality is by global token index, so each path equals attention over the whole sequence;
+a document mask (--reset-attention-mask: every rank holds the whole sequence's [b, 1, S, S])
+is indexed at the same global rows and columns.
 Dropout on the probabilities draws from the per-(TP, CP)-rank tracked stream; the ring keeps
 its block masks for the backward.
 """
@@ -26,7 +31,7 @@ from megalite import parallel_state as ps
 from megalite.distributed.cp_comm import Ring, all_gather_over_cp, all_to_all_over_cp, local_token_index
 from megalite.tensor_parallel import get_rng_tracker
 
-COMM_TYPES = ("p2p", "a2a", "allgather")
+COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 def _finite(lse):
@@ -86,23 +91,40 @@ def block_backward(q, k, v, lse, dout, delta, scale, mask=None, p=0.0, keep=None
     return dq, dk, dv
 
 
+def _block_mask(plan, qi, ki, doc_mask):
+    """The mask of a planned block: causal by index, or the document mask's rows and columns
+    ([b, 1, 1, rows, cols] against scores [b, hkv, g, rows, cols])."""
+    rows, cols, mask = plan
+    if doc_mask is None:
+        return mask
+    return doc_mask[:, :, qi[rows]][:, :, :, ki[cols]].unsqueeze(2)
+
+
 class RingAttention(torch.autograd.Function):
-    """q [b, hkv, g, s, d], k, v [b, hkv, s, d] (fp32, this rank's rows) -> (out, lse)."""
+    """q [b, hkv, g, s, d], k, v [b, hkv, s, d] (fp32, this rank's rows) -> (out, lse).
+    doc_mask: None (causal) or the whole sequence's mask [b, 1, S, S] (True = masked).
+    index_of(j): the global token index of ring rank j's rows (default: CP's balanced chunks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, p, ring):
+    def forward(ctx, q, k, v, scale, p, ring, doc_mask=None, index_of=None):
         n, r, s = ring.size, ring.rank, q.shape[-2]
-        qi = local_token_index(s, r, n, q.device)
+        if index_of is None:
+            def index_of(j):
+                return local_token_index(s, j, n, q.device)
+        qi = index_of(r)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv, keeps, plans = torch.stack([k, v]), [], []
         for i in range(n):
             handle = ring.start(kv) if i < n - 1 else None  # the next block travels meanwhile
-            plan = _plan(qi, local_token_index(s, (r - i) % n, n, q.device))
+            ki = index_of((r - i) % n)
+            plan = _plan(qi, ki)
             keep = None
             if plan is not None:
-                rows, cols, mask = plan
-                o, lo, keep = block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], scale, mask, p)
+                rows, cols, _ = plan
+                plan = (rows, cols, _block_mask(plan, qi, ki, doc_mask))
+                o, lo, keep = block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], scale, plan[2],
+                                            p)
                 out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], o, lo)
             plans.append(plan)
             keeps.append(keep)
@@ -136,23 +158,25 @@ class RingAttention(torch.autograd.Function):
             if handle is not None:
                 kv = Ring.wait(handle)
             dkv = Ring.wait(dhandle)
-        return dq, dkv[0], dkv[1], None, None, None
+        return dq, dkv[0], dkv[1], None, None, None, None, None
 
 
 def _dropout_stream(p):
     return get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
 
 
-def ring_attention(q, k, v, dropout_p=0.0, softmax_scale=None, ring=None, return_lse=False):
+def ring_attention(q, k, v, dropout_p=0.0, softmax_scale=None, ring=None, return_lse=False, doc_mask=None,
+                   index_of=None):
     """q [b, s, hq, d], k, v [b, s, hkv, d] (this CP rank's rows) -> [b, s, hq, d] (and the
-    LSE [b, hq, s] with return_lse); GQA: the KV heads travel, never repeated ones."""
+    LSE [b, hq, s] with return_lse); GQA: the KV heads travel, never repeated ones. doc_mask:
+    the whole sequence's attention mask [b, 1, S, S] (True = masked), default causal."""
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     qf = q.float().permute(0, 2, 1, 3).reshape(b, hkv, hq // hkv, s, d)
     kf, vf = (t.float().permute(0, 2, 1, 3).contiguous() for t in (k, v))
     with _dropout_stream(dropout_p):
-        out, lse = RingAttention.apply(qf, kf, vf, scale, dropout_p, ring or Ring())
+        out, lse = RingAttention.apply(qf, kf, vf, scale, dropout_p, ring or Ring(), doc_mask, index_of)
     out = out.reshape(b, hq, s, d).permute(0, 2, 1, 3).to(q.dtype)
     return (out, lse.reshape(b, hq, s)) if return_lse else out
 
@@ -162,22 +186,41 @@ def _global_index(s, n, device):
     return torch.cat([local_token_index(s, j, n, device) for j in range(n)])
 
 
-def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attention, fused=False):
+def _mask(qi, ki, doc_mask):
+    """[b or 1, 1, len(qi), len(ki)], True = masked: causal by index, or the document mask's."""
+    if doc_mask is None:
+        return (ki[None, :] > qi[:, None])[None, None]
+    return doc_mask[:, :, qi][:, :, :, ki]
+
+
+def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attention, fused=False, doc_mask=None):
     """This CP rank's attention output [b, s, hq, d] for q [b, s, hq, d], k, v [b, s, hkv, d].
     core_attention: the local attention (megalite.transformer.attention.core_attention) that
-    a2a and allgather run with an explicit causal mask by global index."""
+    a2a and allgather run with an explicit mask by global index. doc_mask: the whole
+    sequence's [b, 1, S, S] (--reset-attention-mask), default causal."""
     n, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     p = dropout_p if training else 0.0
     s = q.shape[1]
     if kind == "p2p":
-        return ring_attention(q, k, v, p)
+        return ring_attention(q, k, v, p, doc_mask=doc_mask)
     if kind == "allgather":
         kg, vg = all_gather_over_cp(k, 1), all_gather_over_cp(v, 1)  # [b, n*s, hkv, d] in rank order
         qi, ki = local_token_index(s, r, n, q.device), _global_index(s, n, q.device)
-        return core_attention(q, kg, vg, p, fused, True, attn_mask=(ki[None, :] > qi[:, None])[None, None])
+        return core_attention(q, kg, vg, p, fused, True, attn_mask=_mask(qi, ki, doc_mask))
     if kind == "a2a":
         qa, ka, va = (all_to_all_over_cp(t, 2, 1) for t in (q, k, v))  # heads out, sequence in
         gi = _global_index(s, n, q.device)
-        out = core_attention(qa, ka, va, p, fused, True, attn_mask=(gi[None, :] > gi[:, None])[None, None])
+        out = core_attention(qa, ka, va, p, fused, True, attn_mask=_mask(gi, gi, doc_mask))
         return all_to_all_over_cp(out, 1, 2)
+    if kind == "a2a+p2p":
+        (inner, inner_ranks), (outer, outer_ranks) = ps.get_hierarchical_context_parallel_groups()
+        a, cp_ranks = len(inner_ranks), ps.get_context_parallel_global_ranks()
+        qa, ka, va = (all_to_all_over_cp(t, 2, 1, inner) for t in (q, k, v))  # 1/A of the heads, A x s rows
+
+        def index_of(j):  # the rows of ring rank j: its inner group's CP ranks j*A .. j*A+A-1, in order
+            return torch.cat([local_token_index(s, j * a + i, n, q.device) for i in range(a)])
+        ring = Ring(outer, outer_ranks)
+        assert ring.rank == cp_ranks.index(ps.global_rank()) // a
+        out = ring_attention(qa, ka, va, p, ring=ring, doc_mask=doc_mask, index_of=index_of)
+        return all_to_all_over_cp(out, 1, 2, inner)
     raise ValueError(f"--cp-comm-type {kind!r} is not one of {', '.join(COMM_TYPES)}")

@@ -1,0 +1,37 @@
+"""The sm_80/sm_90 build of every Triton kernel (tests/kernels/gpu_compile.py) as a background
+process of the lowest CPU priority, started when the suite starts (tests/conftest.py) and
+waited for by tests/kernels/test_gpu_compile.py."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def command(out_json):
+    # one process per arch, side by side (a process reports one target)
+    return [sys.executable, os.path.join(HERE, "kernels", "gpu_compile.py"), "--arch", "90", "80", "--json", out_json]
+
+
+def start():
+    """(process or None, results path, start time); None when this triton has no NVIDIA backend."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return None, None, time.time()
+    d = tempfile.mkdtemp(prefix="megalite_gpu_compile_")
+    out = os.path.join(d, "results.json")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real build, not the interpreter
+    # output to a file, not a pipe nobody reads until the end (a full pipe would stall the build)
+    with open(os.path.join(d, "log.txt"), "w") as log:
+        proc = subprocess.Popen(command(out), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.nice(19))
+    return proc, out, time.time()
+
+
+def log_of(out_json):
+    with open(os.path.join(os.path.dirname(out_json), "log.txt")) as f:
+        return f.read()
