@@ -100,27 +100,80 @@ def _block_mask(plan, qi, ki, doc_mask):
     return doc_mask[:, :, qi[rows]][:, :, :, ki[cols]].unsqueeze(2)
 
 
+def _runs(idx):
+    """[(start, end, first global index)] of the runs of consecutive global indices in idx."""
+    vals, out, a = idx.tolist(), [], 0
+    for i in range(1, len(vals) + 1):
+        if i == len(vals) or vals[i] != vals[i - 1] + 1:
+            out.append((a, i, vals[a]))
+            a = i
+    return out
+
+
+def _flash_pairs(qi, ki):
+    """The visible (query run, key run, causal) pairs of a block when each is either fully
+    visible or the causal square (always so for CP's chunks); None when some pair is neither."""
+    pairs = []
+    for qa, qb, q0 in _runs(qi):
+        for ka, kb, k0 in _runs(ki):
+            if k0 > q0 + (qb - qa) - 1:
+                continue  # every key after every query
+            if k0 + (kb - ka) - 1 <= q0:
+                pairs.append((qa, qb, ka, kb, False))
+            elif k0 == q0 and kb - ka == qb - qa:
+                pairs.append((qa, qb, ka, kb, True))
+            else:
+                return None
+    return pairs
+
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _heads(q, k):
+    """q [b, hkv, g, n, d], k [b, hkv, m, d] -> [b, hkv*g, n, d] each (k repeated per query head)."""
+    b, hkv, g, n, d = q.shape
+    return q.reshape(b, hkv * g, n, d), k.unsqueeze(2).expand(b, hkv, g, k.shape[-2], d).reshape(b, hkv * g, -1, d)
+
+
+class _OneBlock:
+    """A ring of one rank: the block is all of K/V (allgather: K/V gathered beforehand)."""
+    size, rank = 1, 0
+
+
 class RingAttention(torch.autograd.Function):
-    """q [b, hkv, g, s, d], k, v [b, hkv, s, d] (fp32, this rank's rows) -> (out, lse).
+    """q [b, hkv, g, s, d], k, v [b, hkv, s_k, d] (fp32, this rank's rows) -> (out, lse).
     doc_mask: None (causal) or the whole sequence's mask [b, 1, S, S] (True = masked).
-    index_of(j): the global token index of ring rank j's rows (default: CP's balanced chunks)."""
+    index_of(j): the global token index of ring rank j's rows (default: CP's balanced chunks);
+    q_index: the queries' (default index_of(rank)). On CPU without dropout or document mask
+    each block runs as sub-blocks that are fully visible or causal squares on torch's flash
+    kernel (which returns the LSE); otherwise explicitly (block_forward / block_backward).
+    Only q, k, v, out and lse are kept for the backward, as flash attention."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, p, ring, doc_mask=None, index_of=None):
+    def forward(ctx, q, k, v, scale, p, ring, doc_mask=None, index_of=None, q_index=None):
         n, r, s = ring.size, ring.rank, q.shape[-2]
         if index_of is None:
             def index_of(j):
                 return local_token_index(s, j, n, q.device)
-        qi = index_of(r)
+        qi = index_of(r) if q_index is None else q_index
+        fast = _FLASH is not None and q.device.type == "cpu" and p == 0 and doc_mask is None
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv, keeps, plans = torch.stack([k, v]), [], []
         for i in range(n):
             handle = ring.start(kv) if i < n - 1 else None  # the next block travels meanwhile
             ki = index_of((r - i) % n)
-            plan = _plan(qi, ki)
-            keep = None
+            plan, keep = (_flash_pairs(qi, ki) if fast else None), None
             if plan is not None:
+                for qa, qb, ka, kb, causal in plan:
+                    o, lo = _FLASH(*_heads(q[..., qa:qb, :], kv[0][..., ka:kb, :]), _heads(q[..., qa:qb, :], kv[1][
+                        ..., ka:kb, :])[1], 0.0, causal, scale=scale)
+                    o, lo = o.view(out[..., qa:qb, :].shape), lo.view(lse[..., qa:qb].shape)
+                    out[..., qa:qb, :], lse[..., qa:qb] = merge(out[..., qa:qb, :], lse[..., qa:qb], o, lo)
+                plan = ("flash", plan)
+            elif (plan := _plan(qi, ki)) is not None:
                 rows, cols, _ = plan
                 plan = (rows, cols, _block_mask(plan, qi, ki, doc_mask))
                 o, lo, keep = block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], scale, plan[2],
@@ -139,6 +192,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         ring, n = ctx.ring, ctx.ring.size
+        dout = dout.contiguous()
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v])
@@ -146,7 +200,17 @@ class RingAttention(torch.autograd.Function):
         for i in range(n):
             handle = ring.start(kv, tag=0) if i < n - 1 else None
             plan = ctx.plans[i]
-            if plan is not None:
+            if plan is not None and plan[0] == "flash":
+                for qa, qb, ka, kb, causal in plan[1]:
+                    qh, kh = _heads(q[..., qa:qb, :], kv[0][..., ka:kb, :])
+                    vh = _heads(q[..., qa:qb, :], kv[1][..., ka:kb, :])[1]
+                    rows = out[..., qa:qb, :]
+                    gq, gk, gv = _FLASH_BWD(dout[..., qa:qb, :].reshape(qh.shape), qh, kh, vh, rows.reshape(qh.shape),
+                                            lse[..., qa:qb].reshape(qh.shape[:-1]), 0.0, causal, scale=ctx.scale)
+                    dq[..., qa:qb, :] += gq.view(rows.shape)
+                    dkv[0][..., ka:kb, :] += gk.view(*rows.shape[:3], kb - ka, -1).sum(2)
+                    dkv[1][..., ka:kb, :] += gv.view(*rows.shape[:3], kb - ka, -1).sum(2)
+            elif plan is not None:
                 rows, cols, mask = plan
                 gq, gk, gv = block_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], lse[..., rows],
                                             dout[..., rows, :], delta[..., rows], ctx.scale, mask, ctx.p,
@@ -154,11 +218,12 @@ class RingAttention(torch.autograd.Function):
                 dq[..., rows, :] += gq
                 dkv[0][..., cols, :] += gk
                 dkv[1][..., cols, :] += gv
-            dhandle = ring.start(dkv, tag=1)  # after the last step this reaches the block's owner
-            if handle is not None:
-                kv = Ring.wait(handle)
-            dkv = Ring.wait(dhandle)
-        return dq, dkv[0], dkv[1], None, None, None, None, None
+            if n > 1:
+                dhandle = ring.start(dkv, tag=1)  # after the last step this reaches the block's owner
+                if handle is not None:
+                    kv = Ring.wait(handle)
+                dkv = Ring.wait(dhandle)
+        return dq, dkv[0], dkv[1], None, None, None, None, None, None
 
 
 def _dropout_stream(p):
@@ -166,7 +231,7 @@ def _dropout_stream(p):
 
 
 def ring_attention(q, k, v, dropout_p=0.0, softmax_scale=None, ring=None, return_lse=False, doc_mask=None,
-                   index_of=None):
+                   index_of=None, q_index=None):
     """q [b, s, hq, d], k, v [b, s, hkv, d] (this CP rank's rows) -> [b, s, hq, d] (and the
     LSE [b, hq, s] with return_lse); GQA: the KV heads travel, never repeated ones. doc_mask:
     the whole sequence's attention mask [b, 1, S, S] (True = masked), default causal."""
@@ -176,7 +241,7 @@ def ring_attention(q, k, v, dropout_p=0.0, softmax_scale=None, ring=None, return
     qf = q.float().permute(0, 2, 1, 3).reshape(b, hkv, hq // hkv, s, d)
     kf, vf = (t.float().permute(0, 2, 1, 3).contiguous() for t in (k, v))
     with _dropout_stream(dropout_p):
-        out, lse = RingAttention.apply(qf, kf, vf, scale, dropout_p, ring or Ring(), doc_mask, index_of)
+        out, lse = RingAttention.apply(qf, kf, vf, scale, dropout_p, ring or Ring(), doc_mask, index_of, q_index)
     out = out.reshape(b, hq, s, d).permute(0, 2, 1, 3).to(q.dtype)
     return (out, lse.reshape(b, hq, s)) if return_lse else out
 
@@ -203,14 +268,19 @@ def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attentio
     s = q.shape[1]
     if kind == "p2p":
         return ring_attention(q, k, v, p, doc_mask=doc_mask)
-    if kind == "allgather":
+    if kind == "allgather":  # the gathered K/V as one block (kept for the backward only as inputs)
         kg, vg = all_gather_over_cp(k, 1), all_gather_over_cp(v, 1)  # [b, n*s, hkv, d] in rank order
         qi, ki = local_token_index(s, r, n, q.device), _global_index(s, n, q.device)
-        return core_attention(q, kg, vg, p, fused, True, attn_mask=_mask(qi, ki, doc_mask))
+        return ring_attention(q, kg, vg, p, ring=_OneBlock(), doc_mask=doc_mask, index_of=lambda j: ki, q_index=qi)
     if kind == "a2a":
         qa, ka, va = (all_to_all_over_cp(t, 2, 1) for t in (q, k, v))  # heads out, sequence in
         gi = _global_index(s, n, q.device)
-        out = core_attention(qa, ka, va, p, fused, True, attn_mask=_mask(gi, gi, doc_mask))
+        if doc_mask is not None:
+            out = core_attention(qa, ka, va, p, fused, True, attn_mask=_mask(gi, gi, doc_mask))
+        else:  # the whole sequence in its natural order: plain causal attention (flash, no mask)
+            order = torch.argsort(gi)
+            out = core_attention(*(t.index_select(1, order) for t in (qa, ka, va)), p, fused, True)
+            out = out.index_select(1, gi)  # back to the gathered order (gi inverts the sort)
         return all_to_all_over_cp(out, 1, 2)
     if kind == "a2a+p2p":
         (inner, inner_ranks), (outer, outer_ranks) = ps.get_hierarchical_context_parallel_groups()
