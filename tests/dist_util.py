@@ -22,6 +22,7 @@ import traceback
 
 import numpy as np
 import torch
+import torch._dynamo  # noqa: F401  torch.optim's first optimizer imports it (3.5 s here): once, before the forks
 import torch.multiprocessing as mp
 
 

@@ -149,19 +149,19 @@ def masked_datasets(args, num_samples):
     return _Masked(num_samples[0], args.seq_length, args.seed), None, None
 
 
+# Seven runs cover: each comm type at CP 2 and CP 4 (per-layer types in one run), a2a+p2p,
+# TP + SP, PP interleaved, DP, ZeRO-2, recompute full and selective, rope + GQA, loss masks that
+# differ between chunks (mean and per-token loss), packed documents.
 FOUR = [
-    layout("cp2_dp2_p2p", cp=2, dp=2),
-    layout("cp2_dp2_a2a_zero2", cp=2, dp=2, zero=2, cp_comm="a2a"),
-    layout("cp2_dp2_allgather_recompute_full", cp=2, dp=2, cp_comm="allgather", recompute="full"),
-    layout("cp4_p2p", cp=4),
-    layout("cp4_a2a_p2p_llama", cp=4, cp_comm="a2a+p2p", model=LLAMA, flags=("--hierarchical-context-parallel-sizes",
-                                                                           "2", "2")),
-    layout("cp2_tp2_sp_llama", cp=2, tp=2, sp=True, model=LLAMA),
-    layout("cp2_pp2_interleaved", cp=2, pp=2, vp=1),
-    layout("cp2_dp2_loss_mask", cp=2, dp=2, datasets=masked_datasets),
-    layout("cp2_dp2_loss_mask_per_token", cp=2, dp=2, datasets=masked_datasets, model=("--calculate-per-token-loss",)),
-    layout("docs_cp2_dp2_a2a", cp=2, dp=2, cp_comm="a2a", datasets=doc_datasets, model=DOC_FLAGS),
-    layout("docs_cp2_tp2_sp_p2p", cp=2, tp=2, sp=True, datasets=doc_datasets, model=DOC_FLAGS),
+    layout("cp2_dp2_p2p_loss_mask", cp=2, dp=2, datasets=masked_datasets),
+    layout("docs_cp2_dp2_a2a_zero2", cp=2, dp=2, zero=2, cp_comm="a2a", datasets=doc_datasets, model=DOC_FLAGS),
+    layout("cp2_dp2_allgather_per_token_recompute_full", cp=2, dp=2, cp_comm="allgather", recompute="full",
+           datasets=masked_datasets, model=("--calculate-per-token-loss",)),
+    layout("cp4_per_layer_p2p_a2a_allgather", cp=4, flags=("--cp-comm-type", "p2p", "a2a", "allgather", "a2a")),
+    layout("cp4_a2a_p2p_llama", cp=4, cp_comm="a2a+p2p", model=LLAMA,
+           flags=("--hierarchical-context-parallel-sizes", "2", "2")),
+    layout("docs_cp2_tp2_sp_llama", cp=2, tp=2, sp=True, datasets=doc_datasets, model=DOC_FLAGS + LLAMA),
+    layout("cp2_pp2_interleaved_recompute_selective", cp=2, pp=2, vp=1, recompute="selective"),
 ]
 
 
