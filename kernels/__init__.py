@@ -12,8 +12,8 @@ from .bias_gelu import bias_gelu
 from .swiglu import swiglu
 from .rotary import rotary
 from .cross_entropy import cross_entropy
-from .flash_attention import flash_attention
+from .flash_attention import flash_attention, flash_attention_block, flash_attention_block_backward
 from .adamw import adamw_step
 
 __all__ = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy",
-           "flash_attention", "adamw_step", "set_backend", "get_backend", "use_backend", "use_triton"]
+           "flash_attention", "flash_attention_block", "flash_attention_block_backward", "adamw_step", "set_backend", "get_backend", "use_backend", "use_triton"]

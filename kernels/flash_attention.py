@@ -250,24 +250,57 @@ def _dropout_args(p):
     return int(round(p * 2 ** 31)), (1.0 / (1.0 - p) if p > 0 else 1.0)
 
 
+def _forward(q, k, v, causal, scale, kpm, dropout_p):
+    """The forward kernel: (o [b, sq, h, d], base-2 lse [b, h, sq] (+inf: a query sees no key), seed)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    o = empty((b, sq, h, d), q.device, q.dtype)
+    lse = empty((b, h, sq), q.device, torch.float32)
+    kpm_t = kpm.view(torch.uint8) if kpm is not None else lse
+    skpm = kpm.stride(0) if kpm is not None else 0
+    # the seed stays on the device: drawn from the current generator, read by the kernels
+    seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
+    thr, keep_scale = _dropout_args(dropout_p)
+    bm, bn, bd, warps, stages = _config(d, q.dtype, 0)
+    _attn_fwd[(triton.cdiv(sq, bm), b * h)](
+        q, k, v, o, lse, kpm_t, seed if seed is not None else lse, scale * LOG2E, thr, keep_scale,
+        h, h // hk, sq, sk, d, *_strides(q), *_strides(k), *_strides(v), *_strides(o), skpm,
+        CAUSAL=causal, HAS_KPM=kpm is not None, DROPOUT=seed is not None, PREC="tf32",
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
+    return o, lse, seed
+
+
+def _backward(do, q, k, v, o, lse, kpm, seed, causal, scale, dropout_p):
+    """The backward kernels for output o and base-2 lse (any o/lse: e.g. merged over ring blocks)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    kpm_t = kpm.view(torch.uint8) if kpm is not None else lse
+    skpm = kpm.stride(0) if kpm is not None else 0
+    bd = _config(d, q.dtype, 1)[2]
+    meta = dict(CAUSAL=causal, HAS_KPM=kpm is not None, DROPOUT=seed is not None, PREC="tf32", BLOCK_D=bd)
+    delta = empty((b, h, sq), q.device, torch.float32)
+    _attn_bwd_delta[(triton.cdiv(sq, 64), b * h)](o, do, delta, h, sq, d, *_strides(o), BLOCK_M=64, BLOCK_D=bd)
+    dq = empty((b, sq, h, d), q.device, q.dtype)
+    dk = empty((b, sk, hk, d), k.device, k.dtype)
+    dv = empty((b, sk, hk, d), v.device, v.dtype)
+    common = (seed if seed is not None else lse, scale * LOG2E, scale, *_dropout_args(dropout_p))
+    bm, bn, _, warps, stages = _config(d, q.dtype, 1)
+    _attn_bwd_dkdv[(triton.cdiv(sk, bn), b * hk)](
+        q, k, v, do, lse, delta, dk, dv, kpm_t, *common, h, hk, h // hk, sq, sk, d, *_strides(q),
+        *_strides(k), *_strides(v), *_strides(o), *_strides(dk), skpm, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps, num_stages=stages, **meta)
+    bm, bn, _, warps, stages = _config(d, q.dtype, 2)
+    _attn_bwd_dq[(triton.cdiv(sq, bm), b * h)](
+        q, k, v, do, lse, delta, dq, kpm_t, *common, h, h // hk, sq, sk, d, *_strides(q),
+        *_strides(k), *_strides(v), *_strides(o), skpm, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps, num_stages=stages, **meta)
+    return dq, dk, dv
+
+
 class _FlashAttnFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, kpm, dropout_p):
-        b, sq, h, d = q.shape
-        sk, hk = k.shape[1], k.shape[2]
-        o = empty((b, sq, h, d), q.device, q.dtype)
-        lse = empty((b, h, sq), q.device, torch.float32)
-        kpm_t = kpm.view(torch.uint8) if kpm is not None else lse
-        skpm = kpm.stride(0) if kpm is not None else 0
-        # the seed stays on the device: drawn from the current generator, read by the kernels
-        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=q.device) if dropout_p > 0 else None
-        thr, keep_scale = _dropout_args(dropout_p)
-        bm, bn, bd, warps, stages = _config(d, q.dtype, 0)
-        _attn_fwd[(triton.cdiv(sq, bm), b * h)](
-            q, k, v, o, lse, kpm_t, seed if seed is not None else lse, scale * LOG2E, thr, keep_scale,
-            h, h // hk, sq, sk, d, *_strides(q), *_strides(k), *_strides(v), *_strides(o), skpm,
-            CAUSAL=causal, HAS_KPM=kpm is not None, DROPOUT=seed is not None, PREC="tf32",
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=warps, num_stages=stages)
+        o, lse, seed = _forward(q, k, v, causal, scale, kpm, dropout_p)
         ctx.save_for_backward(q, k, v, o, lse, kpm, seed)
         ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
         return o
@@ -275,30 +308,26 @@ class _FlashAttnFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, kpm, seed = ctx.saved_tensors
-        b, sq, h, d = q.shape
-        sk, hk = k.shape[1], k.shape[2]
-        do = do.contiguous()  # same layout as o
-        kpm_t = kpm.view(torch.uint8) if kpm is not None else lse
-        skpm = kpm.stride(0) if kpm is not None else 0
-        bd = _config(d, q.dtype, 1)[2]
-        meta = dict(CAUSAL=ctx.causal, HAS_KPM=kpm is not None, DROPOUT=seed is not None, PREC="tf32", BLOCK_D=bd)
-        delta = empty((b, h, sq), q.device, torch.float32)
-        _attn_bwd_delta[(triton.cdiv(sq, 64), b * h)](o, do, delta, h, sq, d, *_strides(o), BLOCK_M=64, BLOCK_D=bd)
-        dq = empty((b, sq, h, d), q.device, q.dtype)
-        dk = empty((b, sk, hk, d), k.device, k.dtype)
-        dv = empty((b, sk, hk, d), v.device, v.dtype)
-        common = (seed if seed is not None else lse, ctx.scale * LOG2E, ctx.scale, *_dropout_args(ctx.dropout_p))
-        bm, bn, _, warps, stages = _config(d, q.dtype, 1)
-        _attn_bwd_dkdv[(triton.cdiv(sk, bn), b * hk)](
-            q, k, v, do, lse, delta, dk, dv, kpm_t, *common, h, hk, h // hk, sq, sk, d, *_strides(q),
-            *_strides(k), *_strides(v), *_strides(o), *_strides(dk), skpm, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps, num_stages=stages, **meta)
-        bm, bn, _, warps, stages = _config(d, q.dtype, 2)
-        _attn_bwd_dq[(triton.cdiv(sq, bm), b * h)](
-            q, k, v, do, lse, delta, dq, kpm_t, *common, h, h // hk, sq, sk, d, *_strides(q),
-            *_strides(k), *_strides(v), *_strides(o), skpm, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=warps, num_stages=stages, **meta)
+        dq, dk, dv = _backward(do.contiguous(), q, k, v, o, lse, kpm, seed, ctx.causal, ctx.scale, ctx.dropout_p)
         return dq, dk, dv, None, None, None, None
+
+
+def flash_attention_block(q, k, v, causal=True, softmax_scale=None):
+    """One block of ring attention on the Triton kernel, no autograd: (out [b, sq, h, d] in q's
+    dtype, lse [b, h, sq] fp32, natural log, -inf where a query sees no key). Inputs as
+    flash_attention's (strided views allowed; the last dim contiguous)."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    o, lse, _ = _forward(q, k, v, bool(causal), float(scale), None, 0.0)
+    return o, torch.where(torch.isinf(lse), torch.full_like(lse, float("-inf")), lse / LOG2E)
+
+
+def flash_attention_block_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=None):
+    """(dq, dk, dv) of one block given the output and natural-log lse of the whole attention
+    the block is part of (ring attention merges them over blocks): the recomputed
+    probabilities exp(s - lse) are the block's share; dk, dv summed over each KV head's queries."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
+    return _backward(dout.contiguous(), q, k, v, out.contiguous(), lse2, None, None, bool(causal), float(scale), 0.0)
 
 
 def _attention_torch(q, k, v, causal, scale, kpm, dropout_p):

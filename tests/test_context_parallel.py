@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import kernels
+
 from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.tensor_parallel import model_parallel_manual_seed
@@ -78,9 +80,13 @@ def _all_cases():
             mine = dist.get_rank() < n
             out[("p2p", n, shape)] = _cp_case("p2p", n, shape, Ring(group, list(range(n)))) if mine else None
         out[("p2p docs", n)] = _cp_case("p2p", n, SHAPES[1], Ring(group, list(range(n))), docs=True) if mine else None
-        flash, cp_attention._FLASH = cp_attention._FLASH, None  # the explicit path (CUDA's, and dropout's)
+        flash, cp_attention._FLASH = cp_attention._FLASH, None  # the explicit path (dropout's)
         out[("p2p explicit", n)] = _cp_case("p2p", n, SHAPES[2], Ring(group, list(range(n)))) if mine else None
         cp_attention._FLASH = flash
+        if n == 3:  # CUDA's path: megalite's flash kernel (in the interpreter here: slow, so one ring)
+            with kernels.use_backend("triton"):
+                out[("p2p triton", n)] = _cp_case("p2p", n, SHAPES[1], Ring(group, list(range(n))), s=12) if mine \
+                    else None
         dist.barrier()
     for n in (2, 4):  # a2a and allgather on the grid's CP groups
         ps.initialize_model_parallel(1, 1, context_parallel_size=n)
@@ -110,7 +116,7 @@ def cases():
 def test_cp_attention_equals_whole_sequence_attention(cases):
     """fp32 against float64 over sums of <= 24 terms: DESIGN's 1e-5 bound."""
     keys = set(cases[0])
-    assert {("p2p", 3, SHAPES[2]), ("a2a", 4, SHAPES[0]), ("allgather", 4, SHAPES[2]), ("p2p docs", 3), ("p2p explicit", 3),
+    assert {("p2p", 3, SHAPES[2]), ("a2a", 4, SHAPES[0]), ("allgather", 4, SHAPES[2]), ("p2p docs", 3), ("p2p explicit", 3), ("p2p triton", 3),
             ("a2a docs", 4), ("allgather docs", 2), ("a2a+p2p", 4, SHAPES[1]), ("a2a+p2p docs", 4)} <= keys
     bad = []
     for key in sorted(keys, key=str):

@@ -27,6 +27,8 @@ import contextlib
 
 import torch
 
+import kernels
+
 from megalite import parallel_state as ps
 from megalite.distributed.cp_comm import Ring, all_gather_over_cp, all_to_all_over_cp, local_token_index
 from megalite.tensor_parallel import get_rng_tracker
@@ -137,6 +139,35 @@ def _heads(q, k):
     return q.reshape(b, hkv * g, n, d), k.unsqueeze(2).expand(b, hkv, g, k.shape[-2], d).reshape(b, hkv * g, -1, d)
 
 
+def _sub_forward(mode, q, k, v, causal, scale):
+    """A fully visible or causal-square sub-block: (out [b, hkv, g, n, d], lse [b, hkv, g, n]).
+    mode "flash": torch's CPU flash kernel (heads repeated for GQA); "triton": megalite's."""
+    b, hkv, g, n, d = q.shape
+    if mode == "triton":
+        o, lse = kernels.flash_attention_block(q.reshape(b, hkv * g, n, d).transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2), causal, scale)
+        return o.transpose(1, 2).reshape(q.shape), lse.view(q.shape[:-1])
+    qh, kh = _heads(q, k)
+    o, lse = _FLASH(qh, kh, _heads(q, v)[1], 0.0, causal, scale=scale)
+    return o.view(q.shape), lse.view(q.shape[:-1])
+
+
+def _sub_backward(mode, dout, q, k, v, out, lse, causal, scale):
+    """(dq [b, hkv, g, n, d], dk, dv [b, hkv, m, d]) of a sub-block, given the merged out and lse."""
+    b, hkv, g, n, d = q.shape
+    if mode == "triton":
+        def bshd(t):
+            return t.reshape(b, hkv * g, n, d).transpose(1, 2)
+        dq, dk, dv = kernels.flash_attention_block_backward(bshd(dout), bshd(q), k.transpose(1, 2), v.transpose(1, 2),
+                                                            bshd(out), lse.reshape(b, hkv * g, n), causal, scale)
+        return dq.transpose(1, 2).reshape(q.shape), dk.transpose(1, 2), dv.transpose(1, 2)
+    qh, kh = _heads(q, k)
+    dq, dk, dv = _FLASH_BWD(dout.reshape(qh.shape), qh, kh, _heads(q, v)[1], out.reshape(qh.shape),
+                            lse.reshape(qh.shape[:-1]), 0.0, causal, scale=scale)
+    m = k.shape[-2]
+    return dq.view(q.shape), dk.view(b, hkv, g, m, d).sum(2), dv.view(b, hkv, g, m, d).sum(2)
+
+
 class _OneBlock:
     """A ring of one rank: the block is all of K/V (allgather: K/V gathered beforehand)."""
     size, rank = 1, 0
@@ -146,9 +177,10 @@ class RingAttention(torch.autograd.Function):
     """q [b, hkv, g, s, d], k, v [b, hkv, s_k, d] (fp32, this rank's rows) -> (out, lse).
     doc_mask: None (causal) or the whole sequence's mask [b, 1, S, S] (True = masked).
     index_of(j): the global token index of ring rank j's rows (default: CP's balanced chunks);
-    q_index: the queries' (default index_of(rank)). On CPU without dropout or document mask
-    each block runs as sub-blocks that are fully visible or causal squares on torch's flash
-    kernel (which returns the LSE); otherwise explicitly (block_forward / block_backward).
+    q_index: the queries' (default index_of(rank)). Without dropout or document mask each
+    block runs as sub-blocks that are fully visible or causal squares, on megalite's Triton
+    flash kernel (CUDA) or torch's CPU flash kernel, both returning the LSE; otherwise
+    explicitly (block_forward / block_backward).
     Only q, k, v, out and lse are kept for the backward, as flash attention."""
 
     @staticmethod
@@ -158,21 +190,23 @@ class RingAttention(torch.autograd.Function):
             def index_of(j):
                 return local_token_index(s, j, n, q.device)
         qi = index_of(r) if q_index is None else q_index
-        fast = _FLASH is not None and q.device.type == "cpu" and p == 0 and doc_mask is None
+        mode = None
+        if p == 0 and doc_mask is None:
+            mode = "triton" if kernels.use_triton(q) else "flash" if _FLASH is not None and q.device.type == "cpu" \
+                else None
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv, keeps, plans = torch.stack([k, v]), [], []
         for i in range(n):
             handle = ring.start(kv) if i < n - 1 else None  # the next block travels meanwhile
             ki = index_of((r - i) % n)
-            plan, keep = (_flash_pairs(qi, ki) if fast else None), None
+            plan, keep = (_flash_pairs(qi, ki) if mode else None), None
             if plan is not None:
                 for qa, qb, ka, kb, causal in plan:
-                    o, lo = _FLASH(*_heads(q[..., qa:qb, :], kv[0][..., ka:kb, :]), _heads(q[..., qa:qb, :], kv[1][
-                        ..., ka:kb, :])[1], 0.0, causal, scale=scale)
-                    o, lo = o.view(out[..., qa:qb, :].shape), lo.view(lse[..., qa:qb].shape)
+                    o, lo = _sub_forward(mode, q[..., qa:qb, :], kv[0][..., ka:kb, :], kv[1][..., ka:kb, :], causal,
+                                         scale)
                     out[..., qa:qb, :], lse[..., qa:qb] = merge(out[..., qa:qb, :], lse[..., qa:qb], o, lo)
-                plan = ("flash", plan)
+                plan = (mode, plan)
             elif (plan := _plan(qi, ki)) is not None:
                 rows, cols, _ = plan
                 plan = (rows, cols, _block_mask(plan, qi, ki, doc_mask))
@@ -200,16 +234,14 @@ class RingAttention(torch.autograd.Function):
         for i in range(n):
             handle = ring.start(kv, tag=0) if i < n - 1 else None
             plan = ctx.plans[i]
-            if plan is not None and plan[0] == "flash":
+            if plan is not None and isinstance(plan[0], str):  # sub-blocks on a flash kernel
                 for qa, qb, ka, kb, causal in plan[1]:
-                    qh, kh = _heads(q[..., qa:qb, :], kv[0][..., ka:kb, :])
-                    vh = _heads(q[..., qa:qb, :], kv[1][..., ka:kb, :])[1]
-                    rows = out[..., qa:qb, :]
-                    gq, gk, gv = _FLASH_BWD(dout[..., qa:qb, :].reshape(qh.shape), qh, kh, vh, rows.reshape(qh.shape),
-                                            lse[..., qa:qb].reshape(qh.shape[:-1]), 0.0, causal, scale=ctx.scale)
-                    dq[..., qa:qb, :] += gq.view(rows.shape)
-                    dkv[0][..., ka:kb, :] += gk.view(*rows.shape[:3], kb - ka, -1).sum(2)
-                    dkv[1][..., ka:kb, :] += gv.view(*rows.shape[:3], kb - ka, -1).sum(2)
+                    gq, gk, gv = _sub_backward(plan[0], dout[..., qa:qb, :], q[..., qa:qb, :], kv[0][..., ka:kb, :],
+                                               kv[1][..., ka:kb, :], out[..., qa:qb, :], lse[..., qa:qb], causal,
+                                               ctx.scale)
+                    dq[..., qa:qb, :] += gq
+                    dkv[0][..., ka:kb, :] += gk
+                    dkv[1][..., ka:kb, :] += gv
             elif plan is not None:
                 rows, cols, mask = plan
                 gq, gk, gv = block_backward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], lse[..., rows],
