@@ -11,6 +11,12 @@ backward on one sequence of --seq tokens (default 8192), each rank on its part.
   balanced chunks (rank r keeps chunks r and 2CP-1-r) and for a contiguous split; max/mean.
 
     python benchmarks/context_parallel.py [--seq 8192 --cp 1 2 4 --comm p2p a2a allgather]
+    python benchmarks/context_parallel.py --gpu-blocks [--seq 32768]   # on a CUDA GPU
+
+--gpu-blocks (one GPU): a CP rank's ring-attention compute on megalite's Triton kernels (its
+sub-blocks and LSE merges, forward + backward; the blocks come from one gathered K/V, so no
+communication is timed) at CP 2 and 4, against kernels.flash_attention over the whole sequence
+(CP 1): time per rank and the ratio to the ideal CP-1 time / CP.
 """
 
 import os
@@ -91,6 +97,43 @@ def attention_pairs(seq, cp, balanced):
     return [sum(range(r * c + 1, (r + 1) * c + 1)) for r in range(cp)]
 
 
+def gpu_blocks(args):
+    import kernels
+    from megalite.transformer.cp_attention import _OneBlock, _global_index, ring_attention
+    s, h, hk, d = args.seq, 16, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, s, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for n in (h, hk, hk))
+
+    def timed(fn):
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / args.repeats
+
+    def full():
+        x = [t.detach().requires_grad_() for t in (q, k, v)]
+        kernels.flash_attention(*x, causal=True).sum().backward()
+    base = timed(full)
+    print(f"{torch.cuda.get_device_name()}, one sequence of {s} tokens, {h} heads ({hk} KV), d {d}, bf16 inputs")
+    print("| CP | ring compute per rank, fwd+bwd (ms) | CP-1 time / CP (ms) | ratio |")
+    print("|--:|--:|--:|--:|")
+    print(f"| 1 | {base * 1e3:.1f} (flash_attention) | {base * 1e3:.1f} | 1.00 |")
+    for n in (c for c in args.cp if c > 1):
+        gi = _global_index(s // n, n, q.device)
+        qi = local_token_index(s // n, 0, n, q.device)
+
+        def ring():
+            x = [q[:, qi].detach().requires_grad_(), k[:, gi].detach().requires_grad_(),
+                 v[:, gi].detach().requires_grad_()]
+            ring_attention(*x, ring=_OneBlock(), index_of=lambda j: gi, q_index=qi).sum().backward()
+        t = timed(ring)
+        print(f"| {n} | {t * 1e3:.1f} | {base / n * 1e3:.1f} | {t / (base / n):.2f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, default=8192)
@@ -98,7 +141,12 @@ def main():
     ap.add_argument("--comm", nargs="+", default=["p2p", "a2a", "allgather"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=max(1, torch.get_num_threads()))
+    ap.add_argument("--gpu-blocks", action="store_true", help="the ring's compute on one CUDA GPU (see above)")
     args = ap.parse_args()
+    if args.gpu_blocks:
+        if not torch.cuda.is_available():
+            sys.exit("context_parallel.py --gpu-blocks needs a CUDA GPU")
+        return gpu_blocks(args)
     print(f"one sequence of {args.seq} tokens, GPT h64 x 2 layers, CPU ranks (gloo), torch {torch.__version__}")
     base_mem, base_t = _run(1, "p2p", args)
     print("| CP | comm | saved activations / rank (MiB) | x CP=1 | goal <= 1.15/CP | step time / rank (s) | x CP=1 |")

@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu)
+PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu bench-ring)
 
 describe() {
     case "$1" in
@@ -23,6 +23,7 @@ describe() {
         bench-kernels-attention) echo "python benchmarks/kernels.py --only cross_entropy flash_attention" ;;
         bench-adamw) echo "python benchmarks/adamw_flat.py (flat AdamW vs per-tensor / torch fused)" ;;
         bench-mfu) echo "python benchmarks/mfu.py" ;;
+        bench-ring) echo "python benchmarks/context_parallel.py --gpu-blocks --seq 32768 (ring blocks on Triton vs CP=1)" ;;
         *) return 1 ;;
     esac
 }
@@ -40,6 +41,7 @@ else 'NO GPU')" && (nvidia-smi || true) && python -c "import torch, sys; sys.exi
         bench-kernels-attention) python benchmarks/kernels.py --only cross_entropy flash_attention ;;
         bench-adamw) python benchmarks/adamw_flat.py ;;
         bench-mfu) python benchmarks/mfu.py ;;
+        bench-ring) python benchmarks/context_parallel.py --gpu-blocks --seq 32768 ;;
     esac
 }
 
