@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
+from megalite.distributed.cp_comm import cp_size, slice_for_cp_rank, sum_over_cp
 from megalite.config import ConfigError
 from megalite.models import BertModel
 
@@ -52,18 +53,34 @@ def datasets_provider(args, num_samples):
 
 def forward_step(data_iterator, model):
     """Megatron's contract: ((per-masked-token MLM loss, binary logits), loss_func). Every
-    pipeline stage reads the batch: the padding mask is needed everywhere."""
+    pipeline stage reads the batch: the padding mask is needed everywhere. Under context
+    parallelism each rank keeps its two chunks of the tokens, types, labels and loss mask (the
+    padding mask stays whole: it masks keys on every rank); the MLM loss is the mean over the
+    whole sequence's masked tokens, and the sentence-order loss is CP rank 0's, which holds [CLS]."""
     b = next(data_iterator) if data_iterator is not None else {}
-    output = model(b.get("text"), b.get("padding_mask"), tokentype_ids=b.get("types"), lm_labels=b.get("labels"),
-                   loss_mask=b.get("loss_mask"))
+    text, types, labels, loss_mask = (None if t is None else slice_for_cp_rank(t, 1) for t in (
+        b.get("text"), b.get("types"), b.get("labels"), b.get("loss_mask")))
+    output = model(text, b.get("padding_mask"), tokentype_ids=types, lm_labels=labels, loss_mask=loss_mask)
+    cp = cp_size() > 1
 
     def loss_func(out):
         per_token, binary_logits = out
-        lm_loss = per_token.float().sum() / max(per_token.numel(), 1)  # mean over the masked tokens
+        total = per_token.float().sum()
+        count = torch.full((), float(max(per_token.numel(), 1)), device=total.device)
+        whole = total.detach()
+        if cp:  # the whole sequence's masked tokens; this rank's gradient is its part of the sum
+            whole, count = sum_over_cp(torch.stack([whole, torch.full_like(count, per_token.numel())])).unbind()
+            count = count.clamp(min=1.0)
+        lm_loss = total / count  # mean over the masked tokens
+        lm_report = whole / count
         if binary_logits is None:
-            return lm_loss, {"lm loss": lm_loss.detach()}
+            return lm_loss, {"lm loss": lm_report}
         sop_loss = F.cross_entropy(binary_logits.float(), b["is_random"].view(-1))
-        return lm_loss + sop_loss, {"lm loss": lm_loss.detach(), "sop loss": sop_loss.detach()}
+        sop_report = sop_loss.detach()
+        if cp:  # only CP rank 0's first row is [CLS]; the others' head still runs (the same collectives)
+            sop_loss = sop_loss * float(ps.get_context_parallel_rank() == 0)
+            sop_report = sum_over_cp(sop_loss.detach().clone())
+        return lm_loss + sop_loss, {"lm loss": lm_report, "sop loss": sop_report}
     return output, loss_func
 
 

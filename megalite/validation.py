@@ -217,8 +217,6 @@ def _validate_context_parallel(args):
     if args.apply_query_key_layer_scaling:
         raise ConfigError(f"--context-parallel-size {cp} does not compose with --apply-query-key-layer-scaling in "
                           "megalite yet")
-    if args.model_type == "bert":
-        raise ConfigError(f"--context-parallel-size {cp} is not implemented for BERT (its padding mask) in megalite")
 
 
 def _validate_schedule(args):

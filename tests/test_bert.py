@@ -87,14 +87,19 @@ def bert_runs(tmp_path_factory):
     lays = [bert_layout("bert_tp2_dp2", tp=2, dp=2), bert_layout("bert_pp2_dp2_interleaved", pp=2, dp=2, vp=1),
             bert_layout("bert_tp2_pp2_sp", tp=2, pp=2, sp=True, flags=("--save", ckpt)),
             bert_layout("bert_tp2_pp2_sp_pre_norm", tp=2, pp=2, sp=True,
-                        model=("--layernorm-position", "pre", "--init-method-std", "0.02"))]
+                        model=("--layernorm-position", "pre", "--init-method-std", "0.02")),
+            # context parallel: padded keys, non-causal ring (p2p) and all-to-all (a2a) attention
+            bert_layout("bert_cp2_dp2_p2p", cp=2, dp=2),
+            bert_layout("bert_cp2_tp2_sp_a2a", cp=2, tp=2, sp=True, cp_comm="a2a")]
     return lays, run_layouts(lays, 4), ckpt
 
 
-@pytest.mark.parametrize("i", range(4), ids=["tp2_dp2", "pp2_dp2_interleaved", "tp2_pp2_sp", "tp2_pp2_sp_pre_norm"])
+@pytest.mark.parametrize("i", range(6), ids=["tp2_dp2", "pp2_dp2_interleaved", "tp2_pp2_sp", "tp2_pp2_sp_pre_norm",
+                                             "cp2_dp2_p2p", "cp2_tp2_sp_a2a"])
 def test_bert_layouts_match_single_process(bert_runs, i):
     """Losses over the steps, every step-1 gradient before clipping (MLM head, tied embedding on
-    both stages, pooler and SOP head included), grad norms and parameters at rel <= 1e-5."""
+    both stages, pooler and SOP head included), grad norms and parameters at rel <= 1e-5; under
+    CP the MLM loss over every CP rank's masked tokens and the SOP loss from [CLS] on CP rank 0."""
     lays, results, _ = bert_runs
     print(lays[i].name, {k: f"{v:.1e}" for k, v in worst(lays[i], results[i], reference(lays[i])).items()})
     assert_parity(lays[i], results[i])

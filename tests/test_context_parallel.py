@@ -49,13 +49,19 @@ def _doc_mask(b, s, seed=1):
     return torch.ones(s, s, dtype=torch.bool).triu(1) | (seg[:, :, None] != seg[:, None, :])
 
 
-def _cp_case(path, n, shape, ring=None, s=24, docs=False):
-    """This rank's errors against the float64 whole-sequence reference, for CP size n."""
+def _cp_case(path, n, shape, ring=None, s=24, docs=False, pad=False):
+    """This rank's errors against the float64 whole-sequence reference, for CP size n. docs:
+    packed-document masks; pad: BERT's non-causal attention over unpadded keys (batch row i
+    padded from token 9 + 7i on: whole blocks of keys are padding)."""
     r = ring.rank if ring is not None else ps.get_context_parallel_rank()
     q, k, v, dout = _inputs(*shape, s)
     mask = _doc_mask(shape[0], s)[:, None] if docs else None
+    ref_mask = mask
+    if pad:
+        mask = (torch.arange(s)[None, :] >= 9 + 7 * torch.arange(shape[0])[:, None])[:, None, None, :]
+        ref_mask = mask.expand(shape[0], 1, s, s)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = _reference(*ref_in, mask)
+    ref_out, ref_lse = _reference(*ref_in, ref_mask)
     ref_out.backward(dout.double())
     mine = [slice_for_cp_rank(t, 1, r, n).clone().requires_grad_() for t in (q, k, v)]
     if path == "p2p":
@@ -80,6 +86,7 @@ def _all_cases():
             mine = dist.get_rank() < n
             out[("p2p", n, shape)] = _cp_case("p2p", n, shape, Ring(group, list(range(n)))) if mine else None
         out[("p2p docs", n)] = _cp_case("p2p", n, SHAPES[1], Ring(group, list(range(n))), docs=True) if mine else None
+        out[("p2p padded", n)] = _cp_case("p2p", n, SHAPES[0], Ring(group, list(range(n))), pad=True) if mine else None
         flash, cp_attention._FLASH = cp_attention._FLASH, None  # the explicit path (dropout's)
         out[("p2p explicit", n)] = _cp_case("p2p", n, SHAPES[2], Ring(group, list(range(n)))) if mine else None
         cp_attention._FLASH = flash
@@ -97,6 +104,7 @@ def _all_cases():
                     continue  # KV heads not divisible by CP: refused by the command line
                 out[(path, n, shape)] = _cp_case(path, n, shape)
             out[(path + " docs", n)] = _cp_case(path, n, SHAPES[0], docs=True)
+            out[(path + " padded", n)] = _cp_case(path, n, SHAPES[0], pad=True)
         ps.destroy_model_parallel()
     # a2a+p2p: all-to-all within pairs of CP ranks, the ring across the two pairs
     ps.initialize_model_parallel(1, 1, context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
@@ -116,7 +124,7 @@ def cases():
 def test_cp_attention_equals_whole_sequence_attention(cases):
     """fp32 against float64 over sums of <= 24 terms: DESIGN's 1e-5 bound."""
     keys = set(cases[0])
-    assert {("p2p", 3, SHAPES[2]), ("a2a", 4, SHAPES[0]), ("allgather", 4, SHAPES[2]), ("p2p docs", 3), ("p2p explicit", 3), ("p2p triton", 3),
+    assert {("p2p", 3, SHAPES[2]), ("a2a", 4, SHAPES[0]), ("allgather", 4, SHAPES[2]), ("p2p docs", 3), ("p2p explicit", 3), ("p2p padded", 3), ("a2a padded", 4), ("allgather padded", 2), ("p2p triton", 3),
             ("a2a docs", 4), ("allgather docs", 2), ("a2a+p2p", 4, SHAPES[1]), ("a2a+p2p docs", 4)} <= keys
     bad = []
     for key in sorted(keys, key=str):

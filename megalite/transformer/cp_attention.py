@@ -18,7 +18,8 @@ and computes the attention of its own queries. `--cp-comm-type`:
   across the B groups, all-to-all back.
 Causality is by global token index, so each path equals attention over the whole sequence;
 a document mask (--reset-attention-mask: every rank holds the whole sequence's [b, 1, S, S])
-is indexed at the same global rows and columns.
+is indexed at the same global rows and columns; a key-padding mask [b, 1, 1, S] (BERT) makes
+the attention non-causal over the unpadded keys.
 Dropout on the probabilities draws from the per-(TP, CP)-rank tracked stream; the ring keeps
 its block masks for the backward.
 """
@@ -94,12 +95,20 @@ def block_backward(q, k, v, lse, dout, delta, scale, mask=None, p=0.0, keep=None
 
 
 def _block_mask(plan, qi, ki, doc_mask):
-    """The mask of a planned block: causal by index, or the document mask's rows and columns
-    ([b, 1, 1, rows, cols] against scores [b, hkv, g, rows, cols])."""
+    """The mask of a planned block: causal by index, or the document mask's rows and columns,
+    or the key-padding mask's columns ([b, 1, 1, rows or 1, cols] against scores [b, hkv, g,
+    rows, cols])."""
     rows, cols, mask = plan
     if doc_mask is None:
         return mask
+    if doc_mask.shape[2] == 1:  # key padding
+        return doc_mask[:, :, :, ki[cols]].unsqueeze(2)
     return doc_mask[:, :, qi[rows]][:, :, :, ki[cols]].unsqueeze(2)
+
+
+def _whole(qi, ki):
+    """The plan of a non-causal block: every query against every key."""
+    return torch.arange(len(qi), device=qi.device), torch.arange(len(ki), device=ki.device), None
 
 
 def _runs(idx):
@@ -190,7 +199,7 @@ class RingAttention(torch.autograd.Function):
             def index_of(j):
                 return local_token_index(s, j, n, q.device)
         qi = index_of(r) if q_index is None else q_index
-        mode = None
+        mode, padded = None, doc_mask is not None and doc_mask.shape[2] == 1
         if p == 0 and doc_mask is None:
             mode = "triton" if kernels.use_triton(q) else "flash" if _FLASH is not None and q.device.type == "cpu" \
                 else None
@@ -207,7 +216,7 @@ class RingAttention(torch.autograd.Function):
                                          scale)
                     out[..., qa:qb, :], lse[..., qa:qb] = merge(out[..., qa:qb, :], lse[..., qa:qb], o, lo)
                 plan = (mode, plan)
-            elif (plan := _plan(qi, ki)) is not None:
+            elif (plan := (_whole if padded else _plan)(qi, ki)) is not None:
                 rows, cols, _ = plan
                 plan = (rows, cols, _block_mask(plan, qi, ki, doc_mask))
                 o, lo, keep = block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], scale, plan[2],
@@ -284,9 +293,12 @@ def _global_index(s, n, device):
 
 
 def _mask(qi, ki, doc_mask):
-    """[b or 1, 1, len(qi), len(ki)], True = masked: causal by index, or the document mask's."""
+    """[b or 1, 1, len(qi) or 1, len(ki)], True = masked: causal by index, or the document mask's,
+    or the key-padding mask's columns."""
     if doc_mask is None:
         return (ki[None, :] > qi[:, None])[None, None]
+    if doc_mask.shape[2] == 1:
+        return doc_mask[:, :, :, ki]
     return doc_mask[:, :, qi][:, :, :, ki]
 
 
@@ -294,7 +306,8 @@ def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attentio
     """This CP rank's attention output [b, s, hq, d] for q [b, s, hq, d], k, v [b, s, hkv, d].
     core_attention: the local attention (megalite.transformer.attention.core_attention) that
     a2a and allgather run with an explicit mask by global index. doc_mask: the whole
-    sequence's [b, 1, S, S] (--reset-attention-mask), default causal."""
+    sequence's [b, 1, S, S] (--reset-attention-mask), or its key-padding mask [b, 1, 1, S]
+    (BERT: non-causal); default causal."""
     n, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     p = dropout_p if training else 0.0
     s = q.shape[1]
