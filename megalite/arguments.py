@@ -82,6 +82,8 @@ def build_parser():
     a("--decoder-first-pipeline-num-layers", type=int, default=None)
     a("--decoder-last-pipeline-num-layers", type=int, default=None)
     a("--sequence-parallel", action="store_true")
+    a("--use-tp-pp-dp-mapping", action="store_true",
+      help="rank order TP, CP, PP, DP (pipeline neighbours adjacent) instead of TP, CP, DP, PP")
     a("--context-parallel-size", type=int, default=1,
       help="split every sequence over N ranks (2N chunks, rank r keeps chunks r and 2N-1-r)")
     a("--cp-comm-type", nargs="+", default=["p2p"],

@@ -2,6 +2,7 @@
 
 Rank order follows Megatron-LM: TP varies fastest, then CP, then DP, then PP,
     rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
+(or, with Megatron's --use-tp-pp-dp-mapping, PP before DP: tp + TP * (cp + CP * (pp + PP * dp)))
 so that a TP group is made of neighbouring ranks (one node), and a TP x CP group too.
 CP ranks hold the same weights (each a part of every sequence): gradients are reduced and
 the distributed optimizer shards over DP x CP, as Megatron's
@@ -40,8 +41,10 @@ class _Grid:
         self.virtual_rank = 0
 
 
-def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1):
-    """Global rank of a grid coordinate (Megatron's order: TP, CP, DP, PP)."""
+def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1, pp=1, pp_before_dp=False):
+    """Global rank of a grid coordinate (Megatron's order: TP, CP, DP, PP; or TP, CP, PP, DP)."""
+    if pp_before_dp:
+        return tp_rank + tp * (cp_rank + cp * (pp_rank + pp * dp_rank))
     return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 
@@ -101,7 +104,7 @@ def shutdown_distributed(barrier=True):
 
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
-                              hierarchical_context_parallel_sizes=None):
+                              hierarchical_context_parallel_sizes=None, use_tp_pp_dp_mapping=False):
     """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world."""
     global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -121,11 +124,15 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     rank = dist.get_rank()
     grid.tp_rank = rank % tp
     grid.cp_rank = (rank // tp) % cp
-    grid.dp_rank = (rank // (tp * cp)) % dp
-    grid.pp_rank = rank // (tp * cp * dp)
+    if use_tp_pp_dp_mapping:
+        grid.pp_rank = (rank // (tp * cp)) % pp
+        grid.dp_rank = rank // (tp * cp * pp)
+    else:
+        grid.dp_rank = (rank // (tp * cp)) % dp
+        grid.pp_rank = rank // (tp * cp * dp)
 
     def at(t, c, d, p):
-        return rank_of(t, d, p, tp, dp, c, cp)
+        return rank_of(t, d, p, tp, dp, c, cp, pp, use_tp_pp_dp_mapping)
 
     def make(ranks):  # every rank creates every group, in the same order (torch requires it)
         g = new_group(ranks)

@@ -213,7 +213,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         _abort(str(e), owns)
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                  args.virtual_pipeline_model_parallel_size, args.context_parallel_size,
-                                 args.hierarchical_context_parallel_sizes)
+                                 args.hierarchical_context_parallel_sizes, args.use_tp_pp_dp_mapping)
     model_parallel_manual_seed(args.seed)
     dp, micro = ps.get_data_parallel_world_size(), args.micro_batch_size
     log = MetricsLogger(args)

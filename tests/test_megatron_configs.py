@@ -26,7 +26,7 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
 KNOWN_GAPS = {
     "--wandb-project": "W&B logging", "--wandb-entity": "W&B logging", "--wandb-exp-name": "W&B logging",
-    "--wandb-save-dir": "W&B logging", "--use-tp-pp-dp-mapping": "rank order TP-PP-DP",
+    "--wandb-save-dir": "W&B logging",
     "--error-injection-rate": "re-run state machine fault injection",
     "--error-injection-type": "re-run state machine fault injection",
     "--fim-data": "fill-in-the-middle data", "--fim-rate": "fill-in-the-middle data",

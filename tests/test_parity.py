@@ -31,8 +31,9 @@ FOUR = [
     layout("pp2_dp2_uneven_tied_zero2", pp=2, dp=2, zero=2, flags=("--decoder-first-pipeline-num-layers", "1")),
     layout("tp2_pp2_interleaved_llama", tp=2, pp=2, vp=1, model=LLAMA),
     layout("tp2_pp2_interleaved_zero1_overlap_gather", tp=2, pp=2, vp=1, zero=1, flags=("--overlap-param-gather",)),
-    layout("pp2_dp2_recompute_block", pp=2, dp=2, flags=("--recompute-granularity", "full", "--recompute-method",
-                                                          "block", "--recompute-num-layers", "1")),
+    layout("pp2_dp2_recompute_block_tp_pp_dp_order", pp=2, dp=2, flags=(
+        "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1",
+        "--use-tp-pp-dp-mapping")),
     layout("tp2_dp2_sp_recompute_full_zero2", tp=2, dp=2, sp=True, zero=2, recompute="full"),
     layout("pp4_uneven_2_1_1_2_untied", pp=4, model=("--num-layers", "6", "--untie-embeddings-and-output-weights"),
            flags=("--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2")),
@@ -133,3 +134,11 @@ def test_one_f_one_b_definition_is_not_gpipe():
     # Guard the reference itself: stage 0 of 4 with 8 micro-batches interleaves early.
     ops = one_f_one_b(4, 0, 8)
     assert ops[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 0, 3)] and ops[4] == ("B", 0, 0)
+
+
+def test_tp_pp_dp_mapping_puts_pipeline_stages_next_to_each_other(four):
+    """--use-tp-pp-dp-mapping (Megatron's tp-cp-ep-pp-dp order): at PP2 x DP2, rank 1 is the
+    second stage of the first replica (the default order makes it the first stage of the second)."""
+    coords = [r["coords"] for r in four["pp2_dp2_recompute_block_tp_pp_dp_order"]]  # (tp, pp, dp) by rank
+    assert coords == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)], coords
+    assert [r["coords"] for r in four["pp2_dp2_no_overlap"]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
