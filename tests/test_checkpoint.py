@@ -128,6 +128,15 @@ def test_context_parallel_checkpoint_continues_at_cp1_and_cp4(resumed):
     assert _rel(single, cp2) <= 1e-5, f"CP1: {single} vs CP2 {cp2}"
     assert _rel(cp4, cp2) <= 1e-5, f"CP4 ZeRO-2: {cp4} vs CP2 {cp2}"
     assert straight[4] - cp2[0] > -0.3 and cp2[0] < straight[0] - 0.5  # the trained weights, not fresh ones
+    # and tools/generate.py (CP 1) continues a prompt from the CP-trained checkpoint
+    import contextlib
+    import io
+
+    from cli_batch import tool
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        tool("generate").main(["--load", d, "--prompt-ids", "3 9 14", "--max-new-tokens", "4", "--greedy"])
+    assert "generate: 4 new tokens:" in out.getvalue(), out.getvalue()
 
 
 def _kill_during_second_save(d):
