@@ -30,3 +30,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_unconfigure(config):
+    """A run that stops early (-x, Ctrl-C) leaves no background build behind."""
+    proc = (getattr(config, "megalite_gpu_compile", None) or (None,))[0]
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.optimizer.clip_grads import clip_grads, grad_norm_tensor
+from megalite.optimizer.param_groups import AdamWState
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_and_find_inf_
 
 
@@ -93,8 +94,8 @@ class MixedPrecisionOptimizer:
         self._build_adamw(list(zip(self.names, self.model_params, self.model_params)), own, movable=True)
 
     def _build_adamw(self, triples, own, movable):
-        """Megatron's decay / no-decay groups over flat fp32 buffers, torch's AdamW as the
-        container of groups and state (never stepped), the loss scaler.
+        """Megatron's decay / no-decay groups over flat fp32 buffers, AdamWState (torch.optim's
+        layout) as the container of groups and state, the loss scaler.
         triples: (name, model param (picks the group), tensor holding the values).
         own: the values are fp32 and are stepped in place (fp32 models); movable: they are whole
         parameters that may move into the flat buffer (ZeRO pieces live in the DDP buffer)."""
@@ -113,7 +114,7 @@ class MixedPrecisionOptimizer:
                     groups.append({"params": [self.main_params[i] for i in sorted(idx)],
                                    "weight_decay": c.weight_decay if decay else 0.0, "decay": decay,
                                    "decoupled": decoupled})
-        self.optimizer = torch.optim.AdamW(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+        self.optimizer = AdamWState(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
         for grp in self._flat:  # torch's state entries, as views: state dicts and checkpoints read them
             for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):
                 self.optimizer.state[mp] = {"step": grp.step_t, "exp_avg": m, "exp_avg_sq": v}
