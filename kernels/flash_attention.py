@@ -312,13 +312,28 @@ class _FlashAttnFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _block_probs(q, k, causal, scale, lse=None):
+    """torch path: fp32 scores [b, h, sq, sk] (bottom-right causal), their lse, probabilities."""
+    rep = q.shape[2] // k.shape[2]
+    s = q.float().transpose(1, 2) @ k.float().repeat_interleave(rep, 2).permute(0, 2, 3, 1) * scale
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril_(sk - sq), float("-inf"))
+    lse = torch.logsumexp(s, -1) if lse is None else lse.float()
+    return lse, torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+
+
 def flash_attention_block(q, k, v, causal=True, softmax_scale=None):
-    """One block of ring attention on the Triton kernel, no autograd: (out [b, sq, h, d] in q's
-    dtype, lse [b, h, sq] fp32, natural log, -inf where a query sees no key). Inputs as
-    flash_attention's (strided views allowed; the last dim contiguous)."""
+    """One block of ring attention, no autograd: (out [b, sq, h, d] in q's dtype, lse [b, h, sq]
+    fp32, natural log, -inf where a query sees no key). Inputs as flash_attention's (strided
+    views allowed; the last dim contiguous). Triton on CUDA (d <= 256), else torch in fp32."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    o, lse, _ = _forward(q, k, v, bool(causal), float(scale), None, 0.0)
-    return o, torch.where(torch.isinf(lse), torch.full_like(lse, float("-inf")), lse / LOG2E)
+    if q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v):
+        o, lse, _ = _forward(q, k, v, bool(causal), float(scale), None, 0.0)
+        return o, torch.where(torch.isinf(lse), torch.full_like(lse, float("-inf")), lse / LOG2E)
+    lse, p = _block_probs(q, k, causal, scale)
+    o = p @ v.float().repeat_interleave(q.shape[2] // k.shape[2], 2).transpose(1, 2)
+    return o.transpose(1, 2).to(q.dtype), lse
 
 
 def flash_attention_block_backward(dout, q, k, v, out, lse, causal=True, softmax_scale=None):
@@ -326,8 +341,21 @@ def flash_attention_block_backward(dout, q, k, v, out, lse, causal=True, softmax
     the block is part of (ring attention merges them over blocks): the recomputed
     probabilities exp(s - lse) are the block's share; dk, dv summed over each KV head's queries."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
-    return _backward(dout.contiguous(), q, k, v, out.contiguous(), lse2, None, None, bool(causal), float(scale), 0.0)
+    if q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v):
+        lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
+        return _backward(dout.contiguous(), q, k, v, out.contiguous(), lse2, None, None, bool(causal), float(scale),
+                         0.0)
+    b, sk, hk, d = k.shape
+    rep = q.shape[2] // hk
+    _, p = _block_probs(q, k, causal, scale, lse)
+    do = dout.float().transpose(1, 2)  # [b, h, sq, d]
+    vr = v.float().repeat_interleave(rep, 2).transpose(1, 2)
+    ds = p * (do @ vr.transpose(-1, -2) - (do * out.float().transpose(1, 2)).sum(-1, keepdim=True))
+    dq = (ds @ k.float().repeat_interleave(rep, 2).transpose(1, 2)) * scale
+    dk = (ds.transpose(-1, -2) @ q.float().transpose(1, 2)) * scale
+    dv = p.transpose(-1, -2) @ do
+    group = (lambda t: t.view(b, hk, rep, sk, d).sum(2).transpose(1, 2).to(k.dtype))  # [b, sk, hk, d]
+    return dq.transpose(1, 2).to(q.dtype), group(dk), group(dv)
 
 
 def _attention_torch(q, k, v, causal, scale, kpm, dropout_p):

@@ -211,6 +211,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
                              "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
                              "data_parallel_size": ps.get_data_parallel_world_size(),
                              "context_parallel_size": ps.get_context_parallel_world_size(),
+                             "use_tp_pp_dp_mapping": ps.uses_tp_pp_dp_mapping(),
                              "virtual_pipeline_model_parallel_size":
                                  ps.get_virtual_pipeline_model_parallel_world_size(),
                              "use_distributed_optimizer": bool(args.use_distributed_optimizer),
@@ -339,9 +340,12 @@ def _restore_rng(meta, path, args, weights_only):
     if weights_only or args.no_load_rng:
         return
     par = meta.get("parallel", {})
+    # Per-rank streams belong to grid coordinates: the same TP, CP, PP, world and rank order.
     same = (par.get("tensor_model_parallel_size"), par.get("pipeline_model_parallel_size"),
+            par.get("context_parallel_size", 1), par.get("use_tp_pp_dp_mapping", False),
             par.get("world_size")) == (ps.get_tensor_model_parallel_world_size(),
-                                       ps.get_pipeline_model_parallel_world_size(), ps.world_size())
+                                       ps.get_pipeline_model_parallel_world_size(),
+                                       ps.get_context_parallel_world_size(), ps.uses_tp_pp_dp_mapping(), ps.world_size())
     if not (same and meta.get("has_rng")):
         if ps.global_rank() == 0:
             print("megalite: checkpoint RNG states not restored (saved at another layout or without them); "

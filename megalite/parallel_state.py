@@ -34,6 +34,7 @@ class _Grid:
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.emb_group = None
         self.cp_group = self.dp_cp_group = self.tp_cp_group = None
         self.hcp = []  # --hierarchical-context-parallel-sizes: [(group, global ranks)] per level
+        self.pp_before_dp = False  # --use-tp-pp-dp-mapping
         self.tp_rank = self.pp_rank = self.dp_rank = self.cp_rank = 0
         self.pp_ranks = [0]
         self.emb_ranks = [0]
@@ -118,6 +119,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
             f"pipeline-model-parallel size {pp} = {tp * cp * pp}; change --nproc-per-node or the parallel sizes")
     dp = world // (tp * cp * pp)
     grid = _Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
+    grid.pp_before_dp = bool(use_tp_pp_dp_mapping)
     if not dist.is_initialized():
         _GRID = grid
         return
@@ -245,6 +247,11 @@ def get_context_parallel_world_size():
 
 def get_context_parallel_global_ranks():
     return list(_grid().cp_ranks)
+
+
+def uses_tp_pp_dp_mapping():
+    """Whether the rank order is TP, CP, PP, DP (--use-tp-pp-dp-mapping)."""
+    return _grid().pp_before_dp
 
 
 def get_hierarchical_context_parallel_groups():

@@ -29,6 +29,7 @@ import contextlib
 import torch
 
 import kernels
+from kernels.flash_attention import MAX_HEAD_DIM
 
 from megalite import parallel_state as ps
 from megalite.distributed.cp_comm import Ring, all_gather_over_cp, all_to_all_over_cp, local_token_index
@@ -201,8 +202,8 @@ class RingAttention(torch.autograd.Function):
         qi = index_of(r) if q_index is None else q_index
         mode, padded = None, doc_mask is not None and doc_mask.shape[2] == 1
         if p == 0 and doc_mask is None:
-            mode = "triton" if kernels.use_triton(q) else "flash" if _FLASH is not None and q.device.type == "cpu" \
-                else None
+            triton = kernels.use_triton(q) and q.shape[-1] <= MAX_HEAD_DIM  # larger heads: the explicit path
+            mode = "triton" if triton else "flash" if _FLASH is not None and q.device.type == "cpu" else None
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv, keeps, plans = torch.stack([k, v]), [], []
@@ -308,8 +309,12 @@ def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attentio
     a2a and allgather run with an explicit mask by global index. doc_mask: the whole
     sequence's [b, 1, S, S] (--reset-attention-mask), or its key-padding mask [b, 1, 1, S]
     (BERT: non-causal); default causal."""
+    with contextlib.nullcontext() if fused else kernels.use_backend("torch"):  # --no-fused-kernels: no Triton
+        return _cp_attention(q, k, v, kind, dropout_p if training else 0.0, core_attention, fused, doc_mask)
+
+
+def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask):
     n, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    p = dropout_p if training else 0.0
     s = q.shape[1]
     if kind == "p2p":
         return ring_attention(q, k, v, p, doc_mask=doc_mask)

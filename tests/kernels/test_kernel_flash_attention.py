@@ -5,7 +5,7 @@ import torch
 
 import kernels
 
-from kernel_testutil import backend, check, cuda_relerr_ok  # noqa: F401
+from kernel_testutil import backend, check, cuda_relerr_ok, relerr  # noqa: F401
 
 fa_mod = importlib.import_module("kernels.flash_attention")
 
@@ -79,3 +79,41 @@ def test_flash_attention_cuda(dtype, tol, causal, s, h, hk, d, padded):
     cuda_relerr_ok(o, orf, tol)
     for a, r in zip(g, gr):
         cuda_relerr_ok(a, r, tol)
+
+
+def _close(x, ref, tol):
+    assert torch.isfinite(x).all() and relerr(x, ref) <= tol, relerr(x, ref)
+
+
+@pytest.mark.parametrize("causal,shape", [(True, (2, 37, 37, 4, 2, 16)), (False, (1, 20, 45, 2, 1, 32))])
+def test_flash_attention_block_lse_and_merged_backward(backend, causal, shape):
+    """Ring attention's pieces: a block's output and natural-log LSE, and the gradients of a
+    block for a given (merged) output and LSE, against float64 (Triton in the interpreter and
+    the torch fallback). Two key blocks merged through their LSEs equal attention over both."""
+    b, sq, sk, h, hk, d = shape
+    q, k, v = (t.detach() for t in _qkv(b, sq, sk, h, hk, d))
+    scale = d ** -0.5
+    half = sk // 2
+    # keys [0, half) fully visible; keys [half, sk) causal (bottom-right) when causal
+    o1, l1 = kernels.flash_attention_block(q, k[:, :half], v[:, :half], causal=False)
+    o2, l2 = kernels.flash_attention_block(q, k[:, half:], v[:, half:], causal=causal)
+    lse = torch.logaddexp(l1, l2)
+    out = (o1.float() * torch.exp(l1 - lse).transpose(1, 2)[..., None] +
+           o2.float() * torch.exp(l2 - lse).transpose(1, 2)[..., None])
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        ok[:, half:] = torch.ones(sq, sk - half, dtype=torch.bool).tril_(sk - half - sq)
+    rep = h // hk
+    s = torch.einsum("bqhd,bkhd->bhqk", qr, kr.repeat_interleave(rep, 2)) * scale
+    s = s.masked_fill(~ok, float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vr.repeat_interleave(rep, 2))
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    _close(out, ref.detach(), 1e-5)
+    _close(lse, torch.logsumexp(s.detach(), -1), 1e-5)
+    grads = [kernels.flash_attention_block_backward(dout.float(), q, k[:, a:e], v[:, a:e], out, lse, c)
+             for a, e, c in ((0, half, False), (half, sk, causal))]
+    _close(grads[0][0] + grads[1][0], qr.grad, 1e-5)
+    _close(torch.cat([grads[0][1], grads[1][1]], 1), kr.grad, 1e-5)
+    _close(torch.cat([grads[0][2], grads[1][2]], 1), vr.grad, 1e-5)
