@@ -240,7 +240,7 @@ def test_ring_blocks_on_the_triton_kernel_on_cuda(dtype):
     for r in range(n):
         qi = local_token_index(s // n, r, n, q.device)
         mine = q[:, qi].to(dtype).requires_grad_()
-        out = ring_attention(mine, kg, vg, ring=_OneBlock(), index_of=lambda j: gi, q_index=qi)
+        out = ring_attention(mine, kg, vg, ring=_OneBlock(), index_of=lambda j: gi.cpu(), q_index=qi.cpu())
         out.backward(dout[:, qi].to(dtype))
         assert rel_err(out.float(), ref_out[:, qi]) <= tol
         assert rel_err(mine.grad.float(), ref_in[0].grad[:, qi]) <= tol

@@ -95,21 +95,24 @@ def block_backward(q, k, v, lse, dout, delta, scale, mask=None, p=0.0, keep=None
     return dq, dk, dv
 
 
-def _block_mask(plan, qi, ki, doc_mask):
-    """The mask of a planned block: causal by index, or the document mask's rows and columns,
-    or the key-padding mask's columns ([b, 1, 1, rows or 1, cols] against scores [b, hkv, g,
-    rows, cols])."""
+def _on_device(plan, qi, ki, doc_mask, device):
+    """A block's plan (made on the host) on the compute device: (rows, cols, mask), the mask
+    causal by index, or the document mask's rows and columns, or the key-padding mask's
+    columns ([b, 1, 1, rows or 1, cols] against scores [b, hkv, g, rows, cols])."""
     rows, cols, mask = plan
-    if doc_mask is None:
-        return mask
-    if doc_mask.shape[2] == 1:  # key padding
-        return doc_mask[:, :, :, ki[cols]].unsqueeze(2)
-    return doc_mask[:, :, qi[rows]][:, :, :, ki[cols]].unsqueeze(2)
+    if doc_mask is not None:
+        kcols = ki[cols].to(device)
+        mask = doc_mask[:, :, :, kcols] if doc_mask.shape[2] == 1 else \
+            doc_mask[:, :, qi[rows].to(device)][:, :, :, kcols]  # key padding, or documents
+        mask = mask.unsqueeze(2)
+    elif mask is not None:
+        mask = mask.to(device)
+    return rows.to(device), cols.to(device), mask
 
 
 def _whole(qi, ki):
     """The plan of a non-causal block: every query against every key."""
-    return torch.arange(len(qi), device=qi.device), torch.arange(len(ki), device=ki.device), None
+    return torch.arange(len(qi)), torch.arange(len(ki)), None
 
 
 def _runs(idx):
@@ -187,7 +190,8 @@ class RingAttention(torch.autograd.Function):
     """q [b, hkv, g, s, d], k, v [b, hkv, s_k, d] (fp32, this rank's rows) -> (out, lse).
     doc_mask: None (causal) or the whole sequence's mask [b, 1, S, S] (True = masked).
     index_of(j): the global token index of ring rank j's rows (default: CP's balanced chunks);
-    q_index: the queries' (default index_of(rank)). Without dropout or document mask each
+    q_index: the queries' (default index_of(rank)); both host tensors: every block is planned
+    on the host, with no device read in the step. Without dropout or document mask each
     block runs as sub-blocks that are fully visible or causal squares, on megalite's Triton
     flash kernel (CUDA) or torch's CPU flash kernel, both returning the LSE; otherwise
     explicitly (block_forward / block_backward).
@@ -198,7 +202,7 @@ class RingAttention(torch.autograd.Function):
         n, r, s = ring.size, ring.rank, q.shape[-2]
         if index_of is None:
             def index_of(j):
-                return local_token_index(s, j, n, q.device)
+                return local_token_index(s, j, n)
         qi = index_of(r) if q_index is None else q_index
         mode, padded = None, doc_mask is not None and doc_mask.shape[2] == 1
         if p == 0 and doc_mask is None:
@@ -218,8 +222,7 @@ class RingAttention(torch.autograd.Function):
                     out[..., qa:qb, :], lse[..., qa:qb] = merge(out[..., qa:qb, :], lse[..., qa:qb], o, lo)
                 plan = (mode, plan)
             elif (plan := (_whole if padded else _plan)(qi, ki)) is not None:
-                rows, cols, _ = plan
-                plan = (rows, cols, _block_mask(plan, qi, ki, doc_mask))
+                plan = rows, cols, _ = _on_device(plan, qi, ki, doc_mask, q.device)
                 o, lo, keep = block_forward(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], scale, plan[2],
                                             p)
                 out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], o, lo)
@@ -288,7 +291,7 @@ def ring_attention(q, k, v, dropout_p=0.0, softmax_scale=None, ring=None, return
     return (out, lse.reshape(b, hq, s)) if return_lse else out
 
 
-def _global_index(s, n, device):
+def _global_index(s, n, device=None):
     """Global token index of the rows of a sequence gathered from all CP ranks in rank order."""
     return torch.cat([local_token_index(s, j, n, device) for j in range(n)])
 
@@ -320,7 +323,7 @@ def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask):
         return ring_attention(q, k, v, p, doc_mask=doc_mask)
     if kind == "allgather":  # the gathered K/V as one block (kept for the backward only as inputs)
         kg, vg = all_gather_over_cp(k, 1), all_gather_over_cp(v, 1)  # [b, n*s, hkv, d] in rank order
-        qi, ki = local_token_index(s, r, n, q.device), _global_index(s, n, q.device)
+        qi, ki = local_token_index(s, r, n), _global_index(s, n)  # host: the ring plans there
         return ring_attention(q, kg, vg, p, ring=_OneBlock(), doc_mask=doc_mask, index_of=lambda j: ki, q_index=qi)
     if kind == "a2a":
         qa, ka, va = (all_to_all_over_cp(t, 2, 1) for t in (q, k, v))  # heads out, sequence in
@@ -338,7 +341,7 @@ def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask):
         qa, ka, va = (all_to_all_over_cp(t, 2, 1, inner) for t in (q, k, v))  # 1/A of the heads, A x s rows
 
         def index_of(j):  # the rows of ring rank j: its inner group's CP ranks j*A .. j*A+A-1, in order
-            return torch.cat([local_token_index(s, j * a + i, n, q.device) for i in range(a)])
+            return torch.cat([local_token_index(s, j * a + i, n) for i in range(a)])
         ring = Ring(outer, outer_ranks)
         assert ring.rank == cp_ranks.index(ps.global_rank()) // a
         out = ring_attention(qa, ka, va, p, ring=ring, doc_mask=doc_mask, index_of=index_of)
