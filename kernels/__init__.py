@@ -16,4 +16,5 @@ from .flash_attention import flash_attention, flash_attention_block, flash_atten
 from .adamw import adamw_step
 
 __all__ = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy",
-           "flash_attention", "flash_attention_block", "flash_attention_block_backward", "adamw_step", "set_backend", "get_backend", "use_backend", "use_triton"]
+           "flash_attention", "flash_attention_block", "flash_attention_block_backward", "adamw_step", "set_backend",
+           "get_backend", "use_backend", "use_triton"]

@@ -156,9 +156,10 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
                 sub = [ranks[u + inner * (s_ + size * lo)] for s_ in range(size)]
                 if (g := make(sub)) is not None:
                     grid.hcp.append((g, sub))
-    for t, p in ((t, p) for t in T for p in P):  # gradients and ZeRO shards: DP x CP
+    # At CP = 1 these equal the DP and TP groups, which the accessors then return.
+    for t, p in ((t, p) for t in T for p in P if cp > 1):  # gradients and ZeRO shards: DP x CP
         grid.dp_cp_group = make(sorted(at(t, c, d, p) for d in D for c in C)) or grid.dp_cp_group
-    for d, p in ((d, p) for d in D for p in P):  # the batch is read once per TP x CP group
+    for d, p in ((d, p) for d in D for p in P if cp > 1):  # the batch is read once per TP x CP group
         grid.tp_cp_group = make(sorted(at(t, c, d, p) for c in C for t in T)) or grid.tp_cp_group
     for t, c, d in ((t, c, d) for t in T for d in D for c in C):
         ranks = [at(t, c, d, p) for p in P]
