@@ -81,6 +81,9 @@ def build_parser():
     a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     a("--decoder-first-pipeline-num-layers", type=int, default=None)
     a("--decoder-last-pipeline-num-layers", type=int, default=None)
+    a("--pipeline-model-parallel-layout", default=None,
+      help='layers per (virtual) stage, Megatron\'s format: e.g. "Ettt|tL" (E embedding, t layer, L loss, '
+           '"|" between stages, "(...)*n" repeats); stages = PP x virtual stages')
     a("--sequence-parallel", action="store_true")
     a("--use-tp-pp-dp-mapping", action="store_true",
       help="rank order TP, CP, PP, DP (pipeline neighbours adjacent) instead of TP, CP, DP, PP")
@@ -102,6 +105,11 @@ def build_parser():
     a("--zero-stage", type=int, default=None, choices=[1, 2],
       help="with --use-distributed-optimizer: 1 (default, as Megatron) or 2 (gradients sharded too)")
     a("--overlap-param-gather", action="store_true", help="overlap the parameter all-gather with the next forward")
+    a("--data-parallel-shares", default=None,
+      help="S0,S1,...: DP rank r takes S_r / sum(S) of every global batch (e.g. a faster GPU more), gradients "
+           "weighted exactly; auto: measured over the first iterations and balanced")
+    a("--data-parallel-shares-profile-iters", type=int, default=3,
+      help="with --data-parallel-shares auto: iterations timed (at equal shares) before balancing")
     # training and the LR schedule (Megatron's defaults: no warmup, linear decay to 0)
     a("--micro-batch-size", type=int, default=None)
     a("--global-batch-size", type=int, default=None)
@@ -251,6 +259,7 @@ def model_config(args, vocab_size):
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        pipeline_layout=getattr(args, "pipeline_layout", None),
         params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed,
         rotary_percent=args.rotary_percent, apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, rotary_interleaved=args.rotary_interleaved,

@@ -53,6 +53,7 @@ class ModelConfig:
     params_dtype: torch.dtype = torch.float32
     decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline split
     decoder_last_pipeline_num_layers: Optional[int] = None
+    pipeline_layout: Optional[tuple] = None  # layers per (virtual) stage (--pipeline-model-parallel-layout)
     fused_kernels: bool = True  # Triton kernels on CUDA; CPU always uses the torch path
     seed: int = 1234  # initialisation seed (topology independent)
     model_type: str = "gpt"  # "gpt" or "bert": which model (and HF architecture) the weights are

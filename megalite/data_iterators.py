@@ -14,17 +14,21 @@ def _collate(samples):
     return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
 
 
-def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micro_batch_size=None):
+def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micro_batch_size=None, plan=None):
     """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
     for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
     labels (first and last) read data, unless every_stage. micro_batch_size: default
-    --micro-batch-size (evaluation passes its own)."""
+    --micro-batch-size (evaluation passes its own). plan: the IterationPlan; with uneven shares
+    each rank reads its contiguous slice of every global batch."""
     if dataset is None or not (every_stage or ps.is_pipeline_first_stage(ignore_virtual=True)
                                or ps.is_pipeline_last_stage(ignore_virtual=True)):
         return None
-    from megalite.data import MegatronPretrainingSampler
-    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
-                                         ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
+    if plan is not None and plan.uneven:
+        sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro, ps.get_data_parallel_rank(), plan)
+    else:
+        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
+                                             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     device = ps.get_device()
     reader = ps.get_tensor_and_context_parallel_rank() == 0  # one reader per TP x CP group
     workers = getattr(args, "num_workers", 0)
@@ -59,9 +63,10 @@ def chunk_iterators(it, num_chunks):
     return its
 
 
-def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None):
+def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None, plan=None):
     """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask,
     GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage."""
     if getattr(chunks[0].module, "input_on_every_stage", False):
-        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size) for _ in chunks]
-    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size), len(chunks))
+        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan) for _ in chunks]
+    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size, plan),
+                           len(chunks))

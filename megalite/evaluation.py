@@ -4,7 +4,7 @@ micro-batches, iterations and DP ranks (every rank gets the same numbers)."""
 import torch
 
 from megalite import parallel_state as ps
-from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank
+from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank, sum_over_data_parallel
 from megalite.pipeline.schedules import get_forward_backward_func
 
 
@@ -15,10 +15,12 @@ def run_forward_backward(forward_step_func, iters, chunks, num_microbatches, sha
     return fwd_bwd(forward_step_func, data, model, num_microbatches, tensor_shape=shape, dtype=dtype, **kw)
 
 
-def mean_losses(reported, read=True):
+def mean_losses(reported, read=True, total=None):
     """(lm loss on every rank, {key: mean} of every loss the loss function reports, e.g. "lm loss"
     and "sop loss"): means over micro-batches and DP ranks; the last pipeline stage holds them
-    all, other stages get {"lm loss": ...} (the first key when there is no "lm loss")."""
+    all, other stages get {"lm loss": ...} (the first key when there is no "lm loss").
+    total: the global batch's micro-batch count when DP ranks run different counts (uneven
+    shares): the losses are summed over micro-batches and ranks and divided by it."""
     dev = ps.get_device()
     out = {}
     if reported:
@@ -28,9 +30,9 @@ def mean_losses(reported, read=True):
             sums = average_over_data_parallel(sums.reshape(-1)).reshape(len(keys), 2)
             vals = sums[:, 0] / sums[:, 1].clamp(min=1.0)  # sum over tokens / tokens, batch-wide
         else:
-            vals = torch.stack([torch.stack([r[k].float().reshape(()).to(dev) for k in keys])
-                                for r in reported]).mean(0)
-            vals = average_over_data_parallel(vals)
+            vals = torch.stack([torch.stack([r[k].float().reshape(()).to(dev) for k in keys]) for r in reported])
+            vals = (average_over_data_parallel(vals.mean(0)) if total is None else
+                    sum_over_data_parallel(vals.sum(0)) / total)
         out = dict(zip(keys, vals.unbind()))  # device scalars: read when logged, no sync here
         lm = vals[keys.index("lm loss") if "lm loss" in keys else 0].reshape(1).clone()
     else:  # a stage without the loss (pipeline)
@@ -41,8 +43,9 @@ def mean_losses(reported, read=True):
     return lm, out or {"lm loss": lm}
 
 
-def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, shape, dtype):
-    """{key: mean} of every reported loss ("lm loss", ...) over `eval_iters` global batches."""
+def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, shape, dtype, total=None):
+    """{key: mean} of every reported loss ("lm loss", ...) over `eval_iters` global batches
+    (total: the batch's micro-batch count with uneven shares, see mean_losses)."""
     for c in chunks:
         c.eval()
     losses = []
@@ -50,7 +53,7 @@ def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, sha
         for _ in range(eval_iters):
             reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
                                             forward_only=True)
-            losses.append(mean_losses(reported)[1])
+            losses.append(mean_losses(reported, total=total)[1])
     for c in chunks:
         c.train()
     return {k: float(sum(d[k] for d in losses)) / len(losses) for k in losses[-1]}

@@ -145,8 +145,9 @@ def batch_schedule(args):
         args.global_batch_size = final  # what iteration-based LR steps are counted in
     schedule = BatchSchedule(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
                              args.rampup_batch_size, steps)
-    schedule.check(0, args.pipeline_model_parallel_size,
-                   getattr(args, "virtual_pipeline_model_parallel_size", None) is not None)
+    from megalite.iteration_plan import IterationPlan, initial_shares
+    IterationPlan(schedule, initial_shares(args)).check(
+        0, args.pipeline_model_parallel_size, getattr(args, "virtual_pipeline_model_parallel_size", None) is not None)
     return schedule
 
 

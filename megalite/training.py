@@ -33,6 +33,7 @@ from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.evaluation import evaluate, mean_losses, run_forward_backward
 from megalite.flops import num_floating_point_operations
+from megalite.iteration_plan import AutoShares, IterationPlan, initial_shares
 from megalite.logger import MetricsLogger, TrainingWindow, print_rank_last
 from megalite.microbatches import batch_schedule
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
@@ -57,8 +58,9 @@ def _abort(msg, owns):
     fail(msg)
 
 
-def build_model(mcfg, model_provider, args):
-    """This rank's model chunks (v of them with interleaving), each wrapped for DP."""
+def build_model(mcfg, model_provider, args, plan=None):
+    """This rank's model chunks (v of them with interleaving), each wrapped for DP (plan: the
+    IterationPlan, whose shares set how the DP reduction weighs; default equal shares)."""
     v = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for j in range(v):
@@ -68,16 +70,18 @@ def build_model(mcfg, model_provider, args):
                                               overlap_grad_reduce=args.overlap_grad_reduce,
                                               use_distributed_optimizer=args.use_distributed_optimizer,
                                               zero_stage=args.zero_stage or 1,
-                                              overlap_param_gather=args.overlap_param_gather))
+                                              overlap_param_gather=args.overlap_param_gather,
+                                              grad_divisor=plan.grad_divisor if plan else None,
+                                              reduce_once=bool(plan and plan.uneven)))
     ps.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
 
 
-def setup(args, model_provider):
+def setup(args, model_provider, plan=None):
     tcfg = training_config(args)
     mcfg = model_config(args, args.vocab_size)
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
-    chunks = build_model(mcfg, model_provider, args)
+    chunks = build_model(mcfg, model_provider, args, plan)
     optimizer = (DistributedOptimizer if args.use_distributed_optimizer else MixedPrecisionOptimizer)(chunks, tcfg)
     return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)
 
@@ -112,12 +116,19 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
     return loaded
 
 
-def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None):
+def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None,
+               loss_divisor=None, sync=False):
+    """One iteration; timers gets the host-side times (sync: after a device sync, for
+    --data-parallel-shares auto)."""
+    if sync and ps.get_device().type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for c in chunks:
         c.zero_grad_buffer()
     reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
-                                    loss_scale=optimizer.loss_scale)
+                                    loss_scale=optimizer.loss_scale, loss_divisor=loss_divisor)
+    if sync and ps.get_device().type == "cuda":
+        torch.cuda.synchronize()
     t1 = time.perf_counter()
     finalize_model_grads(chunks)
     if chunks[0].module.config.calculate_per_token_loss:
@@ -215,7 +226,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                                  args.virtual_pipeline_model_parallel_size, args.context_parallel_size,
                                  args.hierarchical_context_parallel_sizes, args.use_tp_pp_dp_mapping)
     model_parallel_manual_seed(args.seed)
-    dp, micro = ps.get_data_parallel_world_size(), args.micro_batch_size
+    dp, micro, dp_rank = ps.get_data_parallel_world_size(), args.micro_batch_size, ps.get_data_parallel_rank()
+    plan = IterationPlan(batches, initial_shares(args))  # each DP rank's micro-batches and weights
     log = MetricsLogger(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
@@ -225,27 +237,36 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     if args.eval_iters <= 0:
         valid_ds = test_ds = None
     try:
-        mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider)
+        mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider, plan)
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
     except (ConfigError, CheckpointError) as e:
         _abort(str(e), owns)
     start_iter, consumed_train, consumed_valid = start or (0, 0, 0)
     eval_g, eval_mbs = eval_batch(args)
-    eval_micro = eval_g // (eval_mbs * dp)  # micro-batches per evaluation iteration, on each DP rank
+    # Evaluation follows the given shares (auto: equal shares, the profile is the training's).
+    eval_plan = IterationPlan(type(batches)(eval_g, eval_mbs, dp), plan.shares if args.data_parallel_shares != "auto"
+                              else None)
+    eval_micro, eval_total = eval_plan.num_microbatches(0, dp_rank), sum(eval_plan.counts(0))
+    eval_total = eval_total if eval_plan.uneven else None
+    auto = AutoShares(plan, args.data_parallel_shares_profile_iters, args.pipeline_model_parallel_size
+                      if args.virtual_pipeline_model_parallel_size else 1) \
+        if args.data_parallel_shares == "auto" else None
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     ramp = "" if batches.is_constant() else f" now, {args.global_batch_size // (micro * dp)} at the full batch " \
         f"{args.global_batch_size}"
+    counts = plan.counts(consumed_train)
+    counts = f"{counts[0]}" if not plan.uneven else f"{','.join(map(str, counts))} (DP ranks' shares)"
     cp = ps.get_context_parallel_world_size()
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} {f'CP={cp} ' if cp > 1 else ''}"
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
-                    f"{n_params:,} | micro-batches per iteration: {batches.num_microbatches(consumed_train)}{ramp}")
+                    f"{n_params:,} | micro-batches per iteration: {counts}{ramp}")
     if args.skip_train or start_iter >= args.train_iters:
         train_ds = None  # nothing left to train on: no iterator (its position may be at the end)
-    train_iters = data_iterators(train_ds, consumed_train, args, chunks)
+    train_iters = data_iterators(train_ds, consumed_train, args, chunks, plan=plan)
     # The validation set is sized for every evaluation of a run; a resumed run's extra final
     # evaluation (or --skip-train) starts again from its beginning.
     valid_pos = consumed_valid % len(valid_ds) if valid_ds is not None and len(valid_ds) else 0
-    valid_iters = data_iterators(valid_ds, valid_pos, args, chunks, eval_mbs)
+    valid_iters = data_iterators(valid_ds, valid_pos, args, chunks, eval_mbs, eval_plan)
     shape, dtype = pipeline_tensor_shape(mcfg, micro), mcfg.params_dtype
     eval_shape = pipeline_tensor_shape(mcfg, eval_mbs)
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
@@ -259,7 +280,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     def run_eval(its):
         if args.manual_gc and args.manual_gc_eval:
             gc.collect()
-        out = evaluate(forward_step_func, its, chunks, eval_micro, args.eval_iters, eval_shape, dtype)
+        out = evaluate(forward_step_func, its, chunks, eval_micro, args.eval_iters, eval_shape, dtype, eval_total)
         if args.manual_gc and args.manual_gc_eval:
             gc.collect(generation=0)  # what the evaluation made
         return out
@@ -272,15 +293,23 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     for c in chunks:
         c.train()
     for it in range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1):
-        num_micro = batches.num_microbatches(consumed_train)
-        batch = num_micro * micro * dp
+        num_micro, batch = plan.num_microbatches(consumed_train, dp_rank), plan.global_batch_size(consumed_train)
+        total = sum(plan.counts(consumed_train)) if plan.uneven else None  # losses over the global count
+        profiling = auto is not None and not auto.done
+        step_times = timers if timers is not None or not profiling else {}
         try:
             reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
-                                                      shape, dtype, timers)
+                                                      shape, dtype, step_times, plan.loss_divisor(consumed_train, dp_rank),
+                                                      profiling)
         except NonFiniteGradError as e:
             where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
             _abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped before "
                    "the optimizer step. Lower --lr, check the data, or use --bf16 / loss scaling", owns)
+        if profiling and (chosen := auto.observe(step_times["forward-backward"], num_micro, consumed_train)):
+            print_rank_last(f"megalite: --data-parallel-shares auto: ms per micro-batch by DP replica "
+                            f"{', '.join(f'{1e3 * t:.1f}' for t in chosen[0])} -> micro-batches per iteration "
+                            f"{','.join(map(str, chosen[1]))} from iteration {it + 1}")
+            train_iters = data_iterators(train_ds, consumed_train + batch, args, chunks, plan=plan)
         consumed_train += batch
         if stepped:  # as Megatron: a skipped fp16 iteration does not advance the schedule
             scheduler.step(batch)
@@ -289,7 +318,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         if hash_every and it % hash_every == 0 and (drifted := replicas_differ(chunks, tp_too=args.test_mode)):
             _abort(f"iteration {it}: replicas hold different weights ({', '.join(drifted[:3])}"
                    f"{', ...' if len(drifted) > 3 else ''}): a gradient reduction or a device is faulty", owns)
-        loss, means = mean_losses(reported, read=False)  # lm loss (every rank); all losses (last stage)
+        loss, means = mean_losses(reported, read=False, total=total)  # lm loss (every rank); all (last stage)
         window.add(loss, means, stepped)
         if args.manual_gc and args.manual_gc_interval and it % args.manual_gc_interval == 0:
             gc.collect()
@@ -336,7 +365,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     # As Megatron, after training: the validation set (where it was left) and the test set.
     for split, ds in (("validation", valid_ds), ("test", test_ds)):
         if ds is not None:
-            its = valid_iters if split == "validation" else data_iterators(ds, 0, args, chunks, eval_mbs)
+            its = valid_iters if split == "validation" else data_iterators(ds, 0, args, chunks, eval_mbs, eval_plan)
             log.evaluation(last, split, run_eval(its), final=True)
     log.close()
     if owns and not return_state:

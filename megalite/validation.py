@@ -34,6 +34,7 @@ def validate_args(args):
                           f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {tp * cp * pp}; "
                           "change --nproc-per-node or the sizes")
     args.data_parallel_size = args.world_size // (tp * cp * pp)
+    _validate_shares(args)
     _validate_pipeline(args)
     _validate_context_parallel(args)
     if args.sequence_parallel and tp == 1:
@@ -80,7 +81,11 @@ def validate_args(args):
         args.num_query_groups = None
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         args.vocab_size = 1024
-    num_micro = training_config(args).num_microbatches(args.data_parallel_size)  # the full batch's count
+    if args.data_parallel_shares is not None:
+        from megalite.microbatches import batch_schedule
+        batch_schedule(args)  # every reachable global batch against the shares: one line naming the rank
+    num_micro = training_config(args).num_microbatches(args.data_parallel_size) if \
+        args.data_parallel_shares is None else pp  # (shares: checked per share by the iteration plan)
     if args.virtual_pipeline_model_parallel_size is not None and num_micro % pp:
         raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({num_micro}) to be a multiple "
                           f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
@@ -88,6 +93,25 @@ def validate_args(args):
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
     model_config(args, args.vocab_size or 1).check_parallel(tp)
+
+
+def _validate_shares(args):
+    """--data-parallel-shares: one positive integer per DP rank, or auto (the batches are checked
+    against the shares once the batch schedule is known)."""
+    from megalite.iteration_plan import parse_shares
+    args.data_parallel_shares = parse_shares(args.data_parallel_shares, args.data_parallel_size)
+    if args.data_parallel_shares == "auto":
+        if args.rampup_batch_size is not None or getattr(args, "step_batch_size_schedule", None):
+            raise ConfigError("--data-parallel-shares auto balances one global batch size; it does not compose with "
+                              "--rampup-batch-size / --step-batch-size-schedule (give the shares instead)")
+        m, dp = args.micro_batch_size, args.data_parallel_size
+        g = args.global_batch_size or (m or 1) * dp
+        if m and g % (m * dp):
+            raise ConfigError(f"--data-parallel-shares auto profiles at equal shares first: --global-batch-size {g} "
+                              f"must be divisible by --micro-batch-size {m} x data-parallel size {dp} = {m * dp}")
+        if args.data_parallel_shares_profile_iters < 1:
+            raise ConfigError(f"--data-parallel-shares-profile-iters {args.data_parallel_shares_profile_iters} must be "
+                              ">= 1")
 
 
 def _validate_eval_batch(args):
@@ -98,6 +122,13 @@ def _validate_eval_batch(args):
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
     g, m, dp = args.eval_global_batch_size, args.eval_micro_batch_size, args.data_parallel_size
+    if isinstance(args.data_parallel_shares, list) and g >= 1 and m >= 1:
+        from megalite.iteration_plan import IterationPlan
+        from megalite.microbatches import BatchSchedule
+        plan = IterationPlan(BatchSchedule(g, m, dp), args.data_parallel_shares)
+        plan.check(0, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size is not None,
+                   what="--eval-global-batch-size")
+        return
     if g < 1 or m < 1 or g % (m * dp):
         raise ConfigError(f"--eval-global-batch-size {g} must be a positive multiple of --eval-micro-batch-size {m} x "
                           f"data-parallel size {dp} = {m * dp}")
@@ -156,6 +187,16 @@ def _validate_pipeline(args):
     pp, L = args.pipeline_model_parallel_size, args.num_layers
     args.virtual_pipeline_model_parallel_size = None
     uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    args.pipeline_layout = None
+    if args.pipeline_model_parallel_layout is not None:
+        from megalite.transformer.pipeline_layers import parse_pipeline_layout
+        if uneven or args.num_layers_per_virtual_pipeline_stage is not None:
+            raise ConfigError("--pipeline-model-parallel-layout sets every stage's layers: leave out "
+                              "--decoder-first/last-pipeline-num-layers and --num-layers-per-virtual-pipeline-stage")
+        args.pipeline_layout = tuple(parse_pipeline_layout(args.pipeline_model_parallel_layout, pp, L))
+        v = len(args.pipeline_layout) // pp
+        args.virtual_pipeline_model_parallel_size = v if v > 1 else None
+        return
     if args.num_layers_per_virtual_pipeline_stage is not None:
         n = args.num_layers_per_virtual_pipeline_stage
         if pp == 1:

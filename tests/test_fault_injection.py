@@ -65,7 +65,7 @@ def loss_not_divided_by_microbatches():
     original = schedules._Run.forward
 
     def forward(self, chunk, input_tensor):
-        scale, self.loss_scale = self.loss_scale, self.loss_scale * self.m  # cancels the "/ m"
+        scale, self.loss_scale = self.loss_scale, self.loss_scale * self.divisor  # cancels the "/ m"
         try:
             return original(self, chunk, input_tensor)
         finally:
@@ -131,6 +131,16 @@ def cp_local_positions():
     return _patched(gpt, "global_token_index", lambda n, device=None: torch.arange(n, device=device))
 
 
+def shares_weighted_by_rank_means():
+    """Uneven data-parallel shares averaged as per-rank means (each rank's loss over its own
+    count, the reduction averaging): the small share is over-weighted."""
+    from megalite.iteration_plan import IterationPlan
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(IterationPlan, "loss_divisor", lambda self, consumed, rank: self.counts(consumed)[rank]))
+    stack.enter_context(_patched(IterationPlan, "grad_divisor", property(lambda self: self.dp)))
+    return stack
+
+
 # (fault, layout name, layout, what the mismatch report must name): each fault on the smallest
 # layout with its code path (two ranks), and again on an eight-rank layout of tests/test_parity.py
 # (interleaving, ZeRO-2, SP, TP4, PP4), so those layouts are seen to fail too.
@@ -147,6 +157,8 @@ FAULTS = [
     (cp_grads_not_reduced, "cp2", dict(cp=2), "step-1 grad"),
     (cp_grad_norm_counted_cp_times, "cp2", dict(cp=2), "norms"),
     (cp_local_positions, "cp2_llama", dict(cp=2, model=LLAMA), "step-1 grad"),
+    (shares_weighted_by_rank_means, "dp2_shares_3_1", dict(dp=2, flags=("--data-parallel-shares", "3,1")),
+     "step-1 grad"),
     (no_dp_averaging, "tp2_pp2_dp2_sp_interleaved_zero2", dict(tp=2, pp=2, dp=2, sp=True, vp=1, zero=2),
      "step-1 grad"),
     (no_tied_embedding_sync, "tp2_pp2_dp2_interleaved_zero1", dict(tp=2, pp=2, dp=2, vp=1, zero=1),

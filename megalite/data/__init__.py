@@ -6,9 +6,9 @@ from .blended_dataset import BlendedDataset
 from .builder import build_gpt_datasets, parse_data_path
 from .gpt_dataset import GPTDataset
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from .samplers import MegatronPretrainingSampler
+from .samplers import MegatronPretrainingSampler, SharesPretrainingSampler
 from .tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 __all__ = ["BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder",
-           "MegatronPretrainingSampler", "TOKENIZER_TYPES", "build_gpt_datasets", "build_tokenizer",
+           "MegatronPretrainingSampler", "SharesPretrainingSampler", "TOKENIZER_TYPES", "build_gpt_datasets", "build_tokenizer",
            "parse_data_path"]

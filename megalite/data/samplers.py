@@ -46,3 +46,37 @@ class MegatronPretrainingSampler:
                     yield batch[lo:lo + self.micro_batch_size]
                 return
             yield list(range(start + lo, start + lo + self.micro_batch_size))
+
+
+class SharesPretrainingSampler(MegatronPretrainingSampler):
+    """--data-parallel-shares: each global batch (the next G samples of the stream) is cut into
+    contiguous runs in DP rank order, rank r's being n_r micro-batches long (the iteration plan,
+    megalite/iteration_plan.py, says G and n_r). The runs of one batch are disjoint and cover it,
+    and the stream depends only on consumed_samples, so a resumed run continues exactly, also
+    with other shares."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, plan):
+        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, plan.dp)
+        self.plan = plan
+
+    def _iterations(self):
+        """(consumed samples at the iteration's start, this rank's micro-batch count) per whole batch."""
+        consumed = self.consumed_samples
+        while consumed + self.plan.global_batch_size(consumed) <= self.total_samples:
+            yield consumed, self.plan.num_microbatches(consumed, self.data_parallel_rank)
+            consumed += self.plan.global_batch_size(consumed)
+
+    def __len__(self) -> int:
+        if self.plan.schedule.is_constant():
+            g = self.plan.global_batch_size(self.consumed_samples)
+            n = self.plan.num_microbatches(self.consumed_samples, self.data_parallel_rank)
+            return (self.total_samples - self.consumed_samples) // g * n
+        return sum(n for _, n in self._iterations())
+
+    def __iter__(self):
+        m = self.micro_batch_size
+        for consumed, n in self._iterations():
+            first = self.plan.first_sample(consumed, self.data_parallel_rank)
+            for k in range(n):
+                yield list(range(first + k * m, first + (k + 1) * m))

@@ -15,6 +15,27 @@ def average_over_data_parallel(values):
     return values
 
 
+def sum_over_data_parallel(values):
+    """Sum over the DP group of a 1-D float tensor (--data-parallel-shares: losses over the global count)."""
+    if ps.get_data_parallel_world_size() > 1:
+        values = values.clone()
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
+    return values
+
+
+def max_per_data_parallel_rank(value):
+    """[largest `value` over the ranks of DP replica r, for each r], the same list on every rank."""
+    t = torch.tensor([float(value), float(ps.get_data_parallel_rank())], dtype=torch.float64, device=ps.get_device())
+    gathered = [t]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, t)
+    out = [0.0] * ps.get_data_parallel_world_size()
+    for v, r in (g.tolist() for g in gathered):
+        out[int(r)] = max(out[int(r)], v)
+    return out
+
+
 def broadcast_from_last_rank(values):
     """Give every rank the last rank's tensor (the last pipeline stage holds the loss)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -28,8 +49,6 @@ def any_rank(flag):
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
 
 
 def broadcast_batch(batch, layout=None):

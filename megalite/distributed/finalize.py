@@ -68,7 +68,8 @@ def finalize_model_grads(model_chunks):
 def scale_grads_by_token_count(model_chunks, count):
     """--calculate-per-token-loss: the loss was summed over tokens; divide every gradient by the
     global batch's token count (summed over DP; the last pipeline stage counts, every rank needs
-    it). The DP reduction averaged, so the factor is DP / count. No host read."""
+    it). The DP reduction divided by the chunks' grad_divisor (DP: averaged; 1 with uneven
+    shares: summed), so the factor is that divisor / count. No host read."""
     count = count.reshape(1).float().clone()
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, group=ps.get_data_parallel_group())
@@ -76,4 +77,5 @@ def scale_grads_by_token_count(model_chunks, count):
         dist.broadcast(count, src=dist.get_world_size() - 1)
     grads = [_grad(p) for m in model_chunks for p in m.parameters() if p.requires_grad and _grad(p) is not None]
     if grads:
-        torch._foreach_mul_(grads, (ps.get_data_parallel_world_size() / count.clamp(min=1.0)).reshape(()))
+        divisor = getattr(model_chunks[0], "grad_divisor", ps.get_data_parallel_world_size())
+        torch._foreach_mul_(grads, (divisor / count.clamp(min=1.0)).reshape(()))

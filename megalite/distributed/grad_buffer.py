@@ -98,7 +98,12 @@ class _WaitFor:
 
 class DistributedDataParallel(nn.Module):
     def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True,
-                 use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False):
+                 use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False, grad_divisor=None,
+                 reduce_once=False):
+        """grad_divisor: what the reduction divides the summed gradients by (default DP: the
+        average; 1 with uneven data-parallel shares, whose losses carry the weights).
+        reduce_once: ZeRO-2 reduces once per iteration too (ranks that run different numbers
+        of micro-batches must issue the same collectives)."""
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -107,7 +112,7 @@ class DistributedDataParallel(nn.Module):
         # so their gradients are parts of one sum: averaged over DP only.
         self.dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        self.grad_divisor = ps.get_data_parallel_world_size()
+        self.grad_divisor = ps.get_data_parallel_world_size() if grad_divisor is None else grad_divisor
         if use_distributed_optimizer and zero_stage not in (1, 2):
             raise ValueError(f"--zero-stage {zero_stage} is not supported; use 1 or 2")
         self.zero_stage = zero_stage if use_distributed_optimizer else 0
@@ -124,7 +129,7 @@ class DistributedDataParallel(nn.Module):
             dtypes = {p.dtype for p in params}
             if len(dtypes) > 1:
                 raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
-            self.param_data = torch.zeros(total, dtype=dtypes.pop(), device=device)
+            self.param_data = torch.zeros(total, dtype=next(iter(dtypes), torch.float32), device=device)  # (empty chunk: none)
         offset = 0
         for bucket_params, n in plan:
             grad = self.grad_data[offset:offset + n] if self.grad_data is not None else None
@@ -132,6 +137,7 @@ class DistributedDataParallel(nn.Module):
                 b = ShardedBucket(bucket_params, n, self.zero_stage, grad, self.param_data[offset:offset + n],
                                   self.dp, ps.get_data_parallel_rank(with_context_parallel=True), self.dp_group,
                                   self.grad_divisor)
+                b.reduce_every_microbatch = b.reduce_every_microbatch and not reduce_once
             else:
                 b = _Bucket(bucket_params, grad, self.dp, self.dp_group, self.grad_divisor)
             b.index = len(self.buckets)

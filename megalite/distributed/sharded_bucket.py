@@ -9,7 +9,9 @@ Stage 1: the fp32 gradient buffer is full size; the last micro-batch reduce-scat
 (averaged over DP) and only the owned shard is meaningful afterwards.
 Stage 2: every micro-batch reduce-scatters, the result is added to a persistent fp32
 shard accumulator, and the full-size buffer's storage is released (resized to zero)
-until the next micro-batch's first gradient for this bucket arrives.
+until the next micro-batch's first gradient for this bucket arrives. With uneven data-parallel
+shares (reduce_every_microbatch off) it accumulates the full buffer over the iteration and
+reduce-scatters once, as every rank must issue the same collectives.
 Parameters (model dtype) live in a flat buffer with the same layout, so the updated
 shards are all-gathered bucket by bucket in place.
 """

@@ -13,7 +13,8 @@ from megalite.pipeline.schedules import _free_output, _Run
 
 
 def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator, model, num_microbatches,
-                                                  forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None):
+                                                  forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
+                                                  loss_divisor=None):
     chunks = model if isinstance(model, list) else [model]
     v, pp, rank = len(chunks), ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     m = num_microbatches
@@ -21,7 +22,7 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
         raise ValueError(f"interleaved pipelining needs the number of micro-batches ({m}) to be a multiple of "
                          f"--pipeline-model-parallel-size {pp}; change --global-batch-size or --micro-batch-size")
     p2p = P2P(tensor_shape, dtype, ps.get_device())
-    run = _Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale)
+    run = _Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale, loss_divisor)
     total = m * v
     all_warmup = forward_only or m == pp
     warmup = total if all_warmup else min((pp - rank - 1) * 2 + (v - 1) * pp, total)

@@ -4,8 +4,9 @@ A forward step function has Megatron's contract:
     forward_step_func(data_iterator, model) -> (output_tensor, loss_func)
     loss_func(output_tensor) -> (loss, {"lm loss": detached loss})
                               or (loss sum, token count, {"lm loss": [sum, count]})
-Each micro-batch's loss is divided by the number of micro-batches, so the accumulated
-gradient is that of the mean loss over the global batch. A loss function that returns a
+Each micro-batch's loss is divided by the number of micro-batches (`loss_divisor`: by default
+this rank's; with uneven data-parallel shares the global batch's, megalite/iteration_plan.py), so
+the accumulated gradient is that of the mean loss over the global batch. A loss function that returns a
 token count (Megatron's --calculate-per-token-loss) is not divided: its gradients are divided by
 the global batch's token count after the reduction (distributed/finalize.py). The DP gradient reduction is
 left to the hooks of each model chunk's last backward (buckets start as they fill).
@@ -25,11 +26,13 @@ last_run = {"ops": [], "max_alive": 0}
 class _Run:
     """State shared by the schedules: the chunks, data, loss collection and bookkeeping."""
 
-    def __init__(self, forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale):
+    def __init__(self, forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale,
+                 loss_divisor=None):
         self.chunks = model if isinstance(model, list) else [model]
         its = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(self.chunks)
         self.iters, self.func = its, forward_step_func
         self.m, self.forward_only, self.loss_scale = num_microbatches, forward_only, loss_scale
+        self.divisor = loss_divisor or num_microbatches
         self.reported, self.alive = [], 0
         self.next_mb = [0] * len(self.chunks)
         self.bwd_mb = [0] * len(self.chunks)
@@ -58,7 +61,7 @@ class _Run:
             out = loss_func(output)
             loss, reported = out[0], out[-1]
             self.reported.append(reported)
-            output = loss * (self.loss_scale if len(out) == 3 else self.loss_scale / self.m)
+            output = loss * (self.loss_scale if len(out) == 3 else self.loss_scale / self.divisor)
         if not self.forward_only:
             self.alive += 1
             last_run["max_alive"] = max(last_run["max_alive"], self.alive)
@@ -98,9 +101,10 @@ def pipeline_tensor_shape(model_config, micro_batch_size):
 
 
 def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_microbatches,
-                                   forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None):
+                                   forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
+                                   loss_divisor=None):
     """All micro-batches on this single stage, forward then backward each."""
-    run = _Run(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale)
+    run = _Run(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale, loss_divisor)
     try:
         for _ in range(num_microbatches):
             out = run.forward(0, None)
@@ -112,12 +116,13 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
 
 
 def forward_backward_pipelining_without_interleaving(forward_step_func, data_iterator, model, num_microbatches,
-                                                     forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None):
+                                                     forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
+                                                     loss_divisor=None):
     """1F1B: warm-up = min(PP - stage - 1, M) forwards, then one forward / one backward,
     then the remaining backwards. Stage s holds at most PP - s micro-batches' activations."""
     pp, rank, m = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), num_microbatches
     p2p = P2P(tensor_shape, dtype, ps.get_device())
-    run = _Run(forward_step_func, data_iterator, model, m, forward_only, loss_scale)
+    run = _Run(forward_step_func, data_iterator, model, m, forward_only, loss_scale, loss_divisor)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     warmup = min(pp - rank - 1, m)
     remaining = m - warmup

@@ -4,10 +4,40 @@ Even split by default. `decoder_first/last_pipeline_num_layers` (Megatron's unev
 for stages on unequal devices) fix the first/last stage's count and divide the rest evenly
 among the middle stages. With interleaving (virtual size v) the model is cut into PP x v
 equal chunks and stage p holds chunks p, p + PP, p + 2PP, ...
+Megatron's --pipeline-model-parallel-layout names every (virtual) stage's layers instead, so a
+bigger GPU can take more: "E" embedding, "t" transformer layer, "L" loss, stages split by "|",
+"x*n" and "(...)*n" repeat, commas are cosmetic; PP x v stages, stage s = vrank x PP + pp rank.
 """
+
+import re
 
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
+
+
+def parse_pipeline_layout(text, pp, num_layers):
+    """Layers per stage of a --pipeline-model-parallel-layout string, in stage order (PP x v of
+    them), validated: one line naming what is wrong."""
+    flag = f"--pipeline-model-parallel-layout {text!r}"
+    s = text.replace(",", "").replace(" ", "")
+    s = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
+    s = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
+    stages = s.split("|")
+    bad = sorted(set(s) - set("EtL|"))
+    if "m" in bad:
+        raise ConfigError(f"{flag}: multi-token prediction layers (m) are not implemented in megalite")
+    if bad:
+        raise ConfigError(f"{flag}: unknown layer symbols {bad}; use E (embedding), t (transformer layer), L (loss)")
+    if len(stages) % pp:
+        raise ConfigError(f"{flag} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size {pp}")
+    if s.count("E") != 1 or not stages[0].startswith("E"):
+        raise ConfigError(f"{flag}: the embedding E must appear once, first in the first stage")
+    if s.count("L") != 1 or not stages[-1].endswith("L"):
+        raise ConfigError(f"{flag}: the loss L must appear once, last in the last stage")
+    counts = [st.count("t") for st in stages]
+    if sum(counts) != num_layers:
+        raise ConfigError(f"{flag} places {sum(counts)} transformer layers (t) but --num-layers is {num_layers}")
+    return counts
 
 
 def stage_layer_counts(num_layers, pp, first=None, last=None):
@@ -40,6 +70,10 @@ def chunk_layers(config, pp_rank=None, vrank=None):
     pp = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
     v = ps.get_virtual_pipeline_model_parallel_world_size()
+    if config.pipeline_layout is not None:
+        s = (0 if v is None else (ps.get_virtual_pipeline_model_parallel_rank() if vrank is None else vrank)) * pp + \
+            pp_rank
+        return config.pipeline_layout[s], sum(config.pipeline_layout[:s])
     if v is None:
         counts = stage_layer_counts(config.num_layers, pp, config.decoder_first_pipeline_num_layers,
                                     config.decoder_last_pipeline_num_layers)

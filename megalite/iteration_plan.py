@@ -1,0 +1,154 @@
+"""The iteration plan (DESIGN, Seams): per data-parallel rank, how many micro-batches an
+iteration runs, which samples of the global batch they are, and how losses and gradients are
+weighted.
+
+Equal shares (the default, as Megatron): each DP rank runs G / (micro x DP) micro-batches of
+Megatron's interleaved sample slices, divides each micro-batch loss by that count, and the DP
+reduction averages.
+
+--data-parallel-shares S0,S1,...: DP rank r takes G x S_r / sum(S) samples of each global batch,
+the contiguous run after those of the ranks before it, as n_r whole micro-batches. Every
+micro-batch loss is divided by the global count M = sum(n_r) and the DP reduction sums, so the
+gradient is the sum over all M micro-batches of grad(loss) / M: the single process's on the same
+batch (never the mean of per-rank means, which over-weights the small shares). A per-token loss
+is summed and divided by the global token count. Every rank still reduces once per iteration,
+after its own last micro-batch, so all ranks issue the same collectives whatever their counts.
+
+--data-parallel-shares auto: equal shares for the first K iterations
+(--data-parallel-shares-profile-iters), each replica's forward-backward time per micro-batch
+measured (after a device sync), then the counts that minimise the slowest replica's time, by a
+rule every rank computes from the same gathered times.
+"""
+
+from megalite.config import ConfigError
+
+
+def parse_shares(text, dp):
+    """--data-parallel-shares: None, "auto", or dp positive integers (one ConfigError line)."""
+    if text is None:
+        return None
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        shares = [int(s) for s in text.replace(" ", ",").split(",") if s]
+    except ValueError:
+        raise ConfigError(f"--data-parallel-shares {text!r}: give one positive integer per data-parallel rank "
+                          "(e.g. 2,1) or auto") from None
+    if len(shares) != dp:
+        raise ConfigError(f"--data-parallel-shares {text!r} gives {len(shares)} shares for data-parallel size {dp}; "
+                          "give one per data-parallel rank")
+    if any(s <= 0 for s in shares):
+        raise ConfigError(f"--data-parallel-shares {text!r}: every share must be a positive integer")
+    return shares
+
+
+class IterationPlan:
+    """schedule: the run's BatchSchedule (global batch per iteration); shares: None (equal, as
+    Megatron) or one positive integer per DP rank."""
+
+    def __init__(self, schedule, shares=None):
+        self.schedule, self.shares = schedule, shares
+        self.dp, self.micro = schedule.dp, schedule.micro
+
+    @property
+    def uneven(self):
+        """Shares given: contiguous slices, losses over the global count, summing reduction."""
+        return self.shares is not None
+
+    @property
+    def grad_divisor(self):
+        """What the DP reduction divides the summed gradients by."""
+        return 1 if self.uneven else self.dp
+
+    def global_batch_size(self, consumed):
+        return self.schedule.global_batch_size(consumed)
+
+    def counts(self, consumed):
+        """Micro-batches of every DP rank in the iteration that starts after `consumed` samples."""
+        g = self.schedule.global_batch_size(consumed)
+        if not self.uneven:
+            return [g // (self.micro * self.dp)] * self.dp
+        total = sum(self.shares)
+        return [g * s // (total * self.micro) for s in self.shares]
+
+    def num_microbatches(self, consumed, rank):
+        return self.counts(consumed)[rank]
+
+    def loss_divisor(self, consumed, rank):
+        """Each micro-batch loss is divided by this: the rank's own count (the reduction then
+        averages) or, with shares, the global count (the reduction sums)."""
+        counts = self.counts(consumed)
+        return sum(counts) if self.uneven else counts[rank]
+
+    def first_sample(self, consumed, rank):
+        """With shares: the first sample of rank's contiguous slice of the global batch."""
+        return consumed + self.micro * sum(self.counts(consumed)[:rank])
+
+    def check(self, consumed=0, pipeline_size=1, interleaved=False, what=None):
+        """Every reachable global batch splits into whole micro-batches per share (at least one
+        each; a multiple of the pipeline size when interleaved); else one ConfigError line."""
+        if not self.uneven:
+            return self.schedule.check(consumed, pipeline_size, interleaved, what)
+        total, flag = sum(self.shares), f"--data-parallel-shares {','.join(map(str, self.shares))}"
+        flag += f" ({what})" if what else ""
+        for g in self.schedule.batch_sizes(consumed):
+            for r, s in enumerate(self.shares):
+                n, rest = divmod(g * s, total * self.micro)
+                if rest or n < 1:
+                    raise ConfigError(f"{flag}: global batch {g} x share {s} / {total} = {g * s / total:g} samples for "
+                                      f"DP rank {r} is not a positive whole number of --micro-batch-size "
+                                      f"{self.micro} micro-batches; change the shares or the batch sizes")
+                if interleaved and n % pipeline_size:
+                    raise ConfigError(f"{flag}: DP rank {r} gets {n} micro-batches of global batch {g}, not a "
+                                      f"multiple of --pipeline-model-parallel-size {pipeline_size} (interleaved "
+                                      "pipelining needs that)")
+
+
+def balanced_counts(seconds, total, unit=1):
+    """Micro-batch counts (multiples of `unit`, at least one unit each, summing to `total`) that
+    minimise max(count_r x seconds_r): one unit at a time to the replica that would finish it
+    first (optimal for equal units on machines of different speeds); ties go to the lower rank,
+    so every rank derives the same counts from the same times."""
+    units = total // unit
+    if units < len(seconds):
+        raise ConfigError(f"--data-parallel-shares auto: {total} micro-batches cannot give each of {len(seconds)} "
+                          "data-parallel replicas one")
+    n = [1] * len(seconds)
+    for _ in range(units - len(seconds)):
+        r = min(range(len(seconds)), key=lambda i: ((n[i] + 1) * seconds[i], i))
+        n[r] += 1
+    return [c * unit for c in n]
+
+
+def initial_shares(args):
+    """The shares the run starts with: the flag's, equal ones for auto (profiled first), or None."""
+    shares = getattr(args, "data_parallel_shares", None)
+    return [1] * args.data_parallel_size if shares == "auto" else shares
+
+
+class AutoShares:
+    """--data-parallel-shares auto: record this rank's forward-backward seconds per micro-batch
+    for `iters` iterations, then set the plan's shares from every replica's fastest iteration
+    (a replica is as slow as its slowest rank). `last` keeps the latest choice (for tests and
+    benchmarks)."""
+    last = None
+
+    def __init__(self, plan, iters, unit=1):
+        self.plan, self.iters, self.unit, self.times = plan, iters, unit, []
+
+    @property
+    def done(self):
+        return len(self.times) >= self.iters
+
+    def observe(self, seconds, microbatches, consumed):
+        """Record one iteration; after the last profiled one return (per-replica seconds per
+        micro-batch, new counts) and switch the plan to the counts, else None."""
+        from megalite.distributed.collectives import max_per_data_parallel_rank
+        self.times.append(seconds / microbatches)
+        if not self.done:
+            return None
+        per_replica = max_per_data_parallel_rank(min(self.times))
+        counts = balanced_counts(per_replica, sum(self.plan.counts(consumed)), self.unit)
+        self.plan.shares = counts
+        AutoShares.last = (per_replica, counts)
+        return per_replica, counts

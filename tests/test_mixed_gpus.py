@@ -1,0 +1,198 @@
+"""Mixed GPUs. --data-parallel-shares: DP ranks take unequal shares of the global batch, and
+the update is still the single process's on the whole batch (megalite/iteration_plan.py).
+--pipeline-model-parallel-layout: stages with unequal numbers of layers.
+
+Parity (tests/parity.py: losses, every step-1 gradient before clipping, the norms, the
+parameters after 6 steps, fp32 bound 1e-5 since the DP sums are ordered differently) with TP+SP,
+PP with a per-token loss, interleaved PP with ZeRO-2, DP3, `auto` with one replica slowed down,
+and uneven layouts (one interleaved with an empty chunk); a checkpoint continued with the same
+shares (bit-exact), with other shares, and from an uneven PP2 layout at PP1. The sampler's
+slices and the one-line errors need no ranks. The wrong weighting (mean of per-rank means) is
+caught in tests/test_fault_injection.py.
+"""
+
+import contextlib
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+
+from dist_util import rel_err
+from megalite.config import ConfigError
+from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
+from megalite.iteration_plan import IterationPlan, balanced_counts, parse_shares
+from megalite.microbatches import BatchSchedule
+from parity import STEPS, assert_parity, layout, reference, run_layouts, train
+
+
+def shares(*s):
+    return ("--data-parallel-shares", ",".join(map(str, s)))
+
+
+PER_TOKEN = ("--calculate-per-token-loss",)
+FOUR = [
+    layout("tp2_sp_dp2_shares_3_1", tp=2, dp=2, sp=True, flags=shares(3, 1)),
+    layout("pp2_dp2_shares_1_3_per_token", pp=2, dp=2, flags=shares(1, 3), model=PER_TOKEN),
+    layout("pp2_dp2_interleaved_zero2_shares_3_1", pp=2, dp=2, vp=1, zero=2, flags=shares(3, 1)),
+]
+LAYOUT = "--pipeline-model-parallel-layout"
+FOUR += [
+    layout("pp2_dp2_layout_3_1_shares_3_1", pp=2, dp=2, flags=(LAYOUT, "Ettt|tL") + shares(3, 1)),
+    layout("pp2_dp2_layout_interleaved_empty_chunk_zero1", pp=2, dp=2, zero=1, flags=(LAYOUT, "Ett|t||tL")),
+]
+# Global layer indices each pipeline rank builds, per chunk, where the layout says so.
+LAYERS = {"pp2_dp2_layout_3_1_shares_3_1": {0: [[0, 1, 2]], 1: [[3]]},
+          "pp2_dp2_layout_interleaved_empty_chunk_zero1": {0: [[0, 1], []], 1: [[2], [3]]}}
+THREE = [layout("dp3_shares_4_2_2", dp=3, flags=shares(4, 2, 2))]
+
+
+def layer_indices(chunks, optimizer):
+    return [sorted(int(i) for i in c.module.decoder.layers.keys()) for c in chunks]
+
+
+def slow_second_replica():
+    """DP rank 1 sleeps 20 ms per micro-batch: `auto` must give it fewer."""
+    import pretrain_gpt
+    from megalite import parallel_state as ps
+    original = pretrain_gpt.forward_step
+
+    def forward_step(it, model):
+        if ps.get_data_parallel_rank() == 1:
+            time.sleep(0.02)
+        return original(it, model)
+    stack = contextlib.ExitStack()
+    stack.callback(setattr, pretrain_gpt, "forward_step", original)
+    pretrain_gpt.forward_step = forward_step
+    return stack
+
+
+AUTO = layout("dp2_auto_rank1_slow", dp=2, fault=slow_second_replica,
+              flags=("--data-parallel-shares", "auto", "--data-parallel-shares-profile-iters", "2"))
+
+
+def _with_checkpoints(directory):
+    """In the ranks: shares 3,1 uninterrupted; saving at step 3 and stopping; then resumed with
+    the same shares and with 1,3; plus the `auto` layout. Returns the runs' results."""
+    from megalite.iteration_plan import AutoShares
+    full = train(layout("full", dp=2, flags=shares(3, 1)))
+    first = train(layout("save", dp=2, flags=shares(3, 1) + ("--save", directory, "--save-interval", "3",
+                                                             "--exit-interval", "3")))
+    same = train(layout("same", dp=2, flags=shares(3, 1) + ("--load", directory)))
+    other = train(layout("other", dp=2, flags=shares(1, 3) + ("--load", directory)))
+    staged = directory + "_layout"
+    train(layout("save_layout", pp=2, flags=(LAYOUT, "Ettt|tL", "--save", staged, "--save-interval", "3",
+                                               "--exit-interval", "3")))
+    from_layout = train(layout("from_layout", dp=2, flags=shares(1, 3) + ("--load", staged)))
+    auto = train(AUTO)
+    return {"full": full, "first": first, "same": same, "other": other, "from_layout": from_layout, "auto": auto, "chosen": AutoShares.last}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = dict(zip((lay.name for lay in FOUR), run_layouts(FOUR, 4, collect=layer_indices)))
+    out.update(zip((lay.name for lay in THREE), run_layouts(THREE, 3)))
+    from dist_util import run_on_ranks
+    with tempfile.TemporaryDirectory() as d:
+        out["checkpoint"] = run_on_ranks(_with_checkpoints, 2, os.path.join(d, "ckpt"), timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("lay", FOUR + THREE, ids=lambda lay: lay.name)
+def test_uneven_shares_and_layouts_match_single_process(runs, lay):
+    for r in runs[lay.name] if lay.name in LAYERS else ():
+        assert r["collected"] == LAYERS[lay.name][r["coords"][1]], f"pipeline rank {r['coords'][1]}: {r['collected']}"
+    assert_parity(lay, runs[lay.name])
+
+
+def test_auto_shares_favour_the_faster_replica_and_keep_parity(runs):
+    ranks = [r["auto"] for r in runs["checkpoint"]]
+    seconds, counts = runs["checkpoint"][0]["chosen"]
+    print(f"\nauto: seconds per micro-batch by replica {seconds}, counts {counts}")
+    assert all(r["chosen"] == (seconds, counts) for r in runs["checkpoint"]), "ranks chose different shares"
+    assert sum(counts) == 8 and counts[0] > counts[1], f"the slowed replica 1 was not given less: {counts}"
+    assert seconds[1] > seconds[0] + 0.015, f"the 20 ms sleep of replica 1 was not measured: {seconds}"
+    assert_parity(AUTO, ranks)
+
+
+def test_resume_with_the_same_shares_is_exact_and_with_other_shares_within_bound(runs):
+    ref = reference(layout("r", dp=2))
+    for r in runs["checkpoint"]:  # per rank
+        full, same, other = r["full"], r["same"], r["other"]
+        assert r["first"]["losses"] == full["losses"][:3] and len(same["losses"]) == STEPS - 3
+        # The same shares sum the same micro-batches in the same order: bit-exact.
+        assert same["losses"] == full["losses"][3:]
+        for name, want in full["params"].items():
+            assert torch.equal(same["params"][name], want), f"same-shares resume differs in {name}"
+        # Other shares: the same batches, summed in another order (fp32 bound), never other samples.
+        for a, b in zip(other["losses"], full["losses"][3:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (other["losses"], full["losses"])
+        for name, want in ref["params"].items():
+            assert rel_err(other["params"][name], want) <= 1e-5, name
+            # Saved by an uneven PP2 layout, continued at PP1 DP2 with shares: global names, same run.
+            assert rel_err(r["from_layout"]["params"][name], want) <= 1e-5, name
+
+
+def test_sampler_slices_are_disjoint_complete_and_resumable():
+    sched = BatchSchedule(12, 2, 3)
+    plan = IterationPlan(sched, [3, 2, 1])  # 6, 4, 2 samples: 3, 2, 1 micro-batches
+    per_rank = [list(SharesPretrainingSampler(60, 0, 2, r, plan)) for r in range(3)]
+    assert [len(b) for b in per_rank] == [15, 10, 5]
+    for it in range(5):  # each global batch: disjoint runs covering exactly its 12 samples, in rank order
+        got = [i for r, n in zip(per_rank, (3, 2, 1)) for b in r[it * n:(it + 1) * n] for i in b]
+        assert got == list(range(12 * it, 12 * (it + 1)))
+    resumed = list(SharesPretrainingSampler(60, 24, 2, 1, plan))
+    assert resumed == per_rank[1][4:]
+    # Shares changed at a restart: the stream (which samples each iteration takes) is unchanged.
+    other = IterationPlan(sched, [1, 1, 4])
+    after = [list(SharesPretrainingSampler(60, 24, 2, r, other)) for r in range(3)]
+    for it in range(3):
+        got = sorted(i for r, n in zip(after, (1, 1, 4)) for b in r[it * n:(it + 1) * n] for i in b)
+        assert got == list(range(24 + 12 * it, 36 + 12 * it))
+    # Equal shares keep Megatron's own sampler: the default stream is untouched.
+    assert list(MegatronPretrainingSampler(60, 0, 2, 1, 3))[:2] == [[2, 3], [8, 9]]
+
+
+def test_plan_weights_and_counts():
+    plan = IterationPlan(BatchSchedule(8, 1, 2), [3, 1])
+    assert plan.counts(0) == [6, 2] and plan.loss_divisor(0, 1) == 8 and plan.grad_divisor == 1
+    assert plan.first_sample(16, 1) == 22
+    equal = IterationPlan(BatchSchedule(8, 1, 2))
+    assert equal.counts(0) == [4, 4] and equal.loss_divisor(0, 1) == 4 and equal.grad_divisor == 2
+    assert balanced_counts([1.0, 3.0], 8) == [6, 2]
+    assert balanced_counts([1.0, 1.0, 1.0], 8) == [3, 3, 2]  # ties: the lower rank first
+    assert balanced_counts([1.0, 9.0], 8, unit=2) == [6, 2]  # interleaved: whole units, one each at least
+    ramp = IterationPlan(BatchSchedule(16, 1, 2, rampup=(8, 8, 16)), [3, 1])
+    assert ramp.counts(0) == [6, 2] and ramp.counts(100) == [12, 4]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (shares(1, 1, 1), "gives 3 shares for data-parallel size 2"),
+    (shares(2, 0), "every share must be a positive integer"),
+    (shares(2, -1), "every share must be a positive integer"),
+    (("--data-parallel-shares", "2,x"), "one positive integer per data-parallel rank"),
+    (shares(2, 1) + ("--global-batch-size", "8"), "is not a positive whole number of --micro-batch-size 1"),
+    (shares(4, 1) + ("--global-batch-size", "5", "--micro-batch-size", "2"), "1 samples for DP rank 1"),
+    (shares(3, 1) + ("--global-batch-size", "8", "--eval-global-batch-size", "6"), "(--eval-global-batch-size)"),
+    (("--data-parallel-shares", "auto", "--global-batch-size", "7"), "profiles at equal shares first"),
+    (("--data-parallel-shares", "auto", "--rampup-batch-size", "2", "2", "8"), "does not compose with"),
+    (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|t|tL"), "has 3 stages, not a multiple of"),
+    (("--pipeline-model-parallel-size", "2", LAYOUT, "Ettt|tL"), "places 4 transformer layers (t) but --num-layers"),
+    (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|tmL"), "(m) are not implemented"),
+    (("--pipeline-model-parallel-size", "2", LAYOUT, "t|EtL"), "the embedding E must appear once"),
+    (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|t", "--decoder-first-pipeline-num-layers", "1"),
+     "leave out --decoder-first/last"),
+])
+def test_bad_shares_and_layouts_fail_in_one_line(argv, message):
+    from megalite.arguments import _parse
+    base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data"]
+    with pytest.raises(ConfigError) as e:
+        _parse(base + list(argv), world_size=2)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_shares_parse():
+    assert parse_shares(None, 2) is None and parse_shares("AUTO", 3) == "auto"
+    assert parse_shares("4,2,2", 3) == [4, 2, 2] and parse_shares("3 1", 2) == [3, 1]
