@@ -105,6 +105,9 @@ def build_parser():
     a("--zero-stage", type=int, default=None, choices=[1, 2],
       help="with --use-distributed-optimizer: 1 (default, as Megatron) or 2 (gradients sharded too)")
     a("--overlap-param-gather", action="store_true", help="overlap the parameter all-gather with the next forward")
+    a("--hierarchical-grad-reduce", action="store_true",
+      help="DP all-reduce in three steps: reduce-scatter within each node (torchrun's LOCAL_WORLD_SIZE ranks), "
+           "all-reduce the shards across nodes, all-gather within the node (1/k of the bytes cross nodes)")
     a("--data-parallel-shares", default=None,
       help="S0,S1,...: DP rank r takes S_r / sum(S) of every global batch (e.g. a faster GPU more), gradients "
            "weighted exactly; auto: measured over the first iterations and balanced")

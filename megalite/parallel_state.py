@@ -34,6 +34,7 @@ class _Grid:
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.emb_group = None
         self.cp_group = self.dp_cp_group = self.tp_cp_group = None
         self.hcp = []  # --hierarchical-context-parallel-sizes: [(group, global ranks)] per level
+        self.grad_nodes = None  # --hierarchical-grad-reduce: (this node's group, ranks; cross-node group, ranks)
         self.pp_before_dp = False  # --use-tp-pp-dp-mapping
         self.tp_rank = self.pp_rank = self.dp_rank = self.cp_rank = 0
         self.pp_ranks = [0]
@@ -105,8 +106,11 @@ def shutdown_distributed(barrier=True):
 
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
-                              hierarchical_context_parallel_sizes=None, use_tp_pp_dp_mapping=False):
-    """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world."""
+                              hierarchical_context_parallel_sizes=None, use_tp_pp_dp_mapping=False,
+                              ranks_per_node=None):
+    """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world.
+    ranks_per_node (--hierarchical-grad-reduce): also split each gradient-reduction group (DP x CP)
+    into its members on one node (global rank // ranks_per_node) and its cross-node groups."""
     global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
@@ -159,6 +163,21 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     # At CP = 1 these equal the DP and TP groups, which the accessors then return.
     for t, p in ((t, p) for t in T for p in P if cp > 1):  # gradients and ZeRO shards: DP x CP
         grid.dp_cp_group = make(sorted(at(t, c, d, p) for d in D for c in C)) or grid.dp_cp_group
+    for t, p in ((t, p) for t in T for p in P if ranks_per_node):
+        nodes = {}
+        for r in sorted(at(t, c, d, p) for d in D for c in C):
+            nodes.setdefault(r // ranks_per_node, []).append(r)
+        if len({len(v) for v in nodes.values()}) > 1:
+            raise ValueError(f"--hierarchical-grad-reduce: the data-parallel ranks {sorted(sum(nodes.values(), []))} "
+                             f"spread unevenly over nodes of {ranks_per_node} ranks ({[len(v) for v in nodes.values()]} "
+                             "per node); use equal nodes")
+        for v in nodes.values():
+            if (g := make(v)) is not None:
+                node = (g, v)
+        for i in range(len(v)):
+            cross = [v_[i] for v_ in nodes.values()]
+            if (g := make(cross)) is not None:
+                grid.grad_nodes = node + (g, cross)
     for d, p in ((d, p) for d in D for p in P if cp > 1):  # the batch is read once per TP x CP group
         grid.tp_cp_group = make(sorted(at(t, c, d, p) for c in C for t in T)) or grid.tp_cp_group
     for t, c, d in ((t, c, d) for t in T for d in D for c in C):
@@ -253,6 +272,12 @@ def get_context_parallel_global_ranks():
 def uses_tp_pp_dp_mapping():
     """Whether the rank order is TP, CP, PP, DP (--use-tp-pp-dp-mapping)."""
     return _grid().pp_before_dp
+
+
+def get_gradient_node_groups():
+    """--hierarchical-grad-reduce: (group of this rank's gradient-reduction peers on its node, their
+    global ranks, group of its counterparts on the other nodes, their ranks); None without."""
+    return _grid().grad_nodes
 
 
 def get_hierarchical_context_parallel_groups():

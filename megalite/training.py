@@ -7,6 +7,7 @@ Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in M
 """
 
 import gc
+import os
 import signal
 import time
 
@@ -72,7 +73,8 @@ def build_model(mcfg, model_provider, args, plan=None):
                                               zero_stage=args.zero_stage or 1,
                                               overlap_param_gather=args.overlap_param_gather,
                                               grad_divisor=plan.grad_divisor if plan else None,
-                                              reduce_once=bool(plan and plan.uneven)))
+                                              reduce_once=bool(plan and plan.uneven),
+                                              hierarchical=args.hierarchical_grad_reduce))
     ps.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
 
@@ -222,9 +224,14 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         batches = batch_schedule(args)  # each iteration's global batch (ramp-up), checked
     except (ConfigError, CheckpointError) as e:
         _abort(str(e), owns)
-    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                 args.virtual_pipeline_model_parallel_size, args.context_parallel_size,
-                                 args.hierarchical_context_parallel_sizes, args.use_tp_pp_dp_mapping)
+    try:  # torchrun's LOCAL_WORLD_SIZE: the ranks of one node, for --hierarchical-grad-reduce
+        ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     args.virtual_pipeline_model_parallel_size, args.context_parallel_size,
+                                     args.hierarchical_context_parallel_sizes, args.use_tp_pp_dp_mapping,
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size()))
+                                     if args.hierarchical_grad_reduce else None)
+    except ValueError as e:
+        _abort(str(e), owns)
     model_parallel_manual_seed(args.seed)
     dp, micro, dp_rank = ps.get_data_parallel_world_size(), args.micro_batch_size, ps.get_data_parallel_rank()
     plan = IterationPlan(batches, initial_shares(args))  # each DP rank's micro-batches and weights

@@ -46,6 +46,10 @@ def validate_args(args):
                           "output layer's peak LR)")
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
+    if args.hierarchical_grad_reduce and args.use_distributed_optimizer:
+        raise ConfigError("--hierarchical-grad-reduce splits the plain data-parallel all-reduce; the distributed "
+                          "optimizer's reduce-scatter is flat: drop one of --hierarchical-grad-reduce and "
+                          "--use-distributed-optimizer")
     if args.use_distributed_optimizer and args.zero_stage is None:
         args.zero_stage = 1
     if args.global_batch_size is None:

@@ -42,14 +42,43 @@ FOUR += [
     layout("pp2_dp2_layout_3_1_shares_3_1", pp=2, dp=2, flags=(LAYOUT, "Ettt|tL") + shares(3, 1)),
     layout("pp2_dp2_layout_interleaved_empty_chunk_zero1", pp=2, dp=2, zero=1, flags=(LAYOUT, "Ett|t||tL")),
 ]
+
+
+@contextlib.contextmanager
+def counting():
+    """The run's DP collectives counted from zero."""
+    from megalite.distributed import comm
+    comm.reset()
+    yield
+
+
+@contextlib.contextmanager
+def two_ranks_per_node():
+    """Two 'nodes' of two ranks (what torchrun's LOCAL_WORLD_SIZE says), collectives counted."""
+    from megalite.distributed import comm
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    comm.reset()
+    try:
+        yield
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+FOUR += [
+    layout("dp4_flat_counted", dp=4, fault=counting),
+    layout("dp4_hierarchical_two_nodes", dp=4, fault=two_ranks_per_node, flags=("--hierarchical-grad-reduce",)),
+    layout("dp4_hierarchical_two_nodes_shares_2_2_3_1", dp=4, fault=two_ranks_per_node,
+           flags=("--hierarchical-grad-reduce",) + shares(2, 2, 3, 1)),
+]
 # Global layer indices each pipeline rank builds, per chunk, where the layout says so.
 LAYERS = {"pp2_dp2_layout_3_1_shares_3_1": {0: [[0, 1, 2]], 1: [[3]]},
           "pp2_dp2_layout_interleaved_empty_chunk_zero1": {0: [[0, 1], []], 1: [[2], [3]]}}
 THREE = [layout("dp3_shares_4_2_2", dp=3, flags=shares(4, 2, 2))]
 
 
-def layer_indices(chunks, optimizer):
-    return [sorted(int(i) for i in c.module.decoder.layers.keys()) for c in chunks]
+def layers_and_collectives(chunks, optimizer):
+    from megalite.distributed import comm
+    return {"layers": [sorted(int(i) for i in c.module.decoder.layers.keys()) for c in chunks], "comm": comm.counts()}
 
 
 def slow_second_replica():
@@ -91,7 +120,7 @@ def _with_checkpoints(directory):
 
 @pytest.fixture(scope="module")
 def runs():
-    out = dict(zip((lay.name for lay in FOUR), run_layouts(FOUR, 4, collect=layer_indices)))
+    out = dict(zip((lay.name for lay in FOUR), run_layouts(FOUR, 4, collect=layers_and_collectives)))
     out.update(zip((lay.name for lay in THREE), run_layouts(THREE, 3)))
     from dist_util import run_on_ranks
     with tempfile.TemporaryDirectory() as d:
@@ -102,8 +131,21 @@ def runs():
 @pytest.mark.parametrize("lay", FOUR + THREE, ids=lambda lay: lay.name)
 def test_uneven_shares_and_layouts_match_single_process(runs, lay):
     for r in runs[lay.name] if lay.name in LAYERS else ():
-        assert r["collected"] == LAYERS[lay.name][r["coords"][1]], f"pipeline rank {r['coords'][1]}: {r['collected']}"
+        assert r["collected"]["layers"] == LAYERS[lay.name][r["coords"][1]], f"pipeline rank {r['coords'][1]}"
     assert_parity(lay, runs[lay.name])
+
+
+def test_hierarchical_reduction_sends_half_the_bytes_across_nodes(runs):
+    """Flat: one all-reduce of every bucket. Two nodes of two: the buckets are reduce-scattered
+    in the node, half of each crosses nodes in the all-reduce, and is all-gathered back."""
+    for flat, hier in zip(runs["dp4_flat_counted"], runs["dp4_hierarchical_two_nodes"]):
+        flat, hier = flat["collected"]["comm"], hier["collected"]["comm"]
+        print(f"\nflat {flat}\nhierarchical {hier}")
+        bucket_bytes = hier["reduce_scatter"]["payload_bytes"]
+        assert hier["all_reduce"]["payload_bytes"] * 2 == bucket_bytes == hier["all_gather"]["payload_bytes"]
+        assert hier["reduce_scatter"]["calls"] == flat["all_reduce"]["calls"] == hier["all_reduce"]["calls"] > 0
+        # The same buckets (padded to an even length: at most one element, 4 bytes, each).
+        assert 0 <= bucket_bytes - flat["all_reduce"]["payload_bytes"] <= 4 * flat["all_reduce"]["calls"]
 
 
 def test_auto_shares_favour_the_faster_replica_and_keep_parity(runs):
@@ -183,6 +225,7 @@ def test_plan_weights_and_counts():
     (("--pipeline-model-parallel-size", "2", LAYOUT, "t|EtL"), "the embedding E must appear once"),
     (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|t", "--decoder-first-pipeline-num-layers", "1"),
      "leave out --decoder-first/last"),
+    (("--hierarchical-grad-reduce", "--use-distributed-optimizer"), "the distributed optimizer's reduce-scatter is flat"),
 ])
 def test_bad_shares_and_layouts_fail_in_one_line(argv, message):
     from megalite.arguments import _parse

@@ -23,11 +23,15 @@ from megalite.distributed import comm
 
 
 class _Bucket:
-    """A bucket all-reduced (averaged) over DP: every rank holds the full result."""
+    """A bucket all-reduced (averaged) over DP: every rank holds the full result.
+    nodes (--hierarchical-grad-reduce, ps.get_gradient_node_groups()): the all-reduce runs as a
+    reduce-scatter among the ranks of a node, an all-reduce of each shard across the nodes
+    (1/k of the bucket crosses nodes, k ranks per node) and an all-gather within the node."""
     reduce_every_microbatch = False
 
-    def __init__(self, params, data, dp, group, divisor):
+    def __init__(self, params, data, dp, group, divisor, nodes=None):
         self.params, self.data, self.dp, self.group, self.divisor = params, data, dp, group, divisor
+        self.nodes, self.shard = nodes, None
         self.ready, self.handle = set(), None
         offset = 0
         for p in params:
@@ -45,12 +49,22 @@ class _Bucket:
             return
         if self.divisor > 1:
             self.data.div_(self.divisor)  # average over DP, as Megatron (summed over CP)
-        self.handle = comm.all_reduce(self.data, group=self.group, async_op=True)
+        if self.nodes is not None:
+            self.shard = torch.empty(self.data.numel() // len(self.nodes[1]), dtype=self.data.dtype,
+                                     device=self.data.device)
+            self.handle = comm.reduce_scatter(self.shard, self.data, group=self.nodes[0], async_op=True)
+        else:
+            self.handle = comm.all_reduce(self.data, group=self.group, async_op=True)
 
     def finish(self):
         if self.handle is not None and self.handle is not True:
             self.handle.wait()
             self.handle = True
+            if self.nodes is not None:  # the node's shard summed over the nodes, then shared in the node
+                if len(self.nodes[3]) > 1:
+                    comm.all_reduce(self.shard, group=self.nodes[2])
+                comm.all_gather(self.data, self.shard, group=self.nodes[0])
+                self.shard = None
 
     def zero(self):
         self.data.zero_()
@@ -99,11 +113,12 @@ class _WaitFor:
 class DistributedDataParallel(nn.Module):
     def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True,
                  use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False, grad_divisor=None,
-                 reduce_once=False):
+                 reduce_once=False, hierarchical=False):
         """grad_divisor: what the reduction divides the summed gradients by (default DP: the
         average; 1 with uneven data-parallel shares, whose losses carry the weights).
         reduce_once: ZeRO-2 reduces once per iteration too (ranks that run different numbers
-        of micro-batches must issue the same collectives)."""
+        of micro-batches must issue the same collectives). hierarchical: the plain DP all-reduce
+        through the node groups (--hierarchical-grad-reduce)."""
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -119,7 +134,8 @@ class DistributedDataParallel(nn.Module):
         self.overlap_param_gather = overlap_param_gather and self.zero_stage > 0
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
-        plan = plan_buckets(params, bucket_size, self.dp if self.zero_stage else 1,
+        nodes = ps.get_gradient_node_groups() if hierarchical and not self.zero_stage and self.dp > 1 else None
+        plan = plan_buckets(params, bucket_size, self.dp if self.zero_stage else len(nodes[1]) if nodes else 1,
                             _tied_weight(module) if self.zero_stage else None)
         total = sum(n for _, n in plan)
         self.grad_data = torch.zeros(total, dtype=torch.float32, device=device) if self.zero_stage != 2 else None
@@ -139,7 +155,7 @@ class DistributedDataParallel(nn.Module):
                                   self.grad_divisor)
                 b.reduce_every_microbatch = b.reduce_every_microbatch and not reduce_once
             else:
-                b = _Bucket(bucket_params, grad, self.dp, self.dp_group, self.grad_divisor)
+                b = _Bucket(bucket_params, grad, self.dp, self.dp_group, self.grad_divisor, nodes)
             b.index = len(self.buckets)
             self.buckets.append(b)
             for p in bucket_params:
