@@ -108,6 +108,11 @@ def build_parser():
     a("--hierarchical-grad-reduce", action="store_true",
       help="DP all-reduce in three steps: reduce-scatter within each node (torchrun's LOCAL_WORLD_SIZE ranks), "
            "all-reduce the shards across nodes, all-gather within the node (1/k of the bytes cross nodes)")
+    a("--grad-compression", default="none", choices=["none", "powersgd", "topk"],
+      help="compress the DP all-reduce for slow links, with error feedback (lossy: not the single-process update)")
+    a("--grad-compression-ratio", type=float, default=0.1,
+      help="fraction of the gradient's elements sent (topk: values kept; powersgd: sets the rank)")
+    a("--grad-compression-start-iter", type=int, default=0, help="exact all-reduces before this iteration")
     a("--data-parallel-shares", default=None,
       help="S0,S1,...: DP rank r takes S_r / sum(S) of every global batch (e.g. a faster GPU more), gradients "
            "weighted exactly; auto: measured over the first iterations and balanced")

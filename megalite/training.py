@@ -64,6 +64,9 @@ def build_model(mcfg, model_provider, args, plan=None):
     IterationPlan, whose shares set how the DP reduction weighs; default equal shares)."""
     v = ps.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
+    from megalite.distributed.grad_compression import build_compressor
+    compressor = build_compressor(args.grad_compression, args.grad_compression_ratio, args.grad_compression_start_iter,
+                                  args.seed)
     for j in range(v):
         ps.set_virtual_pipeline_model_parallel_rank(j)
         m = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
@@ -74,7 +77,8 @@ def build_model(mcfg, model_provider, args, plan=None):
                                               overlap_param_gather=args.overlap_param_gather,
                                               grad_divisor=plan.grad_divisor if plan else None,
                                               reduce_once=bool(plan and plan.uneven),
-                                              hierarchical=args.hierarchical_grad_reduce))
+                                              hierarchical=args.hierarchical_grad_reduce,
+                                              compressor=compressor))
     ps.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
 
@@ -119,14 +123,14 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
 
 
 def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None,
-               loss_divisor=None, sync=False):
+               loss_divisor=None, sync=False, iteration=None):
     """One iteration; timers gets the host-side times (sync: after a device sync, for
     --data-parallel-shares auto)."""
     if sync and ps.get_device().type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for c in chunks:
-        c.zero_grad_buffer()
+        c.zero_grad_buffer(iteration)
     reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
                                     loss_scale=optimizer.loss_scale, loss_divisor=loss_divisor)
     if sync and ps.get_device().type == "cuda":
@@ -307,7 +311,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         try:
             reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
                                                       shape, dtype, step_times, plan.loss_divisor(consumed_train, dp_rank),
-                                                      profiling)
+                                                      profiling, it)
         except NonFiniteGradError as e:
             where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
             _abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped before "

@@ -50,6 +50,14 @@ def validate_args(args):
         raise ConfigError("--hierarchical-grad-reduce splits the plain data-parallel all-reduce; the distributed "
                           "optimizer's reduce-scatter is flat: drop one of --hierarchical-grad-reduce and "
                           "--use-distributed-optimizer")
+    if args.grad_compression != "none":
+        if args.use_distributed_optimizer or args.hierarchical_grad_reduce:
+            raise ConfigError(f"--grad-compression {args.grad_compression} compresses the plain data-parallel "
+                              "all-reduce; it does not compose with --use-distributed-optimizer (reduce-scatter) or "
+                              "--hierarchical-grad-reduce: drop one")
+        if not 0 < args.grad_compression_ratio <= 1 or args.grad_compression_start_iter < 0:
+            raise ConfigError(f"--grad-compression-ratio {args.grad_compression_ratio} must be in (0, 1] and "
+                              f"--grad-compression-start-iter {args.grad_compression_start_iter} >= 0")
     if args.use_distributed_optimizer and args.zero_stage is None:
         args.zero_stage = 1
     if args.global_batch_size is None:

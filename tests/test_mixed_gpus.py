@@ -70,6 +70,15 @@ FOUR += [
     layout("dp4_hierarchical_two_nodes_shares_2_2_3_1", dp=4, fault=two_ranks_per_node,
            flags=("--hierarchical-grad-reduce",) + shares(2, 2, 3, 1)),
 ]
+HASH = ("--check-weight-hash-across-dp-replicas-interval", "1")  # stop if replicas differ in any bit
+COMPRESSED = [
+    layout("dp4_topk_ratio_1", dp=4, flags=("--grad-compression", "topk", "--grad-compression-ratio", "1")),
+    layout("dp4_topk_from_iteration_4", dp=4, flags=("--grad-compression", "topk", "--grad-compression-ratio", "0.05",
+                                                     "--grad-compression-start-iter", "4") + HASH),
+    layout("tp2_dp2_powersgd", tp=2, dp=2, flags=("--grad-compression", "powersgd", "--grad-compression-ratio", "0.3")
+           + HASH),
+]
+FOUR += COMPRESSED[:1]
 # Global layer indices each pipeline rank builds, per chunk, where the layout says so.
 LAYERS = {"pp2_dp2_layout_3_1_shares_3_1": {0: [[0, 1, 2]], 1: [[3]]},
           "pp2_dp2_layout_interleaved_empty_chunk_zero1": {0: [[0, 1], []], 1: [[2], [3]]}}
@@ -120,7 +129,8 @@ def _with_checkpoints(directory):
 
 @pytest.fixture(scope="module")
 def runs():
-    out = dict(zip((lay.name for lay in FOUR), run_layouts(FOUR, 4, collect=layers_and_collectives)))
+    out = dict(zip((lay.name for lay in FOUR + COMPRESSED[1:]),
+                   run_layouts(FOUR + COMPRESSED[1:], 4, collect=layers_and_collectives)))
     out.update(zip((lay.name for lay in THREE), run_layouts(THREE, 3)))
     from dist_util import run_on_ranks
     with tempfile.TemporaryDirectory() as d:
@@ -226,6 +236,9 @@ def test_plan_weights_and_counts():
     (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|t", "--decoder-first-pipeline-num-layers", "1"),
      "leave out --decoder-first/last"),
     (("--hierarchical-grad-reduce", "--use-distributed-optimizer"), "the distributed optimizer's reduce-scatter is flat"),
+    (("--grad-compression", "topk", "--use-distributed-optimizer"), "does not compose with --use-distributed-optimizer"),
+    (("--grad-compression", "powersgd", "--grad-compression-ratio", "0"), "must be in (0, 1]"),
+    (("--grad-compression", "gzip"), "invalid choice"),
 ])
 def test_bad_shares_and_layouts_fail_in_one_line(argv, message):
     from megalite.arguments import _parse
@@ -239,3 +252,72 @@ def test_bad_shares_and_layouts_fail_in_one_line(argv, message):
 def test_shares_parse():
     assert parse_shares(None, 2) is None and parse_shares("AUTO", 3) == "auto"
     assert parse_shares("4,2,2", 3) == [4, 2, 2] and parse_shares("3 1", 2) == [3, 1]
+
+
+def test_lossy_compression_starts_when_asked_learns_and_keeps_replicas_identical(runs):
+    """topk 5% from iteration 4: steps 1-3 are the single process's; afterwards the update is
+    lossy but every replica applies the same one (the run stops if their weights differ in a
+    bit, HASH) and the model still learns. PowerSGD at TP2 x DP2 likewise."""
+    late, power = COMPRESSED[1], COMPRESSED[2]
+    ref = reference(late)
+    for r in runs[late.name]:
+        assert max(abs(a - b) / b for a, b in zip(r["losses"][:4], ref["losses"][:4])) <= 1e-5
+        assert r["losses"][4:] != ref["losses"][4:], "compression from iteration 4 changed nothing"
+        assert rel_err(r["grads"]["decoder.layers.0.mlp.linear_fc1.weight"],
+                       ref["grads"]["decoder.layers.0.mlp.linear_fc1.weight"]) <= 1e-5
+    for r in runs[power.name]:
+        print(f"\npowersgd losses {[round(x, 3) for x in r['losses']]}, reference {[round(x, 3) for x in ref['losses']]}")
+        assert r["losses"][0] - r["losses"][-1] >= 0.3, r["losses"]
+        assert r["grads"]["decoder.layers.0.mlp.linear_fc1.weight"].shape == \
+            ref["grads"]["decoder.layers.0.mlp.linear_fc1.weight"].shape
+
+
+@pytest.fixture()
+def one_rank_group():
+    import torch.distributed as dist
+    from dist_util import free_port
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+class _FakeBucket:
+    def __init__(self, grads, group):
+        self.params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(self.params, grads):
+            p.main_grad = g
+        self.data, self.group, self.index = (grads[0] if len(grads) == 1 else None), group, 0
+
+
+def test_topk_sends_the_largest_and_feeds_the_rest_back(one_rank_group):
+    from megalite.distributed.grad_compression import TopK
+    topk = TopK(0.25, 0)
+    g1 = torch.tensor([4.0, -3.0, 0.5, 0.25, 1.0, -2.0, 0.1, 0.2])
+    sent, b = [], _FakeBucket([torch.zeros(8)], one_rank_group)
+    for g in (g1, torch.zeros(8)):  # one bucket, two iterations
+        b.data.copy_(g)
+        topk.reduce(b)
+        sent.append(b.data.clone())
+    assert torch.equal(sent[0], torch.tensor([4.0, -3.0, 0, 0, 0, 0, 0, 0]))
+    assert torch.equal(sent[1], torch.tensor([0, 0, 0, 0, 1.0, -2.0, 0, 0]))  # the error, largest first
+    assert torch.equal(sent[0] + sent[1] + topk.error[id(b)], g1)  # nothing lost
+
+
+def test_powersgd_is_exact_on_low_rank_and_keeps_the_error(one_rank_group):
+    from megalite.distributed.grad_compression import PowerSGD, powersgd_rank
+    gen = torch.Generator().manual_seed(0)
+    u, v = torch.randn(40, 1, generator=gen), torch.randn(1, 30, generator=gen)
+    assert powersgd_rank(40, 30, 0.03) == 1 and powersgd_rank(2, 2, 0.5) == 0  # too small to save anything
+    low = u @ v
+    full = torch.randn(40, 30, generator=gen)
+    psgd = PowerSGD(0.03, 0, 1)
+    b = _FakeBucket([low.clone(), full.clone(), torch.randn(7, generator=gen)], one_rank_group)
+    vec = b.params[2].main_grad.clone()
+    psgd.reduce(b)
+    assert rel_err(b.params[0].main_grad, low) <= 1e-5  # rank 1 reproduces a rank-1 gradient
+    assert torch.equal(b.params[2].main_grad, vec)  # vectors are all-reduced whole
+    approx = b.params[1].main_grad
+    assert rel_err(approx + psgd.error[(id(b), 1)], full) <= 1e-6  # error feedback keeps the rest
+    assert rel_err(approx, full) > 0.5  # a random matrix is far from rank 1

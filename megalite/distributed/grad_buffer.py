@@ -29,9 +29,9 @@ class _Bucket:
     (1/k of the bucket crosses nodes, k ranks per node) and an all-gather within the node."""
     reduce_every_microbatch = False
 
-    def __init__(self, params, data, dp, group, divisor, nodes=None):
+    def __init__(self, params, data, dp, group, divisor, nodes=None, compressor=None):
         self.params, self.data, self.dp, self.group, self.divisor = params, data, dp, group, divisor
-        self.nodes, self.shard = nodes, None
+        self.nodes, self.shard, self.compressor = nodes, None, compressor
         self.ready, self.handle = set(), None
         offset = 0
         for p in params:
@@ -49,7 +49,9 @@ class _Bucket:
             return
         if self.divisor > 1:
             self.data.div_(self.divisor)  # average over DP, as Megatron (summed over CP)
-        if self.nodes is not None:
+        if self.compressor is not None and self.compressor.active:
+            self.handle = "compress"  # --grad-compression: its collectives run in finish()
+        elif self.nodes is not None:
             self.shard = torch.empty(self.data.numel() // len(self.nodes[1]), dtype=self.data.dtype,
                                      device=self.data.device)
             self.handle = comm.reduce_scatter(self.shard, self.data, group=self.nodes[0], async_op=True)
@@ -57,7 +59,10 @@ class _Bucket:
             self.handle = comm.all_reduce(self.data, group=self.group, async_op=True)
 
     def finish(self):
-        if self.handle is not None and self.handle is not True:
+        if self.handle == "compress":
+            self.handle = True
+            self.compressor.reduce(self)
+        elif self.handle is not None and self.handle is not True:
             self.handle.wait()
             self.handle = True
             if self.nodes is not None:  # the node's shard summed over the nodes, then shared in the node
@@ -113,12 +118,13 @@ class _WaitFor:
 class DistributedDataParallel(nn.Module):
     def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True,
                  use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False, grad_divisor=None,
-                 reduce_once=False, hierarchical=False):
+                 reduce_once=False, hierarchical=False, compressor=None):
         """grad_divisor: what the reduction divides the summed gradients by (default DP: the
         average; 1 with uneven data-parallel shares, whose losses carry the weights).
         reduce_once: ZeRO-2 reduces once per iteration too (ranks that run different numbers
         of micro-batches must issue the same collectives). hierarchical: the plain DP all-reduce
-        through the node groups (--hierarchical-grad-reduce)."""
+        through the node groups (--hierarchical-grad-reduce). compressor: --grad-compression's
+        (megalite/distributed/grad_compression.py) for the plain DP all-reduce."""
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -155,7 +161,7 @@ class DistributedDataParallel(nn.Module):
                                   self.grad_divisor)
                 b.reduce_every_microbatch = b.reduce_every_microbatch and not reduce_once
             else:
-                b = _Bucket(bucket_params, grad, self.dp, self.dp_group, self.grad_divisor, nodes)
+                b = _Bucket(bucket_params, grad, self.dp, self.dp_group, self.grad_divisor, nodes, compressor)
             b.index = len(self.buckets)
             self.buckets.append(b)
             for p in bucket_params:
@@ -198,9 +204,12 @@ class DistributedDataParallel(nn.Module):
         for b in self.buckets:
             b.finish()
 
-    def zero_grad_buffer(self):
+    def zero_grad_buffer(self, iteration=None):
+        """Before an iteration (its number: when --grad-compression starts)."""
         for b in self.buckets:
             b.zero()
+            if iteration is not None and getattr(b, "compressor", None) is not None:
+                b.compressor.iteration = iteration
 
     # -- ZeRO: parameters all-gathered after the optimizer step ---------------------------
     def start_param_sync(self):
