@@ -36,6 +36,7 @@ FOUR = [
     layout("tp2_sp_dp2_shares_3_1", tp=2, dp=2, sp=True, flags=shares(3, 1)),
     layout("pp2_dp2_shares_1_3_per_token", pp=2, dp=2, flags=shares(1, 3), model=PER_TOKEN),
     layout("pp2_dp2_interleaved_zero2_shares_3_1", pp=2, dp=2, vp=1, zero=2, flags=shares(3, 1)),
+    layout("cp2_dp2_shares_1_3", cp=2, dp=2, flags=shares(1, 3)),
 ]
 LAYOUT = "--pipeline-model-parallel-layout"
 FOUR += [
