@@ -12,6 +12,7 @@ caught in tests/test_fault_injection.py.
 """
 
 import contextlib
+import json
 import os
 import tempfile
 import time
@@ -24,7 +25,11 @@ from megalite.config import ConfigError
 from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
 from megalite.iteration_plan import IterationPlan, balanced_counts, parse_shares
 from megalite.microbatches import BatchSchedule
-from parity import STEPS, assert_parity, layout, reference, run_layouts, train
+from parity import STEPS, BigramChainDataset, assert_parity, layout, reference, run_layouts, train
+
+
+def with_validation(args, num_samples):
+    return tuple(BigramChainDataset(n, args.seq_length, args.seed + i) for i, n in enumerate(num_samples))
 
 
 def shares(*s):
@@ -125,7 +130,15 @@ def _with_checkpoints(directory):
                                                "--exit-interval", "3")))
     from_layout = train(layout("from_layout", dp=2, flags=shares(1, 3) + ("--load", staged)))
     auto = train(AUTO)
-    return {"full": full, "first": first, "same": same, "other": other, "from_layout": from_layout, "auto": auto, "chosen": AutoShares.last}
+    evals = {}
+    for name, flags in (("equal", ()), ("shares", shares(3, 1))):  # evaluation follows the shares
+        path = f"{directory}_{name}.jsonl"
+        train(layout(name, dp=2, datasets=with_validation, flags=flags + (
+            "--eval-iters", "2", "--eval-interval", "3", "--log-json", path)))
+        if os.path.exists(path):  # the last rank logs
+            with open(path) as f:
+                evals[name] = [v for line in f for k, v in json.loads(line).items() if k == "validation lm loss"]
+    return {"evals": evals,"full": full, "first": first, "same": same, "other": other, "from_layout": from_layout, "auto": auto, "chosen": AutoShares.last}
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +198,16 @@ def test_resume_with_the_same_shares_is_exact_and_with_other_shares_within_bound
             assert rel_err(other["params"][name], want) <= 1e-5, name
             # Saved by an uneven PP2 layout, continued at PP1 DP2 with shares: global names, same run.
             assert rel_err(r["from_layout"]["params"][name], want) <= 1e-5, name
+
+
+def test_evaluation_with_shares_equals_equal_shares(runs):
+    """Validation at iterations 3 and 6 and the final one (each 2 global batches of 8): the shares'
+    global mean over the same samples; the weights differ in the last bits (other DP sums)."""
+    evals = runs["checkpoint"][-1]["evals"]
+    print(f"\nvalidation lm loss, equal shares {evals['equal']}, shares 3,1 {evals['shares']}")
+    assert len(evals["equal"]) == len(evals["shares"]) == 3
+    for a, b in zip(evals["shares"], evals["equal"]):
+        assert abs(a - b) <= 1e-5 * abs(b)
 
 
 def test_sampler_slices_are_disjoint_complete_and_resumable():
