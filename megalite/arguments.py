@@ -79,6 +79,12 @@ def build_parser():
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
     a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    a("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+      help="interleaved pipelining with this many model chunks per stage")
+    a("--account-for-embedding-in-pipeline-split", action="store_true",
+      help="count the embedding as a layer when splitting (the first stage builds one layer fewer)")
+    a("--account-for-loss-in-pipeline-split", action="store_true",
+      help="count the loss as a layer when splitting (the last stage builds one layer fewer)")
     a("--decoder-first-pipeline-num-layers", type=int, default=None)
     a("--decoder-last-pipeline-num-layers", type=int, default=None)
     a("--pipeline-model-parallel-layout", default=None,

@@ -200,6 +200,27 @@ def _validate_pipeline(args):
     args.virtual_pipeline_model_parallel_size = None
     uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
     args.pipeline_layout = None
+    vstages, per_vstage = args.num_virtual_stages_per_pipeline_rank, args.num_layers_per_virtual_pipeline_stage
+    account = args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split
+    if vstages is not None and per_vstage is not None:
+        raise ConfigError("--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage are "
+                          "exclusive; pick one")
+    if args.pipeline_model_parallel_layout is None and (vstages is not None or account):
+        from megalite.transformer.pipeline_layers import split_layers
+        extra = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
+        v = vstages or (1 if per_vstage is None else max(1, (L + extra) // pp // per_vstage))
+        if vstages is not None and (vstages < 1 or vstages > 1 and pp == 1):
+            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {vstages} must be >= 1, and > 1 only with "
+                              "--pipeline-model-parallel-size > 1")
+        if per_vstage is not None and (L + extra) % (pp * per_vstage):
+            raise ConfigError(f"--num-layers {L} (+ {extra} accounted) is not divisible by --pipeline-model-parallel-"
+                              f"size {pp} x --num-layers-per-virtual-pipeline-stage {per_vstage}")
+        args.pipeline_layout = tuple(split_layers(L, pp, v, args.decoder_first_pipeline_num_layers,
+                                                  args.decoder_last_pipeline_num_layers,
+                                                  args.account_for_embedding_in_pipeline_split,
+                                                  args.account_for_loss_in_pipeline_split))
+        args.virtual_pipeline_model_parallel_size = v if v > 1 else None
+        return
     if args.pipeline_model_parallel_layout is not None:
         from megalite.transformer.pipeline_layers import parse_pipeline_layout
         if uneven or args.num_layers_per_virtual_pipeline_stage is not None:

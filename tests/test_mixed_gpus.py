@@ -47,6 +47,10 @@ LAYOUT = "--pipeline-model-parallel-layout"
 FOUR += [
     layout("pp2_dp2_layout_3_1_shares_3_1", pp=2, dp=2, flags=(LAYOUT, "Ettt|tL") + shares(3, 1)),
     layout("pp2_dp2_layout_interleaved_empty_chunk_zero1", pp=2, dp=2, zero=1, flags=(LAYOUT, "Ett|t||tL")),
+    # Megatron's split with the embedding and the loss counted as layers: 6 + 2 over 2 x 2 chunks.
+    layout("pp2_dp2_vstages2_account_for_embedding_and_loss", pp=2, dp=2, model=("--num-layers", "6"), flags=(
+        "--num-virtual-stages-per-pipeline-rank", "2", "--account-for-embedding-in-pipeline-split",
+        "--account-for-loss-in-pipeline-split")),
 ]
 
 
@@ -87,7 +91,8 @@ COMPRESSED = [
 FOUR += COMPRESSED[:1]
 # Global layer indices each pipeline rank builds, per chunk, where the layout says so.
 LAYERS = {"pp2_dp2_layout_3_1_shares_3_1": {0: [[0, 1, 2]], 1: [[3]]},
-          "pp2_dp2_layout_interleaved_empty_chunk_zero1": {0: [[0, 1], []], 1: [[2], [3]]}}
+          "pp2_dp2_layout_interleaved_empty_chunk_zero1": {0: [[0, 1], []], 1: [[2], [3]]},
+          "pp2_dp2_vstages2_account_for_embedding_and_loss": {0: [[0], [3, 4]], 1: [[1, 2], [5]]}}
 THREE = [layout("dp3_shares_4_2_2", dp=3, flags=shares(4, 2, 2))]
 
 
@@ -259,6 +264,8 @@ def test_plan_weights_and_counts():
     (("--pipeline-model-parallel-size", "2", LAYOUT, "t|EtL"), "the embedding E must appear once"),
     (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|t", "--decoder-first-pipeline-num-layers", "1"),
      "leave out --decoder-first/last"),
+    (("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--account-for-embedding-in-pipeline-split"), "--num-layers 2 + 1 (embedding) = 3 is not divisible"),
     (("--hierarchical-grad-reduce", "--use-distributed-optimizer"), "the distributed optimizer's reduce-scatter is flat"),
     (("--grad-compression", "topk", "--use-distributed-optimizer"), "does not compose with --use-distributed-optimizer"),
     (("--grad-compression", "powersgd", "--grad-compression-ratio", "0"), "must be in (0, 1]"),

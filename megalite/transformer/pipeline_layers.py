@@ -65,6 +65,35 @@ def stage_layer_counts(num_layers, pp, first=None, last=None):
     return counts
 
 
+def split_layers(num_layers, pp, v=1, first=None, last=None, embedding=False, loss=False):
+    """Megatron's split as layers per stage s = vrank x PP + pp rank: --num-virtual-stages-per-pipeline-rank
+    v, with --decoder-first/last-pipeline-num-layers (each pipeline rank's layers split evenly over
+    its v chunks), or with --account-for-embedding/loss-in-pipeline-split (the embedding and the
+    loss count as one layer each: the first chunk of the first stage and the last chunk of the last
+    build one layer fewer)."""
+    if first is not None or last is not None:
+        if embedding or loss:
+            raise ConfigError("--account-for-embedding/loss-in-pipeline-split cannot be combined with "
+                              "--decoder-first/last-pipeline-num-layers (as Megatron)")
+        ranks = stage_layer_counts(num_layers, pp, first, last)
+        if any(c % v for c in ranks):
+            raise ConfigError(f"pipeline split {ranks} of --num-layers {num_layers} does not divide into {v} virtual "
+                              "stages per pipeline rank")
+        return [ranks[s % pp] // v for s in range(pp * v)]
+    n = num_layers + int(embedding) + int(loss)
+    if n % (pp * v):
+        raise ConfigError(f"--num-layers {num_layers}{' + 1 (embedding)' if embedding else ''}"
+                          f"{' + 1 (loss)' if loss else ''} = {n} is not divisible by --pipeline-model-parallel-size "
+                          f"{pp} x {v} virtual stages")
+    counts = [n // (pp * v)] * (pp * v)
+    counts[0] -= int(embedding)
+    counts[-1] -= int(loss)
+    if min(counts) < 0:
+        raise ConfigError(f"{n // (pp * v)} layer per virtual stage leaves no room for the embedding and the loss in "
+                          "one stage; use fewer stages")
+    return counts
+
+
 def chunk_layers(config, pp_rank=None, vrank=None):
     """(num_layers, layer_offset) of this rank's model chunk."""
     pp = ps.get_pipeline_model_parallel_world_size()
