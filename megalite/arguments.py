@@ -85,6 +85,9 @@ def build_parser():
       help="count the embedding as a layer when splitting (the first stage builds one layer fewer)")
     a("--account-for-loss-in-pipeline-split", action="store_true",
       help="count the loss as a layer when splitting (the last stage builds one layer fewer)")
+    a("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+      help="interleaved: contiguous micro-batches per virtual stage (default PP; larger allows micro-batch "
+           "counts that are not multiples of PP)")
     a("--decoder-first-pipeline-num-layers", type=int, default=None)
     a("--decoder-last-pipeline-num-layers", type=int, default=None)
     a("--pipeline-model-parallel-layout", default=None,
@@ -274,6 +277,7 @@ def model_config(args, vocab_size):
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         pipeline_layout=getattr(args, "pipeline_layout", None),
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
         params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed,
         rotary_percent=args.rotary_percent, apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, rotary_interleaved=args.rotary_interleaved,

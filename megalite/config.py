@@ -54,6 +54,7 @@ class ModelConfig:
     decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline split
     decoder_last_pipeline_num_layers: Optional[int] = None
     pipeline_layout: Optional[tuple] = None  # layers per (virtual) stage (--pipeline-model-parallel-layout)
+    microbatch_group_size_per_vp_stage: Optional[int] = None  # interleaved: contiguous micro-batches (default PP)
     fused_kernels: bool = True  # Triton kernels on CUDA; CPU always uses the torch path
     seed: int = 1234  # initialisation seed (topology independent)
     model_type: str = "gpt"  # "gpt" or "bert": which model (and HF architecture) the weights are

@@ -21,6 +21,7 @@ rule every rank computes from the same gathered times.
 """
 
 from megalite.config import ConfigError
+from megalite.microbatches import interleaving_problem
 
 
 def parse_shares(text, dp):
@@ -98,10 +99,8 @@ class IterationPlan:
                     raise ConfigError(f"{flag}: global batch {g} x share {s} / {total} = {g * s / total:g} samples for "
                                       f"DP rank {r} is not a positive whole number of --micro-batch-size "
                                       f"{self.micro} micro-batches; change the shares or the batch sizes")
-                if interleaved and n % pipeline_size:
-                    raise ConfigError(f"{flag}: DP rank {r} gets {n} micro-batches of global batch {g}, not a "
-                                      f"multiple of --pipeline-model-parallel-size {pipeline_size} (interleaved "
-                                      "pipelining needs that)")
+                if interleaved and (why := interleaving_problem(n, pipeline_size, interleaved)):
+                    raise ConfigError(f"{flag}: DP rank {r} gets {n} micro-batches of global batch {g}: {why}")
 
 
 def balanced_counts(seconds, total, unit=1):

@@ -47,6 +47,23 @@ def parse_step_schedule(text, seq_length=None):
     return entries
 
 
+def interleaving_problem(m, pp, group=None):
+    """Why m micro-batches cannot run the interleaved schedule, or None. Megatron's rules: groups of
+    G contiguous micro-batches per virtual stage (--microbatch-group-size-per-virtual-pipeline-stage,
+    default PP), PP <= G <= m, and a last group of 0 or at least PP micro-batches."""
+    g = pp if group is None or group is True else group
+    if group in (None, True) and m % pp:
+        return (f"interleaved pipelining needs the number of micro-batches ({m}) to be a multiple of "
+                f"--pipeline-model-parallel-size {pp} (or a --microbatch-group-size-per-virtual-pipeline-stage "
+                f"with a last group of 0 or >= {pp})")
+    if not pp <= g <= m:
+        return (f"--microbatch-group-size-per-virtual-pipeline-stage {g} must lie in [PP={pp}, micro-batches={m}]")
+    if 0 < m % g < pp:
+        return (f"{m} micro-batches in groups of --microbatch-group-size-per-virtual-pipeline-stage {g} leave a last "
+                f"group of {m % g}, fewer than --pipeline-model-parallel-size {pp}")
+    return None
+
+
 class BatchSchedule:
     """global_batch_size(consumed) and num_microbatches(consumed) for the iteration that
     starts after `consumed` samples."""
@@ -93,8 +110,8 @@ class BatchSchedule:
         return [self.final]
 
     def check(self, consumed=0, pipeline_size=1, interleaved=False, what=None):
-        """Each reachable batch splits into micro-batches (a multiple of the pipeline size when
-        interleaved); else one ConfigError line naming the values."""
+        """Each reachable batch splits into micro-batches (interleaved: True, or the micro-batch group
+        size: interleaving_problem's rules); else one ConfigError line naming the values."""
         m = self.micro * self.dp
         what = what or ("--global-batch-size" if self.is_constant() else
                         "--rampup-batch-size" if self.rampup is not None else "--step-batch-size-schedule")
@@ -102,10 +119,8 @@ class BatchSchedule:
             if bs % m:
                 raise ConfigError(f"{what}: global batch {bs} is not divisible by --micro-batch-size {self.micro} x "
                                   f"data-parallel size {self.dp} = {m}")
-            if interleaved and (bs // m) % pipeline_size:
-                raise ConfigError(f"{what}: global batch {bs} gives {bs // m} micro-batches, not a multiple of "
-                                  f"--pipeline-model-parallel-size {pipeline_size} (interleaved pipelining needs "
-                                  "that)")
+            if interleaved and (why := interleaving_problem(bs // m, pipeline_size, interleaved)):
+                raise ConfigError(f"{what}: global batch {bs}: {why}")
 
     def iterations_for(self, train_samples):
         """Iterations --train-samples trains: train_samples // G at a constant batch (the partial
@@ -146,9 +161,15 @@ def batch_schedule(args):
     schedule = BatchSchedule(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
                              args.rampup_batch_size, steps)
     from megalite.iteration_plan import IterationPlan, initial_shares
-    IterationPlan(schedule, initial_shares(args)).check(
-        0, args.pipeline_model_parallel_size, getattr(args, "virtual_pipeline_model_parallel_size", None) is not None)
+    IterationPlan(schedule, initial_shares(args)).check(0, args.pipeline_model_parallel_size, interleaving(args))
     return schedule
+
+
+def interleaving(args):
+    """The `interleaved` argument of the checks: False, True (groups of PP) or the group size."""
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is None:
+        return False
+    return getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None) or True
 
 
 def derive_train_iters(args):

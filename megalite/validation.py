@@ -98,9 +98,9 @@ def validate_args(args):
         batch_schedule(args)  # every reachable global batch against the shares: one line naming the rank
     num_micro = training_config(args).num_microbatches(args.data_parallel_size) if \
         args.data_parallel_shares is None else pp  # (shares: checked per share by the iteration plan)
-    if args.virtual_pipeline_model_parallel_size is not None and num_micro % pp:
-        raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({num_micro}) to be a multiple "
-                          f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
+    from megalite.microbatches import interleaving, interleaving_problem
+    if interleaving(args) and (why := interleaving_problem(num_micro, pp, interleaving(args))):
+        raise ConfigError(f"{why}; change --global-batch-size")
     _validate_eval_batch(args)
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
@@ -121,6 +121,9 @@ def _validate_shares(args):
         if m and g % (m * dp):
             raise ConfigError(f"--data-parallel-shares auto profiles at equal shares first: --global-batch-size {g} "
                               f"must be divisible by --micro-batch-size {m} x data-parallel size {dp} = {m * dp}")
+        if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
+            raise ConfigError("--data-parallel-shares auto balances in units of PP micro-batches; give the shares "
+                              "instead of auto with --microbatch-group-size-per-virtual-pipeline-stage")
         if args.data_parallel_shares_profile_iters < 1:
             raise ConfigError(f"--data-parallel-shares-profile-iters {args.data_parallel_shares_profile_iters} must be "
                               ">= 1")
@@ -138,16 +141,16 @@ def _validate_eval_batch(args):
         from megalite.iteration_plan import IterationPlan
         from megalite.microbatches import BatchSchedule
         plan = IterationPlan(BatchSchedule(g, m, dp), args.data_parallel_shares)
-        plan.check(0, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size is not None,
-                   what="--eval-global-batch-size")
+        from megalite.microbatches import interleaving
+        plan.check(0, args.pipeline_model_parallel_size, interleaving(args), what="--eval-global-batch-size")
         return
     if g < 1 or m < 1 or g % (m * dp):
         raise ConfigError(f"--eval-global-batch-size {g} must be a positive multiple of --eval-micro-batch-size {m} x "
                           f"data-parallel size {dp} = {m * dp}")
-    pp = args.pipeline_model_parallel_size
-    if args.virtual_pipeline_model_parallel_size is not None and (g // (m * dp)) % pp:
-        raise ConfigError(f"interleaved pipelining needs the evaluation's micro-batches ({g // (m * dp)}) to be a "
-                          f"multiple of --pipeline-model-parallel-size {pp}; change --eval-global-batch-size")
+    from megalite.microbatches import interleaving, interleaving_problem
+    if interleaving(args) and (why := interleaving_problem(g // (m * dp), args.pipeline_model_parallel_size,
+                                                           interleaving(args))):
+        raise ConfigError(f"evaluation: {why}; change --eval-global-batch-size")
 
 
 def _validate_checkpoint_args(args):

@@ -42,10 +42,7 @@ KNOWN_GAPS = {
 }
 KNOWN_GAP_VALUES = {("--ckpt-format", "fsdp_dtensor"): "FSDP's checkpoint format"}
 # Refused for what their values ask, not for a flag.
-KNOWN_GAP_CONFIGS = {  # interleaved 1F1B with micro-batches not a multiple of PP (Megatron's tunable schedule)
-    name: "interleaved pipelining needs the number of micro-batches (5) to be a multiple of" for name in (
-        "gpt/gpt3_mcore_te_tp1_pp4_vp1_tunable_overlap", "gpt/gpt3_mcore_te_tp1_pp4_vp1_tunable_overlap_1node",
-        "gpt/gpt3_mcore_te_tp1_pp4_vp1_resume_torch_dist_tunable_overlap")}
+KNOWN_GAP_CONFIGS = {}
 
 
 def functional_configs():

@@ -51,6 +51,11 @@ FOUR += [
     layout("pp2_dp2_vstages2_account_for_embedding_and_loss", pp=2, dp=2, model=("--num-layers", "6"), flags=(
         "--num-virtual-stages-per-pipeline-rank", "2", "--account-for-embedding-in-pipeline-split",
         "--account-for-loss-in-pipeline-split")),
+    # Megatron's tunable interleaving: 5 micro-batches per rank (not a multiple of PP) in groups of 5, or 3 + 2.
+    layout("pp2_dp2_interleaved_5_microbatches_group_5", pp=2, dp=2, vp=1, model=("--global-batch-size", "10"),
+           flags=("--microbatch-group-size-per-virtual-pipeline-stage", "5")),
+    layout("pp2_dp2_interleaved_5_microbatches_group_3", pp=2, dp=2, vp=1, model=("--global-batch-size", "10"),
+           flags=("--microbatch-group-size-per-virtual-pipeline-stage", "3")),
 ]
 
 
@@ -266,6 +271,12 @@ def test_plan_weights_and_counts():
      "leave out --decoder-first/last"),
     (("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
       "--account-for-embedding-in-pipeline-split"), "--num-layers 2 + 1 (embedding) = 3 is not divisible"),
+    (("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "9", "--microbatch-group-size-per-virtual-pipeline-stage", "4"),
+     "leave a last group of 1, fewer than"),
+    (("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "3", "--microbatch-group-size-per-virtual-pipeline-stage", "4"),
+     "must lie in [PP=2, micro-batches=3]"),
     (("--hierarchical-grad-reduce", "--use-distributed-optimizer"), "the distributed optimizer's reduce-scatter is flat"),
     (("--grad-compression", "topk", "--use-distributed-optimizer"), "does not compose with --use-distributed-optimizer"),
     (("--grad-compression", "powersgd", "--grad-compression-ratio", "0"), "must be in (0, 1]"),

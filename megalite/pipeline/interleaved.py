@@ -1,13 +1,17 @@
 """Interleaved 1F1B (Megatron's virtual pipeline): each stage holds v model chunks.
 
-Virtual micro-batch k (0 <= k < M v) runs on chunk (k mod PP v) div PP (reversed for
-backward) with micro-batch (k div PP v) PP + k mod PP. Warm-up is (PP - stage - 1) 2 +
-(v - 1) PP forwards, then one forward / one backward, then the remaining backwards. The
-bubble shrinks from (PP-1)/(M+PP-1) to (PP-1)/(vM+PP-1), at the price of v times more
-point-to-point messages. M must be a multiple of PP.
+Micro-batches run in groups of G contiguous ones per virtual stage (Megatron's
+--microbatch-group-size-per-virtual-pipeline-stage, default PP): virtual micro-batch k
+(0 <= k < M v) runs on the chunk of entry k of the table [(group, chunk 0), (group, chunk 1),
+... per group] (reversed for backward); each chunk takes its micro-batches in order. Warm-up
+is (PP - stage - 1) 2 + (v - 1) G forwards, then one forward / one backward, then the
+remaining backwards. The bubble shrinks from (PP-1)/(M+PP-1) to (PP-1)/(vM+PP-1), at the
+price of v times more point-to-point messages. PP <= G <= M and the last group holds 0 or
+at least PP micro-batches (microbatches.interleaving_problem).
 """
 
 from megalite import parallel_state as ps
+from megalite.microbatches import interleaving_problem
 from megalite.pipeline.p2p import P2P
 from megalite.pipeline.schedules import _free_output, _Run
 
@@ -18,14 +22,18 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
     chunks = model if isinstance(model, list) else [model]
     v, pp, rank = len(chunks), ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     m = num_microbatches
-    if m % pp:
-        raise ValueError(f"interleaved pipelining needs the number of micro-batches ({m}) to be a multiple of "
-                         f"--pipeline-model-parallel-size {pp}; change --global-batch-size or --micro-batch-size")
+    config = getattr(chunks[0], "module", chunks[0]).config
+    group = getattr(config, "microbatch_group_size_per_vp_stage", None)
+    if why := interleaving_problem(m, pp, group):
+        raise ValueError(f"{why}; change --global-batch-size or --micro-batch-size")
+    group = group or pp
+    # Chunk of each virtual micro-batch: G micro-batches on chunk 0, the same on chunk 1, ... per group.
+    table = [c for lo in range(0, m, group) for c in range(v) for _ in range(min(group, m - lo))]
     p2p = P2P(tensor_shape, dtype, ps.get_device())
     run = _Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale, loss_divisor)
     total = m * v
     all_warmup = forward_only or m == pp
-    warmup = total if all_warmup else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    warmup = total if all_warmup else min((pp - rank - 1) * 2 + (v - 1) * group, total)
     remaining = total - warmup
     first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -34,14 +42,27 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
     out_grads = [[] for _ in range(v)]
 
     def chunk_id(k, forward):
-        c = (k % (pp * v)) // pp
+        c = table[k % total]
         return c if forward else v - 1 - c
+
+    def recv_plan(k, forward):
+        """After virtual step k: whether a tensor arrives (forward: from the previous stage; backward:
+        from the next) and for which chunk. The leading stage (first in forward, last in backward)
+        is PP - 1 steps ahead of the stage that sends to it around the ring."""
+        if first_stage if forward else last_stage:
+            if k < pp - 1:
+                return False, chunk_id(k + 1, forward)
+            c = chunk_id(k - (pp - 1), forward)
+            return c != (v - 1 if forward else 0), c + (1 if forward else -1)
+        return True, chunk_id(k + 1, forward)
 
     def fwd(k):
         c = chunk_id(k, True)
         if first_stage and c == 0 and len(inputs[c]) == len(outputs[c]):
             inputs[c].append(None)  # the first chunk reads data, receives nothing
-        out = run.forward(c, inputs[c][-1])
+        # Inputs may arrive ahead of use (groups larger than PP): this micro-batch's is the one after
+        # those whose forward ran and whose backward has not released them yet.
+        out = run.forward(c, inputs[c][len(outputs[c])])
         outputs[c].append(out)
         return out
 
@@ -57,8 +78,8 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
         for k in range(warmup):
             out = fwd(k)
             c = chunk_id(k, True)
-            nxt = chunk_id(k + 1, True)
-            recv_prev = not (first_stage and nxt == 0) and k != total - 1
+            recv_prev, nxt = recv_plan(k, True)
+            recv_prev = recv_prev and k != total - 1
             send = None if (last_stage and c == v - 1) else out
             if k == warmup - 1 and not all_warmup:
                 recv_next = not last_stage
@@ -77,21 +98,8 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
             fc, bc = chunk_id(fk, True), chunk_id(bk, False)
             send_out = None if (last_stage and fc == v - 1) else out
             send_grad = None if (first_stage and bc == 0) else in_grad
-            recv_prev = True
-            if first_stage:
-                # The first stage is PP - 1 virtual micro-batches ahead of the last one.
-                nf = chunk_id(fk - (pp - 1), True)
-                recv_prev = nf != v - 1
-                nf += 1
-            else:
-                nf = chunk_id(fk + 1, True)
-            recv_next = True
-            if last_stage:
-                nb = chunk_id(bk - (pp - 1), False)
-                recv_next = nb != 0
-                nb -= 1
-            else:
-                nb = chunk_id(bk + 1, False)
+            recv_prev, nf = recv_plan(fk, True)
+            recv_next, nb = recv_plan(bk, False)
             if i == remaining - 1:
                 recv_prev = False
             inp, g = p2p.communicate(send_next=send_out, send_prev=send_grad, recv_prev=recv_prev,
@@ -107,8 +115,8 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
             for k in range(remaining, total):
                 in_grad = bwd(k)
                 bc = chunk_id(k, False)
-                nb = chunk_id(k + 1, False)
-                recv_next = not (last_stage and nb == v - 1) and k != total - 1
+                recv_next, nb = recv_plan(k, False)
+                recv_next = recv_next and k != total - 1
                 send_grad = None if (first_stage and bc == 0) else in_grad
                 _, g = p2p.communicate(send_prev=send_grad, recv_next=recv_next)
                 if recv_next:
