@@ -25,7 +25,8 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
         return None
     from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
     if plan is not None and plan.uneven:
-        sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro, ps.get_data_parallel_rank(), plan)
+        sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro, ps.get_data_parallel_rank(),
+                                           plan)
     else:
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
                                              ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())

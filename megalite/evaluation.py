@@ -4,7 +4,8 @@ micro-batches, iterations and DP ranks (every rank gets the same numbers)."""
 import torch
 
 from megalite import parallel_state as ps
-from megalite.distributed.collectives import average_over_data_parallel, broadcast_from_last_rank, sum_over_data_parallel
+from megalite.distributed.collectives import (average_over_data_parallel, broadcast_from_last_rank,
+                                              sum_over_data_parallel)
 from megalite.pipeline.schedules import get_forward_backward_func
 
 

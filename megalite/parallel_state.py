@@ -169,8 +169,8 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
             nodes.setdefault(r // ranks_per_node, []).append(r)
         if len({len(v) for v in nodes.values()}) > 1:
             raise ValueError(f"--hierarchical-grad-reduce: the data-parallel ranks {sorted(sum(nodes.values(), []))} "
-                             f"spread unevenly over nodes of {ranks_per_node} ranks ({[len(v) for v in nodes.values()]} "
-                             "per node); use equal nodes")
+                             f"spread unevenly over nodes of {ranks_per_node} ranks "
+                             f"({[len(v) for v in nodes.values()]} per node); use equal nodes")
         for v in nodes.values():
             if (g := make(v)) is not None:
                 node = (g, v)

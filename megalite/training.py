@@ -309,9 +309,9 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         profiling = auto is not None and not auto.done
         step_times = timers if timers is not None or not profiling else {}
         try:
-            reported, stepped, grad_norm = train_step(forward_step_func, train_iters, chunks, optimizer, num_micro,
-                                                      shape, dtype, step_times, plan.loss_divisor(consumed_train, dp_rank),
-                                                      profiling, it)
+            reported, stepped, grad_norm = train_step(
+                forward_step_func, train_iters, chunks, optimizer, num_micro, shape, dtype, step_times,
+                plan.loss_divisor(consumed_train, dp_rank), profiling, it)
         except NonFiniteGradError as e:
             where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
             _abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped before "

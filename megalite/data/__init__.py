@@ -10,5 +10,6 @@ from .samplers import MegatronPretrainingSampler, SharesPretrainingSampler
 from .tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 __all__ = ["BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder",
-           "MegatronPretrainingSampler", "SharesPretrainingSampler", "TOKENIZER_TYPES", "build_gpt_datasets", "build_tokenizer",
+           "MegatronPretrainingSampler", "SharesPretrainingSampler", "TOKENIZER_TYPES", "build_gpt_datasets",
+           "build_tokenizer",
            "parse_data_path"]

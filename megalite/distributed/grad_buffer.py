@@ -151,7 +151,8 @@ class DistributedDataParallel(nn.Module):
             dtypes = {p.dtype for p in params}
             if len(dtypes) > 1:
                 raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
-            self.param_data = torch.zeros(total, dtype=next(iter(dtypes), torch.float32), device=device)  # (empty chunk: none)
+            # (an empty chunk of a pipeline layout has no parameters, so no dtype)
+            self.param_data = torch.zeros(total, dtype=next(iter(dtypes), torch.float32), device=device)
         offset = 0
         for bucket_params, n in plan:
             grad = self.grad_data[offset:offset + n] if self.grad_data is not None else None
