@@ -72,6 +72,11 @@ class IterationPlan:
         total = sum(self.shares)
         return [g * s // (total * self.micro) for s in self.shares]
 
+    def total(self, consumed):
+        """With shares, the global micro-batch count the losses are averaged over (else None:
+        each rank's mean, averaged over DP)."""
+        return sum(self.counts(consumed)) if self.uneven else None
+
     def num_microbatches(self, consumed, rank):
         return self.counts(consumed)[rank]
 
@@ -123,6 +128,23 @@ def initial_shares(args):
     """The shares the run starts with: the flag's, equal ones for auto (profiled first), or None."""
     shares = getattr(args, "data_parallel_shares", None)
     return [1] * args.data_parallel_size if shares == "auto" else shares
+
+
+def evaluation_plan(args, plan, global_batch, micro_batch):
+    """Evaluation follows the given shares; with auto it runs at equal shares (the profile is the
+    training's, at the training's micro-batch)."""
+    from megalite.microbatches import BatchSchedule
+    shares = plan.shares if args.data_parallel_shares != "auto" else None
+    return IterationPlan(BatchSchedule(global_batch, micro_batch, plan.dp), shares)
+
+
+def auto_shares(args, plan):
+    """The AutoShares of --data-parallel-shares auto (balancing in units of PP micro-batches when
+    interleaved), else None."""
+    if args.data_parallel_shares != "auto":
+        return None
+    unit = args.pipeline_model_parallel_size if args.virtual_pipeline_model_parallel_size else 1
+    return AutoShares(plan, args.data_parallel_shares_profile_iters, unit)
 
 
 class AutoShares:

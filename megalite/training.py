@@ -34,7 +34,7 @@ from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.evaluation import evaluate, mean_losses, run_forward_backward
 from megalite.flops import num_floating_point_operations
-from megalite.iteration_plan import AutoShares, IterationPlan, initial_shares
+from megalite.iteration_plan import IterationPlan, auto_shares, evaluation_plan, initial_shares
 from megalite.logger import MetricsLogger, TrainingWindow, print_rank_last
 from megalite.microbatches import batch_schedule
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
@@ -254,14 +254,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         _abort(str(e), owns)
     start_iter, consumed_train, consumed_valid = start or (0, 0, 0)
     eval_g, eval_mbs = eval_batch(args)
-    # Evaluation follows the given shares (auto: equal shares, the profile is the training's).
-    eval_plan = IterationPlan(type(batches)(eval_g, eval_mbs, dp), plan.shares if args.data_parallel_shares != "auto"
-                              else None)
-    eval_micro, eval_total = eval_plan.num_microbatches(0, dp_rank), sum(eval_plan.counts(0))
-    eval_total = eval_total if eval_plan.uneven else None
-    auto = AutoShares(plan, args.data_parallel_shares_profile_iters, args.pipeline_model_parallel_size
-                      if args.virtual_pipeline_model_parallel_size else 1) \
-        if args.data_parallel_shares == "auto" else None
+    eval_plan, auto = evaluation_plan(args, plan, eval_g, eval_mbs), auto_shares(args, plan)
+    eval_micro, eval_total = eval_plan.num_microbatches(0, dp_rank), eval_plan.total(0)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     ramp = "" if batches.is_constant() else f" now, {args.global_batch_size // (micro * dp)} at the full batch " \
         f"{args.global_batch_size}"
@@ -305,7 +299,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         c.train()
     for it in range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1):
         num_micro, batch = plan.num_microbatches(consumed_train, dp_rank), plan.global_batch_size(consumed_train)
-        total = sum(plan.counts(consumed_train)) if plan.uneven else None  # losses over the global count
+        total = plan.total(consumed_train)  # uneven shares: losses over the global count
         profiling = auto is not None and not auto.done
         step_times = timers if timers is not None or not profiling else {}
         try:

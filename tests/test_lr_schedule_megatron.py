@@ -127,8 +127,8 @@ BATCH_ERRORS = {
                                                           "data-parallel size 4 = 8",
     "--rampup-batch-size 64 8 100 --global-batch-size 32": "the start batch 64 exceeds --global-batch-size 32",
     "--rampup-batch-size 4 4 100 --global-batch-size 32 --pipeline-model-parallel-size 2 --num-layers 4 "
-    "--num-layers-per-virtual-pipeline-stage 1": "global batch 4 gives 1 micro-batches, not a multiple of "
-                                                 "--pipeline-model-parallel-size 2",
+    "--num-layers-per-virtual-pipeline-stage 1": "global batch 4: interleaved pipelining needs the number of "
+                                                 "micro-batches (1) to be a multiple of --pipeline-model-parallel-size 2",
     "--train-samples 10 --global-batch-size 16": "--train-samples 10 is less than one global batch (16)",
 }
 
