@@ -55,6 +55,9 @@ def validate_args(args):
             raise ConfigError(f"--grad-compression {args.grad_compression} compresses the plain data-parallel "
                               "all-reduce; it does not compose with --use-distributed-optimizer (reduce-scatter) or "
                               "--hierarchical-grad-reduce: drop one")
+        if args.fp16:  # an overflow left in a rank's error buffer would outlive the skipped step
+            raise ConfigError(f"--grad-compression {args.grad_compression} does not compose with --fp16's loss scaling "
+                              "(an unsent overflow would stay in the error feedback); use --bf16")
         if not 0 < args.grad_compression_ratio <= 1 or args.grad_compression_start_iter < 0:
             raise ConfigError(f"--grad-compression-ratio {args.grad_compression_ratio} must be in (0, 1] and "
                               f"--grad-compression-start-iter {args.grad_compression_start_iter} >= 0")

@@ -281,6 +281,7 @@ def test_plan_weights_and_counts():
     (("--grad-compression", "topk", "--use-distributed-optimizer"), "does not compose with --use-distributed-optimizer"),
     (("--grad-compression", "powersgd", "--grad-compression-ratio", "0"), "must be in (0, 1]"),
     (("--grad-compression", "gzip"), "invalid choice"),
+    (("--grad-compression", "topk", "--fp16"), "does not compose with --fp16's loss scaling"),
 ])
 def test_bad_shares_and_layouts_fail_in_one_line(argv, message):
     from megalite.arguments import _parse
