@@ -90,12 +90,14 @@ def bert_runs(tmp_path_factory):
                         model=("--layernorm-position", "pre", "--init-method-std", "0.02")),
             # context parallel: padded keys, non-causal ring (p2p) and all-to-all (a2a) attention
             bert_layout("bert_cp2_dp2_p2p", cp=2, dp=2),
-            bert_layout("bert_cp2_tp2_sp_a2a", cp=2, tp=2, sp=True, cp_comm="a2a")]
+            bert_layout("bert_cp2_tp2_sp_a2a", cp=2, tp=2, sp=True, cp_comm="a2a"),
+            # unequal data-parallel shares: MLM and SOP losses over the global micro-batch count
+            bert_layout("bert_tp2_dp2_shares_3_1", tp=2, dp=2, flags=("--data-parallel-shares", "3,1"))]
     return lays, run_layouts(lays, 4), ckpt
 
 
-@pytest.mark.parametrize("i", range(6), ids=["tp2_dp2", "pp2_dp2_interleaved", "tp2_pp2_sp", "tp2_pp2_sp_pre_norm",
-                                             "cp2_dp2_p2p", "cp2_tp2_sp_a2a"])
+@pytest.mark.parametrize("i", range(7), ids=["tp2_dp2", "pp2_dp2_interleaved", "tp2_pp2_sp", "tp2_pp2_sp_pre_norm",
+                                             "cp2_dp2_p2p", "cp2_tp2_sp_a2a", "tp2_dp2_shares_3_1"])
 def test_bert_layouts_match_single_process(bert_runs, i):
     """Losses over the steps, every step-1 gradient before clipping (MLM head, tied embedding on
     both stages, pooler and SOP head included), grad norms and parameters at rel <= 1e-5; under

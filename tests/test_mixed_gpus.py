@@ -236,6 +236,16 @@ def test_sampler_slices_are_disjoint_complete_and_resumable():
     for it in range(3):
         got = sorted(i for r, n in zip(after, (1, 1, 4)) for b in r[it * n:(it + 1) * n] for i in b)
         assert got == list(range(24 + 12 * it, 36 + 12 * it))
+    # A growing batch (ramp-up 4 -> 8 -> 12 over 24 samples): each iteration's batch is cut by the shares.
+    ramp = IterationPlan(BatchSchedule(12, 1, 2, rampup=(4, 4, 24)), [3, 1])
+    runs = [list(SharesPretrainingSampler(60, 0, 1, r, ramp)) for r in range(2)]
+    consumed, pos = 0, [0, 0]
+    while consumed + ramp.global_batch_size(consumed) <= 60:
+        g, n = ramp.global_batch_size(consumed), ramp.counts(consumed)
+        got = sorted(i for r in range(2) for b in runs[r][pos[r]:pos[r] + n[r]] for i in b)
+        assert got == list(range(consumed, consumed + g)) and n == [3 * g // 4, g // 4], (consumed, g, n)
+        pos, consumed = [pos[0] + n[0], pos[1] + n[1]], consumed + g
+    assert pos == [len(runs[0]), len(runs[1])]
     # Equal shares keep Megatron's own sampler: the default stream is untouched.
     assert list(MegatronPretrainingSampler(60, 0, 2, 1, 3))[:2] == [[2, 3], [8, 9]]
 
