@@ -374,3 +374,19 @@ def test_powersgd_is_exact_on_low_rank_and_keeps_the_error(one_rank_group):
     approx = b.params[1].main_grad
     assert rel_err(approx + psgd.error[(id(b), 1)], full) <= 1e-6  # error feedback keeps the rest
     assert rel_err(approx, full) > 0.5  # a random matrix is far from rank 1
+
+
+def _uneven_nodes():
+    from megalite import parallel_state as ps
+    try:
+        ps.initialize_model_parallel(1, 1, ranks_per_node=2)  # 3 DP ranks over nodes of 2: 2 + 1
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_hierarchical_reduction_refuses_uneven_nodes():
+    from dist_util import run_on_ranks
+    messages = run_on_ranks(_uneven_nodes, 3)
+    assert all(m is not None and "spread unevenly over nodes of 2 ranks ([2, 1] per node)" in m and "\n" not in m
+               for m in messages), messages
