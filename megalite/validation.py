@@ -96,14 +96,13 @@ def validate_args(args):
         args.num_query_groups = None
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         args.vocab_size = 1024
+    from megalite.microbatches import batch_schedule, interleaving, interleaving_problem
     if args.data_parallel_shares is not None:
-        from megalite.microbatches import batch_schedule
-        batch_schedule(args)  # every reachable global batch against the shares: one line naming the rank
-    num_micro = training_config(args).num_microbatches(args.data_parallel_size) if \
-        args.data_parallel_shares is None else pp  # (shares: checked per share by the iteration plan)
-    from megalite.microbatches import interleaving, interleaving_problem
-    if interleaving(args) and (why := interleaving_problem(num_micro, pp, interleaving(args))):
-        raise ConfigError(f"{why}; change --global-batch-size")
+        batch_schedule(args)  # every reachable global batch against the shares (and interleaving), per rank
+    else:
+        num_micro = training_config(args).num_microbatches(args.data_parallel_size)  # the full batch's count
+        if interleaving(args) and (why := interleaving_problem(num_micro, pp, interleaving(args))):
+            raise ConfigError(f"{why}; change --global-batch-size")
     _validate_eval_batch(args)
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
@@ -229,9 +228,11 @@ def _validate_pipeline(args):
         return
     if args.pipeline_model_parallel_layout is not None:
         from megalite.transformer.pipeline_layers import parse_pipeline_layout
-        if uneven or args.num_layers_per_virtual_pipeline_stage is not None:
+        if uneven or per_vstage is not None or vstages is not None or account:
             raise ConfigError("--pipeline-model-parallel-layout sets every stage's layers: leave out "
-                              "--decoder-first/last-pipeline-num-layers and --num-layers-per-virtual-pipeline-stage")
+                              "--decoder-first/last-pipeline-num-layers, --num-layers-per-virtual-pipeline-stage, "
+                              "--num-virtual-stages-per-pipeline-rank and --account-for-embedding/loss-in-pipeline-"
+                              "split")
         args.pipeline_layout = tuple(parse_pipeline_layout(args.pipeline_model_parallel_layout, pp, L))
         v = len(args.pipeline_layout) // pp
         args.virtual_pipeline_model_parallel_size = v if v > 1 else None

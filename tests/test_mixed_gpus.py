@@ -279,6 +279,8 @@ def test_plan_weights_and_counts():
     (("--pipeline-model-parallel-size", "2", LAYOUT, "t|EtL"), "the embedding E must appear once"),
     (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|t", "--decoder-first-pipeline-num-layers", "1"),
      "leave out --decoder-first/last"),
+    (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|tL", "--num-virtual-stages-per-pipeline-rank", "2"),
+     "--num-virtual-stages-per-pipeline-rank and --account-for"),
     (("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
       "--account-for-embedding-in-pipeline-split"), "--num-layers 2 + 1 (embedding) = 3 is not divisible"),
     (("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
@@ -300,6 +302,18 @@ def test_bad_shares_and_layouts_fail_in_one_line(argv, message):
     with pytest.raises(ConfigError) as e:
         _parse(base + list(argv), world_size=2)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_shares_with_a_tunable_interleaving_group_are_checked_per_rank():
+    """Shares 3,1 of 20 samples at PP2 interleaved in groups of 5: ranks get 15 and 5 micro-batches,
+    both whole groups (the check is per share, not on an equal split)."""
+    from megalite.arguments import _parse
+    argv = ["--num-layers", "4", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data", "--global-batch-size", "20",
+            "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+            "--microbatch-group-size-per-virtual-pipeline-stage", "5"] + list(shares(3, 1))
+    args = _parse(argv, world_size=4)
+    assert args.data_parallel_shares == [3, 1] and args.virtual_pipeline_model_parallel_size == 2
 
 
 def test_shares_parse():
