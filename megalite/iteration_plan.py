@@ -83,8 +83,7 @@ class IterationPlan:
     def loss_divisor(self, consumed, rank):
         """Each micro-batch loss is divided by this: the rank's own count (the reduction then
         averages) or, with shares, the global count (the reduction sums)."""
-        counts = self.counts(consumed)
-        return sum(counts) if self.uneven else counts[rank]
+        return self.total(consumed) or self.num_microbatches(consumed, rank)
 
     def first_sample(self, consumed, rank):
         """With shares: the first sample of rank's contiguous slice of the global batch."""

@@ -141,9 +141,8 @@ def _validate_eval_batch(args):
     g, m, dp = args.eval_global_batch_size, args.eval_micro_batch_size, args.data_parallel_size
     if isinstance(args.data_parallel_shares, list) and g >= 1 and m >= 1:
         from megalite.iteration_plan import IterationPlan
-        from megalite.microbatches import BatchSchedule
+        from megalite.microbatches import BatchSchedule, interleaving
         plan = IterationPlan(BatchSchedule(g, m, dp), args.data_parallel_shares)
-        from megalite.microbatches import interleaving
         plan.check(0, args.pipeline_model_parallel_size, interleaving(args), what="--eval-global-batch-size")
         return
     if g < 1 or m < 1 or g % (m * dp):

@@ -6,21 +6,18 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 
 
-def average_over_data_parallel(values):
-    """Mean over the DP group of a 1-D float tensor (e.g. the micro-batch losses)."""
-    if ps.get_data_parallel_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
-        values /= ps.get_data_parallel_world_size()
-    return values
-
-
 def sum_over_data_parallel(values):
     """Sum over the DP group of a 1-D float tensor (--data-parallel-shares: losses over the global count)."""
     if ps.get_data_parallel_world_size() > 1:
         values = values.clone()
         dist.all_reduce(values, group=ps.get_data_parallel_group())
     return values
+
+
+def average_over_data_parallel(values):
+    """Mean over the DP group of a 1-D float tensor (e.g. the micro-batch losses)."""
+    dp = ps.get_data_parallel_world_size()
+    return sum_over_data_parallel(values) / dp if dp > 1 else values
 
 
 def max_per_data_parallel_rank(value):

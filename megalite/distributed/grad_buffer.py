@@ -134,6 +134,7 @@ class DistributedDataParallel(nn.Module):
         self.dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.grad_divisor = ps.get_data_parallel_world_size() if grad_divisor is None else grad_divisor
+        self.compressor = compressor
         if use_distributed_optimizer and zero_stage not in (1, 2):
             raise ValueError(f"--zero-stage {zero_stage} is not supported; use 1 or 2")
         self.zero_stage = zero_stage if use_distributed_optimizer else 0
@@ -209,8 +210,8 @@ class DistributedDataParallel(nn.Module):
         """Before an iteration (its number: when --grad-compression starts)."""
         for b in self.buckets:
             b.zero()
-            if iteration is not None and getattr(b, "compressor", None) is not None:
-                b.compressor.iteration = iteration
+        if iteration is not None and self.compressor is not None:
+            self.compressor.iteration = iteration
 
     # -- ZeRO: parameters all-gathered after the optimizer step ---------------------------
     def start_param_sync(self):
