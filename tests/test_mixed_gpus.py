@@ -42,6 +42,7 @@ FOUR = [
     layout("pp2_dp2_shares_1_3_per_token", pp=2, dp=2, flags=shares(1, 3), model=PER_TOKEN),
     layout("pp2_dp2_interleaved_zero2_shares_3_1", pp=2, dp=2, vp=1, zero=2, flags=shares(3, 1)),
     layout("cp2_dp2_shares_1_3", cp=2, dp=2, flags=shares(1, 3)),
+    layout("tp2_dp2_zero1_recompute_full_shares_1_3", tp=2, dp=2, zero=1, recompute="full", flags=shares(1, 3)),
 ]
 LAYOUT = "--pipeline-model-parallel-layout"
 FOUR += [
