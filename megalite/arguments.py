@@ -111,8 +111,18 @@ def build_parser():
     a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     a("--ddp-bucket-size", type=int, default=None, help="elements per DP bucket (default max(40M, 1M x DP))")
     a("--use-distributed-optimizer", action="store_true", help="ZeRO: shard main params and Adam states over DP")
-    a("--zero-stage", type=int, default=None, choices=[1, 2],
-      help="with --use-distributed-optimizer: 1 (default, as Megatron) or 2 (gradients sharded too)")
+    a("--zero-stage", type=int, default=None, choices=[1, 2, 3],
+      help="with --use-distributed-optimizer: 1 (default, as Megatron), 2 (gradients sharded too) or 3 "
+           "(parameters too, gathered layer by layer with prefetch: FSDP)")
+    a("--use-megatron-fsdp", action="store_true",
+      help="Megatron's FSDP: --data-parallel-sharding-strategy picks plain DP / ZeRO-1 / 2 / 3")
+    a("--data-parallel-sharding-strategy", default=None,
+      choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+      help="with --use-megatron-fsdp: no_shard (plain DP), optim (ZeRO-1), optim_grads (ZeRO-2) or "
+           "optim_grads_params (ZeRO-3, the default)")
+    a("--use-torch-fsdp2", action="store_true", help="accepted as ZeRO-3 (megalite's own sharded buckets)")
+    a("--torch-fsdp2-no-reshard-after-forward", dest="torch_fsdp2_reshard_after_forward", action="store_false",
+      help="ZeRO-3: keep each unit's gathered weights from its forward to its backward (fewer gathers, more memory)")
     a("--overlap-param-gather", action="store_true", help="overlap the parameter all-gather with the next forward")
     a("--hierarchical-grad-reduce", action="store_true",
       help="DP all-reduce in three steps: reduce-scatter within each node (torchrun's LOCAL_WORLD_SIZE ranks), "

@@ -302,6 +302,7 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     planner = ChunkLoadPlanner(entries, optional)
     _dcp(dcp.load, {}, storage_reader=SafetensorsReader(path), planner=planner, process_group=group,
          no_dist=group is None)
+    _drop_gathered(chunks)
     if load_optim:
         set_optimizer_step(optimizer, chunks, meta["optimizer"]["step"])
         if optional and not planner.missing:
@@ -333,7 +334,15 @@ def load_weights(chunks, root):
              planner=ChunkLoadPlanner(model_entries(chunks, False)), process_group=group, no_dist=group is None)
     except CheckpointException as e:
         raise unwrap_checkpoint_error(e) from None
+    _drop_gathered(chunks)
     return meta
+
+
+def _drop_gathered(chunks):
+    """ZeRO-3 loads into the shards: any gathered copy is stale (re-gathered when next used)."""
+    for c in chunks:
+        if getattr(c, "units", None) is not None:
+            c.units.release_all()
 
 
 def _restore_rng(meta, path, args, weights_only):

@@ -80,6 +80,16 @@ NOTICE = {
                                                   "(--overlap-param-gather), not the optimizer step (speed only)",
     "--cross-entropy-fusion-impl": "the vocab-parallel cross entropy is fused on CUDA unless --no-fused-kernels",
     "--spec": "megalite has one transformer layer implementation (Megatron's local spec)",
+    "--init-model-with-meta-device": "each rank builds only its TP shard of the weights (topology-independent "
+                                     "init); with ZeRO-3 it keeps only its DP shard of that after start-up",
+    "--fsdp-double-buffer": "ZeRO-3 gathers into one buffer per layer unit (memory layout only)",
+    "--megatron-fsdp-max-pool-double-buffer": "ZeRO-3 gathers into one buffer per layer unit (memory layout only)",
+    "--fsdp-db-use-persist-buf-on-alloc-fail": "ZeRO-3 gathers into one buffer per layer unit (memory layout only)",
+    "--fsdp-manual-registration": "NCCL user-buffer registration is not used (speed only)",
+    "--megatron-fsdp-enable-fine-grained-param-gather": "ZeRO-3 gathers one layer unit at a time, with prefetch",
+    "--megatron-fsdp-version": "megalite has one FSDP implementation (ZeRO-3 in its distributed optimizer)",
+    "--disable-strict-fsdp-dtensor-load": "megalite's checkpoint loads are always strict",
+    "--no-strict-fsdp-dtensor-load": "megalite's checkpoint loads are always strict",
     "--rerun-mode": "iterations are never re-run to tell transient from persistent faults; a NaN/Inf loss or "
                     "gradient stops training (--check-for-nan-in-loss-and-grad, on by default)",
 }
@@ -96,9 +106,15 @@ NEUTRAL_VALUES = {
     "--attention-backend": ("auto flash fused unfused local", None),
     "--DDP-impl": ("local torch", None),
     "--dataloader-type": ("single", "only the 'single' (sequential) data loader is implemented"),
-    "--ckpt-format": ("torch_dist torch", "megalite writes one checkpoint layout (torch_dist-like)"),
+    "--ckpt-format": ("torch_dist torch fsdp_dtensor", "megalite writes one checkpoint layout (torch_dist-like)"),
     "--async-strategy": ("nvrx mcore", None),
     "--spec": ("local", "custom layer specs are not implemented in megalite (Megatron's local spec is)"),
+    "--megatron-fsdp-version": (None, None),
+    "--megatron-fsdp-main-params-dtype": ("fp32", "main parameters are always fp32"),
+    "--megatron-fsdp-main-grads-dtype": ("auto fp32", "gradients are always accumulated in fp32"),
+    "--megatron-fsdp-grad-comm-dtype": ("auto fp32", "gradients are always reduced in fp32"),
+    "--outer-dp-sharding-strategy": ("no_shard", "hybrid sharding (HSDP: replicas of a sharded group) is not "
+                                                 "implemented in megalite"),
     "--rerun-mode": ("disabled validate_results", "the re-run state machine's statistics mode is not "
                                                   "implemented in megalite"),
 }
@@ -127,8 +143,6 @@ _WHY = (
     (("grad-reduce-in-bf16",), "megalite reduces gradients in fp32; bf16 gradient reduction is not implemented"),
     (("fp8", "fp4", "quantiz", "kitchen"), "FP8/FP4 training (Transformer Engine) is not implemented in megalite"),
     (("moe", "expert", "num-experts", "router"), "Mixture of Experts is not implemented in megalite"),
-    (("fsdp",), "FSDP is not implemented in megalite; --use-distributed-optimizer (ZeRO-1/2) shards optimizer "
-                "state and gradients"),
     (("wandb",), "Weights & Biases logging is not implemented in megalite; use --tensorboard-dir or --log-json"),
     (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
                                                               "run under torch.profiler or nsys yourself"),

@@ -78,7 +78,8 @@ def build_model(mcfg, model_provider, args, plan=None):
                                               grad_divisor=plan.grad_divisor if plan else None,
                                               reduce_once=bool(plan and plan.uneven),
                                               hierarchical=args.hierarchical_grad_reduce,
-                                              compressor=compressor))
+                                              compressor=compressor,
+                                              reshard_after_forward=args.torch_fsdp2_reshard_after_forward))
     ps.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
 
@@ -294,7 +295,11 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         save_checkpoint(it, chunks, optimizer, scheduler, mcfg, args, consumed_train, consumed_valid)
         return it
 
-    saved_at, timers = start_iter, ({} if args.log_timers_to_tensorboard else None)
+    # As Megatron, a loaded state is saved again at the end when --save is another directory
+    # (nothing trained: a re-shard into this run's layout); the same directory already holds it.
+    saved_at = start_iter if not start_iter or os.path.realpath(args.save or "") == os.path.realpath(args.load or "") \
+        else -1
+    timers = {} if args.log_timers_to_tensorboard else None
     for c in chunks:
         c.train()
     for it in range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1):

@@ -44,6 +44,7 @@ def validate_args(args):
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ConfigError(f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr (the embedding and "
                           "output layer's peak LR)")
+    _validate_fsdp(args)
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
     if args.hierarchical_grad_reduce and args.use_distributed_optimizer:
@@ -107,6 +108,32 @@ def validate_args(args):
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
     model_config(args, args.vocab_size or 1).check_parallel(tp)
+
+
+FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+
+
+def _validate_fsdp(args):
+    """Megatron's FSDP flags onto the ZeRO stages (--use-distributed-optimizer --zero-stage)."""
+    if args.use_megatron_fsdp and args.use_torch_fsdp2:
+        raise ConfigError("--use-megatron-fsdp and --use-torch-fsdp2 are exclusive; pick one")
+    if args.data_parallel_sharding_strategy is not None and not args.use_megatron_fsdp:
+        raise ConfigError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
+                          "--use-megatron-fsdp (or use --use-distributed-optimizer --zero-stage N)")
+    if args.use_megatron_fsdp or args.use_torch_fsdp2:
+        flag = "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-torch-fsdp2"
+        if args.zero_stage is not None:
+            raise ConfigError(f"--zero-stage {args.zero_stage} with {flag}: the sharding strategy sets the stage; "
+                              "drop --zero-stage")
+        stage = FSDP_STAGES[args.data_parallel_sharding_strategy or "optim_grads_params"] \
+            if args.use_megatron_fsdp else 3
+        args.use_distributed_optimizer, args.zero_stage = stage > 0, stage or None
+        if args.use_torch_fsdp2:
+            print_notices(["--use-torch-fsdp2 accepted: megalite's ZeRO-3 (its own sharded buckets, unit by unit "
+                           "with prefetch; composes with pipeline parallelism)"])
+    if not args.torch_fsdp2_reshard_after_forward and args.zero_stage != 3:
+        raise ConfigError("--torch-fsdp2-no-reshard-after-forward needs ZeRO-3 (--use-torch-fsdp2, "
+                          "--use-megatron-fsdp or --use-distributed-optimizer --zero-stage 3)")
 
 
 def _validate_shares(args):

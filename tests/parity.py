@@ -237,9 +237,12 @@ def train(lay, collect=None):
         out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},
                "coords": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                           ps.get_data_parallel_rank(with_context_parallel=True))}
-        for name, p in _named(chunks):
-            out["grads"][name] = _cut_vocab(name, gather_full(p, record["grads"][id(p)]), args.vocab_size)
-            out["params"][name] = _cut_vocab(name, gather_full(p, p.detach().float()), args.vocab_size)
+        with contextlib.ExitStack() as whole:  # ZeRO-3: parameters exist whole only when gathered
+            for c in chunks:
+                whole.enter_context(c.gathered())
+            for name, p in _named(chunks):
+                out["grads"][name] = _cut_vocab(name, gather_full(p, record["grads"][id(p)]), args.vocab_size)
+                out["params"][name] = _cut_vocab(name, gather_full(p, p.detach().float()), args.vocab_size)
         if collect is not None:
             out["collected"] = collect(chunks, opt)
         return out

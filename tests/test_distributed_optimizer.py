@@ -1,11 +1,15 @@
-"""ZeRO stage 1 / 2 (megalite.optimizer.distributed_optimizer) against the ordinary optimizer.
+"""ZeRO stage 1 / 2 / 3 (megalite.optimizer.distributed_optimizer) against the ordinary optimizer.
 
 Each topology runs once on spawned gloo ranks (module fixtures); every rank trains the same
 tiny GPT with the plain optimizer and with ZeRO and reports how they differ.
 
 Tolerances. Without clipping, ZeRO-1 (and ZeRO-2 with one micro-batch) performs the same
 fp32 operations on every element as the plain path (the reduce-scatter sums the same
-addends in the same order as the all-reduce, Adam is elementwise), so it must be bit-exact.
+addends in the same order as the all-reduce, Adam is elementwise), so it must be bit-exact;
+so must ZeRO-3 with one micro-batch at DP <= 2 (stage 2's reductions; its all-gathers copy
+bits). ZeRO-3's buckets are cut per layer, not every N elements, so an element sits elsewhere in
+the reduce-scatter's ring chunks: with more than two addends they are summed in another order
+(seen: 2e-3 lr after 10 steps at DP4), checked with the clipped runs' bound below instead.
 With clipping the global norm is summed in another order (slices, then DP): the clip
 coefficient differs by ~1e-7; ZeRO-2 with gradient accumulation also sums per micro-batch
 first. Gradients then differ by fp32 rounding only, but Adam's first step moves an element
@@ -72,9 +76,9 @@ def _train(stage, micro, dtype=torch.float32, cfg_kw=(), tcfg_kw=(), overlap=Fal
         lo, _, n = _iteration(cfg, m, opt, s, micro)
         losses += lo
         norms.append(n)
-    m.finish_param_sync()
-    return {"losses": losses, "norms": norms, "opt": opt,
-            "params": {n: p.detach().float().clone() for n, p in m.module.named_parameters()}}
+    with m.gathered():
+        params = {n: p.detach().float().clone() for n, p in m.module.named_parameters()}
+    return {"losses": losses, "norms": norms, "opt": opt, "params": params, "model": m}
 
 
 LR = 1e-3
@@ -101,20 +105,22 @@ def _fp16_skip(stage):
             o.pieces[0].grad[0] = float("inf")
     out = {"stepped": [], "scale": [], "unchanged": None}
     for s in range(4):
-        before = [p.detach().clone() for p in m.module.parameters()]
+        with m.gathered():
+            before = [p.detach().clone() for p in m.module.parameters()]
         _, stepped, _ = _iteration(cfg, m, opt, s, 1, inject if s == 1 else None)
         out["stepped"].append(stepped)
         out["scale"].append(opt.loss_scale)
-        if s == 1:
-            out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, m.module.parameters()))
-    out["checksum"] = sum(p.double().sum().item() for p in m.module.parameters())
+        with m.gathered():
+            if s == 1:
+                out["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, m.module.parameters()))
+            out["checksum"] = sum(p.double().sum().item() for p in m.module.parameters())
     return out
 
 
 def _memory_and_comm(micro):
     """bf16 model: bytes per parameter at rest after a step, and wire bytes of one iteration."""
     out = {}
-    for stage, kind in ((0, "plain"), (1, "zero1"), (2, "zero2")):
+    for stage, kind in ((0, "plain"), (1, "zero1"), (2, "zero2"), (3, "zero3")):
         cfg, m, opt = _build(stage, torch.bfloat16, {}, {})
         _iteration(cfg, m, opt, 0, micro)
         comm.reset()
@@ -123,6 +129,15 @@ def _memory_and_comm(micro):
         numel = sum(p.numel() for p in m.module.parameters())
         wire = sum(c["wire_bytes"] for c in comm.counts().values())
         out[kind] = (training_state_bytes([m], opt) / numel, wire / numel)
+        if stage == 3:  # ZeRO-3's all-gathers: what the schedule must gather, in padded bucket bytes
+            units, d = m.units, ps.get_data_parallel_world_size()
+            word = m.module.embedding.word_embeddings.weight
+            tied = sum(b.padded for b in m.buckets if any(p is word for p in b.params))
+            # every unit once in the forward and once in the backward per micro-batch, and the
+            # tied word embedding once more (the output layer uses it after the embedding freed it)
+            gathered = micro * (2 * sum(b.padded for b in m.buckets) + tied)
+            out["zero3_gather"] = (comm.counts().get("all_gather", {}).get("wire_bytes", 0) / numel,
+                                   gathered * 2 * (d - 1) / d / numel, units.stats)
     return out
 
 
@@ -131,23 +146,32 @@ def _topology(tp, micro, extras, full_state=None):
     model_parallel_manual_seed(0)
     out = {"exact": {}, "round": {}}
     ref = _train(0, micro, tcfg_kw=EXACT)
-    for name, kw in (("zero1", {}), ("zero2", {}), ("zero1-overlap", dict(overlap=True))):
-        if (name == "zero2" and micro > 1) or (name == "zero1-overlap" and "overlap" not in extras):
-            continue  # zero2 reduces per micro-batch: another summation order (checked in "round")
-        out["exact"][name] = _compare(ref, _train(2 if name == "zero2" else 1, micro, tcfg_kw=EXACT, **kw))
+    for name, kw in (("zero1", {}), ("zero2", {}), ("zero3", {}), ("zero1-overlap", dict(overlap=True))):
+        if (name in ("zero2", "zero3") and micro > 1) or (name == "zero1-overlap" and "overlap" not in extras) \
+                or (name == "zero3" and ps.get_data_parallel_world_size() > 2):
+            continue  # zero2/3 reduce per micro-batch: another summation order (checked in "round")
+        stage = {"zero2": 2, "zero3": 3}.get(name, 1)
+        out["exact"][name] = _compare(ref, _train(stage, micro, tcfg_kw=EXACT, **kw))
+    if micro > 1:  # gradient accumulation: ZeRO-3 reduces exactly as ZeRO-2 does, per micro-batch
+        out["exact"]["zero3-vs-zero2"] = _compare(_train(2, micro, tcfg_kw=EXACT), _train(3, micro, tcfg_kw=EXACT))
     ref = _train(0, micro, cfg_kw=NOBIAS, tcfg_kw=ROUND)
     out["ref_norms"], out["ref_losses"] = ref["norms"], ref["losses"]
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         run = _train(stage, micro, cfg_kw=NOBIAS, tcfg_kw=ROUND)
         out["round"][f"zero{stage}"] = _compare(ref, run)
         out[f"zero{stage}_norms"] = run["norms"]
         out[f"zero{stage}_state"] = run["opt"].state_dict()
+        if stage == 2:
+            zero2 = run
+        if stage == 3:  # the same reductions as ZeRO-2 (per micro-batch reduce-scatters; other bucket
+            # boundaries, so the clip norm sums its squares in another order): compare the two
+            out["zero3_vs_zero2"] = _compare(zero2, run)
     if "bf16" in extras:
         ref = _train(0, 1, torch.bfloat16, tcfg_kw=EXACT, steps=4)
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             out["exact"][f"bf16-zero{stage}"] = _compare(ref, _train(stage, 1, torch.bfloat16, tcfg_kw=EXACT, steps=4))
     if "fp16" in extras:
-        out["fp16"] = {s: _fp16_skip(s) for s in (1, 2)}
+        out["fp16"] = {s: _fp16_skip(s) for s in (1, 2, 3)}
     if "memory" in extras:
         out["memory"] = _memory_and_comm(micro)
     if full_state is not None:  # re-shard: another DP size's reassembled state into this one
@@ -218,6 +242,9 @@ def _check_parity(results):
             # losses of weights that differ by rounding: DESIGN's fp32 bound (sums ordered differently)
             assert c["loss"] <= 1e-5, f"rank {rank} {name}: loss rel diff {c['loss']:.2e}"
             assert c["params"] <= 1e-3 * LR, f"rank {rank} {name}: param diff {c['params']:.2e}"
+        # with clipping the norm's squares are summed over other bucket boundaries: the bound above
+        c = r["zero3_vs_zero2"]
+        assert c["loss"] <= 1e-5 and c["params"] <= 1e-3 * LR, f"rank {rank} zero3 vs zero2: {c}"
     losses = results[0]["ref_losses"]
     assert len(set(losses)) == len(losses), "the weights must move every step"
 
@@ -239,13 +266,13 @@ def test_clip_norm_equals_single_process_norm(topology, single, request):
     results = request.getfixturevalue(topology)
     assert max(single["norms"]) > 0.5, "clipping must engage for this test to mean anything"
     for rank, r in enumerate(results):
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             for a, b in zip(r[f"zero{stage}_norms"], single["norms"]):
                 assert abs(a - b) / b <= 1e-5, f"rank {rank} zero{stage}: norm {a} vs single process {b}"
 
 
 def test_fp16_overflow_on_one_rank_skips_everywhere_and_recovers(dp2):
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         runs = [r["fp16"][stage] for r in dp2]
         for rank, f in enumerate(runs):
             assert f["stepped"] == [True, False, True, True], f"rank {rank} zero{stage}: {f['stepped']}"
@@ -263,13 +290,20 @@ def test_memory_matches_formula(d, dp2, dp4):
         measured = [r["memory"] for r in (dp2 if d == 2 else dp4)]
     micro = 2 if d == 2 else 1
     for rank, mem in enumerate(measured):
-        for kind, (per_param, wire) in mem.items():
+        for kind, (per_param, wire, *_) in mem.items():
+            if kind == "zero3_gather":
+                assert abs(per_param - wire) <= 1e-9 * wire, f"d={d} rank {rank}: ZeRO-3 gathered {per_param:.4f} " \
+                    f"B/param, its schedule needs {wire:.4f}"
+                continue
             want = expected_bytes_per_param(kind, d, 2)
             assert abs(per_param / want - 1) <= 0.02, f"d={d} rank {rank} {kind}: {per_param:.3f} vs {want:.3f} B/param"
             # wire bytes per parameter: all-reduce 2(d-1)/d x 4; reduce-scatter x 4 per reduction + all-gather x 2
-            theory = {"plain": 2 * 4, "zero1": 4 + 2, "zero2": 4 * micro + 2}[kind] * (d - 1) / d
+            # (ZeRO-3: its all-gathers are checked above; here the reduce-scatters)
+            if kind == "zero3":
+                wire -= mem["zero3_gather"][0]
+            theory = {"plain": 2 * 4, "zero1": 4 + 2, "zero2": 4 * micro + 2, "zero3": 4 * micro}[kind] * (d - 1) / d
             assert abs(wire - theory) <= 0.02 * max(theory, 1e-9), f"d={d} {kind}: {wire:.3f} vs {theory:.3f}"
-    assert measured[0]["zero2"][0] < measured[0]["zero1"][0] or d == 1
+    assert measured[0]["zero3"][0] < measured[0]["zero2"][0] < measured[0]["zero1"][0] or d == 1
 
 
 def test_state_reassembled_from_dp4_equals_dp2_and_reshards(dp2, full4):

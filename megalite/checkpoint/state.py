@@ -34,14 +34,28 @@ def _add(entries, name, layout, dtype, chunks):
         entries.setdefault(name, Entry(layout.global_shape, dtype)).chunks.extend(chunks)
 
 
+def _weight_slots(chunks):
+    """[(layout, flat tensor, local start, end, sharded over DP x CP)]: ZeRO-3's own shards of
+    its parameters (the whole ones exist only while gathered), every other parameter whole."""
+    layouts, slots, sharded = _layouts(chunks), [], set()
+    for c in chunks:
+        if getattr(c, "units", None) is None:
+            continue
+        for b in c.buckets:
+            sharded.update(b.params)
+            slots += [(layouts[pc.param], pc.data, pc.start, pc.end, True) for pc in b.pieces]
+    return slots + [(lay, p.detach().view(-1), 0, p.numel(), False)
+                    for p, lay in layouts.items() if p not in sharded]
+
+
 def model_entries(chunks, for_save):
     """Save: what this rank writes. Load: everything this rank holds."""
-    # The first replica over DP x CP writes (CP ranks hold the same weights).
+    # The first replica over DP x CP writes (CP ranks hold the same weights); a ZeRO-3 shard's owner.
     entries, dp_rank = {}, ps.get_data_parallel_rank(with_context_parallel=True)
-    for p, lay in _layouts(chunks).items():
-        if for_save and not (lay.owner and dp_rank == 0):
+    for lay, t, start, end, sharded in _weight_slots(chunks):
+        if for_save and not (lay.owner and (sharded or dp_rank == 0)):
             continue
-        _add(entries, lay.name, lay, p.dtype, lay.chunks(p.detach().view(-1)))
+        _add(entries, lay.name, lay, t.dtype, lay.chunks(t, start, end))
     return entries
 
 

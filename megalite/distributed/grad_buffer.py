@@ -10,7 +10,8 @@ backward produces gradients.
 With `use_distributed_optimizer=True` (ZeRO, see megalite/optimizer/distributed_optimizer.py)
 the buckets are padded to a multiple of the DP size and reduce-scattered instead
 (`sharded_bucket.py`); the parameters move into a flat buffer of the same layout so the
-optimizer's updated shards can be all-gathered in place.
+optimizer's updated shards can be all-gathered in place. Stage 3 plans one bucket per unit
+(a transformer layer, the embedding, ...) and shards the parameters too (`param_units.py`).
 """
 
 import contextlib
@@ -20,6 +21,7 @@ from torch import nn
 
 from megalite import parallel_state as ps
 from megalite.distributed import comm
+from megalite.distributed.param_units import ParamUnits, Unit, plan_units
 
 
 class _Bucket:
@@ -118,13 +120,14 @@ class _WaitFor:
 class DistributedDataParallel(nn.Module):
     def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True,
                  use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False, grad_divisor=None,
-                 reduce_once=False, hierarchical=False, compressor=None):
+                 reduce_once=False, hierarchical=False, compressor=None, prefetch=True, reshard_after_forward=True):
         """grad_divisor: what the reduction divides the summed gradients by (default DP: the
         average; 1 with uneven data-parallel shares, whose losses carry the weights).
         reduce_once: ZeRO-2 reduces once per iteration too (ranks that run different numbers
         of micro-batches must issue the same collectives). hierarchical: the plain DP all-reduce
         through the node groups (--hierarchical-grad-reduce). compressor: --grad-compression's
-        (megalite/distributed/grad_compression.py) for the plain DP all-reduce."""
+        (megalite/distributed/grad_compression.py) for the plain DP all-reduce. prefetch,
+        reshard_after_forward: ZeRO-3's unit schedule (param_units.py)."""
         super().__init__()
         self.module = module
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -135,17 +138,26 @@ class DistributedDataParallel(nn.Module):
         self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.grad_divisor = ps.get_data_parallel_world_size() if grad_divisor is None else grad_divisor
         self.compressor = compressor
-        if use_distributed_optimizer and zero_stage not in (1, 2):
-            raise ValueError(f"--zero-stage {zero_stage} is not supported; use 1 or 2")
+        if use_distributed_optimizer and zero_stage not in (1, 2, 3):
+            raise ValueError(f"--zero-stage {zero_stage} is not supported; use 1, 2 or 3")
         self.zero_stage = zero_stage if use_distributed_optimizer else 0
-        self.overlap_param_gather = overlap_param_gather and self.zero_stage > 0
+        # ZeRO-3 gathers unit by unit as the forward reaches them (with prefetch): always overlapped.
+        self.overlap_param_gather = overlap_param_gather and self.zero_stage in (1, 2)
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
         nodes = ps.get_gradient_node_groups() if hierarchical and not self.zero_stage and self.dp > 1 else None
-        plan = plan_buckets(params, bucket_size, self.dp if self.zero_stage else len(nodes[1]) if nodes else 1,
-                            _tied_weight(module) if self.zero_stage else None)
+        if self.zero_stage == 3:
+            units, plan, unit_of = plan_units(module), [], []
+            for i, (_, _, own, _) in reversed(list(enumerate(units))):  # backward order, as plan_buckets
+                unit_plan = plan_buckets(own, float("inf"), self.dp, _tied_weight(module))
+                plan += unit_plan
+                unit_of += [i] * len(unit_plan)
+        else:
+            plan = plan_buckets(params, bucket_size, self.dp if self.zero_stage else len(nodes[1]) if nodes else 1,
+                                _tied_weight(module) if self.zero_stage else None)
         total = sum(n for _, n in plan)
-        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device) if self.zero_stage != 2 else None
+        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device) if self.zero_stage == 1 or \
+            not self.zero_stage else None
         self.buckets, self._bucket_of = [], {}
         if self.zero_stage:
             from megalite.distributed.sharded_bucket import ShardedBucket
@@ -153,12 +165,16 @@ class DistributedDataParallel(nn.Module):
             if len(dtypes) > 1:
                 raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
             # (an empty chunk of a pipeline layout has no parameters, so no dtype)
-            self.param_data = torch.zeros(total, dtype=next(iter(dtypes), torch.float32), device=device)
+            dtype = next(iter(dtypes), torch.float32)
+            # ZeRO-3: a buffer per bucket, as each unit's storage is freed on its own
+            self.param_data = torch.zeros(total, dtype=dtype, device=device) if self.zero_stage < 3 else None
         offset = 0
         for bucket_params, n in plan:
             grad = self.grad_data[offset:offset + n] if self.grad_data is not None else None
             if self.zero_stage:
-                b = ShardedBucket(bucket_params, n, self.zero_stage, grad, self.param_data[offset:offset + n],
+                flat = self.param_data[offset:offset + n] if self.param_data is not None else \
+                    torch.zeros(n, dtype=dtype, device=device)
+                b = ShardedBucket(bucket_params, n, self.zero_stage, grad, flat,
                                   self.dp, ps.get_data_parallel_rank(with_context_parallel=True), self.dp_group,
                                   self.grad_divisor)
                 b.reduce_every_microbatch = b.reduce_every_microbatch and not reduce_once
@@ -169,6 +185,11 @@ class DistributedDataParallel(nn.Module):
             for p in bucket_params:
                 self._bucket_of[p] = b
             offset += n
+        self.units = None
+        if self.zero_stage == 3:
+            owner = {p: b for b in self.buckets for p in b.params}
+            self.units = ParamUnits([Unit(name, mod, list({id(owner[p]): owner[p] for p in own + used}.values()))
+                                     for name, mod, own, used in units], prefetch, reshard_after_forward)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
         if self.overlap_param_gather:
             self._register_param_wait_hooks()
@@ -177,6 +198,8 @@ class DistributedDataParallel(nn.Module):
         b = self._bucket_of[p]
         b.accumulate(p)
         p.grad = None
+        if self.units is not None:
+            self.units.backward_done(b, p)
         # ZeRO-2 reduces every micro-batch: gradients are never kept at full size.
         if b.reduce_every_microbatch or (self.sync_enabled and self.overlap_grad_reduce):
             b.ready.add(p)
@@ -205,6 +228,8 @@ class DistributedDataParallel(nn.Module):
             b.start()
         for b in self.buckets:
             b.finish()
+        if self.units is not None:
+            self.units.release_all()  # units whose parameters got no gradient (unused, tied)
 
     def zero_grad_buffer(self, iteration=None):
         """Before an iteration (its number: when --grad-compression starts)."""
@@ -215,7 +240,11 @@ class DistributedDataParallel(nn.Module):
 
     # -- ZeRO: parameters all-gathered after the optimizer step ---------------------------
     def start_param_sync(self):
-        """All-gather the updated parameter shards, first layers' buckets first."""
+        """All-gather the updated parameter shards, first layers' buckets first (ZeRO-3: free
+        the stale gathered copies; each unit is gathered when next used)."""
+        if self.units is not None:
+            self.units.release_all()
+            return
         for b in reversed(self.buckets):
             b.start_param_gather()
 
@@ -233,11 +262,30 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         out = self.module(*args, **kwargs)
-        if self.zero_stage:
+        if self.units is not None:
+            self.units.after_forward()  # prefetched but unused units are freed
+        elif self.zero_stage:
             self.finish_param_sync()  # gathers whose modules did not run are not left in flight
         return out
 
-    def state_dict(self, *args, **kwargs):
-        if self.zero_stage:
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every parameter whole for the block's duration (ZeRO-3; others always are): for
+        callers outside a training step that read weights directly (state_dict, tests)."""
+        if self.units is None:
             self.finish_param_sync()
-        return super().state_dict(*args, **kwargs)
+            yield
+            return
+        stats = dict(self.units.stats)  # the training schedule's figures, not this
+        for u in self.units.units:
+            self.units.ensure(u)
+        try:
+            yield
+        finally:
+            self.units.release_all()
+            self.units.stats = stats
+
+    def state_dict(self, *args, **kwargs):
+        with self.gathered():
+            sd = super().state_dict(*args, **kwargs)
+            return {k: v.clone() for k, v in sd.items()} if self.units is not None else sd

@@ -14,6 +14,12 @@ shares (reduce_every_microbatch off) it accumulates the full buffer over the ite
 reduce-scatters once, as every rank must issue the same collectives.
 Parameters (model dtype) live in a flat buffer with the same layout, so the updated
 shards are all-gathered bucket by bucket in place.
+Stage 3 (ZeRO-3 / FSDP): gradients as stage 2, and the parameters too are sharded: a rank
+keeps its shard in `param_shard` (the optimizer's pieces view it) and the bucket's full
+buffer has storage only while its unit is gathered (`param_units.py` decides when). Views
+of the buffer that autograd saved in a forward become valid again when it is re-gathered;
+the parameters themselves point at a one-element NaN (expanded to their shape) while freed,
+so reading a freed parameter yields NaN, never freed memory.
 """
 
 import torch
@@ -40,7 +46,8 @@ class ShardedBucket:
         self.lo, self.hi = dp_rank * self.shard, (dp_rank + 1) * self.shard
         self.param_data = param_data
         self.ready, self.state, self._handle, self._out, self.param_handle = set(), "idle", None, None, None
-        self.reduce_every_microbatch = stage == 2
+        self.reduce_every_microbatch = stage >= 2
+        self.param_shard, self.gather_handle, self.backward_seen = None, None, set()
         if stage == 1:
             self.data, self.shard_acc = grad, None
         else:
@@ -59,9 +66,17 @@ class ShardedBucket:
             p.main_grad_shard = g  # read by finalize_model_grads (SP / tied-embedding sums)
             if b > a:
                 self.pieces.append(Piece(p, a - offset, b - offset, g, param_data[a:b]))
+                self.pieces[-1].flat = (a, b)  # where the piece sits in the bucket
             offset += n
-        if stage == 2:
+        if stage >= 2:
             self._release()
+        if stage == 3:
+            self._views = [(p, p.data) for p in params]
+            self._freed = torch.full((1,), float("nan"), dtype=param_data.dtype, device=param_data.device)
+            self.param_shard = param_data[self.lo:self.hi].clone()
+            for pc in self.pieces:
+                pc.data = self.param_shard[pc.flat[0] - self.lo:pc.flat[1] - self.lo]
+            self.release_params()
 
     # -- stage-2 storage of the full-size buffer --------------------------------------
     def _allocated(self):
@@ -76,7 +91,7 @@ class ShardedBucket:
 
     # -- gradients ---------------------------------------------------------------------
     def accumulate(self, p):
-        if self.stage == 2:
+        if self.stage >= 2:
             if self.state == "inflight":  # last micro-batch's reduction of this bucket
                 self.finish()
             if not self._allocated():
@@ -129,6 +144,9 @@ class ShardedBucket:
 
     # -- parameters --------------------------------------------------------------------
     def start_param_gather(self):
+        if self.stage == 3:  # the shards changed: gathered copies are stale (re-gathered on use)
+            self.release_params()
+            return
         if self.dp == 1 or self.param_handle is not None:
             return
         own = self.param_data[self.lo:self.hi].clone()  # gloo/NCCL: input must not alias output
@@ -138,3 +156,39 @@ class ShardedBucket:
         if self.param_handle is not None:
             self.param_handle.wait()
             self.param_handle = None
+
+    # -- stage 3: the full parameters exist only while gathered -------------------------
+    def params_allocated(self):
+        return self.param_data.untyped_storage().nbytes() > 0
+
+    def gather_params(self, async_op=True):
+        """Materialise the full parameters from the shards (returns False if they already were)."""
+        if self.params_allocated():
+            return False
+        self.param_data.untyped_storage().resize_(self.padded * self.param_data.element_size())
+        for p, view in self._views:
+            p.data = view
+        if self.dp == 1:
+            self.param_data.copy_(self.param_shard)
+        else:
+            self.gather_handle = comm.all_gather(self.param_data, self.param_shard, group=self.group,
+                                                 async_op=async_op)
+            if not async_op:
+                self.gather_handle = None
+        return True
+
+    def wait_params(self):
+        if self.gather_handle is not None:
+            self.gather_handle.wait()
+            self.gather_handle = None
+
+    def release_params(self):
+        self.wait_params()  # never free a buffer a collective still writes
+        if self.params_allocated():
+            self.param_data.untyped_storage().resize_(0)
+            for p, _ in self._views:
+                p.data = self._freed.expand(p.shape)
+        self.backward_seen.clear()
+
+    def param_bytes(self):
+        return self.padded * self.param_data.element_size()

@@ -15,6 +15,7 @@ def _tensors(model_chunks, optimizer):
         for b in getattr(m, "buckets", []):
             yield getattr(b, "data", None)
             yield getattr(b, "shard_acc", None)
+            yield getattr(b, "param_shard", None)  # ZeRO-3: the parameters' shard (the full ones are freed)
     opt = optimizer.optimizer
     for g in opt.param_groups:
         yield from g["params"]
@@ -36,7 +37,7 @@ def training_state_bytes(model_chunks, optimizer):
 
 
 def expected_bytes_per_param(kind, d, param_bytes):
-    """kind: "plain", "zero1" or "zero2"; d: DP size; param_bytes: 2 (bf16/fp16) or 4 (fp32).
+    """kind: "plain", "zero1", "zero2" or "zero3"; d: DP size; param_bytes: 2 (bf16/fp16) or 4 (fp32).
     Adam keeps m and v in fp32 (8 bytes) plus fp32 main params for low-precision models."""
     opt = 8 + (4 if param_bytes < 4 else 0)
     if kind == "plain":
@@ -45,4 +46,6 @@ def expected_bytes_per_param(kind, d, param_bytes):
         return param_bytes + 4 + opt / d
     if kind == "zero2":
         return param_bytes + (4 + opt) / d
-    raise ValueError(f"unknown optimizer kind {kind!r}; use plain, zero1 or zero2")
+    if kind == "zero3":
+        return (param_bytes + 4 + opt) / d
+    raise ValueError(f"unknown optimizer kind {kind!r}; use plain, zero1, zero2 or zero3")
