@@ -116,7 +116,7 @@ def build_parser():
            "(parameters too, gathered layer by layer with prefetch: FSDP)")
     a("--use-megatron-fsdp", action="store_true",
       help="Megatron's FSDP: --data-parallel-sharding-strategy picks plain DP / ZeRO-1 / 2 / 3")
-    a("--data-parallel-sharding-strategy", default=None,
+    a("--data-parallel-sharding-strategy", default="optim_grads_params",
       choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
       help="with --use-megatron-fsdp: no_shard (plain DP), optim (ZeRO-1), optim_grads (ZeRO-2) or "
            "optim_grads_params (ZeRO-3, the default)")

@@ -13,6 +13,7 @@ every group is None and the communication primitives become identities. Tests us
 to compute single-process references.
 """
 
+import contextlib
 import math
 import os
 from datetime import timedelta
@@ -334,8 +335,25 @@ def is_pipeline_last_stage(ignore_virtual=False):
     return g.pp_rank == g.pp - 1
 
 
+_BUILD_ON_META = []
+
+
+@contextlib.contextmanager
+def meta_init():
+    """Build a model's parameters on the meta device (shapes only): ZeRO-3 then materialises
+    only this rank's shards from each parameter's init_recipe."""
+    _BUILD_ON_META.append(True)
+    try:
+        yield
+    finally:
+        _BUILD_ON_META.pop()
+
+
 def get_device():
-    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
+    """The device this rank computes on: its CUDA device under NCCL, else the CPU (meta inside
+    meta_init())."""
+    if _BUILD_ON_META:
+        return torch.device("meta")
     if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

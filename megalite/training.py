@@ -6,6 +6,7 @@ Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in M
     forward_step_func(data_iterator, model) -> (output, loss_func)
 """
 
+import contextlib
 import gc
 import os
 import signal
@@ -69,7 +70,9 @@ def build_model(mcfg, model_provider, args, plan=None):
                                   args.seed)
     for j in range(v):
         ps.set_virtual_pipeline_model_parallel_rank(j)
-        m = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        # ZeRO-3: parameters built on the meta device; each rank makes only its shards (O(shard))
+        with ps.meta_init() if args.use_distributed_optimizer and args.zero_stage == 3 else contextlib.nullcontext():
+            m = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
         chunks.append(DistributedDataParallel(m, bucket_size=args.ddp_bucket_size,
                                               overlap_grad_reduce=args.overlap_grad_reduce,
                                               use_distributed_optimizer=args.use_distributed_optimizer,
@@ -152,8 +155,12 @@ def _grad_stats(args, chunks, optimizer):
     """--log-params-norm / --log-num-zeros-in-grad (each one all-reduce over the model)."""
     out = {}
     if args.log_params_norm:
-        params = [p for c in chunks for p in c.parameters()]
-        out["params_norm"] = global_norm_and_zeros(params, params)[0]
+        if args.zero_stage == 3:  # the shards (whole parameters exist only while gathered)
+            out["params_norm"] = global_norm_and_zeros([pc.param for pc in optimizer.pieces],
+                                                       [pc.data for pc in optimizer.pieces], sharded_over_dp=True)[0]
+        else:
+            params = [p for c in chunks for p in c.parameters()]
+            out["params_norm"] = global_norm_and_zeros(params, params)[0]
     if args.log_num_zeros_in_grad:
         sharded = hasattr(optimizer, "pieces")
         params = [pc.param for pc in optimizer.pieces] if sharded else optimizer.model_params

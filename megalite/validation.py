@@ -117,7 +117,7 @@ def _validate_fsdp(args):
     """Megatron's FSDP flags onto the ZeRO stages (--use-distributed-optimizer --zero-stage)."""
     if args.use_megatron_fsdp and args.use_torch_fsdp2:
         raise ConfigError("--use-megatron-fsdp and --use-torch-fsdp2 are exclusive; pick one")
-    if args.data_parallel_sharding_strategy is not None and not args.use_megatron_fsdp:
+    if args.data_parallel_sharding_strategy != "optim_grads_params" and not args.use_megatron_fsdp:
         raise ConfigError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
                           "--use-megatron-fsdp (or use --use-distributed-optimizer --zero-stage N)")
     if args.use_megatron_fsdp or args.use_torch_fsdp2:
@@ -125,8 +125,7 @@ def _validate_fsdp(args):
         if args.zero_stage is not None:
             raise ConfigError(f"--zero-stage {args.zero_stage} with {flag}: the sharding strategy sets the stage; "
                               "drop --zero-stage")
-        stage = FSDP_STAGES[args.data_parallel_sharding_strategy or "optim_grads_params"] \
-            if args.use_megatron_fsdp else 3
+        stage = FSDP_STAGES[args.data_parallel_sharding_strategy] if args.use_megatron_fsdp else 3
         args.use_distributed_optimizer, args.zero_stage = stage > 0, stage or None
         if args.use_torch_fsdp2:
             print_notices(["--use-torch-fsdp2 accepted: megalite's ZeRO-3 (its own sharded buckets, unit by unit "

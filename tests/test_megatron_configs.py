@@ -35,12 +35,8 @@ KNOWN_GAPS = {
     "--qk-pos-emb-head-dim": "MLA", "--v-head-dim": "MLA", "--experimental-attention-variant": "DSA",
     "--dsa-indexer-n-heads": "DSA", "--dsa-indexer-head-dim": "DSA", "--dsa-indexer-topk": "DSA",
     "--dsa-indexer-loss-coeff": "DSA",
-    # ZeRO-3 / FSDP (an open issue)
-    "--use-torch-fsdp2": "FSDP", "--use-megatron-fsdp": "FSDP", "--data-parallel-sharding-strategy": "FSDP",
-    "--megatron-fsdp-main-params-dtype": "FSDP", "--megatron-fsdp-main-grads-dtype": "FSDP",
-    "--megatron-fsdp-grad-comm-dtype": "FSDP",
 }
-KNOWN_GAP_VALUES = {("--ckpt-format", "fsdp_dtensor"): "FSDP's checkpoint format"}
+KNOWN_GAP_VALUES = {}
 # Refused for what their values ask, not for a flag.
 KNOWN_GAP_CONFIGS = {}
 
@@ -132,6 +128,9 @@ def test_every_functional_config_starts_or_names_its_cause():
     assert not problems, "\n".join(problems)
     # the two Megatron scripts that train in tests/test_megatron_scripts.py are among them
     assert {"gpt/gpt3_mcore_tp1_pp2_fp16", "gpt/gpt3_mcore_tp2_pp2_uninstall_te"} <= set(started)
+    # and Megatron's FSDP configs (ZeRO-3 and its flags)
+    assert {"gpt/gpt3_mcore_tp1_pp1_fsdp2_resume_torch_dist_te", "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"} \
+        <= set(started)
     print(f"{len(started)} of {len(configs)} Megatron functional-test configs start")
 
 

@@ -66,7 +66,8 @@ def prefetch_two_ahead():
 LAYOUTS = [
     layout("dp4_zero3", dp=4, zero=3),
     layout("dp4_zero3_llama_untied", dp=4, zero=3, model=LLAMA),
-    layout("tp2_dp2_sp_zero3", tp=2, dp=2, sp=True, zero=3),
+    layout("tp2_dp2_sp_zero3", tp=2, dp=2, sp=True, zero=3,
+           flags=("--check-weight-hash-across-dp-replicas-interval", "1", "--log-params-norm", "--test-mode")),
     layout("pp2_dp2_interleaved_zero3", pp=2, dp=2, vp=1, zero=3),
     layout("tp2_dp2_zero3_recompute_full", tp=2, dp=2, zero=3, recompute="full"),
     layout("pp2_dp2_tied_zero3_bf16", pp=2, dp=2, zero=3, dtype="bf16"),
@@ -101,8 +102,37 @@ def _pretrain(argv):
         ps.destroy_model_parallel()
 
 
+def _startup():
+    """Elements of seeded weights each rank generates while building ZeRO-3 DP4, against its
+    shard (plus at most two partial rows per piece) and the model."""
+    from megalite.arguments import model_config
+    from megalite.tensor_parallel import init as init_module
+    from megalite.tensor_parallel import model_parallel_manual_seed
+    from megalite.training import build_model
+    args = parse_args(list(BASE) + list(Z3), world_size=4)
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_manual_seed(args.seed)
+    made, original = [0], init_module._tiles  # every seeded weight block is generated here
+
+    def counting(*a):
+        out = original(*a)
+        made[0] += out.numel()
+        return out
+    try:
+        init_module._tiles = counting
+        (chunk,) = build_model(model_config(args, args.vocab_size), pretrain_gpt.model_provider, args)
+    finally:
+        init_module._tiles = original
+        ps.destroy_model_parallel()
+    pieces = [pc for b in chunk.buckets for pc in b.pieces]
+    return {"made": made[0], "shard": sum(pc.data.numel() for pc in pieces),
+            "rows": sum(2 * pc.param.shape[-1] for pc in pieces if pc.param.dim() == 2),
+            "model": sum(p.numel() for p in chunk.module.parameters())}
+
+
 def _world(root):
-    out = {lay.name: train(lay, _schedule) for lay in LAYOUTS}
+    out = {"startup": _startup()}
+    out.update({lay.name: train(lay, _schedule) for lay in LAYOUTS})
     for lay in FAULTS:
         try:
             out[lay.name] = train(lay, _schedule)
@@ -135,6 +165,11 @@ def test_zero3_matches_single_process(world, lay):
         for chunk in r["collected"]:
             stage = 2 if "optim_grads" in lay.name else 3
             assert chunk["stage"] == stage and (stage == 2 or chunk["gathered_now"] == 0), chunk
+
+
+def test_startup_makes_only_this_ranks_shard(world):
+    for r in world[1]["startup"]:
+        assert 0 < r["made"] <= r["shard"] + r["rows"] and r["shard"] < r["model"] / 3, r
 
 
 def test_unit_schedule_prefetches_each_next_unit(world):

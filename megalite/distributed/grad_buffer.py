@@ -22,6 +22,8 @@ from torch import nn
 from megalite import parallel_state as ps
 from megalite.distributed import comm
 from megalite.distributed.param_units import ParamUnits, Unit, plan_units
+from megalite.distributed.sharded_bucket import ShardedBucket, adopt
+from megalite.tensor_parallel.init import materialize
 
 
 class _Bucket:
@@ -145,6 +147,10 @@ class DistributedDataParallel(nn.Module):
         self.overlap_param_gather = overlap_param_gather and self.zero_stage in (1, 2)
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
+        if device.type == "meta":  # built in ps.meta_init(): ZeRO-3 makes this rank's shards
+            device = ps.get_device()
+            if not (use_distributed_optimizer and zero_stage == 3):
+                raise ValueError("a model built on the meta device needs ZeRO-3 (--zero-stage 3)")
         nodes = ps.get_gradient_node_groups() if hierarchical and not self.zero_stage and self.dp > 1 else None
         if self.zero_stage == 3:
             units, plan, unit_of = plan_units(module), [], []
@@ -160,7 +166,6 @@ class DistributedDataParallel(nn.Module):
             not self.zero_stage else None
         self.buckets, self._bucket_of = [], {}
         if self.zero_stage:
-            from megalite.distributed.sharded_bucket import ShardedBucket
             dtypes = {p.dtype for p in params}
             if len(dtypes) > 1:
                 raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
@@ -185,6 +190,9 @@ class DistributedDataParallel(nn.Module):
             for p in bucket_params:
                 self._bucket_of[p] = b
             offset += n
+        for p in module.parameters():
+            if p.is_meta:  # not sharded (frozen): whole on every rank
+                adopt(p, materialize(p, 0, p.numel(), device).view(p.shape).to(p.dtype))
         self.units = None
         if self.zero_stage == 3:
             owner = {p: b for b in self.buckets for p in b.params}

@@ -1,6 +1,7 @@
 """Replicas must hold bit-identical weights after every step: Megatron's
 --check-weight-hash-across-dp-replicas-interval (every weight over its data-parallel replicas)
 and --test-mode (also the weights every TP rank holds whole, norms and q/k norms among them).
+Under ZeRO-3 no DP rank repeats another's shard: only the TP comparison of shards applies.
 Each rank hashes its parameters (SHA-256 of their bytes, as Megatron does) and the hashes are
 all-gathered over the group, so every rank learns the same answer from the same collective and
 they stop together (a skipped reduction, a faulty device or link shows here before it spreads)."""
@@ -13,15 +14,32 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 
 
+def _weights(chunk):
+    """(name, tensor, param, replicated over DP): ZeRO-3 holds only its shards of the sharded
+    parameters (no DP replica to compare; TP ranks hold the same ranges of the TP-replicated ones)."""
+    units = getattr(chunk, "units", None)
+    sharded = {}
+    if units is not None:
+        for b in chunk.buckets:
+            for pc in b.pieces:
+                sharded.setdefault(pc.param, []).append(pc)
+    for name, p in getattr(chunk, "module", chunk).named_parameters():
+        if p in sharded:
+            for pc in sharded[p]:
+                yield f"{name}[{pc.start}:{pc.end}]", pc.data, p, False
+        elif units is None or not any(p is q for b in chunk.buckets for q in b.params):
+            yield name, p.detach(), p, True
+
+
 def weight_hashes(chunks):
     """{name: (first 8 bytes of the parameter's SHA-256 as an int64, whether every TP rank holds
-    it whole)} of this rank's parameters; each is hashed once."""
+    it whole, whether DP ranks hold it whole)} of this rank's parameters; each is hashed once."""
     out = {}
     for chunk in chunks:
-        for name, p in getattr(chunk, "module", chunk).named_parameters():
-            raw = p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+        for name, t, p, dp_replicated in _weights(chunk):
+            raw = t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
             digest = int.from_bytes(hashlib.sha256(raw).digest()[:8], "little", signed=True)
-            out[name] = (digest, not getattr(p, "tensor_model_parallel", False))
+            out[name] = (digest, not getattr(p, "tensor_model_parallel", False), dp_replicated)
     return out
 
 
@@ -42,10 +60,11 @@ def replicas_differ(chunks, tp_too=False):
             chunk.finish_param_sync()
     hashes, out = weight_hashes(chunks), []
     if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # CP ranks are replicas too
-        out += _differ(hashes, list(hashes), ps.get_data_parallel_group(with_context_parallel=True),
+        out += _differ(hashes, [n for n, h in hashes.items() if h[2]],
+                       ps.get_data_parallel_group(with_context_parallel=True),
                        ps.get_data_parallel_world_size(with_context_parallel=True))
     if tp_too and ps.get_tensor_model_parallel_world_size() > 1:
-        whole = [n for n, (_, tp_replicated) in hashes.items() if tp_replicated]
+        whole = [n for n, (_, tp_replicated, _) in hashes.items() if tp_replicated]
         out += [f"{n} (over TP)" for n in _differ(hashes, whole, ps.get_tensor_model_parallel_group(),
                                                   ps.get_tensor_model_parallel_world_size())]
     return out

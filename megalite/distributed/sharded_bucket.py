@@ -23,8 +23,21 @@ so reading a freed parameter yields NaN, never freed memory.
 """
 
 import torch
+from torch import nn
 
 from megalite.distributed import comm
+from megalite.tensor_parallel.init import materialize
+
+
+def adopt(param, tensor):
+    """A meta-device parameter takes `tensor` as its storage: the same Python object (modules,
+    hooks and attributes keep it), now on tensor's device."""
+    fresh = nn.Parameter(torch.empty(0, dtype=tensor.dtype, device=tensor.device), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, fresh)
+    param.__dict__.update(fresh.__dict__)  # the attributes moved with the swap: take them back
+    # .data, not the Parameter's constructor: a version counter of its own, so gathers into the
+    # flat buffer do not look like in-place changes of a tensor autograd saved
+    param.data = tensor
 
 
 class Piece:
@@ -53,12 +66,16 @@ class ShardedBucket:
         else:
             self.data = torch.zeros(padded, dtype=torch.float32, device=param_data.device)
             self.shard_acc = torch.zeros(self.shard, dtype=torch.float32, device=param_data.device)
-        self.pieces, offset = [], 0
+        self.pieces, offset, born_meta = [], 0, set()
         for p in params:
             n = p.numel()
             view = param_data[offset:offset + n]
-            view.copy_(p.data.reshape(-1))
-            p.data = view.view(p.shape)  # the parameter now lives in the flat buffer
+            if p.is_meta:  # built by ps.meta_init(): only this rank's shard is made, below
+                adopt(p, view.view(p.shape))
+                born_meta.add(p)
+            else:
+                view.copy_(p.data.reshape(-1))
+                p.data = view.view(p.shape)  # the parameter now lives in the flat buffer
             p.main_grad = self.data[offset:offset + n].view(p.shape)
             a, b = max(offset, self.lo), min(offset + n, self.hi)
             b = max(a, b)
@@ -76,7 +93,11 @@ class ShardedBucket:
             self.param_shard = param_data[self.lo:self.hi].clone()
             for pc in self.pieces:
                 pc.data = self.param_shard[pc.flat[0] - self.lo:pc.flat[1] - self.lo]
+                if pc.param in born_meta:
+                    pc.data.copy_(materialize(pc.param, pc.start, pc.end, pc.data.device))
             self.release_params()
+        elif born_meta:
+            raise ValueError("parameters built on the meta device need ZeRO-3 (--zero-stage 3)")
 
     # -- stage-2 storage of the full-size buffer --------------------------------------
     def _allocated(self):

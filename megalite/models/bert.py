@@ -32,7 +32,8 @@ from megalite.tensor_parallel import (
     padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
-from megalite.tensor_parallel.layers import init_master, init_normal
+from megalite.tensor_parallel.init import replicated_init
+from megalite.tensor_parallel.layers import ConstantRecipe, init_normal, with_recipe
 from megalite.transformer import TransformerBlock
 from megalite.transformer.norm import LayerNorm, build_norm
 from megalite.transformer.pipeline_layers import chunk_layers
@@ -42,9 +43,11 @@ from megalite.transformer.utils import param_seed
 def _replicated_linear(c, n_in, n_out, name):
     """A plain nn.Linear (the same full weight on every rank), topology-independent init."""
     lin = nn.Linear(n_in, n_out, device=ps.get_device(), dtype=c.params_dtype)
+    w, recipe = replicated_init((n_out, n_in), init_normal(c.init_method_std), param_seed(c.seed, name),
+                                ps.get_device())
     with torch.no_grad():
-        lin.weight.copy_(init_master((n_out, n_in), init_normal(c.init_method_std), param_seed(c.seed, name)))
-        lin.bias.zero_()
+        with_recipe(lin.weight, recipe).copy_(w)
+        with_recipe(lin.bias, ConstantRecipe(0)).zero_()
     return lin
 
 
@@ -57,12 +60,11 @@ class BertEmbedding(GPTEmbedding):
         sp = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
         self.tokentype_embeddings = None
         if c.num_tokentypes > 0:
-            w = init_master((c.num_tokentypes, c.hidden_size), init_normal(c.init_method_std),
-                            param_seed(c.seed, "embedding.tokentype_embeddings"))
-            self.tokentype_embeddings = nn.Embedding(c.num_tokentypes, c.hidden_size, device=ps.get_device(),
-                                                     dtype=c.params_dtype)
+            shape, seed = (c.num_tokentypes, c.hidden_size), param_seed(c.seed, "embedding.tokentype_embeddings")
+            self.tokentype_embeddings = nn.Embedding(*shape, device=ps.get_device(), dtype=c.params_dtype)
+            w, recipe = replicated_init(shape, init_normal(c.init_method_std), seed, ps.get_device())
             with torch.no_grad():
-                self.tokentype_embeddings.weight.copy_(w)
+                with_recipe(self.tokentype_embeddings.weight, recipe).copy_(w)
             self.tokentype_embeddings.weight.sequence_parallel = sp  # partial grads under SP, summed over TP
         self.layernorm = build_norm(c, c.hidden_size) if c.layernorm_position == "post" else None
 

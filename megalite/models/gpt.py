@@ -21,7 +21,8 @@ from megalite.tensor_parallel import (
     padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
-from megalite.tensor_parallel.layers import init_master, init_normal
+from megalite.tensor_parallel.init import replicated_init
+from megalite.tensor_parallel.layers import init_normal, with_recipe
 from megalite.transformer import TransformerBlock
 from megalite.transformer.pipeline_layers import chunk_layers
 from megalite.transformer.rope import rotary_cos_sin
@@ -40,12 +41,12 @@ class GPTEmbedding(nn.Module):
         self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
         self.position_embeddings = None
         if c.position_embedding_type == "learned_absolute":
-            w = init_master((c.max_position_embeddings, c.hidden_size), init_normal(c.init_method_std),
-                            param_seed(c.seed, "embedding.position_embeddings"))
-            self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size,
-                                                    device=ps.get_device(), dtype=c.params_dtype)
+            shape = (c.max_position_embeddings, c.hidden_size)
+            seed = param_seed(c.seed, "embedding.position_embeddings")
+            self.position_embeddings = nn.Embedding(*shape, device=ps.get_device(), dtype=c.params_dtype)
+            w, recipe = replicated_init(shape, init_normal(c.init_method_std), seed, ps.get_device())
             with torch.no_grad():
-                self.position_embeddings.weight.copy_(w)
+                with_recipe(self.position_embeddings.weight, recipe).copy_(w)
             # Under SP each rank adds only its sequence slice: partial grads, summed over TP.
             self.position_embeddings.weight.sequence_parallel = c.sequence_parallel and \
                 ps.get_tensor_model_parallel_world_size() > 1

@@ -11,6 +11,10 @@ numbers depend on its position only). The numbers depend on the generator's devi
 (CPU and CUDA Philox streams differ), not on the topology.
 Any other init method (a plain callable) falls back to building the full weight from the
 seed with the global RNG, then slicing it (O(full) per rank, still TP-independent).
+
+Every parameter also records its recipe (`init_recipe`: any flat range of its local tensor,
+on demand), so a model built on the meta device (ZeRO-3) materialises only the ranges a rank
+keeps: O(shard) per rank, the same values as the eager build.
 """
 
 import torch
@@ -106,3 +110,56 @@ def _tiles(shape, std, real, seed, row_ranges, col_range, device):
             out[o + r0 - a:o + r1 - a].copy_(strip[r0 - i * TILE:r1 - i * TILE])  # assignment is ~100x slower)
         o += b - a
     return out
+
+
+class BlockRecipe:
+    """Flat elements [start, end) of the local tensor W[rows, c0:c1] (init_block's arguments):
+    the local rows covering the range are generated, then cut (O(range + 2 rows))."""
+
+    def __init__(self, shape, init_method, seed, row_ranges, col_range, on_cpu=False):
+        """on_cpu: generated on the CPU then moved, as replicated weights are (init_master)."""
+        self.shape, self.init_method, self.seed = shape, init_method, seed
+        self.row_ranges, self.col_range, self.on_cpu = row_ranges, col_range, on_cpu
+
+    def __call__(self, start, end, device):
+        width = self.col_range[1] - self.col_range[0]
+        i0, i1 = start // width, -(-end // width)
+        ranges, base = [], 0
+        for a, b in self.row_ranges:  # local rows [i0, i1) -> rows of the full weight
+            lo, hi = max(i0, base), min(i1, base + b - a)
+            if hi > lo:
+                ranges.append((a + lo - base, a + hi - base))
+            base += b - a
+        block = init_block(self.shape, self.init_method, self.seed, ranges, self.col_range,
+                           "cpu" if self.on_cpu else device).reshape(-1)
+        return block[start - i0 * width:end - i0 * width].to(device)
+
+
+class ConstantRecipe:
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, start, end, device):
+        return torch.full((end - start,), float(self.value), dtype=torch.float32, device=device)
+
+
+def replicated_init(shape, init_method, seed, device):
+    """A replicated weight's full initial value (generated on the CPU, as init_master), or an
+    empty meta tensor when the model is built on the meta device; and its recipe."""
+    recipe = BlockRecipe(shape, init_method, seed, [(0, shape[0])], (0, shape[1]), on_cpu=True)
+    meta = torch.device(device).type == "meta"
+    return init_master(shape, init_method, seed, "meta" if meta else "cpu"), recipe
+
+
+def with_recipe(param, recipe):
+    param.init_recipe = recipe
+    return param
+
+
+def materialize(param, start, end, device):
+    """fp32 flat elements [start, end) of `param`'s initial local value, from its recipe."""
+    recipe = getattr(param, "init_recipe", None)
+    if recipe is None:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} was built on the meta device without an "
+                         "init_recipe (megalite.tensor_parallel.init.with_recipe): ZeRO-3 cannot initialise it")
+    return recipe(start, end, device)

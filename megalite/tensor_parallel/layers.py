@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import parallel_state as ps
-from megalite.tensor_parallel.init import init_block, init_master, init_normal  # noqa: F401 (re-exported)
+from megalite.tensor_parallel.init import (  # noqa: F401 (re-exported)
+    BlockRecipe,
+    ConstantRecipe,
+    init_block,
+    init_master,
+    init_normal,
+    with_recipe,
+)
 from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -68,13 +75,15 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and tp > 1
         device = device or ps.get_device()
         init_method = init_method or init_normal(0.02)
-        w = init_block((output_size, input_size), init_method, init_seed,
-                       shard_row_ranges(output_size, tp, rank, shard_chunks), (0, input_size), device)
-        self.weight = nn.Parameter(w.to(dtype=params_dtype))
+        rows = shard_row_ranges(output_size, tp, rank, shard_chunks)
+        w = init_block((output_size, input_size), init_method, init_seed, rows, (0, input_size), device)
+        self.weight = with_recipe(nn.Parameter(w.to(dtype=params_dtype)),
+                                  BlockRecipe((output_size, input_size), init_method, init_seed, rows, (0, input_size)))
         _set_tp_attrs(self.weight, True, 0)
         self.weight.shard_chunks = shard_chunks
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, device=device, dtype=params_dtype))
+            self.bias = with_recipe(nn.Parameter(torch.zeros(self.output_size_per_partition, device=device,
+                                                             dtype=params_dtype)), ConstantRecipe(0))
             _set_tp_attrs(self.bias, True, 0)
             self.bias.shard_chunks = shard_chunks
         else:
@@ -116,12 +125,15 @@ class RowParallelLinear(nn.Module):
         device = device or ps.get_device()
         init_method = init_method or init_normal(0.02)
         per = self.input_size_per_partition
-        w = init_block((output_size, input_size), init_method, init_seed, [(0, output_size)],
-                       (rank * per, (rank + 1) * per), device)
-        self.weight = nn.Parameter(w.to(dtype=params_dtype))
+        cols = (rank * per, (rank + 1) * per)
+        w = init_block((output_size, input_size), init_method, init_seed, [(0, output_size)], cols, device)
+        self.weight = with_recipe(nn.Parameter(w.to(dtype=params_dtype)),
+                                  BlockRecipe((output_size, input_size), init_method, init_seed, [(0, output_size)],
+                                              cols))
         _set_tp_attrs(self.weight, True, 1)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, device=device, dtype=params_dtype))
+            self.bias = with_recipe(nn.Parameter(torch.zeros(output_size, device=device, dtype=params_dtype)),
+                                    ConstantRecipe(0))
             _set_tp_attrs(self.bias, False, -1)
             # Under SP the bias is added to this rank's sequence slice only: its gradient
             # is partial and must be summed over TP (see distributed.finalize_grads).
@@ -164,13 +176,18 @@ class VocabParallelEmbedding(nn.Module):
         device = device or ps.get_device()
         rows = [(self.vocab_start_index, self.vocab_end_index)]
         if getattr(init_method, "std", None) is not None:
-            w = init_block((num_embeddings, embedding_dim), init_normal(init_method.std, real), init_seed, rows,
-                           (0, embedding_dim), device)
+            recipe = BlockRecipe((num_embeddings, embedding_dim), init_normal(init_method.std, real), init_seed, rows,
+                                 (0, embedding_dim))
+            w = init_block(recipe.shape, recipe.init_method, init_seed, rows, (0, embedding_dim), device)
         else:  # a custom init: the real rows from the seed, zero padding
-            master = torch.zeros(num_embeddings, embedding_dim)
-            master[:real] = init_master((real, embedding_dim), init_method, init_seed)
-            w = master[self.vocab_start_index:self.vocab_end_index].to(device)
-        self.weight = nn.Parameter(w.to(dtype=params_dtype))
+            def local(start, end, dev):
+                master = torch.zeros(num_embeddings, embedding_dim)
+                master[:real] = init_master((real, embedding_dim), init_method, init_seed)
+                return master[self.vocab_start_index:self.vocab_end_index].reshape(-1)[start:end].to(dev)
+            recipe = local
+            w = torch.empty(per, embedding_dim, device=device) if torch.device(device).type == "meta" else \
+                local(0, per * embedding_dim, device).view(per, embedding_dim)
+        self.weight = with_recipe(nn.Parameter(w.to(dtype=params_dtype)), recipe)
         _set_tp_attrs(self.weight, True, 0)
         self.weight.real_vocab_size = real  # rows past it are padding (checkpoints store only real rows)
 

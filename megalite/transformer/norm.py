@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import kernels
+from megalite.tensor_parallel.init import ConstantRecipe, with_recipe
 from megalite.transformer.utils import kernel_backend
 
 
@@ -15,9 +16,9 @@ class LayerNorm(nn.Module):
                  device=None, zero_centered=False):
         super().__init__()
         self.eps, self.fused, self.zero_centered = eps, fused, zero_centered
-        self.weight = nn.Parameter((torch.zeros if zero_centered else torch.ones)(hidden_size, dtype=dtype,
-                                                                                   device=device))
-        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+        self.weight = with_recipe(nn.Parameter((torch.zeros if zero_centered else torch.ones)(
+            hidden_size, dtype=dtype, device=device)), ConstantRecipe(0 if zero_centered else 1))
+        self.bias = with_recipe(nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)), ConstantRecipe(0))
         for p in (self.weight, self.bias):
             p.sequence_parallel = sequence_parallel  # grads are partial under SP: summed over TP
 
@@ -31,8 +32,8 @@ class RMSNorm(nn.Module):
                  device=None, zero_centered=False):
         super().__init__()
         self.eps, self.fused, self.zero_centered = eps, fused, zero_centered
-        self.weight = nn.Parameter((torch.zeros if zero_centered else torch.ones)(hidden_size, dtype=dtype,
-                                                                                   device=device))
+        self.weight = with_recipe(nn.Parameter((torch.zeros if zero_centered else torch.ones)(
+            hidden_size, dtype=dtype, device=device)), ConstantRecipe(0 if zero_centered else 1))
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x):
