@@ -130,9 +130,17 @@ def _validate_fsdp(args):
         if args.use_torch_fsdp2:
             print_notices(["--use-torch-fsdp2 accepted: megalite's ZeRO-3 (its own sharded buckets, unit by unit "
                            "with prefetch; composes with pipeline parallelism)"])
+    if args.zero_stage == 3 and args.data_parallel_shares is not None:
+        raise ConfigError(f"--data-parallel-shares {_shares_str(args.data_parallel_shares)} with ZeRO-3: ranks that run "
+                          "different micro-batch counts would issue different numbers of parameter all-gathers; use "
+                          "--zero-stage 2 or drop --data-parallel-shares")
     if not args.torch_fsdp2_reshard_after_forward and args.zero_stage != 3:
         raise ConfigError("--torch-fsdp2-no-reshard-after-forward needs ZeRO-3 (--use-torch-fsdp2, "
                           "--use-megatron-fsdp or --use-distributed-optimizer --zero-stage 3)")
+
+
+def _shares_str(shares):
+    return shares if isinstance(shares, str) else ",".join(map(str, shares))
 
 
 def _validate_shares(args):

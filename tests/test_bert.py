@@ -92,12 +92,17 @@ def bert_runs(tmp_path_factory):
             bert_layout("bert_cp2_dp2_p2p", cp=2, dp=2),
             bert_layout("bert_cp2_tp2_sp_a2a", cp=2, tp=2, sp=True, cp_comm="a2a"),
             # unequal data-parallel shares: MLM and SOP losses over the global micro-batch count
-            bert_layout("bert_tp2_dp2_shares_3_1", tp=2, dp=2, flags=("--data-parallel-shares", "3,1"))]
+            bert_layout("bert_tp2_dp2_shares_3_1", tp=2, dp=2, flags=("--data-parallel-shares", "3,1")),
+            # ZeRO-3: the tied MLM output layer (its own bias + the embedding's bucket), pooler and SOP
+            # head as units; at PP2 the last stage's tied copy
+            bert_layout("bert_tp2_dp2_zero3", tp=2, dp=2, zero=3),
+            bert_layout("bert_pp2_dp2_zero3", pp=2, dp=2, zero=3)]
     return lays, run_layouts(lays, 4), ckpt
 
 
-@pytest.mark.parametrize("i", range(7), ids=["tp2_dp2", "pp2_dp2_interleaved", "tp2_pp2_sp", "tp2_pp2_sp_pre_norm",
-                                             "cp2_dp2_p2p", "cp2_tp2_sp_a2a", "tp2_dp2_shares_3_1"])
+@pytest.mark.parametrize("i", range(9), ids=["tp2_dp2", "pp2_dp2_interleaved", "tp2_pp2_sp", "tp2_pp2_sp_pre_norm",
+                                             "cp2_dp2_p2p", "cp2_tp2_sp_a2a", "tp2_dp2_shares_3_1", "tp2_dp2_zero3",
+                                             "pp2_dp2_zero3"])
 def test_bert_layouts_match_single_process(bert_runs, i):
     """Losses over the steps, every step-1 gradient before clipping (MLM head, tied embedding on
     both stages, pooler and SOP head included), grad norms and parameters at rel <= 1e-5; under

@@ -65,7 +65,7 @@ def prefetch_two_ahead():
 
 LAYOUTS = [
     layout("dp4_zero3", dp=4, zero=3),
-    layout("dp4_zero3_llama_untied", dp=4, zero=3, model=LLAMA),
+    layout("dp4_zero3_llama_untied_eval", dp=4, zero=3, model=LLAMA, flags=("--eval-interval", "3", "--eval-iters", "1")),
     layout("tp2_dp2_sp_zero3", tp=2, dp=2, sp=True, zero=3,
            flags=("--check-weight-hash-across-dp-replicas-interval", "1", "--log-params-norm", "--test-mode")),
     layout("pp2_dp2_interleaved_zero3", pp=2, dp=2, vp=1, zero=3),
@@ -189,7 +189,7 @@ def test_unit_schedule_prefetches_each_next_unit(world):
         # the output layer's backward to the embedding's
         units = sorted(r["collected"][0]["units"])
         assert s["peak_bytes"] <= units[-1] + units[-2] + r["collected"][0]["units"][0], (s, units)
-    for r in world[1]["dp4_zero3_llama_untied"]:  # untied: at most (1 + prefetch) units
+    for r in world[1]["dp4_zero3_llama_untied_eval"]:  # untied: at most (1 + prefetch) units, evaluation too
         (c,) = r["collected"]
         units = sorted(c["units"])
         assert c["stats"]["peak_bytes"] <= units[-1] + units[-2] and c["stats"]["wasted"] == 0, c
@@ -260,6 +260,7 @@ def test_fsdp_flags_map_onto_zero_stages(capsys):
                      (["--use-megatron-fsdp", "--use-torch-fsdp2"], "exclusive"),
                      (["--use-megatron-fsdp", "--zero-stage", "2"], "drop --zero-stage"),
                      (["--torch-fsdp2-no-reshard-after-forward"], "needs ZeRO-3"),
+                     (["--use-torch-fsdp2", "--data-parallel-shares", "3,1"], "different numbers of parameter all-gathers"),
                      (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"], "hybrid sharding")):
         with pytest.raises(SystemExit):
             parse_args(req + bad, world_size=2)

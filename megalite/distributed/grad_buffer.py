@@ -143,6 +143,8 @@ class DistributedDataParallel(nn.Module):
         if use_distributed_optimizer and zero_stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage {zero_stage} is not supported; use 1, 2 or 3")
         self.zero_stage = zero_stage if use_distributed_optimizer else 0
+        if self.zero_stage == 3 and reduce_once:  # a rank with fewer micro-batches would gather fewer times
+            raise ValueError("ZeRO-3 needs the same micro-batch count on every data-parallel rank (no uneven shares)")
         # ZeRO-3 gathers unit by unit as the forward reaches them (with prefetch): always overlapped.
         self.overlap_param_gather = overlap_param_gather and self.zero_stage in (1, 2)
         params = [p for p in module.parameters() if p.requires_grad]
