@@ -155,17 +155,15 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError("a model built on the meta device needs ZeRO-3 (--zero-stage 3)")
         nodes = ps.get_gradient_node_groups() if hierarchical and not self.zero_stage and self.dp > 1 else None
         if self.zero_stage == 3:
-            units, plan, unit_of = plan_units(module), [], []
-            for i, (_, _, own, _) in reversed(list(enumerate(units))):  # backward order, as plan_buckets
-                unit_plan = plan_buckets(own, float("inf"), self.dp, _tied_weight(module))
-                plan += unit_plan
-                unit_of += [i] * len(unit_plan)
+            units, plan = plan_units(module), []
+            for _, _, own, _ in reversed(units):  # one bucket per unit (two with a tied copy), backward order
+                plan += plan_buckets(own, float("inf"), self.dp, _tied_weight(module))
         else:
             plan = plan_buckets(params, bucket_size, self.dp if self.zero_stage else len(nodes[1]) if nodes else 1,
                                 _tied_weight(module) if self.zero_stage else None)
         total = sum(n for _, n in plan)
-        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device) if self.zero_stage == 1 or \
-            not self.zero_stage else None
+        # (ZeRO-2/3 buckets allocate their full-size gradients only while a reduction needs them)
+        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device) if self.zero_stage < 2 else None
         self.buckets, self._bucket_of = [], {}
         if self.zero_stage:
             dtypes = {p.dtype for p in params}
