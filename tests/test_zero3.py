@@ -189,6 +189,11 @@ def test_unit_schedule_prefetches_each_next_unit(world):
         # the output layer's backward to the embedding's
         units = sorted(r["collected"][0]["units"])
         assert s["peak_bytes"] <= units[-1] + units[-2] + r["collected"][0]["units"][0], (s, units)
+    for r in world[1]["dp4_megatron_fsdp_no_reshard"]:
+        # --torch-fsdp2-no-reshard-after-forward: units stay whole from the forward to their
+        # backward, so only the forward gathers (6: the output layer's bucket is the embedding's)
+        (s,) = [c["stats"] for c in r["collected"]]
+        assert (s["demand"], s["prefetch"], s["wasted"]) == (6 + (micro - 1), (micro - 1) * 5, 0), s
     for r in world[1]["dp4_zero3_llama_untied_eval"]:  # untied: at most (1 + prefetch) units, evaluation too
         (c,) = r["collected"]
         units = sorted(c["units"])
