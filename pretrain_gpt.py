@@ -28,6 +28,7 @@ def datasets_provider(args, num_samples):
     from megalite.data import build_gpt_datasets
     from megalite.data.mock_dataset import MockGPTDataset
 
+    from megalite.data.fim import with_fim
     from megalite.data.gpt_batch import with_batch_masks
 
     builder, barrier = ps.global_rank() == 0, ps.barrier
@@ -49,8 +50,9 @@ def datasets_provider(args, num_samples):
         raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-size)")
     tok = _tokenizer(args)
     args.vocab_size = tok.vocab_size
-    return with_batch_masks(build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
-                                               args.data_cache_path, is_builder=builder, barrier=barrier), args, tok.eod)
+    datasets = with_fim(build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
+                                           args.data_cache_path, is_builder=builder, barrier=barrier), args, tok)
+    return with_batch_masks(datasets, args, tok.eod)
 
 
 def forward_step(data_iterator, model):

@@ -200,6 +200,15 @@ def build_parser():
     a("--split", default=None, help="train,valid,test weights (commas or slashes; default 969,30,1)")
     a("--data-cache-path", default=None)
     a("--mock-data", action="store_true")
+    a("--fim-data", action="store_true", help="fill-in-the-middle samples (PSM/SPM), as Megatron's FIM dataset")
+    a("--fim-rate", type=float, default=0.5, help="probability that a document segment becomes a FIM sample")
+    a("--fim-spm-rate", type=float, default=0.5, help="probability that a FIM sample is SPM rather than PSM")
+    a("--fim-split-sample", default=None, help="a token at which segments are cut into fragments, each FIM'd alone")
+    a("--fim-fragment-rate", type=float, default=None, help="with --fim-split-sample: FIM rate per fragment")
+    a("--fim-no-prefix", default=None, help="fragments whose text starts with this are left alone")
+    for name, default in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"), ("suffix", "<fim_suffix>"),
+                          ("pad", "<fim_pad>"), ("eod", "<|endoftext|>")):
+        a(f"--fim-{name}-token", default=default, help=f"the FIM {name} token (a vocabulary entry)")
     a("--num-workers", type=int, default=2, help="data loader worker processes (0: load in the training process)")
     a("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     a("--reset-position-ids", action="store_true", help="position ids restart after each end-of-document token")

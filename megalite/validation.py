@@ -45,6 +45,7 @@ def validate_args(args):
         raise ConfigError(f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr (the embedding and "
                           "output layer's peak LR)")
     _validate_fsdp(args)
+    _validate_fim(args)
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
     if args.hierarchical_grad_reduce and args.use_distributed_optimizer:
@@ -108,6 +109,21 @@ def validate_args(args):
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
     model_config(args, args.vocab_size or 1).check_parallel(tp)
+
+
+def _validate_fim(args):
+    if not args.fim_data:
+        return
+    if args.mock_data:
+        raise ConfigError("--fim-data rearranges real text; it does not compose with --mock-data (as Megatron)")
+    rates = [("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate),
+             ("--fim-fragment-rate", args.fim_fragment_rate)]
+    bad = [f"{flag} {v}" for flag, v in rates if v is not None and not 0 <= v <= 1]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)}: a rate is a probability in [0, 1]")
+    if args.fim_split_sample is not None and args.fim_fragment_rate is None:
+        raise ConfigError(f"--fim-split-sample {args.fim_split_sample!r} needs --fim-fragment-rate (the FIM rate of "
+                          "each fragment)")
 
 
 FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}

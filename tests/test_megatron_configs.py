@@ -29,8 +29,7 @@ KNOWN_GAPS = {
     "--wandb-save-dir": "W&B logging",
     "--error-injection-rate": "re-run state machine fault injection",
     "--error-injection-type": "re-run state machine fault injection",
-    "--fim-data": "fill-in-the-middle data", "--fim-rate": "fill-in-the-middle data",
-    "--fim-spm-rate": "fill-in-the-middle data", "--use-mup": "muP", "--mup-base-hidden-size": "muP",
+    "--use-mup": "muP", "--mup-base-hidden-size": "muP",
     "--multi-latent-attention": "MLA", "--q-lora-rank": "MLA", "--kv-lora-rank": "MLA", "--qk-head-dim": "MLA",
     "--qk-pos-emb-head-dim": "MLA", "--v-head-dim": "MLA", "--experimental-attention-variant": "DSA",
     "--dsa-indexer-n-heads": "DSA", "--dsa-indexer-head-dim": "DSA", "--dsa-indexer-topk": "DSA",
@@ -128,7 +127,8 @@ def test_every_functional_config_starts_or_names_its_cause():
     assert not problems, "\n".join(problems)
     # the two Megatron scripts that train in tests/test_megatron_scripts.py are among them
     assert {"gpt/gpt3_mcore_tp1_pp2_fp16", "gpt/gpt3_mcore_tp2_pp2_uninstall_te"} <= set(started)
-    # and Megatron's FSDP configs (ZeRO-3 and its flags)
+    # and Megatron's FSDP configs (ZeRO-3 and its flags) and its FIM data config
+    assert "gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset" in started
     assert {"gpt/gpt3_mcore_tp1_pp1_fsdp2_resume_torch_dist_te", "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"} \
         <= set(started)
     print(f"{len(started)} of {len(configs)} Megatron functional-test configs start")

@@ -71,7 +71,7 @@ LAYOUTS = [
     layout("pp2_dp2_interleaved_zero3", pp=2, dp=2, vp=1, zero=3),
     layout("tp2_dp2_zero3_recompute_full", tp=2, dp=2, zero=3, recompute="full"),
     layout("pp2_dp2_tied_zero3_bf16", pp=2, dp=2, zero=3, dtype="bf16"),
-    layout("cp2_dp2_zero3", dp=2, cp=2, zero=3),
+    layout("cp2_dp2_zero3_overlap_gather", dp=2, cp=2, zero=3, flags=("--overlap-param-gather",)),
     layout("dp4_megatron_fsdp_no_reshard", dp=4, flags=("--use-megatron-fsdp", "--torch-fsdp2-no-reshard-after-forward")),
     layout("dp2_pp2_megatron_fsdp_optim_grads", pp=2, dp=2,
            flags=("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads")),

@@ -1,7 +1,7 @@
 """Train a sentencepiece tokenizer on the same inputs tools/preprocess_data.py takes.
 
     python tools/train_tokenizer.py --input corpus.jsonl --json-keys text \
-        --model-prefix tok --vocab-size 32000 [--model-type unigram] [--bert-special-tokens]
+        --model-prefix tok --vocab-size 32000 [--model-type unigram] [--bert-special-tokens] [--fim-special-tokens]
 
 Writes {model-prefix}.model/.vocab for `--tokenizer-type SentencePieceTokenizer`."""
 
@@ -29,6 +29,8 @@ def main(argv=None):
     p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     p.add_argument("--bert-special-tokens", action="store_true",
                    help="reserve <CLS> <SEP> <MASK> (as well as <EOD>) inside the vocabulary")
+    p.add_argument("--fim-special-tokens", action="store_true",
+                   help="reserve <fim_prefix> <fim_middle> <fim_suffix> <fim_pad> (pretrain_gpt.py --fim-data)")
     p.add_argument("--input-sentence-size", type=int, default=2_000_000,
                    help="lines sampled for training (bounds memory and time)")
     p.add_argument("--character-coverage", type=float, default=0.9999)
@@ -42,6 +44,7 @@ def main(argv=None):
     model = train_sentencepiece(iter_texts(ds, args.json_keys), args.model_prefix,
                                 vocab_size=args.vocab_size, model_type=args.model_type,
                                 bert_special_tokens=args.bert_special_tokens,
+                                fim_special_tokens=args.fim_special_tokens,
                                 input_sentence_size=args.input_sentence_size,
                                 character_coverage=args.character_coverage,
                                 normalization=args.normalization, num_threads=args.workers)

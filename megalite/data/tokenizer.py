@@ -22,6 +22,10 @@ class _Base:
     def __repr__(self):
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry (e.g. Megatron's FIM tokens), None if it has none."""
+        return None
+
 
 def _load_sentencepiece(model_file: str | None, tokenizer_type: str):
     if not model_file:
@@ -75,6 +79,9 @@ class SentencePieceTokenizer(_Base):
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.EncodeAsIds(texts)
 
+    def token_to_id(self, token: str) -> int | None:
+        return self._piece_to_id.get(token)
+
     def detokenize(self, ids) -> str:
         # sentencepiece drops control pieces and cannot decode appended ids: decode the
         # runs between special tokens and spell the specials out.
@@ -112,6 +119,10 @@ class GPTSentencePieceTokenizer(_Base):
     def detokenize(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
 
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.PieceToId(token)
+        return i if self.sp.IdToPiece(i) == token else None
+
 
 class Llama2Tokenizer(_Base):
     """Megatron's `Llama2Tokenizer`: the sentencepiece model's vocabulary; tokenize
@@ -136,6 +147,10 @@ class Llama2Tokenizer(_Base):
 
     def detokenize(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self.sp.PieceToId(token)
+        return i if self.sp.IdToPiece(i) == token else None
 
 
 class HuggingFaceTokenizer(_Base):
@@ -170,6 +185,9 @@ class HuggingFaceTokenizer(_Base):
     def detokenize(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
 
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.get_vocab().get(token)
+
 
 class BertWordPieceTokenizer(_Base):
     """Megatron's `BertWordPieceLowerCase` / `BertWordPieceCase`: a WordPiece vocab.txt
@@ -203,6 +221,9 @@ class BertWordPieceTokenizer(_Base):
     def detokenize(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
 
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.get_vocab().get(token)
+
 
 class NullTokenizer(_Base):
     """Megatron's `NullTokenizer`: text is space-separated ids; with `--vocab-size V`
@@ -220,6 +241,9 @@ class NullTokenizer(_Base):
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+    def token_to_id(self, token: str) -> int | None:
+        return int(token) if token.isdigit() and int(token) < self.vocab_size else None
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,

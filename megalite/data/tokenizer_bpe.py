@@ -106,6 +106,9 @@ class GPT2BPETokenizer:
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map: printable Latin-1 bytes stand for

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 BERT_SPECIALS = ["<CLS>", "<SEP>", "<MASK>"]
+FIM_SPECIALS = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]
 
 
 def training_lines(texts):
@@ -18,13 +19,14 @@ def training_lines(texts):
 def train_sentencepiece(texts, model_prefix: str, vocab_size: int = 8192, model_type: str = "bpe",
                         bert_special_tokens: bool = False, input_sentence_size: int = 2_000_000,
                         character_coverage: float = 0.9999, normalization: str = "identity",
-                        num_threads: int | None = None, seed: int = 1234) -> str:
+                        num_threads: int | None = None, seed: int = 1234, fim_special_tokens: bool = False) -> str:
     """Train on an iterable of documents; return the path of the `.model` file.
 
     Defaults give a lossless tokenizer for code and prose: no normalization, whitespace
     kept, newline as its own piece, unknown characters fall back to bytes. `<EOD>` is
     always reserved (a control symbol, never produced from text); with
-    `bert_special_tokens` so are <CLS>, <SEP>, <MASK>. pad = id 3."""
+    `bert_special_tokens` so are <CLS>, <SEP>, <MASK>; with `fim_special_tokens` Megatron's
+    <fim_prefix> <fim_middle> <fim_suffix> <fim_pad> (--fim-data). pad = id 3."""
     import sentencepiece as spm
 
     if model_type not in ("bpe", "unigram"):
@@ -32,7 +34,7 @@ def train_sentencepiece(texts, model_prefix: str, vocab_size: int = 8192, model_
     if vocab_size < 16:
         raise ValueError(f"--vocab-size {vocab_size}: too small for a sentencepiece model (use >= 16)")
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
-    controls = ["<EOD>"] + (BERT_SPECIALS if bert_special_tokens else [])
+    controls = ["<EOD>"] + (BERT_SPECIALS if bert_special_tokens else []) + (FIM_SPECIALS if fim_special_tokens else [])
     lines = training_lines(texts)
     first = next(lines, None)
     if first is None:
