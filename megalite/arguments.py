@@ -51,6 +51,22 @@ def build_parser():
       help="fp16: attention scores computed divided by the layer number and multiplied back in the fp32 "
            "softmax (same function, no fp16 overflow of large scores)")
     a("--swiglu", action="store_true")
+    # Mixture of Experts (megalite/moe/): expert-parallel size 1 for now
+    a("--num-experts", type=int, default=None, help="experts per MoE layer")
+    a("--moe-router-topk", type=int, default=2, help="experts per token")
+    a("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
+    a("--moe-layer-freq", type=moe_layer_freq, default=1,
+      help="every k-th layer is MoE (int), or a 0/1 pattern per layer, e.g. '([1]*3+[0])*2'")
+    a("--moe-router-load-balancing-type", default="aux_loss", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
+    a("--moe-aux-loss-coeff", type=float, default=0.0)
+    a("--moe-z-loss-coeff", type=float, default=None)
+    a("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    a("--moe-router-pre-softmax", action="store_true", help="softmax over all experts before the top-k")
+    a("--moe-router-topk-scaling-factor", type=float, default=None)
+    a("--moe-router-dtype", default=None, choices=["fp32", "fp64"], help="routing precision (default fp32)")
+    a("--moe-grouped-gemm", action="store_true", help="accepted: the experts run one after the other")
+    a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
+    a("--expert-tensor-parallel-size", type=int, default=None, help="MoE experts' TP size (only 1 for now)")
     a("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU")
     a("--untie-embeddings-and-output-weights", action="store_true")
     a("--disable-bias-linear", action="store_true")
@@ -279,6 +295,29 @@ def _parse(argv, world_size, defaults=None):
     return args
 
 
+def moe_layer_freq(text):
+    """Megatron's --moe-layer-freq: an int k (every k-th layer) or a pattern of 0/1 lists built with
+    + and * (e.g. "([1]*3+[0]*1)*2"), read without eval."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError(text)
+    try:
+        out = value(ast.parse(str(text).strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r}: an int or a pattern such as '([1]*3+[0]*1)*2'") from None
+    if isinstance(out, int) and out >= 1 or isinstance(out, list) and out and all(v in (0, 1) for v in out):
+        return out
+    raise argparse.ArgumentTypeError(f"{text!r}: an int >= 1 or a list of 0/1 per layer")
+
+
 def model_config(args, vocab_size):
     return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -303,6 +342,12 @@ def model_config(args, vocab_size):
         use_flash_attn=args.use_flash_attn, deterministic=args.deterministic_mode,
         cp_comm_type=list(args.cp_comm_type) if args.context_parallel_size > 1 else None,
         reset_attention_mask=args.reset_attention_mask, calculate_per_token_loss=args.calculate_per_token_loss,
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_layer_freq=args.moe_layer_freq,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff, moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor, moe_router_dtype=args.moe_router_dtype,
         **_bert_fields(args))
 
 

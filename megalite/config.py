@@ -73,6 +73,25 @@ class ModelConfig:
     deterministic: bool = False  # deterministic algorithms only
     reset_attention_mask: bool = False  # document masks: attention on every pipeline stage needs the batch
     calculate_per_token_loss: bool = False  # loss summed over tokens, divided by the global batch's count
+    # Mixture of Experts (Megatron's --num-experts, --moe-*; megalite/moe/)
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None  # default: ffn_hidden_size
+    moe_layer_freq: object = 1  # every k-th layer is MoE, or a 0/1 list per layer
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss, seq_aux_loss or none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_score_function: str = "softmax"  # or sigmoid
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_dtype: Optional[str] = None  # fp32 (default) or fp64 routing
+
+    def is_moe_layer(self, layer_number):
+        """Whether the layer (global, 1-based) is an MoE layer."""
+        if not self.num_moe_experts:
+            return False
+        f = self.moe_layer_freq
+        return bool(f[layer_number - 1]) if isinstance(f, (list, tuple)) else (layer_number - 1) % f == 0
 
     def __post_init__(self):
         h, a = self.hidden_size, self.num_attention_heads
@@ -86,6 +105,8 @@ class ModelConfig:
         if self.ffn_hidden_size is None:
             # Megatron's SwiGLU size: 2/3 of 4h, rounded *down* to a multiple of 64
             self.ffn_hidden_size = 4 * h if not self.swiglu else int(8 * h / 3 / 64) * 64
+        if self.num_moe_experts and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.squared_relu and self.swiglu:
             raise ConfigError("--squared-relu and --swiglu are exclusive (as Megatron); pick one activation")
         if self.ffn_hidden_size < 1:

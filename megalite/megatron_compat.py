@@ -96,9 +96,8 @@ NOTICE = {
 
 # Value-carrying flags whose *value* decides: accepted at these values, not implemented otherwise.
 NEUTRAL_VALUES = {
-    "--expert-model-parallel-size": ("1", "Mixture of Experts is not implemented in megalite"),
-    "--expert-tensor-parallel-size": (None, "Mixture of Experts is not implemented in megalite"),
-    "--num-experts": ("0", "Mixture of Experts is not implemented in megalite"),
+    "--expert-model-parallel-size": ("1", "Mixture of Experts with expert parallelism (experts split over "
+                                          "ranks) is not implemented in megalite yet"),
     "--encoder-tensor-model-parallel-size": ("0", "encoder-decoder models are not implemented in megalite"),
     "--virtual-pipeline-model-parallel-size": (None, None),  # handled as a real flag in arguments.py
     "--data-impl": ("mmap", "megalite reads only the mmap .bin/.idx format"),
@@ -142,7 +141,9 @@ RENAMED = {
 _WHY = (
     (("grad-reduce-in-bf16",), "megalite reduces gradients in fp32; bf16 gradient reduction is not implemented"),
     (("fp8", "fp4", "quantiz", "kitchen"), "FP8/FP4 training (Transformer Engine) is not implemented in megalite"),
-    (("moe", "expert", "num-experts", "router"), "Mixture of Experts is not implemented in megalite"),
+    (("moe", "expert", "router"), "this Mixture of Experts option is not implemented in megalite yet (it has "
+                                  "--num-experts with top-k softmax/sigmoid routing, aux/seq-aux/z losses, expert-"
+                                  "parallel size 1)"),
     (("wandb",), "Weights & Biases logging is not implemented in megalite; use --tensorboard-dir or --log-json"),
     (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
                                                               "run under torch.profiler or nsys yourself"),

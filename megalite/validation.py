@@ -46,6 +46,7 @@ def validate_args(args):
                           "output layer's peak LR)")
     _validate_fsdp(args)
     _validate_fim(args)
+    _validate_moe(args)
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
     if args.hierarchical_grad_reduce and args.use_distributed_optimizer:
@@ -109,6 +110,48 @@ def validate_args(args):
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
     model_config(args, args.vocab_size or 1).check_parallel(tp)
+
+
+def _validate_moe(args):
+    """Megatron's MoE checks, and what megalite's MoE does not do yet, each in one line."""
+    e = args.num_experts
+    if e is None:
+        if args.expert_tensor_parallel_size is not None:  # as Megatron: it sizes the experts' TP only
+            print_notices([f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} accepted: it has no "
+                           "effect on a model without --num-experts"])
+        return
+    k, freq = args.moe_router_topk, args.moe_layer_freq
+    for cond, msg in (
+            (e < 1, f"--num-experts {e} must be >= 1"),
+            (not 1 <= k <= e, f"--moe-router-topk {k} must be between 1 and --num-experts {e}"),
+            (not args.disable_bias_linear, "MoE layers have no linear biases: add --disable-bias-linear (as Megatron)"),
+            (k == 1 and args.moe_router_score_function == "softmax" and not args.moe_router_pre_softmax,
+             "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over one expert is 1: "
+             "the router would never learn)"),
+            (isinstance(freq, list) and len(freq) != args.num_layers,
+             f"--moe-layer-freq has {len(freq) if isinstance(freq, list) else 0} entries for --num-layers "
+             f"{args.num_layers}"),
+            (args.moe_router_load_balancing_type == "sinkhorn", "--moe-router-load-balancing-type sinkhorn is not "
+                                                               "implemented in megalite yet (aux_loss, seq_aux_loss, none)"),
+            (args.moe_token_dispatcher_type == "flex", "--moe-token-dispatcher-type flex (DeepEP) is not implemented in "
+                                                       "megalite; use allgather or alltoall"),
+            (args.tensor_model_parallel_size > 1, "MoE with --tensor-model-parallel-size > 1 is not implemented in "
+                                                  "megalite yet"),
+            (args.context_parallel_size > 1, "MoE with --context-parallel-size > 1 is not implemented in megalite yet"),
+            (args.expert_tensor_parallel_size not in (None, 1), f"--expert-tensor-parallel-size "
+                                                                f"{args.expert_tensor_parallel_size}: Mixture of Experts "
+                                                                "with expert tensor parallelism is not implemented in "
+                                                                "megalite yet"),
+            (args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff or 0) < 0, "--moe-aux-loss-coeff and "
+                                                                               "--moe-z-loss-coeff must be >= 0")):
+        if cond:
+            raise ConfigError(msg)
+    notices = [] if args.moe_token_dispatcher_type == "allgather" else [
+        f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} accepted: with expert-parallel size 1 every "
+        "rank holds every expert, so tokens are dispatched locally"]
+    if args.moe_grouped_gemm:
+        notices.append("--moe-grouped-gemm accepted: the experts run one after the other (no grouped GEMM yet)")
+    print_notices(notices)
 
 
 def _validate_fim(args):

@@ -30,6 +30,9 @@ def qkv_join(q, k, v, heads, groups, d):
 def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent", "rotary_interleaved",
                               "squared_relu")):
     """Megatron-only variations no HF class of ours represents (absent in older checkpoints)."""
+    if cfg.get("num_moe_experts"):
+        raise CheckpointError(f"{arch} cannot represent a Mixture of Experts model ({cfg['num_moe_experts']} experts); "
+                              "MoE conversion to Hugging Face (Mixtral, Qwen-MoE) is not implemented in megalite yet")
     defaults = {"qk_layernorm": False, "apply_layernorm_1p": False, "rotary_percent": 1.0, "rotary_interleaved": False,
                 "squared_relu": False}
     for field in fields:

@@ -18,6 +18,7 @@ and the most micro-batches whose activations were alive at once, for tests and b
 import torch
 
 from megalite import parallel_state as ps
+from megalite.moe.router import set_aux_loss_scale
 from megalite.pipeline.p2p import P2P
 
 last_run = {"ops": [], "max_alive": 0}
@@ -33,6 +34,10 @@ class _Run:
         self.iters, self.func = its, forward_step_func
         self.m, self.forward_only, self.loss_scale = num_microbatches, forward_only, loss_scale
         self.divisor = loss_divisor or num_microbatches
+        # MoE auxiliary losses enter the backward scaled as the main loss (Megatron's MoEAuxLossAutoScaler)
+        config = getattr(getattr(self.chunks[0], "module", self.chunks[0]), "config", None)
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        set_aux_loss_scale(loss_scale if per_token else loss_scale / self.divisor)
         self.reported, self.alive = [], 0
         self.next_mb = [0] * len(self.chunks)
         self.bwd_mb = [0] * len(self.chunks)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import parallel_state as ps
+from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel import get_rng_tracker
 from megalite.transformer.attention import SelfAttention
 from megalite.transformer.mlp import MLP
@@ -26,7 +27,8 @@ class TransformerLayer(nn.Module):
             self.post_attention_layernorm = build_norm(config, config.hidden_size)
         else:
             self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config, prefix + ".mlp")
+        self.mlp = MoELayer(config, prefix + ".mlp", layer_number, MLP) if config.is_moe_layer(layer_number) else \
+            MLP(config, prefix + ".mlp")
         if self.post_norm:
             self.post_mlp_layernorm = build_norm(config, config.hidden_size)
 

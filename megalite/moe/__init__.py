@@ -1,0 +1,1 @@
+"""Mixture of Experts (Megatron-Core's moe/): router.py, experts.py, layer.py."""

@@ -1,0 +1,126 @@
+"""The top-k router of an MoE layer (Megatron-Core's TopKRouter) and its auxiliary losses.
+
+logits = x W^T (in fp32, or --moe-router-dtype fp64) -> scores -> top-k:
+- softmax: top-k of the logits, softmax over those k (--moe-router-pre-softmax: softmax over all
+  experts, then top-k of the probabilities);
+- sigmoid: sigmoid of the logits, top-k, normalised over the k when k > 1;
+- --moe-router-topk-scaling-factor multiplies the k probabilities.
+Auxiliary losses (Megatron's formulas), added to the training loss through the gradient only:
+- aux_loss (Switch): coeff · E/(k·T²) · Σ_e (Σ_t p_te)(tokens to e), over this micro-batch's T tokens;
+- seq_aux_loss: the same per sequence, averaged over the sequences;
+- z-loss: coeff · mean_t logsumexp(logits_t)².
+Their gradients enter the backward scaled as the main loss is (AuxLossScaler: the loss scale over
+the micro-batch count; per-token loss: the loss scale), and their values are recorded per layer for
+the log line (`aux_losses`).
+"""
+
+import torch
+from torch import nn
+
+from megalite import parallel_state as ps
+from megalite.tensor_parallel.init import BlockRecipe, init_block, init_normal, with_recipe
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on `output` whose backward also sends `scale` as the gradient of `aux_loss`."""
+
+    scale = 1.0
+
+    @staticmethod
+    def forward(ctx, output, aux_loss):
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, AuxLossScaler.scale)
+
+
+def set_aux_loss_scale(scale):
+    """The schedules call this before each iteration's backward passes (Megatron's set_loss_scale)."""
+    AuxLossScaler.scale = float(scale)
+
+
+# name -> {layer number: summed value over the micro-batches (detached)}; read and cleared by the logger
+aux_losses = {}
+
+
+def _record(name, layer_number, value):
+    per_layer = aux_losses.setdefault(name, {})
+    per_layer[layer_number] = per_layer.get(layer_number, 0.0) + value.detach().float()
+
+
+def switch_aux_loss(probs, tokens_per_expert, total_tokens, topk, coeff):
+    num_experts = probs.shape[-1]
+    return (probs.sum(dim=0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * total_tokens * total_tokens))
+
+
+def z_loss(logits, coeff):
+    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+
+
+def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scaling_factor=None):
+    """(probs [T, E], zero outside each token's k experts; routing map [T, E] bool)."""
+    if score_function == "softmax":
+        if pre_softmax:
+            probs, idx = torch.topk(torch.softmax(logits, dim=-1), topk, dim=1)
+        else:
+            top, idx = torch.topk(logits, topk, dim=1)
+            probs = torch.softmax(top, dim=-1)
+    else:
+        top, idx = torch.topk(torch.sigmoid(logits), topk, dim=1)
+        probs = top / (top.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else top
+    if scaling_factor:
+        probs = probs * scaling_factor
+    dense = torch.zeros_like(logits).scatter(1, idx, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    return dense, routing_map
+
+
+def _scores_for_aux(logits, score_function):
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    s = torch.sigmoid(logits)
+    return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, config, prefix, layer_number):
+        super().__init__()
+        c = self.config = config
+        self.layer_number = layer_number
+        from megalite.transformer.utils import param_seed  # (here: transformer/ imports this package)
+        shape, seed = (c.num_moe_experts, c.hidden_size), param_seed(c.seed, prefix + ".weight")
+        w = init_block(shape, init_normal(c.init_method_std), seed, [(0, shape[0])], (0, shape[1]), ps.get_device())
+        # replicated over TP (its input is whole on every rank); Megatron keeps it in the model's dtype
+        self.weight = with_recipe(nn.Parameter(w.to(c.params_dtype)),
+                                  BlockRecipe(shape, init_normal(c.init_method_std), seed, [(0, shape[0])],
+                                              (0, shape[1])))
+        self.dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
+
+    def forward(self, x, seq_length=None):
+        """x [T, h] (T = s·b tokens, sequence-major) -> (probs [T, E], routing map [T, E])."""
+        c = self.config
+        logits = torch.nn.functional.linear(x.to(self.dtype), self.weight.to(self.dtype))
+        if c.moe_z_loss_coeff:
+            zl = z_loss(logits, c.moe_z_loss_coeff)
+            _record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
+            logits = AuxLossScaler.apply(logits, zl)
+        probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
+                                          c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor)
+        kind = c.moe_router_load_balancing_type
+        if kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
+            scores = _scores_for_aux(logits, c.moe_router_score_function)
+            if kind == "aux_loss":
+                aux = switch_aux_loss(scores, routing_map.sum(dim=0).to(scores.dtype), x.shape[0],
+                                      c.moe_router_topk, c.moe_aux_loss_coeff)
+            else:  # per sequence: tokens are [s, b] flattened, so sequence j is every b-th row from j
+                b = x.shape[0] // seq_length
+                seq_scores = scores.view(seq_length, b, -1).transpose(0, 1)
+                seq_map = routing_map.view(seq_length, b, -1).transpose(0, 1)
+                aux = sum(switch_aux_loss(seq_scores[j], seq_map[j].sum(dim=0).to(scores.dtype), seq_length,
+                                          c.moe_router_topk, c.moe_aux_loss_coeff) for j in range(b)) / b
+            _record("load_balancing_loss", self.layer_number, aux / c.moe_aux_loss_coeff)
+            probs = AuxLossScaler.apply(probs, aux)
+        return probs, routing_map

@@ -1,0 +1,38 @@
+"""The MoE auxiliary losses in the training log line (Megatron's track_moe_metrics): each one's
+value per MoE layer, averaged over this iteration's micro-batches (and DP ranks), summed over the
+pipeline stages, and averaged over the model's MoE layers. Every rank takes part (the names come
+from the config, so stages without MoE layers send zeros); the recorded values are then cleared."""
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state as ps
+from megalite.distributed.collectives import average_over_data_parallel, sum_over_data_parallel
+from megalite.moe.router import aux_losses
+
+
+def moe_loss_names(config):
+    names = []
+    if config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and config.moe_aux_loss_coeff > 0:
+        names.append("load_balancing_loss")
+    if config.moe_z_loss_coeff:
+        names.append("z_loss")
+    return names
+
+
+def moe_losses(config, num_microbatches, total=None):
+    """{name: device scalar}; total: the global micro-batch count with uneven DP shares."""
+    names = moe_loss_names(config)
+    if not names:
+        aux_losses.clear()
+        return {}
+    dev = ps.get_device()
+    vals = torch.stack([sum(aux_losses.get(n, {}).values(), torch.zeros((), device=dev)).to(dev).reshape(())
+                        for n in names])
+    aux_losses.clear()
+    vals = sum_over_data_parallel(vals) / total if total is not None else \
+        average_over_data_parallel(vals / num_microbatches)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
+    layers = sum(config.is_moe_layer(i) for i in range(1, config.num_layers + 1))
+    return dict(zip(names, (vals / layers).unbind()))

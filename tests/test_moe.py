@@ -1,0 +1,197 @@
+"""Mixture of Experts (megalite/moe/), expert-parallel size 1: the router's formulas against
+hand-written float64 ones, the layer against a dense reference, and MoE GPTs through pretrain()
+against the single process (tests/parity.py), aux and z losses included."""
+
+import math
+
+import pytest
+import torch
+
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.config import ModelConfig
+from megalite.moe.layer import MoELayer
+from megalite.moe.router import AuxLossScaler, TopKRouter, aux_losses, set_aux_loss_scale, topk_routing
+from megalite.tensor_parallel import model_parallel_manual_seed
+from megalite.transformer.mlp import MLP
+from parity import assert_parity, layout, mismatches, reference, run_layouts
+
+E, K = 4, 2
+
+
+@pytest.fixture
+def grid():
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_manual_seed(0)
+    yield
+    ps.destroy_model_parallel()
+
+
+def _cfg(**kw):
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=6, vocab_size=32, num_moe_experts=E,
+                moe_router_topk=K, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                params_dtype=torch.float64, moe_ffn_hidden_size=24, moe_router_dtype="fp64")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("score,pre", [("softmax", False), ("softmax", True), ("sigmoid", False)])
+def test_topk_routing_matches_its_definition(score, pre):
+    logits = torch.randn(37, E, dtype=torch.float64)
+    probs, rmap = topk_routing(logits, K, score, pre, scaling_factor=2.5)
+    top = logits.topk(K, dim=1).indices
+    for t in range(37):
+        chosen = set(top[t].tolist())
+        assert set(rmap[t].nonzero().squeeze(1).tolist()) == chosen
+        sel = sorted(chosen)
+        if score == "softmax":
+            want = torch.softmax(logits[t], 0)[sel] if pre else torch.softmax(logits[t, sel], 0)
+        else:
+            s = torch.sigmoid(logits[t, sel])
+            want = s / s.sum()
+        assert torch.allclose(probs[t, sel], 2.5 * want, rtol=1e-12)
+        assert probs[t].count_nonzero() == K
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_aux_and_z_losses_are_megatrons_formulas_and_reach_the_router_scaled(grid, kind):
+    s, b, coeff, zc, scale = 6, 3, 0.01, 0.001, 0.25
+    cfg = _cfg(moe_aux_loss_coeff=coeff, moe_z_loss_coeff=zc, moe_router_load_balancing_type=kind)
+    router = TopKRouter(cfg, "decoder.layers.0.mlp.router", 1)
+    x = torch.randn(s * b, cfg.hidden_size, dtype=torch.float64)
+    aux_losses.clear()
+    set_aux_loss_scale(scale)
+    probs, rmap = router(x, seq_length=s)
+    (probs * 0).sum().backward()  # only the auxiliary losses' gradients flow
+    got_grad = router.weight.grad.clone()
+
+    w = router.weight.detach().clone().requires_grad_(True)
+    logits = x @ w.t()
+    p_all = torch.softmax(logits, -1)
+    counts = torch.zeros_like(logits).scatter(1, logits.topk(K, 1).indices, 1.0)
+
+    def switch(p, c, tokens):  # E * sum_e f_e P_e with f_e = c_e / (k T), P_e = mean_t p_te
+        return E * ((c.sum(0) / (K * tokens)) * (p.sum(0) / tokens)).sum() * coeff
+    if kind == "aux_loss":
+        aux = switch(p_all, counts, s * b)
+    else:  # rows are [s, b] flattened: sequence j is rows j, j + b, ...
+        aux = sum(switch(p_all[j::b], counts[j::b], s) for j in range(b)) / b
+    z = (torch.logsumexp(logits, -1) ** 2).mean() * zc
+    ((aux + z) * scale).backward()
+    assert torch.allclose(got_grad, w.grad, rtol=1e-10, atol=1e-14)
+    logged = {n: v[1].item() for n, v in aux_losses.items()}  # recorded in fp32: rounding <= 2^-24 relative
+    assert math.isclose(logged["load_balancing_loss"], aux.item() / coeff, rel_tol=1e-7)
+    assert math.isclose(logged["z_loss"], z.item() / zc, rel_tol=1e-7)
+    set_aux_loss_scale(1.0)
+
+
+def test_moe_layer_is_the_weighted_sum_of_its_experts(grid):
+    cfg = _cfg(swiglu=True, ffn_hidden_size=32)
+    layer = MoELayer(cfg, "decoder.layers.0.mlp", 1, MLP)
+    x = torch.randn(5, 3, cfg.hidden_size, dtype=torch.float64)
+    out, bias = layer(x)
+    tokens = x.reshape(15, -1)
+    probs, _ = layer.router(tokens, seq_length=5)
+    dense = sum(probs[:, e:e + 1] * layer.experts.local_experts[e](tokens)[0] for e in range(E))
+    assert bias is None and torch.allclose(out.reshape(15, -1), dense, rtol=1e-12, atol=1e-14)
+    names = [n for n, _ in layer.named_parameters()]
+    assert "experts.local_experts.3.linear_fc2.weight" in names and "router.weight" in names
+
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",
+       "--moe-z-loss-coeff", "0.001", "--moe-ffn-hidden-size", "48")
+def aux_loss_not_divided_by_microbatches():
+    """Fault: the auxiliary losses' gradient scale ignores the micro-batch count."""
+    import contextlib
+
+    import megalite.pipeline.schedules as schedules
+
+    @contextlib.contextmanager
+    def patched():
+        original = schedules.set_aux_loss_scale
+        schedules.set_aux_loss_scale = lambda scale: original(1.0)
+        try:
+            yield
+        finally:
+            schedules.set_aux_loss_scale = original
+    return patched()
+
+
+LAYOUTS = [
+    layout("moe_dp2", dp=2, model=MOE),
+    layout("fault_moe_dp2_aux_not_divided", dp=2, model=MOE, fault=aux_loss_not_divided_by_microbatches),
+    layout("moe_pp2_seq_aux_sigmoid_pattern", pp=2, model=MOE + (
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-score-function", "sigmoid",
+        "--moe-layer-freq", "[1,0,1,1]")),
+    layout("moe_dp2_zero3_recompute", dp=2, zero=3, recompute="full", model=MOE),
+]
+
+
+@pytest.fixture(scope="module")
+def moe_runs():
+    return run_layouts(LAYOUTS, 2)
+
+
+@pytest.mark.parametrize("i", [i for i, lay in enumerate(LAYOUTS) if not lay.name.startswith("fault")],
+                         ids=[lay.name for lay in LAYOUTS if not lay.name.startswith("fault")])
+def test_moe_layouts_match_single_process(moe_runs, i):
+    """Losses, every gradient before clipping (router and experts, through the aux and z losses),
+    grad norms and parameters after 6 steps, at DESIGN's fp32 bound."""
+    assert_parity(LAYOUTS[i], moe_runs[i])
+
+
+def test_aux_loss_scale_fault_is_caught(moe_runs):
+    """Without the 1/M scale the aux-loss gradients are summed over micro-batches: 4 per DP rank
+    here against 8 in the single process, so the router's gradient differs."""
+    i = [lay.name for lay in LAYOUTS].index("fault_moe_dp2_aux_not_divided")
+    assert mismatches(LAYOUTS[i], moe_runs[i], reference(LAYOUTS[i]))
+
+
+def test_moe_flags_refused_in_one_line(capsys):
+    req = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1 --lr 1e-3 " \
+          "--train-iters 1 --mock-data --num-experts 4".split()
+    for bad, msg in (([], "add --disable-bias-linear"),
+                     (["--disable-bias-linear", "--moe-router-topk", "1"], "needs --moe-router-pre-softmax"),
+                     (["--disable-bias-linear", "--moe-router-topk", "5"], "between 1 and --num-experts 4"),
+                     (["--disable-bias-linear", "--moe-layer-freq", "[1,0,1]"], "3 entries for --num-layers 2"),
+                     (["--disable-bias-linear", "--moe-layer-freq", "__import__('os')"], "an int or a pattern"),
+                     (["--disable-bias-linear", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
+                     (["--disable-bias-linear", "--expert-model-parallel-size", "2"], "expert parallelism"),
+                     (["--disable-bias-linear", "--moe-router-enable-expert-bias"], "Mixture of Experts option")):
+        with pytest.raises(SystemExit):
+            parse_args(req + bad, world_size=2)
+        assert msg in capsys.readouterr().err, bad
+    args = parse_args(req + ["--disable-bias-linear", "--moe-layer-freq", "([1]*1+[0])*1", "--moe-grouped-gemm"],
+                      world_size=1)
+    assert args.moe_layer_freq == [1, 0] and "--moe-grouped-gemm accepted" in capsys.readouterr().out
+
+
+def test_moe_checkpoint_resumes_exactly_and_hf_export_is_refused(tmp_path, capsys):
+    """One process: 6 iterations straight vs 3 + save + 3 resumed (expert and router weights
+    under global names, Adam states); the log line shows the routers' losses (Megatron's names);
+    the HF converter names what it cannot represent."""
+    import re
+    import pretrain_gpt
+    from cli_batch import convert
+    from megalite.training import pretrain
+    from parity import BASE, learnable_datasets
+
+    def run(extra):
+        args = parse_args(list(BASE) + list(MOE) + extra, world_size=1)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+        finally:
+            torch.set_num_threads(threads)
+            ps.destroy_model_parallel()
+    d = str(tmp_path / "ckpt")
+    straight = run([])
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "lm loss:" in ln][-1]
+    lb, z = (float(re.search(rf"{n}: ([-0-9.E+]+)", line).group(1)) for n in ("load_balancing_loss", "z_loss"))
+    assert 0.5 < lb < 4 and 0 <= z < 100, line  # the Switch loss is 1 at a uniform routing
+    first = run(["--save", d, "--exit-interval", "3"])
+    second = run(["--load", d])
+    assert first == straight[:3] and second == straight[3:], (straight, first, second)
+    rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", d, "--save-dir", str(tmp_path / "hf"))
+    assert rc != 0 and "cannot represent a Mixture of Experts model (4 experts)" in err, err
