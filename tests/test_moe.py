@@ -11,7 +11,7 @@ from megalite import parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.config import ModelConfig
 from megalite.moe.layer import MoELayer
-from megalite.moe.router import AuxLossScaler, TopKRouter, aux_losses, set_aux_loss_scale, topk_routing
+from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, topk_routing
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.transformer.mlp import MLP
 from parity import assert_parity, layout, mismatches, reference, run_layouts
