@@ -67,6 +67,12 @@ def build_parser():
     a("--moe-grouped-gemm", action="store_true", help="accepted: the experts run one after the other")
     a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
     a("--expert-tensor-parallel-size", type=int, default=None, help="MoE experts' TP size (only 1 for now)")
+    a("--moe-expert-capacity-factor", type=float, default=None, help="drop tokens over ceil(T·k/E · factor) per expert")
+    a("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
+    a("--moe-pad-expert-input-to-capacity", action="store_true")
+    a("--moe-shared-expert-intermediate-size", type=int, default=None, help="a shared expert of this FFN size")
+    a("--moe-shared-expert-gate", action="store_true", help="scale the shared expert by sigmoid(x·g) (Qwen2-MoE)")
+    a("--moe-shared-expert-overlap", action="store_true", help="accepted: the shared expert runs in line")
     a("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU")
     a("--untie-embeddings-and-output-weights", action="store_true")
     a("--disable-bias-linear", action="store_true")
@@ -348,6 +354,10 @@ def model_config(args, vocab_size):
         moe_z_loss_coeff=args.moe_z_loss_coeff, moe_router_score_function=args.moe_router_score_function,
         moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor, moe_router_dtype=args.moe_router_dtype,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor, moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         **_bert_fields(args))
 
 

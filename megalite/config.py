@@ -85,6 +85,11 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_dtype: Optional[str] = None  # fp32 (default) or fp64 routing
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_token_drop_policy: str = "probs"  # or position
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
 
     def is_moe_layer(self, layer_number):
         """Whether the layer (global, 1-based) is an MoE layer."""

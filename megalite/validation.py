@@ -143,12 +143,20 @@ def _validate_moe(args):
                                                                 "with expert tensor parallelism is not implemented in "
                                                                 "megalite yet"),
             (args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff or 0) < 0, "--moe-aux-loss-coeff and "
-                                                                               "--moe-z-loss-coeff must be >= 0")):
+                                                                               "--moe-z-loss-coeff must be >= 0"),
+            (args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0,
+             f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor} must be > 0"),
+            (args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None,
+             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as Megatron)"),
+            (args.moe_shared_expert_gate and not args.moe_shared_expert_intermediate_size,
+             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")):
         if cond:
             raise ConfigError(msg)
     notices = [] if args.moe_token_dispatcher_type == "allgather" else [
         f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} accepted: with expert-parallel size 1 every "
         "rank holds every expert, so tokens are dispatched locally"]
+    if args.moe_shared_expert_overlap:
+        notices.append("--moe-shared-expert-overlap accepted: the shared expert runs in line (speed only)")
     if args.moe_grouped_gemm:
         notices.append("--moe-grouped-gemm accepted: the experts run one after the other (no grouped GEMM yet)")
     print_notices(notices)

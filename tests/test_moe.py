@@ -124,6 +124,9 @@ LAYOUTS = [
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-score-function", "sigmoid",
         "--moe-layer-freq", "[1,0,1,1]")),
     layout("moe_dp2_zero3_recompute", dp=2, zero=3, recompute="full", model=MOE),
+    layout("moe_dp2_capacity_shared_gate", dp=2, model=MOE + (
+        "--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "position",
+        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-router-pre-softmax")),
 ]
 
 
@@ -195,3 +198,35 @@ def test_moe_checkpoint_resumes_exactly_and_hf_export_is_refused(tmp_path, capsy
     assert first == straight[:3] and second == straight[3:], (straight, first, second)
     rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", d, "--save-dir", str(tmp_path / "hf"))
     assert rc != 0 and "cannot represent a Mixture of Experts model (4 experts)" in err, err
+
+
+@pytest.mark.parametrize("policy,pad", [("probs", False), ("position", False), ("probs", True), ("position", True)])
+def test_capacity_drops_what_exceeds_each_expert(policy, pad):
+    from megalite.moe.router import drop_over_capacity
+    logits = torch.randn(29, E, dtype=torch.float64)
+    probs, rmap = topk_routing(logits, K)
+    cap = math.ceil(29 * K / E * 0.5)
+    p2, m2 = drop_over_capacity(probs, rmap, K, 0.5, policy, pad)
+    for e in range(E):
+        routed = rmap[:, e].nonzero().squeeze(1).tolist()
+        if policy == "probs":
+            want = sorted(routed, key=lambda t: -probs[t, e].item())[:cap]
+        else:
+            want = routed[:cap]
+        kept = [t for t in m2[:, e].nonzero().squeeze(1).tolist() if t in routed]
+        assert sorted(kept) == sorted(want), (e, kept, want)
+        assert int(m2[:, e].sum()) == (cap if pad else min(cap, len(routed)))
+        assert torch.equal(p2[:, e], probs[:, e] * m2[:, e])  # padded slots carry probability 0
+
+
+def test_shared_expert_with_gate_adds_to_the_routed_output(grid):
+    cfg = _cfg(moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True)
+    layer = MoELayer(cfg, "decoder.layers.0.mlp", 1, MLP)
+    x = torch.randn(5, 3, cfg.hidden_size, dtype=torch.float64)
+    out, _ = layer(x)
+    tokens = x.reshape(15, -1)
+    probs, _ = layer.router(tokens, seq_length=5)
+    routed = sum(probs[:, e:e + 1] * layer.experts.local_experts[e](tokens)[0] for e in range(E))
+    shared = layer.shared_experts(tokens)[0] * torch.sigmoid(tokens @ layer.shared_experts.gate_weight.t())
+    assert torch.allclose(out.reshape(15, -1), routed + shared, rtol=1e-12, atol=1e-14)
+    assert "shared_experts.gate_weight" in dict(layer.named_parameters())

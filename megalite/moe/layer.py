@@ -1,8 +1,15 @@
 """An MoE layer in place of a transformer layer's MLP: route each token to its top-k experts,
-run them, combine their outputs weighted by the router's probabilities. Every rank holds every
-expert for now (expert-parallel size 1: the token dispatch is local)."""
+run them, combine their outputs weighted by the router's probabilities, and add the shared
+expert's output (--moe-shared-expert-intermediate-size; with --moe-shared-expert-gate scaled by
+sigmoid(x · g), as Qwen2-MoE). Every rank holds every expert for now (expert-parallel size 1:
+the token dispatch is local)."""
 
+import dataclasses
+
+import torch
 from torch import nn
+
+from megalite.tensor_parallel.init import BlockRecipe, init_block, init_normal, with_recipe
 
 from megalite.moe.experts import SequentialExperts
 from megalite.moe.router import TopKRouter
@@ -14,10 +21,29 @@ class MoELayer(nn.Module):
         self.config = config
         self.router = TopKRouter(config, prefix + ".router", layer_number)
         self.experts = SequentialExperts(config, prefix + ".experts", mlp_class)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size:
+            shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+            self.shared_experts = mlp_class(shared, prefix + ".shared_experts")
+            if config.moe_shared_expert_gate:
+                from megalite import parallel_state as ps
+                from megalite.transformer.utils import param_seed  # (here: transformer/ imports this package)
+                shape, seed = (1, config.hidden_size), param_seed(config.seed, prefix + ".shared_experts.gate_weight")
+                method = init_normal(config.init_method_std)
+                w = init_block(shape, method, seed, [(0, 1)], (0, shape[1]), ps.get_device())
+                self.shared_experts.gate_weight = with_recipe(
+                    nn.Parameter(w.to(config.params_dtype)), BlockRecipe(shape, method, seed, [(0, 1)], (0, shape[1])))
 
     def forward(self, x):
         """x [s, b, h] -> (output [s, b, h], None): the MLP's (output, bias) contract."""
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         probs, routing_map = self.router(tokens, seq_length=s)
-        return self.experts(tokens, probs, routing_map).view(s, b, h), None
+        out = self.experts(tokens, probs, routing_map)
+        if self.shared_experts is not None:
+            y, _ = self.shared_experts(tokens)
+            gate = getattr(self.shared_experts, "gate_weight", None)
+            if gate is not None:
+                y = y * torch.sigmoid(nn.functional.linear(tokens, gate))
+            out = out + y
+        return out.view(s, b, h), None

@@ -9,10 +9,13 @@ Auxiliary losses (Megatron's formulas), added to the training loss through the g
 - aux_loss (Switch): coeff · E/(k·T²) · Σ_e (Σ_t p_te)(tokens to e), over this micro-batch's T tokens;
 - seq_aux_loss: the same per sequence, averaged over the sequences;
 - z-loss: coeff · mean_t logsumexp(logits_t)².
+--moe-expert-capacity-factor then drops what exceeds each expert's capacity (drop_over_capacity).
 Their gradients enter the backward scaled as the main loss is (AuxLossScaler: the loss scale over
 the micro-batch count; per-token loss: the loss scale), and their values are recorded per layer for
 the log line (`aux_losses`).
 """
+
+import math
 
 import torch
 from torch import nn
@@ -78,6 +81,26 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     return dense, routing_map
 
 
+def drop_over_capacity(probs, routing_map, topk, capacity_factor, policy="probs", pad_to_capacity=False):
+    """Megatron's token dropping: each expert takes at most ceil(T·k/E · factor) tokens, those
+    with its largest probabilities ("probs") or the first ones in token order ("position");
+    pad_to_capacity: every expert takes exactly that many (the added ones with probability 0)."""
+    num_tokens, num_experts = probs.shape
+    capacity = math.ceil(num_tokens * topk / num_experts * capacity_factor)
+    if capacity >= num_tokens:
+        keep = torch.ones_like(routing_map)
+    elif policy == "probs":
+        keep = torch.zeros_like(routing_map).scatter(0, torch.topk(probs, capacity, dim=0).indices, True)
+    else:  # the first `capacity` tokens of each expert, then (padding) the first of the others
+        rank = torch.cumsum(routing_map.long(), dim=0)
+        keep = routing_map & (rank <= capacity)
+        if pad_to_capacity:
+            others = torch.cumsum((~routing_map).long(), dim=0)
+            keep = keep | (~routing_map & (others <= capacity - keep.sum(0, keepdim=True)))
+    final = keep if pad_to_capacity else routing_map & keep
+    return probs * final, final
+
+
 def _scores_for_aux(logits, score_function):
     if score_function == "softmax":
         return torch.softmax(logits, dim=-1)
@@ -123,4 +146,8 @@ class TopKRouter(nn.Module):
                                           c.moe_router_topk, c.moe_aux_loss_coeff) for j in range(b)) / b
             _record("load_balancing_loss", self.layer_number, aux / c.moe_aux_loss_coeff)
             probs = AuxLossScaler.apply(probs, aux)
+        if c.moe_expert_capacity_factor is not None:
+            probs, routing_map = drop_over_capacity(probs, routing_map, c.moe_router_topk,
+                                                    c.moe_expert_capacity_factor, c.moe_token_drop_policy,
+                                                    c.moe_pad_expert_input_to_capacity)
         return probs, routing_map
