@@ -148,7 +148,7 @@ def _topology(tp, micro, extras, full_state=None):
     ref = _train(0, micro, tcfg_kw=EXACT)
     for name, kw in (("zero1", {}), ("zero2", {}), ("zero3", {}), ("zero1-overlap", dict(overlap=True))):
         if (name in ("zero2", "zero3") and micro > 1) or (name == "zero1-overlap" and "overlap" not in extras) \
-                or (name == "zero3" and ps.get_data_parallel_world_size() > 2):
+                or (name == "zero3" and (ps.get_data_parallel_world_size() > 2 or tp > 1)):
             continue  # zero2/3 reduce per micro-batch: another summation order (checked in "round")
         stage = {"zero2": 2, "zero3": 3}.get(name, 1)
         out["exact"][name] = _compare(ref, _train(stage, micro, tcfg_kw=EXACT, **kw))
@@ -156,7 +156,8 @@ def _topology(tp, micro, extras, full_state=None):
         out["exact"]["zero3-vs-zero2"] = _compare(_train(2, micro, tcfg_kw=EXACT), _train(3, micro, tcfg_kw=EXACT))
     ref = _train(0, micro, cfg_kw=NOBIAS, tcfg_kw=ROUND)
     out["ref_norms"], out["ref_losses"] = ref["norms"], ref["losses"]
-    for stage in (1, 2, 3):
+    # (ZeRO-3 with TP: through pretrain() in tests/test_zero3.py)
+    for stage in (1, 2, 3) if tp == 1 else (1, 2):
         run = _train(stage, micro, cfg_kw=NOBIAS, tcfg_kw=ROUND)
         out["round"][f"zero{stage}"] = _compare(ref, run)
         out[f"zero{stage}_norms"] = run["norms"]
@@ -243,8 +244,9 @@ def _check_parity(results):
             assert c["loss"] <= 1e-5, f"rank {rank} {name}: loss rel diff {c['loss']:.2e}"
             assert c["params"] <= 1e-3 * LR, f"rank {rank} {name}: param diff {c['params']:.2e}"
         # with clipping the norm's squares are summed over other bucket boundaries: the bound above
-        c = r["zero3_vs_zero2"]
-        assert c["loss"] <= 1e-5 and c["params"] <= 1e-3 * LR, f"rank {rank} zero3 vs zero2: {c}"
+        if "zero3_vs_zero2" in r:  # (the DP topologies: ZeRO-3 with TP runs in tests/test_zero3.py)
+            c = r["zero3_vs_zero2"]
+            assert c["loss"] <= 1e-5 and c["params"] <= 1e-3 * LR, f"rank {rank} zero3 vs zero2: {c}"
     losses = results[0]["ref_losses"]
     assert len(set(losses)) == len(losses), "the weights must move every step"
 
@@ -266,7 +268,7 @@ def test_clip_norm_equals_single_process_norm(topology, single, request):
     results = request.getfixturevalue(topology)
     assert max(single["norms"]) > 0.5, "clipping must engage for this test to mean anything"
     for rank, r in enumerate(results):
-        for stage in (1, 2, 3):
+        for stage in (1, 2, 3) if "zero3_norms" in r else (1, 2):
             for a, b in zip(r[f"zero{stage}_norms"], single["norms"]):
                 assert abs(a - b) / b <= 1e-5, f"rank {rank} zero{stage}: norm {a} vs single process {b}"
 
