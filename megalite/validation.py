@@ -7,6 +7,7 @@ import re
 from megalite.arguments import model_config, training_config
 from megalite.config import ConfigError
 from megalite.megatron_compat import print_notices
+from megalite.validation_features import validate_features
 
 # Flags Megatron has no default for: a launch script always passes them.
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
@@ -44,9 +45,7 @@ def validate_args(args):
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ConfigError(f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr (the embedding and "
                           "output layer's peak LR)")
-    _validate_fsdp(args)
-    _validate_fim(args)
-    _validate_moe(args)
+    validate_features(args)
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
     if args.hierarchical_grad_reduce and args.use_distributed_optimizer:
@@ -110,104 +109,6 @@ def validate_args(args):
     # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
     # loads) does not enter them.
     model_config(args, args.vocab_size or 1).check_parallel(tp)
-
-
-def _validate_moe(args):
-    """Megatron's MoE checks, and what megalite's MoE does not do yet, each in one line."""
-    e = args.num_experts
-    if e is None:
-        if args.expert_tensor_parallel_size is not None:  # as Megatron: it sizes the experts' TP only
-            print_notices([f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} accepted: it has no "
-                           "effect on a model without --num-experts"])
-        return
-    k, freq = args.moe_router_topk, args.moe_layer_freq
-    for cond, msg in (
-            (e < 1, f"--num-experts {e} must be >= 1"),
-            (not 1 <= k <= e, f"--moe-router-topk {k} must be between 1 and --num-experts {e}"),
-            (not args.disable_bias_linear, "MoE layers have no linear biases: add --disable-bias-linear (as Megatron)"),
-            (k == 1 and args.moe_router_score_function == "softmax" and not args.moe_router_pre_softmax,
-             "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over one expert is 1: "
-             "the router would never learn)"),
-            (isinstance(freq, list) and len(freq) != args.num_layers,
-             f"--moe-layer-freq has {len(freq) if isinstance(freq, list) else 0} entries for --num-layers "
-             f"{args.num_layers}"),
-            (args.moe_router_load_balancing_type == "sinkhorn", "--moe-router-load-balancing-type sinkhorn is not "
-                                                               "implemented in megalite yet (aux_loss, seq_aux_loss, none)"),
-            (args.moe_token_dispatcher_type == "flex", "--moe-token-dispatcher-type flex (DeepEP) is not implemented in "
-                                                       "megalite; use allgather or alltoall"),
-            (args.tensor_model_parallel_size > 1, "MoE with --tensor-model-parallel-size > 1 is not implemented in "
-                                                  "megalite yet"),
-            (args.context_parallel_size > 1, "MoE with --context-parallel-size > 1 is not implemented in megalite yet"),
-            (args.expert_tensor_parallel_size not in (None, 1), f"--expert-tensor-parallel-size "
-                                                                f"{args.expert_tensor_parallel_size}: Mixture of Experts "
-                                                                "with expert tensor parallelism is not implemented in "
-                                                                "megalite yet"),
-            (args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff or 0) < 0, "--moe-aux-loss-coeff and "
-                                                                               "--moe-z-loss-coeff must be >= 0"),
-            (args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0,
-             f"--moe-expert-capacity-factor {args.moe_expert_capacity_factor} must be > 0"),
-            (args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None,
-             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as Megatron)"),
-            (args.moe_shared_expert_gate and not args.moe_shared_expert_intermediate_size,
-             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")):
-        if cond:
-            raise ConfigError(msg)
-    notices = [] if args.moe_token_dispatcher_type == "allgather" else [
-        f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} accepted: with expert-parallel size 1 every "
-        "rank holds every expert, so tokens are dispatched locally"]
-    if args.moe_shared_expert_overlap:
-        notices.append("--moe-shared-expert-overlap accepted: the shared expert runs in line (speed only)")
-    if args.moe_grouped_gemm:
-        notices.append("--moe-grouped-gemm accepted: the experts run one after the other (no grouped GEMM yet)")
-    print_notices(notices)
-
-
-def _validate_fim(args):
-    if not args.fim_data:
-        return
-    if args.mock_data:
-        raise ConfigError("--fim-data rearranges real text; it does not compose with --mock-data (as Megatron)")
-    rates = [("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate),
-             ("--fim-fragment-rate", args.fim_fragment_rate)]
-    bad = [f"{flag} {v}" for flag, v in rates if v is not None and not 0 <= v <= 1]
-    if bad:
-        raise ConfigError(f"{', '.join(bad)}: a rate is a probability in [0, 1]")
-    if args.fim_split_sample is not None and args.fim_fragment_rate is None:
-        raise ConfigError(f"--fim-split-sample {args.fim_split_sample!r} needs --fim-fragment-rate (the FIM rate of "
-                          "each fragment)")
-
-
-FSDP_STAGES = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
-
-
-def _validate_fsdp(args):
-    """Megatron's FSDP flags onto the ZeRO stages (--use-distributed-optimizer --zero-stage)."""
-    if args.use_megatron_fsdp and args.use_torch_fsdp2:
-        raise ConfigError("--use-megatron-fsdp and --use-torch-fsdp2 are exclusive; pick one")
-    if args.data_parallel_sharding_strategy != "optim_grads_params" and not args.use_megatron_fsdp:
-        raise ConfigError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} needs "
-                          "--use-megatron-fsdp (or use --use-distributed-optimizer --zero-stage N)")
-    if args.use_megatron_fsdp or args.use_torch_fsdp2:
-        flag = "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-torch-fsdp2"
-        if args.zero_stage is not None:
-            raise ConfigError(f"--zero-stage {args.zero_stage} with {flag}: the sharding strategy sets the stage; "
-                              "drop --zero-stage")
-        stage = FSDP_STAGES[args.data_parallel_sharding_strategy] if args.use_megatron_fsdp else 3
-        args.use_distributed_optimizer, args.zero_stage = stage > 0, stage or None
-        if args.use_torch_fsdp2:
-            print_notices(["--use-torch-fsdp2 accepted: megalite's ZeRO-3 (its own sharded buckets, unit by unit "
-                           "with prefetch; composes with pipeline parallelism)"])
-    if args.zero_stage == 3 and args.data_parallel_shares is not None:
-        raise ConfigError(f"--data-parallel-shares {_shares_str(args.data_parallel_shares)} with ZeRO-3: ranks that run "
-                          "different micro-batch counts would issue different numbers of parameter all-gathers; use "
-                          "--zero-stage 2 or drop --data-parallel-shares")
-    if not args.torch_fsdp2_reshard_after_forward and args.zero_stage != 3:
-        raise ConfigError("--torch-fsdp2-no-reshard-after-forward needs ZeRO-3 (--use-torch-fsdp2, "
-                          "--use-megatron-fsdp or --use-distributed-optimizer --zero-stage 3)")
-
-
-def _shares_str(shares):
-    return shares if isinstance(shares, str) else ",".join(map(str, shares))
 
 
 def _validate_shares(args):

@@ -250,6 +250,17 @@ def train(lay, collect=None):
         ps.destroy_model_parallel()
 
 
+@contextlib.contextmanager
+def patched(obj, name, value):
+    """Set obj.name = value for the block (faults are built from this)."""
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
 def _run_all(layouts, collect):
     return [train(lay, collect) for lay in layouts]
 

@@ -8,17 +8,7 @@ import contextlib
 
 import pytest
 
-from parity import EIGHT_LAYERS, LLAMA, assert_parity, layout, mismatches, reference, run_layouts
-
-
-@contextlib.contextmanager
-def _patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
+from parity import EIGHT_LAYERS, LLAMA, assert_parity, layout, mismatches, patched, reference, run_layouts
 
 
 def no_dp_averaging():
@@ -37,26 +27,26 @@ def no_dp_averaging():
             self.data.mul_(self.dp)
         sharded(self)
     stack = contextlib.ExitStack()
-    stack.enter_context(_patched(_Bucket, "start", start_plain))
-    stack.enter_context(_patched(ShardedBucket, "start", start_sharded))
+    stack.enter_context(patched(_Bucket, "start", start_plain))
+    stack.enter_context(patched(ShardedBucket, "start", start_sharded))
     return stack
 
 
 def no_tied_embedding_sync():
     from megalite.distributed import finalize
-    return _patched(finalize, "allreduce_embedding_grads", lambda chunks: None)
+    return patched(finalize, "allreduce_embedding_grads", lambda chunks: None)
 
 
 def no_sequence_parallel_allreduce():
     from megalite.distributed import finalize
-    return _patched(finalize, "allreduce_sequence_parallel_grads", lambda params: None)
+    return patched(finalize, "allreduce_sequence_parallel_grads", lambda params: None)
 
 
 def tp_duplicates_counted_tp_times():
     """Norms and row biases (identical on every TP rank) enter the grad norm TP times."""
     from megalite import parallel_state as ps
     from megalite.optimizer import clip_grads
-    return _patched(clip_grads, "counted_once",
+    return patched(clip_grads, "counted_once",
                     lambda p: not (getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True)))
 
 
@@ -70,7 +60,7 @@ def loss_not_divided_by_microbatches():
             return original(self, chunk, input_tensor)
         finally:
             self.loss_scale = scale
-    return _patched(schedules._Run, "forward", forward)
+    return patched(schedules._Run, "forward", forward)
 
 
 def zero_shard_update_skipped():
@@ -82,14 +72,14 @@ def zero_shard_update_skipped():
     def update(self, grads, copies):
         if ps.get_data_parallel_rank() != 1:
             original(self, grads, copies)
-    return _patched(DistributedOptimizer, "_adam_update", update)
+    return patched(DistributedOptimizer, "_adam_update", update)
 
 
 def cp_lse_merge_dropped():
     """Ring attention adds the partial outputs instead of weighting them by their LSEs."""
     import torch
     from megalite.transformer import cp_attention
-    return _patched(cp_attention, "merge", lambda out, lse, o, lse_o: (out + o, torch.logaddexp(lse, lse_o)))
+    return patched(cp_attention, "merge", lambda out, lse, o, lse_o: (out + o, torch.logaddexp(lse, lse_o)))
 
 
 def cp_chunk_pairing_reversed():
@@ -100,7 +90,7 @@ def cp_chunk_pairing_reversed():
     def reversed_index(local_len, rank, size, device=None):
         c, a, b = local_len // 2, rank, 2 * size - 1 - rank
         return torch.cat([torch.arange(b * c, (b + 1) * c, device=device), torch.arange(a * c, (a + 1) * c, device=device)])
-    return _patched(cp_attention, "local_token_index", reversed_index)
+    return patched(cp_attention, "local_token_index", reversed_index)
 
 
 def cp_grads_not_reduced():
@@ -112,7 +102,7 @@ def cp_grads_not_reduced():
     def start(self):
         self.group = ps.get_data_parallel_group()
         original(self)
-    return _patched(_Bucket, "start", start)
+    return patched(_Bucket, "start", start)
 
 
 def cp_grad_norm_counted_cp_times():
@@ -120,7 +110,7 @@ def cp_grad_norm_counted_cp_times():
     from megalite import parallel_state as ps
     from megalite.optimizer import optimizer
     original = optimizer.grad_norm_tensor
-    return _patched(optimizer, "grad_norm_tensor", lambda *a, **k: original(*a, **k) *
+    return patched(optimizer, "grad_norm_tensor", lambda *a, **k: original(*a, **k) *
                     ps.get_context_parallel_world_size() ** 0.5)
 
 
@@ -128,7 +118,7 @@ def cp_local_positions():
     """Position ids and rope rows from each rank's local 0..s/CP-1 instead of the global ones."""
     import torch
     from megalite.models import gpt
-    return _patched(gpt, "global_token_index", lambda n, device=None: torch.arange(n, device=device))
+    return patched(gpt, "global_token_index", lambda n, device=None: torch.arange(n, device=device))
 
 
 def shares_weighted_by_rank_means():
@@ -136,8 +126,8 @@ def shares_weighted_by_rank_means():
     count, the reduction averaging): the small share is over-weighted."""
     from megalite.iteration_plan import IterationPlan
     stack = contextlib.ExitStack()
-    stack.enter_context(_patched(IterationPlan, "loss_divisor", lambda self, consumed, rank: self.counts(consumed)[rank]))
-    stack.enter_context(_patched(IterationPlan, "grad_divisor", property(lambda self: self.dp)))
+    stack.enter_context(patched(IterationPlan, "loss_divisor", lambda self, consumed, rank: self.counts(consumed)[rank]))
+    stack.enter_context(patched(IterationPlan, "grad_divisor", property(lambda self: self.dp)))
     return stack
 
 

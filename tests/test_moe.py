@@ -14,7 +14,7 @@ from megalite.moe.layer import MoELayer
 from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, topk_routing
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.transformer.mlp import MLP
-from parity import assert_parity, layout, mismatches, reference, run_layouts
+from parity import assert_parity, layout, mismatches, patched, reference, run_layouts
 
 E, K = 4, 2
 
@@ -85,15 +85,21 @@ def test_aux_and_z_losses_are_megatrons_formulas_and_reach_the_router_scaled(gri
     set_aux_loss_scale(1.0)
 
 
-def test_moe_layer_is_the_weighted_sum_of_its_experts(grid):
-    cfg = _cfg(swiglu=True, ffn_hidden_size=32)
+def _layer_run(cfg):
+    """(layer, tokens [15, h], its output [15, h], the routed experts' dense weighted sum)."""
     layer = MoELayer(cfg, "decoder.layers.0.mlp", 1, MLP)
     x = torch.randn(5, 3, cfg.hidden_size, dtype=torch.float64)
     out, bias = layer(x)
+    assert bias is None
     tokens = x.reshape(15, -1)
     probs, _ = layer.router(tokens, seq_length=5)
     dense = sum(probs[:, e:e + 1] * layer.experts.local_experts[e](tokens)[0] for e in range(E))
-    assert bias is None and torch.allclose(out.reshape(15, -1), dense, rtol=1e-12, atol=1e-14)
+    return layer, tokens, out.reshape(15, -1), dense
+
+
+def test_moe_layer_is_the_weighted_sum_of_its_experts(grid):
+    layer, _, out, dense = _layer_run(_cfg(swiglu=True, ffn_hidden_size=32))
+    assert torch.allclose(out, dense, rtol=1e-12, atol=1e-14)
     names = [n for n, _ in layer.named_parameters()]
     assert "experts.local_experts.3.linear_fc2.weight" in names and "router.weight" in names
 
@@ -102,19 +108,8 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", 
        "--moe-z-loss-coeff", "0.001", "--moe-ffn-hidden-size", "48")
 def aux_loss_not_divided_by_microbatches():
     """Fault: the auxiliary losses' gradient scale ignores the micro-batch count."""
-    import contextlib
-
     import megalite.pipeline.schedules as schedules
-
-    @contextlib.contextmanager
-    def patched():
-        original = schedules.set_aux_loss_scale
-        schedules.set_aux_loss_scale = lambda scale: original(1.0)
-        try:
-            yield
-        finally:
-            schedules.set_aux_loss_scale = original
-    return patched()
+    return patched(schedules, "set_aux_loss_scale", lambda scale: set_aux_loss_scale(1.0))
 
 
 LAYOUTS = [
@@ -124,6 +119,8 @@ LAYOUTS = [
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-score-function", "sigmoid",
         "--moe-layer-freq", "[1,0,1,1]")),
     layout("moe_dp2_zero3_recompute", dp=2, zero=3, recompute="full", model=MOE),
+    layout("moe_pp2_interleaved", pp=2, vp=1, model=MOE),
+    layout("moe_dp2_zero2", dp=2, zero=2, model=MOE),
     layout("moe_dp2_capacity_shared_gate", dp=2, model=MOE + (
         "--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "position",
         "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-router-pre-softmax")),
@@ -220,13 +217,7 @@ def test_capacity_drops_what_exceeds_each_expert(policy, pad):
 
 
 def test_shared_expert_with_gate_adds_to_the_routed_output(grid):
-    cfg = _cfg(moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True)
-    layer = MoELayer(cfg, "decoder.layers.0.mlp", 1, MLP)
-    x = torch.randn(5, 3, cfg.hidden_size, dtype=torch.float64)
-    out, _ = layer(x)
-    tokens = x.reshape(15, -1)
-    probs, _ = layer.router(tokens, seq_length=5)
-    routed = sum(probs[:, e:e + 1] * layer.experts.local_experts[e](tokens)[0] for e in range(E))
+    layer, tokens, out, routed = _layer_run(_cfg(moe_shared_expert_intermediate_size=20, moe_shared_expert_gate=True))
     shared = layer.shared_experts(tokens)[0] * torch.sigmoid(tokens @ layer.shared_experts.gate_weight.t())
-    assert torch.allclose(out.reshape(15, -1), routed + shared, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(out, routed + shared, rtol=1e-12, atol=1e-14)
     assert "shared_experts.gate_weight" in dict(layer.named_parameters())

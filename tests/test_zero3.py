@@ -7,7 +7,6 @@ checks must catch, and a checkpoint saved at ZeRO-3 DP4 re-saved at other layout
 ZeRO-3 against ZeRO-2 at the same DP (bit-exact where the arithmetic is): test_distributed_optimizer.py.
 """
 
-import contextlib
 import os
 
 import pytest
@@ -22,24 +21,14 @@ from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.distributed.param_units import ParamUnits
 from megalite.distributed.sharded_bucket import ShardedBucket
 from megalite.training import pretrain
-from parity import BASE, LLAMA, assert_parity, layout, learnable_datasets, mismatches, reference, train
+from parity import BASE, LLAMA, assert_parity, layout, learnable_datasets, mismatches, patched, reference, train
 
 Z3 = ("--use-distributed-optimizer", "--zero-stage", "3")
 
 
 # -- faults (module level: applied inside the spawned ranks) -----------------------------------
-@contextlib.contextmanager
-def _patched(cls, name, fn):
-    original = getattr(cls, name)
-    setattr(cls, name, fn)
-    try:
-        yield
-    finally:
-        setattr(cls, name, original)
-
-
 def no_regather_before_backward():
-    return _patched(ParamUnits, "_pre_backward", lambda self, u, grad: None)
+    return patched(ParamUnits, "_pre_backward", lambda self, u, grad: None)
 
 
 def reduce_scatter_without_mean():
@@ -51,7 +40,7 @@ def reduce_scatter_without_mean():
             original(self)
         finally:
             self.divisor = divisor
-    return _patched(ShardedBucket, "start", start)
+    return patched(ShardedBucket, "start", start)
 
 
 def prefetch_two_ahead():
@@ -60,7 +49,7 @@ def prefetch_two_ahead():
             return None
         i = self.order.index(u) + 2 * step
         return self.order[i] if 0 <= i < len(self.order) else None
-    return _patched(ParamUnits, "_neighbour", neighbour)
+    return patched(ParamUnits, "_neighbour", neighbour)
 
 
 LAYOUTS = [

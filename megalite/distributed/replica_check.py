@@ -17,17 +17,17 @@ from megalite import parallel_state as ps
 def _weights(chunk):
     """(name, tensor, param, replicated over DP): ZeRO-3 holds only its shards of the sharded
     parameters (no DP replica to compare; TP ranks hold the same ranges of the TP-replicated ones)."""
-    units = getattr(chunk, "units", None)
-    sharded = {}
-    if units is not None:
+    pieces, in_buckets = {}, set()
+    if getattr(chunk, "units", None) is not None:
         for b in chunk.buckets:
+            in_buckets.update(b.params)
             for pc in b.pieces:
-                sharded.setdefault(pc.param, []).append(pc)
+                pieces.setdefault(pc.param, []).append(pc)
     for name, p in getattr(chunk, "module", chunk).named_parameters():
-        if p in sharded:
-            for pc in sharded[p]:
+        if p in in_buckets:  # sharded: this rank's pieces (none if it owns no element of p)
+            for pc in pieces.get(p, []):
                 yield f"{name}[{pc.start}:{pc.end}]", pc.data, p, False
-        elif units is None or not any(p is q for b in chunk.buckets for q in b.params):
+        else:
             yield name, p.detach(), p, True
 
 

@@ -9,10 +9,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from megalite.tensor_parallel.init import BlockRecipe, init_block, init_normal, with_recipe
-
+from megalite import parallel_state as ps
 from megalite.moe.experts import SequentialExperts
 from megalite.moe.router import TopKRouter
+from megalite.tensor_parallel.init import init_normal, param_seed, replicated_init, with_recipe
 
 
 class MoELayer(nn.Module):
@@ -26,13 +26,11 @@ class MoELayer(nn.Module):
             shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
             self.shared_experts = mlp_class(shared, prefix + ".shared_experts")
             if config.moe_shared_expert_gate:
-                from megalite import parallel_state as ps
-                from megalite.transformer.utils import param_seed  # (here: transformer/ imports this package)
-                shape, seed = (1, config.hidden_size), param_seed(config.seed, prefix + ".shared_experts.gate_weight")
-                method = init_normal(config.init_method_std)
-                w = init_block(shape, method, seed, [(0, 1)], (0, shape[1]), ps.get_device())
+                w, recipe = replicated_init((1, config.hidden_size), init_normal(config.init_method_std),
+                                            param_seed(config.seed, prefix + ".shared_experts.gate_weight"),
+                                            ps.get_device())
                 self.shared_experts.gate_weight = with_recipe(
-                    nn.Parameter(w.to(config.params_dtype)), BlockRecipe(shape, method, seed, [(0, 1)], (0, shape[1])))
+                    nn.Parameter(w.to(device=ps.get_device(), dtype=config.params_dtype)), recipe)
 
     def forward(self, x):
         """x [s, b, h] -> (output [s, b, h], None): the MLP's (output, bias) contract."""

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from megalite import parallel_state as ps
-from megalite.tensor_parallel.init import BlockRecipe, init_block, init_normal, with_recipe
+from megalite.tensor_parallel.init import init_normal, param_seed, replicated_init, with_recipe
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -113,13 +113,10 @@ class TopKRouter(nn.Module):
         super().__init__()
         c = self.config = config
         self.layer_number = layer_number
-        from megalite.transformer.utils import param_seed  # (here: transformer/ imports this package)
-        shape, seed = (c.num_moe_experts, c.hidden_size), param_seed(c.seed, prefix + ".weight")
-        w = init_block(shape, init_normal(c.init_method_std), seed, [(0, shape[0])], (0, shape[1]), ps.get_device())
         # replicated over TP (its input is whole on every rank); Megatron keeps it in the model's dtype
-        self.weight = with_recipe(nn.Parameter(w.to(c.params_dtype)),
-                                  BlockRecipe(shape, init_normal(c.init_method_std), seed, [(0, shape[0])],
-                                              (0, shape[1])))
+        w, recipe = replicated_init((c.num_moe_experts, c.hidden_size), init_normal(c.init_method_std),
+                                    param_seed(c.seed, prefix + ".weight"), ps.get_device())
+        self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=c.params_dtype)), recipe)
         self.dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
 
     def forward(self, x, seq_length=None):

@@ -17,11 +17,18 @@ on demand), so a model built on the meta device (ZeRO-3) materialises only the r
 keeps: O(shard) per rank, the same values as the eager build.
 """
 
+import zlib
+
 import torch
 from torch import nn
 
 TILE = 256
 _M64 = (1 << 64) - 1
+
+
+def param_seed(seed, name):
+    """A stable per-parameter init seed: the same weight whatever the topology."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
 
 
 def init_normal(std, real_rows=None):

@@ -2,14 +2,9 @@
 
 import contextlib
 import math
-import zlib
 
 import kernels
-
-
-def param_seed(seed, name):
-    """A stable per-parameter init seed: the same weight whatever the topology."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+from megalite.tensor_parallel.init import param_seed  # noqa: F401 (re-exported)
 
 
 def output_init_std(config):
