@@ -51,7 +51,7 @@ def build_parser():
       help="fp16: attention scores computed divided by the layer number and multiplied back in the fp32 "
            "softmax (same function, no fp16 overflow of large scores)")
     a("--swiglu", action="store_true")
-    # Mixture of Experts (megalite/moe/): expert-parallel size 1 for now
+    # Mixture of Experts (megalite/moe/)
     a("--num-experts", type=int, default=None, help="experts per MoE layer")
     a("--moe-router-topk", type=int, default=2, help="experts per token")
     a("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
@@ -66,6 +66,7 @@ def build_parser():
     a("--moe-router-dtype", default=None, choices=["fp32", "fp64"], help="routing precision (default fp32)")
     a("--moe-grouped-gemm", action="store_true", help="accepted: the experts run one after the other")
     a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
+    a("--expert-model-parallel-size", type=int, default=1, help="ranks the experts are split over (MoE)")
     a("--expert-tensor-parallel-size", type=int, default=None, help="MoE experts' TP size (only 1 for now)")
     a("--moe-expert-capacity-factor", type=float, default=None, help="drop tokens over ceil(T·k/E · factor) per expert")
     a("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
@@ -357,7 +358,7 @@ def model_config(args, vocab_size):
         moe_expert_capacity_factor=args.moe_expert_capacity_factor, moe_token_drop_policy=args.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         **_bert_fields(args))
 
 

@@ -90,6 +90,7 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
+    moe_token_dispatcher_type: str = "allgather"  # or alltoall (the same result; other collectives)
 
     def is_moe_layer(self, layer_number):
         """Whether the layer (global, 1-based) is an MoE layer."""

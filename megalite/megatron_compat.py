@@ -96,8 +96,6 @@ NOTICE = {
 
 # Value-carrying flags whose *value* decides: accepted at these values, not implemented otherwise.
 NEUTRAL_VALUES = {
-    "--expert-model-parallel-size": ("1", "Mixture of Experts with expert parallelism (experts split over "
-                                          "ranks) is not implemented in megalite yet"),
     "--encoder-tensor-model-parallel-size": ("0", "encoder-decoder models are not implemented in megalite"),
     "--virtual-pipeline-model-parallel-size": (None, None),  # handled as a real flag in arguments.py
     "--data-impl": ("mmap", "megalite reads only the mmap .bin/.idx format"),

@@ -42,6 +42,11 @@ class _Grid:
         self.emb_ranks = [0]
         self.cp_ranks = [0]
         self.virtual_rank = 0
+        self.ep = 1  # expert grid (MoE): None until initialize_model_parallel gets an expert-parallel size
+        self.experts = False
+        self.ep_group = self.edp_group = self.emp_group = None
+        self.ep_rank = 0
+        self.edp, self.edp_rank = dp * cp, 0
 
 
 def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1, pp=1, pp_before_dp=False):
@@ -108,10 +113,11 @@ def shutdown_distributed(barrier=True):
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
                               hierarchical_context_parallel_sizes=None, use_tp_pp_dp_mapping=False,
-                              ranks_per_node=None):
+                              ranks_per_node=None, expert_model_parallel_size=None):
     """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world.
     ranks_per_node (--hierarchical-grad-reduce): also split each gradient-reduction group (DP x CP)
-    into its members on one node (global rank // ranks_per_node) and its cross-node groups."""
+    into its members on one node (global rank // ranks_per_node) and its cross-node groups.
+    expert_model_parallel_size (MoE models): also the expert grid, see _expert_groups."""
     global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
@@ -123,8 +129,14 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
             f"world size {world} is not divisible by tensor-model-parallel size {tp} x context-parallel size {cp} x "
             f"pipeline-model-parallel size {pp} = {tp * cp * pp}; change --nproc-per-node or the parallel sizes")
     dp = world // (tp * cp * pp)
+    ep = expert_model_parallel_size
+    if ep is not None and (not isinstance(ep, int) or ep < 1 or (tp * cp * dp) % ep):
+        raise ValueError(f"expert-model-parallel size {ep} must divide the ranks of a pipeline stage "
+                         f"(tensor x context x data parallel = {tp * cp * dp})")
     grid = _Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
     grid.pp_before_dp = bool(use_tp_pp_dp_mapping)
+    if ep is not None:
+        grid.experts, grid.ep, grid.edp = True, ep, tp * cp * dp // ep
     if not dist.is_initialized():
         _GRID = grid
         return
@@ -191,7 +203,27 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
                 grid.emb_group, grid.emb_ranks = g, emb
     for c, d in ((c, d) for d in D for c in C):
         grid.mp_group = make(sorted(at(t, c, d, p) for p in P for t in T)) or grid.mp_group
+    if ep is not None:
+        _expert_groups(grid, [[at(t, c, d, p) for d in D for c in C for t in T] for p in P], rank, make)
     _GRID = grid
+
+
+def _expert_groups(grid, stages, rank, make):
+    """Megatron's expert grid (expert-TP 1): a stage's ranks, in the dense order j = tp + TP·(cp +
+    CP·dp), are re-read as j = ep + EP·edp. EP ranks hold different experts (tokens are dispatched
+    among them); expert-DP ranks hold the same experts (their gradients are reduced, and ZeRO shards,
+    over expert-DP); the expert model-parallel group (EP x PP) holds one copy of every expert (norms)."""
+    ep, edp = grid.ep, grid.edp
+    for p, ranks in enumerate(stages):
+        if rank in ranks:
+            j = ranks.index(rank)
+            grid.ep_rank, grid.edp_rank = j % ep, j // ep
+    for ranks, e in ((r, e) for r in stages for e in range(edp)):
+        grid.ep_group = make([ranks[i + ep * e] for i in range(ep)]) or grid.ep_group
+    for ranks, i in ((r, i) for r in stages for i in range(ep)):
+        grid.edp_group = make([ranks[i + ep * e] for e in range(edp)]) or grid.edp_group
+    for e in range(edp):
+        grid.emp_group = make(sorted(r[i + ep * e] for r in stages for i in range(ep))) or grid.emp_group
 
 
 def model_parallel_is_initialized():
@@ -284,6 +316,44 @@ def get_gradient_node_groups():
 def get_hierarchical_context_parallel_groups():
     """[(group, global ranks)] per level of --hierarchical-context-parallel-sizes ([] without)."""
     return list(_grid().hcp)
+
+
+def has_expert_grid():
+    """Whether expert groups exist (an MoE job); without, experts reduce like dense parameters."""
+    return _grid().experts
+
+
+def get_expert_model_parallel_group():
+    return _grid().ep_group
+
+
+def get_expert_model_parallel_rank():
+    return _grid().ep_rank
+
+
+def get_expert_model_parallel_world_size():
+    return _grid().ep
+
+
+def get_expert_data_parallel_group():
+    """The ranks that hold the same experts: expert gradients are reduced, and ZeRO shards, here."""
+    g = _grid()
+    return g.edp_group if g.experts else get_data_parallel_group(with_context_parallel=True)
+
+
+def get_expert_data_parallel_rank():
+    g = _grid()
+    return g.edp_rank if g.experts else get_data_parallel_rank(with_context_parallel=True)
+
+
+def get_expert_data_parallel_world_size():
+    return _grid().edp
+
+
+def get_expert_tensor_model_pipeline_parallel_group():
+    """EP x PP (Megatron's name; expert-TP is 1): every expert once; the norms sum over it."""
+    g = _grid()
+    return g.emp_group if g.experts else g.mp_group
 
 
 def get_tensor_and_context_parallel_group():

@@ -15,6 +15,9 @@ def _validate_moe(args):
     """Megatron's MoE checks, and what megalite's MoE does not do yet, each in one line."""
     e = args.num_experts
     if e is None:
+        if args.expert_model_parallel_size != 1:
+            raise ConfigError(f"--expert-model-parallel-size {args.expert_model_parallel_size} needs a Mixture of "
+                              "Experts model (--num-experts)")
         if args.expert_tensor_parallel_size is not None:  # as Megatron: it sizes the experts' TP only
             print_notices([f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} accepted: it has no "
                            "effect on a model without --num-experts"])
@@ -41,6 +44,16 @@ def _validate_moe(args):
                                                                 f"{args.expert_tensor_parallel_size}: Mixture of Experts "
                                                                 "with expert tensor parallelism is not implemented in "
                                                                 "megalite yet"),
+            (args.expert_model_parallel_size < 1 or e % args.expert_model_parallel_size,
+             f"--num-experts {e} must be divisible by --expert-model-parallel-size {args.expert_model_parallel_size}"),
+            ((args.world_size // args.pipeline_model_parallel_size) % args.expert_model_parallel_size,
+             f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide the "
+             f"{args.world_size // args.pipeline_model_parallel_size} ranks of a pipeline stage (Megatron's expert grid)"),
+            (args.fp16 and args.expert_model_parallel_size > 1, "--fp16 with --expert-model-parallel-size > 1 is not "
+                                                                "supported (as Megatron); use --bf16"),
+            (args.expert_model_parallel_size > 1 and args.data_parallel_shares is not None,
+             "--data-parallel-shares with --expert-model-parallel-size > 1: ranks that run different micro-batch "
+             "counts would dispatch tokens a different number of times; drop one"),
             (args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff or 0) < 0, "--moe-aux-loss-coeff and "
                                                                                "--moe-z-loss-coeff must be >= 0"),
             (args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0,
@@ -51,9 +64,7 @@ def _validate_moe(args):
              "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")):
         if cond:
             raise ConfigError(msg)
-    notices = [] if args.moe_token_dispatcher_type == "allgather" else [
-        f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} accepted: with expert-parallel size 1 every "
-        "rank holds every expert, so tokens are dispatched locally"]
+    notices = []
     if args.moe_shared_expert_overlap:
         notices.append("--moe-shared-expert-overlap accepted: the shared expert runs in line (speed only)")
     if args.moe_grouped_gemm:

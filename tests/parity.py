@@ -52,6 +52,7 @@ import torch.distributed as dist
 from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
+from megalite.distributed.param_facts import data_parallel
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 from megalite.training import pretrain
 from model_util import gather_full
@@ -182,8 +183,9 @@ def _full_local_grads(opt, grads):
     for pc, g in zip(opt.pieces, grads):
         out[id(pc.param)][pc.start:pc.end] = g.float()
     for p in opt.model_params:
-        if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # disjoint pieces over DP x CP
-            dist.all_reduce(out[id(p)], group=ps.get_data_parallel_group(with_context_parallel=True))
+        group, size, _ = data_parallel(p)  # disjoint pieces over DP x CP (experts: expert-DP)
+        if size > 1:
+            dist.all_reduce(out[id(p)], group=group)
         out[id(p)] = out[id(p)].view(p.shape)
     return out
 

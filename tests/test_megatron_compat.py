@@ -141,8 +141,7 @@ def test_implementation_flags_are_accepted_with_a_notice(capsys):
     flags = ["--transformer-impl", "transformer_engine", "--attention-backend", "fused", "--no-gradient-accumulation-fusion",
              "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
              "--no-persist-layer-norm", "--cross-entropy-loss-fusion", "--no-create-attention-mask-in-dataloader",
-             "--no-mmap-bin-files", "--empty-unused-memory-level", "1", "--timing-log-level", "2", "--logging-level", "20",
-             "--expert-model-parallel-size", "1"]
+             "--no-mmap-bin-files", "--empty-unused-memory-level", "1", "--timing-log-level", "2", "--logging-level", "20"]
     parse_args(SMALL + flags, world_size=1)
     out = capsys.readouterr().out
     for flag in (f for f in flags if f.startswith("--")):

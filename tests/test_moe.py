@@ -93,7 +93,7 @@ def _layer_run(cfg):
     assert bias is None
     tokens = x.reshape(15, -1)
     probs, _ = layer.router(tokens, seq_length=5)
-    dense = sum(probs[:, e:e + 1] * layer.experts.local_experts[e](tokens)[0] for e in range(E))
+    dense = sum(probs[:, e:e + 1] * layer.experts.local_experts[str(e)](tokens)[0] for e in range(E))
     return layer, tokens, out.reshape(15, -1), dense
 
 
@@ -156,7 +156,9 @@ def test_moe_flags_refused_in_one_line(capsys):
                      (["--disable-bias-linear", "--moe-layer-freq", "[1,0,1]"], "3 entries for --num-layers 2"),
                      (["--disable-bias-linear", "--moe-layer-freq", "__import__('os')"], "an int or a pattern"),
                      (["--disable-bias-linear", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
-                     (["--disable-bias-linear", "--expert-model-parallel-size", "2"], "expert parallelism"),
+                     (["--disable-bias-linear", "--expert-model-parallel-size", "3"], "divisible by --expert-model"),
+                     (["--disable-bias-linear", "--expert-model-parallel-size", "4"], "must divide the 2 ranks"),
+                     (["--disable-bias-linear", "--expert-model-parallel-size", "2", "--fp16"], "use --bf16"),
                      (["--disable-bias-linear", "--moe-router-enable-expert-bias"], "Mixture of Experts option")):
         with pytest.raises(SystemExit):
             parse_args(req + bad, world_size=2)

@@ -10,6 +10,7 @@ flat range (a ZeRO piece) becomes a few boxes that are each contiguous in memory
 import math
 
 from megalite import parallel_state as ps
+from megalite.distributed.param_facts import first_replica
 
 TIED_NAME = "embedding.word_embeddings.weight"
 
@@ -43,6 +44,7 @@ class ParamLayout:
         if self.rows is not None:
             self.global_shape = (self.rows,) + self.global_shape[1:]
         self.owner = self.owner and not self.tied_copy  # the first stage's copy is the one stored
+        self.first_replica = first_replica(param)  # over DP x CP (experts: expert-DP)
 
     def boxes(self, start, end):
         """[(global offsets, sizes, flat begin)] for the local flat range [start, end), cut

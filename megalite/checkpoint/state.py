@@ -13,7 +13,6 @@ import random
 import numpy as np
 import torch
 
-from megalite import parallel_state as ps
 from megalite.checkpoint.layout import ParamLayout
 from megalite.checkpoint.planner import Entry
 from megalite.tensor_parallel import get_rng_tracker
@@ -50,10 +49,11 @@ def _weight_slots(chunks):
 
 def model_entries(chunks, for_save):
     """Save: what this rank writes. Load: everything this rank holds."""
-    # The first replica over DP x CP writes (CP ranks hold the same weights); a ZeRO-3 shard's owner.
-    entries, dp_rank = {}, ps.get_data_parallel_rank(with_context_parallel=True)
+    # The first replica over DP x CP (experts: expert-DP) writes (CP ranks hold the same weights);
+    # a ZeRO-3 shard's owner.
+    entries = {}
     for lay, t, start, end, sharded in _weight_slots(chunks):
-        if for_save and not (lay.owner and (sharded or dp_rank == 0)):
+        if for_save and not (lay.owner and (sharded or lay.first_replica)):
             continue
         _add(entries, lay.name, lay, t.dtype, lay.chunks(t, start, end))
     return entries
@@ -80,10 +80,9 @@ def _optimizer_slots(optimizer, chunks):
 
 def optimizer_entries(optimizer, chunks, for_save):
     entries = {}
-    sharded = hasattr(optimizer, "pieces")
-    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)  # ZeRO shards over DP x CP
+    sharded = hasattr(optimizer, "pieces")  # ZeRO: each shard's owner writes it
     for lay, mp, start, end, separate in _optimizer_slots(optimizer, chunks):
-        if for_save and not (lay.owner and (sharded or dp_rank == 0)):
+        if for_save and not (lay.owner and (sharded or lay.first_replica)):
             continue
         st = adam_state(optimizer, mp)
         tensors = {k: st[k] for k in OPT_KEYS}

@@ -30,6 +30,13 @@ def _record(op, tensor, group, factor):
     _CALLS[op] += 1
 
 
+def record_sent(op, payload, wire):
+    """For collectives whose wire bytes are not a fixed factor of the payload (uneven all-to-all)."""
+    _PAYLOAD[op] += payload
+    _WIRE[op] += wire
+    _CALLS[op] += 1
+
+
 def all_reduce(tensor, group=None, async_op=False, op=dist.ReduceOp.SUM):
     _record("all_reduce", tensor, group, 2)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)

@@ -21,6 +21,7 @@ from torch import nn
 
 from megalite import parallel_state as ps
 from megalite.distributed import comm
+from megalite.distributed.param_facts import data_parallel, is_expert
 from megalite.distributed.param_units import ParamUnits, Unit, plan_units
 from megalite.distributed.sharded_bucket import ShardedBucket, adopt
 from megalite.tensor_parallel.init import materialize
@@ -48,11 +49,11 @@ class _Bucket:
     def start(self):
         if self.handle is not None:
             return
+        if self.divisor > 1:  # average over DP, as Megatron (summed over CP); also where an expert
+            self.data.div_(self.divisor)  # group is one rank (EP = DP: nothing to reduce, still averaged)
         if self.dp == 1:
             self.handle = True
             return
-        if self.divisor > 1:
-            self.data.div_(self.divisor)  # average over DP, as Megatron (summed over CP)
         if self.compressor is not None and self.compressor.active:
             self.handle = "compress"  # --grad-compression: its collectives run in finish()
         elif self.nodes is not None:
@@ -154,14 +155,26 @@ class DistributedDataParallel(nn.Module):
             if not (use_distributed_optimizer and zero_stage == 3):
                 raise ValueError("a model built on the meta device needs ZeRO-3 (--zero-stage 3)")
         nodes = ps.get_gradient_node_groups() if hierarchical and not self.zero_stage and self.dp > 1 else None
+        tied = _tied_weight(module) if self.zero_stage else None
+
+        def plan_groups(ps_, size):
+            """Buckets per reduce group (dense, expert: param_facts.data_parallel), with the group."""
+            out = []
+            for expert in (False, True):
+                mine = [p for p in ps_ if is_expert(p) == expert]
+                if not mine:
+                    continue
+                group = data_parallel(mine[0])
+                pad = group[1] if self.zero_stage else len(nodes[1]) if nodes and not expert else 1
+                out += [(b, n, group) for b, n in plan_buckets(mine, size, pad, tied)]
+            return out
         if self.zero_stage == 3:
             units, plan = plan_units(module), []
-            for _, _, own, _ in reversed(units):  # one bucket per unit (two with a tied copy), backward order
-                plan += plan_buckets(own, float("inf"), self.dp, _tied_weight(module))
+            for _, _, own, _ in reversed(units):  # one bucket per unit and group (+ a tied copy), backward order
+                plan += plan_groups(own, float("inf"))
         else:
-            plan = plan_buckets(params, bucket_size, self.dp if self.zero_stage else len(nodes[1]) if nodes else 1,
-                                _tied_weight(module) if self.zero_stage else None)
-        total = sum(n for _, n in plan)
+            plan = plan_groups(params, bucket_size)
+        total = sum(n for _, n, _ in plan)
         # (ZeRO-2/3 buckets allocate their full-size gradients only while a reduction needs them)
         self.grad_data = torch.zeros(total, dtype=torch.float32, device=device) if self.zero_stage < 2 else None
         self.buckets, self._bucket_of = [], {}
@@ -174,17 +187,17 @@ class DistributedDataParallel(nn.Module):
             # ZeRO-3: a buffer per bucket, as each unit's storage is freed on its own
             self.param_data = torch.zeros(total, dtype=dtype, device=device) if self.zero_stage < 3 else None
         offset = 0
-        for bucket_params, n in plan:
+        for bucket_params, n, (group, size, rank) in plan:
             grad = self.grad_data[offset:offset + n] if self.grad_data is not None else None
+            dense = group is self.dp_group
             if self.zero_stage:
                 flat = self.param_data[offset:offset + n] if self.param_data is not None else \
                     torch.zeros(n, dtype=dtype, device=device)
-                b = ShardedBucket(bucket_params, n, self.zero_stage, grad, flat,
-                                  self.dp, ps.get_data_parallel_rank(with_context_parallel=True), self.dp_group,
-                                  self.grad_divisor)
+                b = ShardedBucket(bucket_params, n, self.zero_stage, grad, flat, size, rank, group, self.grad_divisor)
                 b.reduce_every_microbatch = b.reduce_every_microbatch and not reduce_once
             else:
-                b = _Bucket(bucket_params, grad, self.dp, self.dp_group, self.grad_divisor, nodes, compressor)
+                b = _Bucket(bucket_params, grad, size, group, self.grad_divisor, nodes if dense else None,
+                            compressor if dense else None)
             b.index = len(self.buckets)
             self.buckets.append(b)
             for p in bucket_params:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
+from megalite.distributed.param_facts import is_expert
 
 
 def _weights(chunk):
@@ -33,13 +34,13 @@ def _weights(chunk):
 
 def weight_hashes(chunks):
     """{name: (first 8 bytes of the parameter's SHA-256 as an int64, whether every TP rank holds
-    it whole, whether DP ranks hold it whole)} of this rank's parameters; each is hashed once."""
+    it whole, whether DP ranks hold it whole, whether it is an expert's)} of this rank's parameters; each is hashed once."""
     out = {}
     for chunk in chunks:
         for name, t, p, dp_replicated in _weights(chunk):
             raw = t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
             digest = int.from_bytes(hashlib.sha256(raw).digest()[:8], "little", signed=True)
-            out[name] = (digest, not getattr(p, "tensor_model_parallel", False), dp_replicated)
+            out[name] = (digest, not getattr(p, "tensor_model_parallel", False), dp_replicated, is_expert(p))
     return out
 
 
@@ -59,12 +60,14 @@ def replicas_differ(chunks, tp_too=False):
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
     hashes, out = weight_hashes(chunks), []
-    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # CP ranks are replicas too
-        out += _differ(hashes, [n for n, h in hashes.items() if h[2]],
-                       ps.get_data_parallel_group(with_context_parallel=True),
-                       ps.get_data_parallel_world_size(with_context_parallel=True))
+    groups = ((False, ps.get_data_parallel_group(with_context_parallel=True),  # CP ranks are replicas too
+               ps.get_data_parallel_world_size(with_context_parallel=True)),
+              (True, ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size()))
+    for expert, group, size in groups:  # experts: their expert-DP replicas (param_facts)
+        if size > 1 and (not expert or ps.has_expert_grid()):
+            out += _differ(hashes, [n for n, h in hashes.items() if h[2] and h[3] == expert], group, size)
     if tp_too and ps.get_tensor_model_parallel_world_size() > 1:
-        whole = [n for n, (_, tp_replicated, _) in hashes.items() if tp_replicated]
+        whole = [n for n, (_, tp_replicated, _, _) in hashes.items() if tp_replicated]
         out += [f"{n} (over TP)" for n in _differ(hashes, whole, ps.get_tensor_model_parallel_group(),
                                                   ps.get_tensor_model_parallel_world_size())]
     return out

@@ -128,9 +128,9 @@ class ShardedBucket:
             return
         self.ready.clear()
         self.state = "inflight"
+        if self.divisor > 1:  # average over DP, as Megatron (summed over CP); also where an expert
+            self.data.div_(self.divisor)  # group is one rank (EP = DP: nothing to reduce, still averaged)
         if self.dp > 1:
-            if self.divisor > 1:
-                self.data.div_(self.divisor)  # average over DP, as Megatron (summed over CP)
             # A separate output: an output aliasing the input is not safe on every backend.
             self._out = torch.empty(self.shard, dtype=torch.float32, device=self.data.device)
             self._handle = comm.reduce_scatter(self._out, self.data, group=self.group, async_op=True)

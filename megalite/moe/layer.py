@@ -1,8 +1,8 @@
 """An MoE layer in place of a transformer layer's MLP: route each token to its top-k experts,
 run them, combine their outputs weighted by the router's probabilities, and add the shared
 expert's output (--moe-shared-expert-intermediate-size; with --moe-shared-expert-gate scaled by
-sigmoid(x · g), as Qwen2-MoE). Every rank holds every expert for now (expert-parallel size 1:
-the token dispatch is local)."""
+sigmoid(x · g), as Qwen2-MoE). The experts are split over the expert-parallel group and the
+tokens reach them through a dispatcher (dispatcher.py, --moe-token-dispatcher-type)."""
 
 import dataclasses
 
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from megalite import parallel_state as ps
+from megalite.moe.dispatcher import TokenDispatcher
 from megalite.moe.experts import SequentialExperts
 from megalite.moe.router import TopKRouter
 from megalite.tensor_parallel.init import init_normal, param_seed, replicated_init, with_recipe
@@ -20,7 +21,9 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.router = TopKRouter(config, prefix + ".router", layer_number)
-        self.experts = SequentialExperts(config, prefix + ".experts", mlp_class)
+        self.dispatcher = TokenDispatcher(config.num_moe_experts, config.moe_token_dispatcher_type)
+        self.experts = SequentialExperts(config, prefix + ".experts", mlp_class, self.dispatcher.first,
+                                         self.dispatcher.count)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
@@ -37,7 +40,8 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
         probs, routing_map = self.router(tokens, seq_length=s)
-        out = self.experts(tokens, probs, routing_map)
+        rows, counts = self.dispatcher.dispatch(tokens, probs, routing_map)
+        out = self.dispatcher.combine(self.experts(rows, counts))
         if self.shared_experts is not None:
             y, _ = self.shared_experts(tokens)
             gate = getattr(self.shared_experts, "gate_weight", None)

@@ -2,8 +2,9 @@
 
 Each distinct gradient element is counted once: TP-duplicated parameters (norms, row
 biases) only on TP rank 0, the last pipeline stage's copy of tied word embeddings not at
-all. Squared norms are summed over the model-parallel group (TP x PP); gradients are equal
-across DP after the reduction, so DP adds nothing.
+all. Squared norms are summed over the model-parallel group (TP x PP), MoE experts' over
+EP x PP (param_facts.sum_over_model); gradients are equal across DP after the reduction, so DP
+adds nothing.
 
 No host synchronisation and no kernel per parameter: the local norms come from one
 torch._foreach_norm per device/dtype group, the clip factor stays a device tensor and is
@@ -11,9 +12,9 @@ applied with one torch._foreach_mul_. Only get_grad_norm (the float for logging)
 """
 
 import torch
-import torch.distributed as dist
 
 from megalite import parallel_state as ps
+from megalite.distributed.param_facts import split_dense_expert, sum_over_model
 
 
 def counted_once(param):
@@ -36,16 +37,13 @@ def _foreach_sq_norm(grads, device):
 
 
 def grad_norm_tensor(params, grads, sharded_over_dp=False):
-    """L2 norm of the gradients of `params` (parallel lists) over the model-parallel group, as a
-    1-element device tensor (no host sync); with sharded_over_dp (ZeRO: each DP rank holds a
-    disjoint slice) summed over DP too."""
-    sq = _foreach_sq_norm([g for p, g in zip(params, grads) if counted_once(p)], ps.get_device())
-    if sharded_over_dp and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        dist.all_reduce(sq, group=ps.get_data_parallel_group(with_context_parallel=True))  # ZeRO: DP x CP shards
-    group = ps.get_model_parallel_group()
-    if group is not None and ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(sq, group=group)
-    return sq.sqrt()
+    """L2 norm of the gradients of `params` (parallel lists) over the model-parallel group (experts:
+    over EP x PP), as a 1-element device tensor (no host sync); with sharded_over_dp (ZeRO: each DP
+    rank holds a disjoint slice) summed over DP (experts: expert-DP) too."""
+    kept = [(p, g) for p, g in zip(params, grads) if counted_once(p)]
+    dense, expert = split_dense_expert([p for p, _ in kept], [g for _, g in kept])
+    dev = ps.get_device()
+    return sum_over_model(_foreach_sq_norm(dense, dev), _foreach_sq_norm(expert, dev), sharded_over_dp).sqrt()
 
 
 def get_grad_norm(params, grads, sharded_over_dp=False):
