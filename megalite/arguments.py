@@ -39,6 +39,8 @@ def build_parser():
     a("--seq-length", type=int, default=None)
     a("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     a("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    a("--no-position-embedding", action="store_false", dest="add_position_embedding",
+      help="deprecated in Megatron: accepted with --position-embedding-type rope (which has no position table)")
     a("--rotary-base", type=float, default=10000.0)
     a("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims that rotary rotates")
     a("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
@@ -63,6 +65,9 @@ def build_parser():
     a("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
     a("--moe-router-pre-softmax", action="store_true", help="softmax over all experts before the top-k")
     a("--moe-router-topk-scaling-factor", type=float, default=None)
+    a("--moe-router-enable-expert-bias", action="store_true",
+      help="aux-loss-free balancing: a per-expert bias (sigmoid scores) moved towards equal loads each step")
+    a("--moe-router-bias-update-rate", type=float, default=1e-3)
     a("--moe-router-dtype", default=None, choices=["fp32", "fp64"], help="routing precision (default fp32)")
     a("--moe-grouped-gemm", action="store_true", help="accepted: the experts run one after the other")
     a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
@@ -359,6 +364,8 @@ def model_config(args, vocab_size):
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
         **_bert_fields(args))
 
 

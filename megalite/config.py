@@ -90,6 +90,8 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (sigmoid scores)
+    moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: str = "allgather"  # or alltoall (the same result; other collectives)
 
     def is_moe_layer(self, layer_number):

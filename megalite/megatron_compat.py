@@ -127,7 +127,6 @@ RENAMED = {
     "--activations-checkpoint-num-layers": "--recompute-num-layers",
     "--distribute-checkpointed-activations": "--distribute-saved-activations (not implemented; remove it)",
     "--use-rotary-position-embeddings": "--position-embedding-type rope",
-    "--no-position-embedding": "--position-embedding-type none (not implemented; remove it)",
     "--use-checkpoint-lr-scheduler": "--use-checkpoint-opt_param-scheduler",
     "--override-lr-scheduler": "--override-opt_param-scheduler",
     "--fp16-lm-cross-entropy": "(removed in Megatron) remove it",
@@ -140,8 +139,8 @@ _WHY = (
     (("grad-reduce-in-bf16",), "megalite reduces gradients in fp32; bf16 gradient reduction is not implemented"),
     (("fp8", "fp4", "quantiz", "kitchen"), "FP8/FP4 training (Transformer Engine) is not implemented in megalite"),
     (("moe", "expert", "router"), "this Mixture of Experts option is not implemented in megalite yet (it has "
-                                  "--num-experts with top-k softmax/sigmoid routing, aux/seq-aux/z losses, expert-"
-                                  "parallel size 1)"),
+                                  "--num-experts with top-k softmax/sigmoid routing, aux/seq-aux/z losses, expert "
+                                  "parallelism with allgather/alltoall dispatch)"),
     (("wandb",), "Weights & Biases logging is not implemented in megalite; use --tensorboard-dir or --log-json"),
     (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
                                                               "run under torch.profiler or nsys yourself"),
@@ -174,7 +173,7 @@ def _nargs(flag):
     info = megatron_flags().get(flag)
     if flag in RENAMED and info is None:
         return 0 if flag in ("--checkpoint-activations", "--distribute-checkpointed-activations",
-                             "--use-rotary-position-embeddings", "--no-position-embedding",
+                             "--use-rotary-position-embeddings",
                              "--use-checkpoint-lr-scheduler", "--override-lr-scheduler",
                              "--fp16-lm-cross-entropy") else 1
     if info is None:

@@ -44,7 +44,7 @@ class _Grid:
         self.virtual_rank = 0
         self.ep = 1  # expert grid (MoE): None until initialize_model_parallel gets an expert-parallel size
         self.experts = False
-        self.ep_group = self.edp_group = self.emp_group = None
+        self.ep_group = self.edp_group = self.emp_group = self.stage_group = None
         self.ep_rank = 0
         self.edp, self.edp_rank = dp * cp, 0
 
@@ -214,6 +214,8 @@ def _expert_groups(grid, stages, rank, make):
     among them); expert-DP ranks hold the same experts (their gradients are reduced, and ZeRO shards,
     over expert-DP); the expert model-parallel group (EP x PP) holds one copy of every expert (norms)."""
     ep, edp = grid.ep, grid.edp
+    for ranks in stages:  # the routers' token counts are summed over a stage (TP x CP x DP)
+        grid.stage_group = make(sorted(ranks)) or grid.stage_group
     for p, ranks in enumerate(stages):
         if rank in ranks:
             j = ranks.index(rank)
@@ -348,6 +350,17 @@ def get_expert_data_parallel_rank():
 
 def get_expert_data_parallel_world_size():
     return _grid().edp
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel=True):
+    """TP x CP x DP: the ranks of one pipeline stage (an MoE job's; without an expert grid, TP = 1)."""
+    g = _grid()
+    if g.experts:
+        return g.stage_group
+    if g.tp > 1:
+        raise RuntimeError("the tensor-and-data-parallel group is built with the expert grid "
+                           "(initialize_model_parallel(..., expert_model_parallel_size=...))")
+    return get_data_parallel_group(with_context_parallel)
 
 
 def get_expert_tensor_model_pipeline_parallel_group():

@@ -160,7 +160,7 @@ def _grad_stats(args, chunks, optimizer):
             out["params_norm"] = global_norm_and_zeros([pc.param for pc in optimizer.pieces],
                                                        [pc.data for pc in optimizer.pieces], sharded_over_dp=True)[0]
         else:
-            params = [p for c in chunks for p in c.parameters()]
+            params = [p for c in chunks for p in c.parameters() if p.requires_grad]  # (an expert bias is no weight)
             out["params_norm"] = global_norm_and_zeros(params, params)[0]
     if args.log_num_zeros_in_grad:
         sharded = hasattr(optimizer, "pieces")

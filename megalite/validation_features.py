@@ -6,6 +6,9 @@ from megalite.megatron_compat import print_notices
 
 
 def validate_features(args):
+    if not args.add_position_embedding and args.position_embedding_type != "rope":  # as Megatron
+        raise ConfigError("--no-position-embedding is deprecated: use --position-embedding-type (it is accepted "
+                          "only with rope)")
     _validate_fsdp(args)
     _validate_fim(args)
     _validate_moe(args)
@@ -54,6 +57,8 @@ def _validate_moe(args):
             (args.expert_model_parallel_size > 1 and args.data_parallel_shares is not None,
              "--data-parallel-shares with --expert-model-parallel-size > 1: ranks that run different micro-batch "
              "counts would dispatch tokens a different number of times; drop one"),
+            (args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid",
+             "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron)"),
             (args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff or 0) < 0, "--moe-aux-loss-coeff and "
                                                                                "--moe-z-loss-coeff must be >= 0"),
             (args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0,

@@ -243,7 +243,8 @@ def train(lay, collect=None):
             for c in chunks:
                 whole.enter_context(c.gathered())
             for name, p in _named(chunks):
-                out["grads"][name] = _cut_vocab(name, gather_full(p, record["grads"][id(p)]), args.vocab_size)
+                if p.requires_grad:  # (an MoE expert bias has none; its value is compared)
+                    out["grads"][name] = _cut_vocab(name, gather_full(p, record["grads"][id(p)]), args.vocab_size)
                 out["params"][name] = _cut_vocab(name, gather_full(p, p.detach().float()), args.vocab_size)
         if collect is not None:
             out["collected"] = collect(chunks, opt)

@@ -126,6 +126,13 @@ def test_renamed_flag_points_to_the_new_name(capsys):
     assert "--DDP-impl" not in line  # an implementation choice: accepted with a notice
 
 
+def test_no_position_embedding_only_with_rope(capsys):
+    """Megatron's deprecated --no-position-embedding: a no-op with rope (Mixtral's example passes both)."""
+    assert not parse_args(list(SMALL) + ["--no-position-embedding", "--position-embedding-type", "rope"],
+                          world_size=1).add_position_embedding
+    assert "use --position-embedding-type" in _error(list(SMALL) + ["--no-position-embedding"], capsys)
+
+
 def test_unknown_and_not_implemented_are_told_apart(capsys):
     line = _error(SMALL + ["--num-layerz", "3", "--moe-router-enable-expert-bias", "--fp8-format", "hybrid", "--wandb-project", "p",
                            "--batch-size", "4"], capsys)

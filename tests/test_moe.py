@@ -53,6 +53,27 @@ def test_topk_routing_matches_its_definition(score, pre):
         assert probs[t].count_nonzero() == K
 
 
+def test_expert_bias_chooses_but_does_not_weigh_and_moves_towards_the_mean(grid):
+    logits = torch.randn(37, E, dtype=torch.float64)
+    bias = torch.tensor([0.3, -0.2, 0.0, 0.1])
+    probs, rmap = topk_routing(logits, K, "sigmoid", expert_bias=bias)
+    s = torch.sigmoid(logits)
+    chosen = (s + bias.double()).topk(K, dim=1).indices
+    assert torch.equal(rmap, torch.zeros_like(rmap).scatter(1, chosen, True))
+    want = s.gather(1, chosen) / s.gather(1, chosen).sum(1, keepdim=True)
+    assert torch.allclose(probs.gather(1, chosen), want, rtol=1e-12)
+    router = TopKRouter(_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                             moe_router_bias_update_rate=0.25), "decoder.layers.0.mlp.router", 1)
+    router(torch.randn(8, 16, dtype=torch.float64))
+    assert router.local_tokens_per_expert.sum() == 8 * K and router.local_tokens_per_expert.dtype == torch.int64
+    with torch.no_grad():  # evaluation / a recompute's first forward: not counted
+        router(torch.randn(8, 16, dtype=torch.float64))
+    assert router.local_tokens_per_expert.sum() == 8 * K
+    router.update_expert_bias(torch.tensor([9, 1, 3, 3]))  # mean 4: over-loaded down, under-loaded up
+    assert router.expert_bias.tolist() == [-0.25, 0.25, 0.25, 0.25] and router.local_tokens_per_expert.sum() == 0
+    assert not router.expert_bias.requires_grad
+
+
 @pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
 def test_aux_and_z_losses_are_megatrons_formulas_and_reach_the_router_scaled(grid, kind):
     s, b, coeff, zc, scale = 6, 3, 0.01, 0.001, 0.25
@@ -159,7 +180,9 @@ def test_moe_flags_refused_in_one_line(capsys):
                      (["--disable-bias-linear", "--expert-model-parallel-size", "3"], "divisible by --expert-model"),
                      (["--disable-bias-linear", "--expert-model-parallel-size", "4"], "must divide the 2 ranks"),
                      (["--disable-bias-linear", "--expert-model-parallel-size", "2", "--fp16"], "use --bf16"),
-                     (["--disable-bias-linear", "--moe-router-enable-expert-bias"], "Mixture of Experts option")):
+                     (["--disable-bias-linear", "--moe-router-enable-expert-bias"], "needs --moe-router-score-function "
+                                                                                     "sigmoid"),
+                     (["--disable-bias-linear", "--moe-router-num-groups", "2"], "Mixture of Experts option")):
         with pytest.raises(SystemExit):
             parse_args(req + bad, world_size=2)
         assert msg in capsys.readouterr().err, bad

@@ -28,6 +28,11 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", 
        "--moe-z-loss-coeff", "0.001", "--moe-ffn-hidden-size", "48")
 
 
+# aux-loss-free balancing; a rate that moves routing within the 6 steps
+BIAS = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+        "1e-2")
+
+
 def ep(n, kind="allgather"):
     return ("--expert-model-parallel-size", str(n), "--moe-token-dispatcher-type", kind)
 
@@ -61,10 +66,11 @@ def local_expert_names():
 
 LAYOUTS = [
     layout("ep4_alltoall", dp=4, model=MOE, flags=ep(4, "alltoall")),
-    layout("ep2_dp4_zero2", dp=4, zero=2, model=MOE, flags=ep(2)),
+    layout("ep2_dp4_zero2_expert_bias", dp=4, zero=2, model=MOE + BIAS, flags=ep(2)),
     layout("ep2_dp4_replica_check_params_norm", dp=4, model=MOE, flags=ep(2, "alltoall") + (
         "--check-weight-hash-across-dp-replicas-interval", "1", "--log-params-norm")),
-    layout("ep2_pp2_alltoall", pp=2, dp=2, model=MOE, flags=ep(2, "alltoall")),
+    layout("ep2_pp2_alltoall_expert_bias_recompute", pp=2, dp=2, recompute="full", model=MOE + BIAS,
+           flags=ep(2, "alltoall")),
     layout("ep2_dp4_zero3_recompute_capacity", dp=4, zero=3, recompute="full", flags=ep(2), model=MOE + (
         "--moe-expert-capacity-factor", "1.0", "--moe-shared-expert-intermediate-size", "32")),
 ]
@@ -104,21 +110,27 @@ def _dispatch_checks():
     return out
 
 
+def _last_counts(chunks, opt):
+    """Each router's token counts of the last step, as its expert bias update read them."""
+    return [m.last_tokens_per_expert.tolist() for c in chunks for m in c.modules()
+            if getattr(m, "expert_bias", None) is not None]
+
+
 def _pretrain(argv):
-    args = parse_args(list(BASE) + list(MOE) + list(argv), world_size=max(1, ps.world_size()))
+    args = parse_args(list(BASE) + list(MOE) + list(BIAS) + list(argv), world_size=max(1, ps.world_size()))
     try:
         return pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
     finally:
         ps.destroy_model_parallel()
 
 
-EP2 = ("--use-distributed-optimizer", "--zero-stage", "2") + ep(2)
+EP2 = ("--use-distributed-optimizer", "--zero-stage", "2") + ep(2)  # with MOE + BIAS: ep2_dp4_zero2_expert_bias
 STOP = ("--train-iters", "3", "--use-checkpoint-opt_param-scheduler")  # load, train nothing, save here
 
 
 def _world(root):
     out = {"dispatch": _dispatch_checks()}
-    out.update({lay.name: train(lay) for lay in LAYOUTS + FAULTS})
+    out.update({lay.name: train(lay, _last_counts) for lay in LAYOUTS + FAULTS})
     a, b, c, f = (os.path.join(root, n) for n in ("a", "b", "c", "f"))
     out["first"] = _pretrain(list(EP2) + ["--save", a, "--exit-interval", "3"])
     out["resumed"] = _pretrain(list(EP2) + ["--load", a])
@@ -166,6 +178,21 @@ def test_expert_parallel_matches_single_process(world, lay):
     assert_parity(lay, world[1][lay.name])
 
 
+def test_expert_bias_counts_each_training_token_once(world):
+    """Each step's counts, summed over the batch: 8 sequences x 16 tokens x k = 2 per MoE layer, under
+    full recompute (whose first forward has no gradient) and pipelining; the single process agrees."""
+    lay = LAYOUTS[[x.name for x in LAYOUTS].index("ep2_pp2_alltoall_expert_bias_recompute")]
+    for r in world[1][lay.name]:
+        counts = r["collected"]
+        assert len(counts) == 2 and all(sum(c) == 8 * 16 * 2 for c in counts), counts  # 2 layers per stage
+        assert any(c != counts[0][0] for c in counts[0]), counts  # not all equal: the bias has work
+    ref = reference(lay)
+    assert any(n.endswith("router.expert_bias") for n in ref["params"])
+    for name, t in ref["params"].items():  # ±rate per step towards the mean: a multiple of 1e-2 in 6 steps
+        if name.endswith("router.expert_bias"):
+            assert t.abs().max() <= 6 * 1e-2 + 1e-6 and (t != 0).any(), (name, t)
+
+
 @pytest.mark.parametrize("lay", FAULTS, ids=lambda lay: lay.name)
 def test_faults_are_caught(world, lay):
     assert mismatches(lay, world[1][lay.name], reference(lay)), f"{lay.name} went unseen"
@@ -177,12 +204,12 @@ def _tensors(root):
 
 
 def test_ep_checkpoint_resumes_exactly_and_moves_between_ep_sizes(world, tmp_path):
-    """Saved at EP2 ZeRO-2 over DP4 (a): continued at EP2, bit for bit the uninterrupted run's
-    losses; loaded and saved again at EP4 (plain optimizer), EP1 ZeRO-1 and one process: every
+    """Saved at EP2 ZeRO-2 over DP4 with an expert bias (a): continued at EP2, bit for bit the
+    uninterrupted run's losses (the bias is saved); loaded and saved again at EP4 (plain optimizer), EP1 ZeRO-1 and one process: every
     expert weight and Adam state under its global index, bit for bit. Saved with experts named by
     their local index, the checkpoint cannot be read as the model it was."""
     root, w = world
-    straight = w["ep2_dp4_zero2"][-1]["losses"]  # the same flags, uninterrupted
+    straight = w["ep2_dp4_zero2_expert_bias"][-1]["losses"]  # the same flags, uninterrupted
     assert w["first"][-1] == straight[:3] and w["resumed"][-1] == straight[3:], (straight, w["first"], w["resumed"])
     d = str(tmp_path / "d")
     threads = torch.get_num_threads()

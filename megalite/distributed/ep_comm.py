@@ -7,6 +7,8 @@ expert-parallel group (so model code never calls torch.distributed). Rows are to
 Each records its bytes in megalite.distributed.comm (what benchmarks/moe.py compares with theory).
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -64,7 +66,7 @@ def reduce_scatter_rows(x):
 
 def _exchange(x, out_splits, in_splits):
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()  # (a rank may send no row at all)
     me = ps.get_expert_model_parallel_rank()
     comm.record_sent("all_to_all", x.numel() * x.element_size(), (sum(in_splits) - in_splits[me]) * row)
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=_group())

@@ -63,6 +63,23 @@ def finalize_model_grads(model_chunks):
         params.extend(p for p in m.parameters() if p.requires_grad)
     allreduce_sequence_parallel_grads(params)
     allreduce_embedding_grads(model_chunks)
+    update_expert_biases(model_chunks)
+
+
+def update_expert_biases(model_chunks):
+    """MoE routers with an expert bias (--moe-router-enable-expert-bias): their token counts of this
+    step summed over the stage's TP x CP x DP ranks (every rank of a stage has the same routers), one
+    all-reduce for all of them, then each router moves its bias (megalite/moe/router.py)."""
+    routers = [m for c in model_chunks for m in c.modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert if r.local_tokens_per_expert is not None
+                          else torch.zeros(r.expert_bias.numel(), dtype=torch.int64, device=r.expert_bias.device)
+                          for r in routers])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+    for r, c in zip(routers, counts):
+        r.update_expert_bias(c)
 
 
 def scale_grads_by_token_count(model_chunks, count):

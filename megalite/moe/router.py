@@ -10,6 +10,10 @@ Auxiliary losses (Megatron's formulas), added to the training loss through the g
 - seq_aux_loss: the same per sequence, averaged over the sequences;
 - z-loss: coeff · mean_t logsumexp(logits_t)².
 --moe-expert-capacity-factor then drops what exceeds each expert's capacity (drop_over_capacity).
+--moe-router-enable-expert-bias (aux-loss-free balancing, DeepSeek-V3): the sigmoid top-k is chosen by
+score + expert_bias (a parameter without gradient, fp32, checkpointed); each step's token counts
+(int64, summed over the data-parallel ranks by megalite/distributed/finalize.py) move the bias by
+±--moe-router-bias-update-rate towards the mean load.
 Their gradients enter the backward scaled as the main loss is (AuxLossScaler: the loss scale over
 the micro-batch count; per-token loss: the loss scale), and their values are recorded per layer for
 the log line (`aux_losses`).
@@ -21,7 +25,7 @@ import torch
 from torch import nn
 
 from megalite import parallel_state as ps
-from megalite.tensor_parallel.init import init_normal, param_seed, replicated_init, with_recipe
+from megalite.tensor_parallel.init import ConstantRecipe, init_normal, param_seed, replicated_init, with_recipe
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -63,9 +67,15 @@ def z_loss(logits, coeff):
     return torch.logsumexp(logits, dim=-1).square().mean() * coeff
 
 
-def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scaling_factor=None):
-    """(probs [T, E], zero outside each token's k experts; routing map [T, E] bool)."""
-    if score_function == "softmax":
+def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scaling_factor=None, expert_bias=None):
+    """(probs [T, E], zero outside each token's k experts; routing map [T, E] bool). expert_bias
+    (sigmoid): the k experts are chosen by score + bias, their probabilities are the scores."""
+    if expert_bias is not None:
+        scores = torch.sigmoid(logits)
+        idx = torch.topk(scores + expert_bias.to(scores.dtype), topk, dim=1).indices
+        top = scores.gather(1, idx)
+        probs = top / (top.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else top
+    elif score_function == "softmax":
         if pre_softmax:
             probs, idx = torch.topk(torch.softmax(logits, dim=-1), topk, dim=1)
         else:
@@ -118,6 +128,30 @@ class TopKRouter(nn.Module):
                                     param_seed(c.seed, prefix + ".weight"), ps.get_device())
         self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=c.params_dtype)), recipe)
         self.dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
+        self.expert_bias, self.local_tokens_per_expert = None, None
+        if c.moe_router_enable_expert_bias:  # aux-loss-free balancing: learnt by counting, not by gradient
+            bias = torch.zeros(c.num_moe_experts, dtype=torch.float32, device=ps.get_device())
+            self.expert_bias = with_recipe(nn.Parameter(bias, requires_grad=False), ConstantRecipe(0.0))
+
+    def update_expert_bias(self, tokens_per_expert):
+        """After a step's backward, with this step's token counts summed over the batch (every micro-batch
+        of every data-parallel rank): bias += rate · sign(mean count - count) (Megatron's formula)."""
+        self.last_tokens_per_expert = tokens_per_expert
+        with torch.no_grad():
+            counts = tokens_per_expert.double()
+            self.expert_bias.add_(torch.sign(counts.mean() - counts).float() * self.config.moe_router_bias_update_rate)
+        if self.local_tokens_per_expert is not None:
+            self.local_tokens_per_expert.zero_()
+
+    def _count(self, routing_map):
+        """Tokens per expert, in forwards that will have a backward: a recompute's first (no-grad)
+        forward and evaluation do not count, so each training token counts once."""
+        if self.expert_bias is None or not torch.is_grad_enabled():
+            return
+        if self.local_tokens_per_expert is None:
+            self.local_tokens_per_expert = torch.zeros(routing_map.shape[1], dtype=torch.int64,
+                                                       device=routing_map.device)
+        self.local_tokens_per_expert += routing_map.sum(dim=0)
 
     def forward(self, x, seq_length=None):
         """x [T, h] (T = s·b tokens, sequence-major) -> (probs [T, E], routing map [T, E])."""
@@ -128,7 +162,7 @@ class TopKRouter(nn.Module):
             _record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
             logits = AuxLossScaler.apply(logits, zl)
         probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
-                                          c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor)
+                                          c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor, self.expert_bias)
         kind = c.moe_router_load_balancing_type
         if kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
             scores = _scores_for_aux(logits, c.moe_router_score_function)
@@ -147,4 +181,5 @@ class TopKRouter(nn.Module):
             probs, routing_map = drop_over_capacity(probs, routing_map, c.moe_router_topk,
                                                     c.moe_expert_capacity_factor, c.moe_token_drop_policy,
                                                     c.moe_pad_expert_input_to_capacity)
+        self._count(routing_map)
         return probs, routing_map
