@@ -1,6 +1,6 @@
 """The MoE auxiliary losses in the training log line (Megatron's track_moe_metrics): each one's
 value per MoE layer, averaged over this iteration's micro-batches (and DP ranks), summed over the
-pipeline stages, and averaged over the model's MoE layers. Every rank takes part (the names come
+pipeline stages (and the TP ranks' parts of each micro-batch under sequence parallelism), and averaged over the model's MoE layers. Every rank takes part (the names come
 from the config, so stages without MoE layers send zeros); the recorded values are then cleared."""
 
 import torch
@@ -34,5 +34,7 @@ def moe_losses(config, num_microbatches, total=None):
         average_over_data_parallel(vals / num_microbatches)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
+    if config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:  # each TP rank's part
+        dist.all_reduce(vals, group=ps.get_tensor_model_parallel_group())
     layers = sum(config.is_moe_layer(i) for i in range(1, config.num_layers + 1))
     return dict(zip(names, (vals / layers).unbind()))

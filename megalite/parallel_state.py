@@ -44,8 +44,9 @@ class _Grid:
         self.virtual_rank = 0
         self.ep = 1  # expert grid (MoE): None until initialize_model_parallel gets an expert-parallel size
         self.experts = False
-        self.ep_group = self.edp_group = self.emp_group = self.stage_group = None
-        self.ep_rank = 0
+        self.ep_group = self.edp_group = self.emp_group = self.stage_group = self.etp_group = self.tp_ep_group = None
+        self.ep_rank = self.etp_rank = 0
+        self.etp = 1
         self.edp, self.edp_rank = dp * cp, 0
 
 
@@ -113,11 +114,12 @@ def shutdown_distributed(barrier=True):
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
                               hierarchical_context_parallel_sizes=None, use_tp_pp_dp_mapping=False,
-                              ranks_per_node=None, expert_model_parallel_size=None):
+                              ranks_per_node=None, expert_model_parallel_size=None, expert_tensor_parallel_size=None):
     """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world.
     ranks_per_node (--hierarchical-grad-reduce): also split each gradient-reduction group (DP x CP)
     into its members on one node (global rank // ranks_per_node) and its cross-node groups.
-    expert_model_parallel_size (MoE models): also the expert grid, see _expert_groups."""
+    expert_model_parallel_size (MoE models): also the expert grid, see _expert_groups (its expert-TP size
+    defaults to the TP size, as Megatron's)."""
     global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
@@ -130,13 +132,14 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
             f"pipeline-model-parallel size {pp} = {tp * cp * pp}; change --nproc-per-node or the parallel sizes")
     dp = world // (tp * cp * pp)
     ep = expert_model_parallel_size
-    if ep is not None and (not isinstance(ep, int) or ep < 1 or (tp * cp * dp) % ep):
-        raise ValueError(f"expert-model-parallel size {ep} must divide the ranks of a pipeline stage "
-                         f"(tensor x context x data parallel = {tp * cp * dp})")
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    if ep is not None and (not isinstance(ep, int) or ep < 1 or (tp * cp * dp) % (ep * etp)):
+        raise ValueError(f"expert-model-parallel size {ep} x expert-tensor-parallel size {etp} must divide the ranks "
+                         f"of a pipeline stage (tensor x context x data parallel = {tp * cp * dp})")
     grid = _Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
     grid.pp_before_dp = bool(use_tp_pp_dp_mapping)
     if ep is not None:
-        grid.experts, grid.ep, grid.edp = True, ep, tp * cp * dp // ep
+        grid.experts, grid.ep, grid.etp, grid.edp = True, ep, etp, tp * cp * dp // (ep * etp)
     if not dist.is_initialized():
         _GRID = grid
         return
@@ -209,23 +212,33 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
 
 
 def _expert_groups(grid, stages, rank, make):
-    """Megatron's expert grid (expert-TP 1): a stage's ranks, in the dense order j = tp + TP·(cp +
-    CP·dp), are re-read as j = ep + EP·edp. EP ranks hold different experts (tokens are dispatched
-    among them); expert-DP ranks hold the same experts (their gradients are reduced, and ZeRO shards,
-    over expert-DP); the expert model-parallel group (EP x PP) holds one copy of every expert (norms)."""
-    ep, edp = grid.ep, grid.edp
+    """Megatron's expert grid: a stage's ranks, in the dense order j = tp + TP·(cp + CP·dp), are re-read
+    as j = etp + ETP·(ep + EP·edp). Expert-TP ranks shard each expert (ETP = TP: the dense TP group; 1:
+    none); EP ranks hold different experts (tokens are dispatched among them; the allgather dispatcher
+    gathers over ETP x EP); expert-DP ranks hold the same experts (their gradients are reduced, and ZeRO
+    shards, over expert-DP); the expert model-parallel group (ETP x EP x PP) holds one copy of every
+    expert element (norms)."""
+    et, ep, edp = grid.etp, grid.ep, grid.edp
+
+    def at(ranks, t, i, e):
+        return ranks[t + et * (i + ep * e)]
     for ranks in stages:  # the routers' token counts are summed over a stage (TP x CP x DP)
         grid.stage_group = make(sorted(ranks)) or grid.stage_group
-    for p, ranks in enumerate(stages):
+    for ranks in stages:
         if rank in ranks:
             j = ranks.index(rank)
-            grid.ep_rank, grid.edp_rank = j % ep, j // ep
-    for ranks, e in ((r, e) for r in stages for e in range(edp)):
-        grid.ep_group = make([ranks[i + ep * e] for i in range(ep)]) or grid.ep_group
-    for ranks, i in ((r, i) for r in stages for i in range(ep)):
-        grid.edp_group = make([ranks[i + ep * e] for e in range(edp)]) or grid.edp_group
-    for e in range(edp):
-        grid.emp_group = make(sorted(r[i + ep * e] for r in stages for i in range(ep))) or grid.emp_group
+            grid.etp_rank, grid.ep_rank, grid.edp_rank = j % et, (j // et) % ep, j // (et * ep)
+    T, I, E = range(et), range(ep), range(edp)
+    for ranks, i, e in ((r, i, e) for r in stages for e in E for i in I):
+        grid.etp_group = make([at(ranks, t, i, e) for t in T]) or grid.etp_group
+    for ranks, t, e in ((r, t, e) for r in stages for e in E for t in T):
+        grid.ep_group = make([at(ranks, t, i, e) for i in I]) or grid.ep_group
+    for ranks, e in ((r, e) for r in stages for e in E):
+        grid.tp_ep_group = make([at(ranks, t, i, e) for i in I for t in T]) or grid.tp_ep_group
+    for ranks, t, i in ((r, t, i) for r in stages for i in I for t in T):
+        grid.edp_group = make([at(ranks, t, i, e) for e in E]) or grid.edp_group
+    for e in E:
+        grid.emp_group = make(sorted(at(r, t, i, e) for r in stages for i in I for t in T)) or grid.emp_group
 
 
 def model_parallel_is_initialized():
@@ -337,6 +350,32 @@ def get_expert_model_parallel_world_size():
     return _grid().ep
 
 
+def get_expert_tensor_parallel_group():
+    g = _grid()
+    return g.etp_group if g.experts else g.tp_group
+
+
+def get_expert_tensor_parallel_rank():
+    g = _grid()
+    return g.etp_rank if g.experts else g.tp_rank
+
+
+def get_expert_tensor_parallel_world_size():
+    """Without an expert grid: the dense TP size (experts are then dense parameters)."""
+    g = _grid()
+    return g.etp if g.experts else g.tp
+
+
+def get_expert_tensor_and_model_parallel_group():
+    """ETP x EP: the ranks among which the allgather dispatcher gathers tokens."""
+    return _grid().tp_ep_group
+
+
+def get_expert_tensor_and_model_parallel_world_size():
+    g = _grid()
+    return g.etp * g.ep
+
+
 def get_expert_data_parallel_group():
     """The ranks that hold the same experts: expert gradients are reduced, and ZeRO shards, here."""
     g = _grid()
@@ -364,7 +403,7 @@ def get_tensor_and_data_parallel_group(with_context_parallel=True):
 
 
 def get_expert_tensor_model_pipeline_parallel_group():
-    """EP x PP (Megatron's name; expert-TP is 1): every expert once; the norms sum over it."""
+    """ETP x EP x PP (Megatron's name): every expert element once; the norms sum over it."""
     g = _grid()
     return g.emp_group if g.experts else g.mp_group
 

@@ -243,7 +243,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                                      args.hierarchical_context_parallel_sizes, args.use_tp_pp_dp_mapping,
                                      int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size()))
                                      if args.hierarchical_grad_reduce else None,
-                                     args.expert_model_parallel_size if args.num_experts else None)
+                                     args.expert_model_parallel_size if args.num_experts else None,
+                                     args.expert_tensor_parallel_size)
     except ValueError as e:
         _abort(str(e), owns)
     model_parallel_manual_seed(args.seed)

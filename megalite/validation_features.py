@@ -26,6 +26,8 @@ def _validate_moe(args):
                            "effect on a model without --num-experts"])
         return
     k, freq = args.moe_router_topk, args.moe_layer_freq
+    etp = args.tensor_model_parallel_size if args.expert_tensor_parallel_size is None else \
+        args.expert_tensor_parallel_size
     for cond, msg in (
             (e < 1, f"--num-experts {e} must be >= 1"),
             (not 1 <= k <= e, f"--moe-router-topk {k} must be between 1 and --num-experts {e}"),
@@ -40,18 +42,18 @@ def _validate_moe(args):
                                                                "implemented in megalite yet (aux_loss, seq_aux_loss, none)"),
             (args.moe_token_dispatcher_type == "flex", "--moe-token-dispatcher-type flex (DeepEP) is not implemented in "
                                                        "megalite; use allgather or alltoall"),
-            (args.tensor_model_parallel_size > 1, "MoE with --tensor-model-parallel-size > 1 is not implemented in "
-                                                  "megalite yet"),
+            (args.tensor_model_parallel_size > 1 and not args.sequence_parallel,
+             "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)"),
             (args.context_parallel_size > 1, "MoE with --context-parallel-size > 1 is not implemented in megalite yet"),
-            (args.expert_tensor_parallel_size not in (None, 1), f"--expert-tensor-parallel-size "
-                                                                f"{args.expert_tensor_parallel_size}: Mixture of Experts "
-                                                                "with expert tensor parallelism is not implemented in "
-                                                                "megalite yet"),
+            (args.expert_tensor_parallel_size not in (None, 1, args.tensor_model_parallel_size),
+             f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: megalite shards experts over 1 rank "
+             f"or over the tensor-parallel group ({args.tensor_model_parallel_size})"),
             (args.expert_model_parallel_size < 1 or e % args.expert_model_parallel_size,
              f"--num-experts {e} must be divisible by --expert-model-parallel-size {args.expert_model_parallel_size}"),
-            ((args.world_size // args.pipeline_model_parallel_size) % args.expert_model_parallel_size,
-             f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide the "
-             f"{args.world_size // args.pipeline_model_parallel_size} ranks of a pipeline stage (Megatron's expert grid)"),
+            ((args.world_size // args.pipeline_model_parallel_size) % (args.expert_model_parallel_size * etp),
+             f"--expert-model-parallel-size {args.expert_model_parallel_size} x expert-tensor-parallel size {etp} must "
+             f"divide the {args.world_size // args.pipeline_model_parallel_size} ranks of a pipeline stage (Megatron's "
+             "expert grid)"),
             (args.fp16 and args.expert_model_parallel_size > 1, "--fp16 with --expert-model-parallel-size > 1 is not "
                                                                 "supported (as Megatron); use --bf16"),
             (args.expert_model_parallel_size > 1 and args.data_parallel_shares is not None,

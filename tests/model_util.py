@@ -3,8 +3,8 @@
 import torch
 import torch.distributed as dist
 
-from megalite import parallel_state as ps
 from megalite.config import ModelConfig
+from megalite.distributed.param_facts import tensor_parallel
 
 FLAVOURS = {
     "gpt2": dict(),
@@ -23,11 +23,11 @@ def tiny_config(flavour="gpt2", **overrides):
 
 def gather_full(param, tensor):
     """The full (TP=1) tensor of a parameter's shard `tensor` (a weight or its grad)."""
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp, _, group = tensor_parallel(param)  # (an MoE expert's: expert-TP)
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return tensor.detach().clone()
     parts = [torch.empty_like(tensor) for _ in range(tp)]
-    dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(parts, tensor.contiguous(), group=group)
     dim = param.partition_dim
     chunks = getattr(param, "shard_chunks", 1)
     if chunks == 1:

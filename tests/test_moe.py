@@ -176,7 +176,7 @@ def test_moe_flags_refused_in_one_line(capsys):
                      (["--disable-bias-linear", "--moe-router-topk", "5"], "between 1 and --num-experts 4"),
                      (["--disable-bias-linear", "--moe-layer-freq", "[1,0,1]"], "3 entries for --num-layers 2"),
                      (["--disable-bias-linear", "--moe-layer-freq", "__import__('os')"], "an int or a pattern"),
-                     (["--disable-bias-linear", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
+                     (["--disable-bias-linear", "--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
                      (["--disable-bias-linear", "--expert-model-parallel-size", "3"], "divisible by --expert-model"),
                      (["--disable-bias-linear", "--expert-model-parallel-size", "4"], "must divide the 2 ranks"),
                      (["--disable-bias-linear", "--expert-model-parallel-size", "2", "--fp16"], "use --bf16"),

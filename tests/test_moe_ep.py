@@ -33,6 +33,9 @@ BIAS = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bi
         "1e-2")
 
 
+SHARED = ("--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate")
+
+
 def ep(n, kind="allgather"):
     return ("--expert-model-parallel-size", str(n), "--moe-token-dispatcher-type", kind)
 
@@ -71,6 +74,13 @@ LAYOUTS = [
         "--check-weight-hash-across-dp-replicas-interval", "1", "--log-params-norm")),
     layout("ep2_pp2_alltoall_expert_bias_recompute", pp=2, dp=2, recompute="full", model=MOE + BIAS,
            flags=ep(2, "alltoall")),
+    # sequence parallelism: each TP rank routes its own tokens; experts whole (expert-TP 1) or TP-sharded
+    layout("ep2_tp2_sp_etp1_alltoall_seq_aux", tp=2, sp=True, dp=2, model=MOE + (
+        "--moe-router-load-balancing-type", "seq_aux_loss"), flags=ep(2, "alltoall") + (
+        "--expert-tensor-parallel-size", "1")),
+    layout("ep2_tp2_sp_etp2_alltoall_shared_gate", tp=2, sp=True, dp=2, model=MOE + SHARED,
+           flags=ep(2, "alltoall")),
+    layout("ep2_tp2_sp_etp2_allgather_zero2", tp=2, sp=True, dp=2, zero=2, model=MOE, flags=ep(2)),
     layout("ep2_dp4_zero3_recompute_capacity", dp=4, zero=3, recompute="full", flags=ep(2), model=MOE + (
         "--moe-expert-capacity-factor", "1.0", "--moe-shared-expert-intermediate-size", "32")),
 ]

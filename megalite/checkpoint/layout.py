@@ -9,8 +9,7 @@ flat range (a ZeRO piece) becomes a few boxes that are each contiguous in memory
 
 import math
 
-from megalite import parallel_state as ps
-from megalite.distributed.param_facts import first_replica
+from megalite.distributed.param_facts import first_replica, tensor_parallel
 
 TIED_NAME = "embedding.word_embeddings.weight"
 
@@ -21,7 +20,7 @@ class ParamLayout:
     it (replicated tensors are written by TP rank 0 only)."""
 
     def __init__(self, name, param):
-        tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        tp, r, _ = tensor_parallel(param)  # (an expert's: expert-TP)
         shape = tuple(param.shape)
         self.tied_copy = bool(getattr(param, "shared_embedding", False))
         self.name = TIED_NAME if self.tied_copy else name

@@ -5,9 +5,9 @@ expert_parallel); buckets, the optimizer, norms, replica checks and checkpoint w
 which group a parameter belongs to and never re-derive it from names.
 - Dense parameters: gradients reduced (averaged over DP, summed over CP) and ZeRO-sharded over
   DP x CP; one copy of each over TP x PP (TP-replicated ones counted on TP rank 0).
-- Expert parameters (an MoE job's expert grid, parallel_state._expert_groups): reduced and sharded
-  over expert-DP, with the same divisor (DP: each EP rank's experts already summed the tokens of
-  every EP rank's batch); one copy of each over EP x PP.
+- Expert parameters (an MoE job's expert grid, parallel_state._expert_groups): tensor-parallel over
+  expert-TP; reduced and sharded over expert-DP, with the same divisor (DP: each EP rank's experts
+  already summed the tokens of every EP rank's batch); one copy of each element over ETP x EP x PP.
 Without an expert grid experts are dense parameters (expert-parallel size 1).
 """
 
@@ -28,6 +28,23 @@ def data_parallel(p):
     return (ps.get_data_parallel_group(with_context_parallel=True),
             ps.get_data_parallel_world_size(with_context_parallel=True),
             ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def tensor_parallel(p):
+    """(size, rank, group) of the tensor-parallel group p is sharded over (experts: expert-TP)."""
+    if is_expert(p):
+        return (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_group())
+
+
+def counted_once(p):
+    """Whether this rank counts p in whole-model sums: TP-replicated parameters on TP rank 0 only,
+    the last pipeline stage's copy of tied word embeddings not at all."""
+    if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True):
+        return False
+    return getattr(p, "tensor_model_parallel", False) or tensor_parallel(p)[1] == 0
 
 
 def first_replica(p):
@@ -65,6 +82,6 @@ def sum_over_model(dense, expert, sharded):
     _all_reduce(dense, ps.get_model_parallel_group(), mp)
     if expert is None:
         return dense
-    emp = ps.get_expert_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+    emp = ps.get_expert_tensor_and_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
     _all_reduce(expert, ps.get_expert_tensor_model_pipeline_parallel_group(), emp)
     return dense + expert

@@ -26,7 +26,7 @@ class SequentialExperts(nn.Module):
         count = config.num_moe_experts if count is None else count
         self.first = first
         # keyed by global index: the parameters' names (checkpoint names) are the same at every EP size
-        self.local_experts = nn.ModuleDict({expert_key(first, i): mlp_class(c, f"{prefix}.local_experts.{first + i}")
+        self.local_experts = nn.ModuleDict({expert_key(first, i): mlp_class(c, f"{prefix}.local_experts.{first + i}", expert=True)
                                             for i in range(count)})
         for p in self.parameters():
             p.expert_parallel = True

@@ -34,6 +34,8 @@ class MoELayer(nn.Module):
                                             ps.get_device())
                 self.shared_experts.gate_weight = with_recipe(
                     nn.Parameter(w.to(device=ps.get_device(), dtype=config.params_dtype)), recipe)
+                # applied to this rank's tokens under sequence parallelism: partial gradients, summed over TP
+                self.shared_experts.gate_weight.sequence_parallel = self.router.weight.sequence_parallel
 
     def forward(self, x):
         """x [s, b, h] -> (output [s, b, h], None): the MLP's (output, bias) contract."""
@@ -42,8 +44,8 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(tokens, seq_length=s)
         rows, counts = self.dispatcher.dispatch(tokens, probs, routing_map)
         out = self.dispatcher.combine(self.experts(rows, counts))
-        if self.shared_experts is not None:
-            y, _ = self.shared_experts(tokens)
+        if self.shared_experts is not None:  # a dense MLP: sequence-parallel as the others
+            y = self.shared_experts(x)[0].reshape(s * b, h)
             gate = getattr(self.shared_experts, "gate_weight", None)
             if gate is not None:
                 y = y * torch.sigmoid(nn.functional.linear(tokens, gate))

@@ -26,6 +26,7 @@ from torch import nn
 
 from megalite import parallel_state as ps
 from megalite.tensor_parallel.init import ConstantRecipe, init_normal, param_seed, replicated_init, with_recipe
+from megalite.tensor_parallel.mappings import all_reduce_sum_tp
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -63,8 +64,11 @@ def switch_aux_loss(probs, tokens_per_expert, total_tokens, topk, coeff):
     return (probs.sum(dim=0) * tokens_per_expert).sum() * (num_experts * coeff / (topk * total_tokens * total_tokens))
 
 
-def z_loss(logits, coeff):
-    return torch.logsumexp(logits, dim=-1).square().mean() * coeff
+def z_loss(logits, coeff, total_tokens=None):
+    """coeff · mean over the micro-batch's tokens of logsumexp²; total_tokens: the micro-batch's count
+    when this rank holds a part of it (sequence parallelism: the TP ranks' parts sum to the mean)."""
+    total = logits.shape[0] if total_tokens is None else total_tokens
+    return torch.logsumexp(logits, dim=-1).square().sum() * (coeff / total)
 
 
 def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scaling_factor=None, expert_bias=None):
@@ -127,6 +131,9 @@ class TopKRouter(nn.Module):
         w, recipe = replicated_init((c.num_moe_experts, c.hidden_size), init_normal(c.init_method_std),
                                     param_seed(c.seed, prefix + ".weight"), ps.get_device())
         self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=c.params_dtype)), recipe)
+        # under sequence parallelism each TP rank routes its own tokens: partial gradients, summed over TP
+        self.tp = ps.get_tensor_model_parallel_world_size() if c.sequence_parallel else 1
+        self.weight.sequence_parallel = self.tp > 1
         self.dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
         self.expert_bias, self.local_tokens_per_expert = None, None
         if c.moe_router_enable_expert_bias:  # aux-loss-free balancing: learnt by counting, not by gradient
@@ -157,8 +164,9 @@ class TopKRouter(nn.Module):
         """x [T, h] (T = s·b tokens, sequence-major) -> (probs [T, E], routing map [T, E])."""
         c = self.config
         logits = torch.nn.functional.linear(x.to(self.dtype), self.weight.to(self.dtype))
+        tp = self.tp  # the losses are of the whole micro-batch: this rank's tokens are 1/tp of it
         if c.moe_z_loss_coeff:
-            zl = z_loss(logits, c.moe_z_loss_coeff)
+            zl = z_loss(logits, c.moe_z_loss_coeff, x.shape[0] * tp)
             _record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
             logits = AuxLossScaler.apply(logits, zl)
         probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
@@ -166,15 +174,21 @@ class TopKRouter(nn.Module):
         kind = c.moe_router_load_balancing_type
         if kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
             scores = _scores_for_aux(logits, c.moe_router_score_function)
+            # token counts of the whole micro-batch (summed over TP under SP); the probabilities stay
+            # this rank's, so the TP ranks' losses (and gradients) sum to the micro-batch's
             if kind == "aux_loss":
-                aux = switch_aux_loss(scores, routing_map.sum(dim=0).to(scores.dtype), x.shape[0],
-                                      c.moe_router_topk, c.moe_aux_loss_coeff)
+                counts = routing_map.sum(dim=0).to(scores.dtype)
+                if tp > 1:
+                    counts = all_reduce_sum_tp(counts)
+                aux = switch_aux_loss(scores, counts, x.shape[0] * tp, c.moe_router_topk, c.moe_aux_loss_coeff)
             else:  # per sequence: tokens are [s, b] flattened, so sequence j is every b-th row from j
                 b = x.shape[0] // seq_length
                 seq_scores = scores.view(seq_length, b, -1).transpose(0, 1)
-                seq_map = routing_map.view(seq_length, b, -1).transpose(0, 1)
-                aux = sum(switch_aux_loss(seq_scores[j], seq_map[j].sum(dim=0).to(scores.dtype), seq_length,
-                                          c.moe_router_topk, c.moe_aux_loss_coeff) for j in range(b)) / b
+                counts = routing_map.view(seq_length, b, -1).sum(dim=0).to(scores.dtype)  # [b, E]
+                if tp > 1:
+                    counts = all_reduce_sum_tp(counts)
+                aux = sum(switch_aux_loss(seq_scores[j], counts[j], seq_length * tp, c.moe_router_topk,
+                                          c.moe_aux_loss_coeff) for j in range(b)) / b
             _record("load_balancing_loss", self.layer_number, aux / c.moe_aux_loss_coeff)
             probs = AuxLossScaler.apply(probs, aux)
         if c.moe_expert_capacity_factor is not None:

@@ -14,13 +14,7 @@ applied with one torch._foreach_mul_. Only get_grad_norm (the float for logging)
 import torch
 
 from megalite import parallel_state as ps
-from megalite.distributed.param_facts import split_dense_expert, sum_over_model
-
-
-def counted_once(param):
-    if getattr(param, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True):
-        return False
-    return getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
+from megalite.distributed.param_facts import counted_once, split_dense_expert, sum_over_model
 
 
 def _foreach_sq_norm(grads, device):

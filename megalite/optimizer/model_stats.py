@@ -3,8 +3,7 @@
 import torch
 
 from megalite import parallel_state as ps
-from megalite.distributed.param_facts import is_expert, sum_over_model
-from megalite.optimizer.clip_grads import counted_once
+from megalite.distributed.param_facts import counted_once, is_expert, sum_over_model
 
 
 def global_norm_and_zeros(params, tensors, count_zeros=False, sharded_over_dp=False):

@@ -49,6 +49,13 @@ def _set_tp_attrs(param, is_parallel, dim):
     param.partition_dim = dim
 
 
+def _tp(expert):
+    """(size, rank) a layer's weight is sharded over: the expert-TP group for MoE experts."""
+    if expert:
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
 def _divide(n, d, what):
     if n % d:
         raise ValueError(f"{what} {n} is not divisible by tensor-model-parallel size {d}")
@@ -62,13 +69,16 @@ class ColumnParallelLinear(nn.Module):
     skip_bias_add: return (Y, b) so the caller can fuse the bias into the next op.
     sequence_parallel: the input is sequence-sharded; it is all-gathered here.
     shard_chunks: the output features are `shard_chunks` stacked blocks sharded blockwise.
+    expert: an MoE expert's layer: sharded over expert-TP, and no communication here (the token
+    dispatcher gathers the input rows and reduces the partial outputs, megalite/moe/dispatcher.py).
     """
 
     def __init__(self, input_size, output_size, bias=True, gather_output=False, init_method=None,
                  skip_bias_add=False, sequence_parallel=False, init_seed=None, shard_chunks=1,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, expert=False):
         super().__init__()
-        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        tp, rank = _tp(expert)
+        self.expert = expert
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(output_size, tp * shard_chunks, "output size / chunks") * shard_chunks
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -81,6 +91,9 @@ class ColumnParallelLinear(nn.Module):
                                   BlockRecipe((output_size, input_size), init_method, init_seed, rows, (0, input_size)))
         _set_tp_attrs(self.weight, True, 0)
         self.weight.shard_chunks = shard_chunks
+        self.weight.expert_parallel = expert
+        if bias and expert:
+            raise ValueError("MoE experts have no linear biases (--disable-bias-linear)")
         if bias:
             self.bias = with_recipe(nn.Parameter(torch.zeros(self.output_size_per_partition, device=device,
                                                              dtype=params_dtype)), ConstantRecipe(0))
@@ -91,6 +104,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x, weight=None):
         weight = self.weight if weight is None else weight
+        if self.expert:
+            return (F.linear(x, weight), None) if self.skip_bias_add else F.linear(x, weight)
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
         else:
@@ -109,13 +124,17 @@ class RowParallelLinear(nn.Module):
 
     input_is_parallel: X already arrives split along its last dim (from a column layer).
     sequence_parallel: the partial outputs are reduce-scattered along the sequence.
+    expert: see ColumnParallelLinear (the output stays a partial sum over expert-TP).
     """
 
     def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, init_method=None,
                  skip_bias_add=False, sequence_parallel=False, init_seed=None,
-                 params_dtype=torch.float32, device=None):
+                 params_dtype=torch.float32, device=None, expert=False):
         super().__init__()
-        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        tp, rank = _tp(expert)
+        self.expert = expert
+        if bias and expert:
+            raise ValueError("MoE experts have no linear biases (--disable-bias-linear)")
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(input_size, tp, "input size")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -131,6 +150,7 @@ class RowParallelLinear(nn.Module):
                                   BlockRecipe((output_size, input_size), init_method, init_seed, [(0, output_size)],
                                               cols))
         _set_tp_attrs(self.weight, True, 1)
+        self.weight.expert_parallel = expert
         if bias:
             self.bias = with_recipe(nn.Parameter(torch.zeros(output_size, device=device, dtype=params_dtype)),
                                     ConstantRecipe(0))
@@ -145,9 +165,9 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
         y = F.linear(x, self.weight)
-        if self.sequence_parallel:
+        if self.sequence_parallel and not self.expert:
             y = reduce_scatter_to_sequence_parallel_region(y)
-        else:
+        elif not self.expert:
             y = reduce_from_tensor_model_parallel_region(y, inplace=True)  # fresh GEMM output
         if self.skip_bias_add:
             return y, self.bias
