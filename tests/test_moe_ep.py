@@ -8,6 +8,7 @@ bound 1e-5), faults the checks must catch, and a checkpoint saved at EP2 that is
 exactly and re-saved bit for bit at EP4, EP1 and one process.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -67,6 +68,21 @@ def local_expert_names():
     return patched(experts_module, "expert_key", lambda first, i: str(i))
 
 
+_LOGGED = []  # the routers' losses for the log line, per iteration (recorded where record_logged is on)
+
+
+def record_logged():
+    """Record what the log line shows of the routers' losses (a layout's `fault` slot: applied in every rank)."""
+    import megalite.training as training
+    original = training.moe_losses
+
+    def recording(*a, **k):
+        out = original(*a, **k)
+        _LOGGED.append({n: float(v) for n, v in out.items()})
+        return out
+    return patched(training, "moe_losses", recording)
+
+
 LAYOUTS = [
     layout("ep4_alltoall", dp=4, model=MOE, flags=ep(4, "alltoall")),
     layout("ep2_dp4_zero2_expert_bias", dp=4, zero=2, model=MOE + BIAS, flags=ep(2)),
@@ -77,9 +93,9 @@ LAYOUTS = [
     # sequence parallelism: each TP rank routes its own tokens; experts whole (expert-TP 1) or TP-sharded
     layout("ep2_tp2_sp_etp1_alltoall_seq_aux", tp=2, sp=True, dp=2, model=MOE + (
         "--moe-router-load-balancing-type", "seq_aux_loss"), flags=ep(2, "alltoall") + (
-        "--expert-tensor-parallel-size", "1")),
+        "--expert-tensor-parallel-size", "1"), fault=record_logged),
     layout("ep2_tp2_sp_etp2_alltoall_shared_gate", tp=2, sp=True, dp=2, model=MOE + SHARED,
-           flags=ep(2, "alltoall")),
+           flags=ep(2, "alltoall"), fault=record_logged),
     layout("ep2_tp2_sp_etp2_allgather_zero2", tp=2, sp=True, dp=2, zero=2, model=MOE, flags=ep(2)),
     layout("ep2_dp4_zero3_recompute_capacity", dp=4, zero=3, recompute="full", flags=ep(2), model=MOE + (
         "--moe-expert-capacity-factor", "1.0", "--moe-shared-expert-intermediate-size", "32")),
@@ -120,10 +136,13 @@ def _dispatch_checks():
     return out
 
 
-def _last_counts(chunks, opt):
-    """Each router's token counts of the last step, as its expert bias update read them."""
-    return [m.last_tokens_per_expert.tolist() for c in chunks for m in c.modules()
-            if getattr(m, "expert_bias", None) is not None]
+def _collect(chunks, opt):
+    """Each router's token counts of the last step, as its expert bias update read them; the logged losses."""
+    counts = [m.last_tokens_per_expert.tolist() for c in chunks for m in c.modules()
+              if getattr(m, "expert_bias", None) is not None]
+    logged = list(_LOGGED)
+    _LOGGED.clear()
+    return {"counts": counts, "logged": logged}
 
 
 def _pretrain(argv):
@@ -140,7 +159,7 @@ STOP = ("--train-iters", "3", "--use-checkpoint-opt_param-scheduler")  # load, t
 
 def _world(root):
     out = {"dispatch": _dispatch_checks()}
-    out.update({lay.name: train(lay, _last_counts) for lay in LAYOUTS + FAULTS})
+    out.update({lay.name: train(lay, _collect) for lay in LAYOUTS + FAULTS})
     a, b, c, f = (os.path.join(root, n) for n in ("a", "b", "c", "f"))
     out["first"] = _pretrain(list(EP2) + ["--save", a, "--exit-interval", "3"])
     out["resumed"] = _pretrain(list(EP2) + ["--load", a])
@@ -193,7 +212,7 @@ def test_expert_bias_counts_each_training_token_once(world):
     full recompute (whose first forward has no gradient) and pipelining; the single process agrees."""
     lay = LAYOUTS[[x.name for x in LAYOUTS].index("ep2_pp2_alltoall_expert_bias_recompute")]
     for r in world[1][lay.name]:
-        counts = r["collected"]
+        counts = r["collected"]["counts"]
         assert len(counts) == 2 and all(sum(c) == 8 * 16 * 2 for c in counts), counts  # 2 layers per stage
         assert any(c != counts[0][0] for c in counts[0]), counts  # not all equal: the bias has work
     ref = reference(lay)
@@ -201,6 +220,24 @@ def test_expert_bias_counts_each_training_token_once(world):
     for name, t in ref["params"].items():  # ±rate per step towards the mean: a multiple of 1e-2 in 6 steps
         if name.endswith("router.expert_bias"):
             assert t.abs().max() <= 6 * 1e-2 + 1e-6 and (t != 0).any(), (name, t)
+
+
+@pytest.mark.parametrize("name", ["ep2_tp2_sp_etp1_alltoall_seq_aux", "ep2_tp2_sp_etp2_alltoall_shared_gate"])
+def test_logged_router_losses_do_not_change_with_tp_and_ep(world, name):
+    """The log line's load_balancing_loss and z_loss at TP2 + SP x EP2 (each TP rank routes a part of each
+    micro-batch) equal the single process's every step, within the fp32 bound (sums in another order)."""
+    lay = LAYOUTS[[x.name for x in LAYOUTS].index(name)]
+    with record_logged():
+        train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
+    want = list(_LOGGED)
+    _LOGGED.clear()
+    assert len(want) == 6 and set(want[0]) == {"load_balancing_loss", "z_loss"}, want
+    for r in world[1][name]:
+        got = r["collected"]["logged"]
+        assert len(got) == len(want), (got, want)
+        for g, w in zip(got, want):
+            for k in w:
+                assert abs(g[k] - w[k]) <= 1e-5 * abs(w[k]), (name, r["coords"], g, w)
 
 
 @pytest.mark.parametrize("lay", FAULTS, ids=lambda lay: lay.name)
