@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu bench-ring)
+PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu bench-ring bench-moe)
 
 describe() {
     case "$1" in
@@ -24,6 +24,7 @@ describe() {
         bench-adamw) echo "python benchmarks/adamw_flat.py (flat AdamW vs per-tensor / torch fused)" ;;
         bench-mfu) echo "python benchmarks/mfu.py" ;;
         bench-ring) echo "python benchmarks/context_parallel.py --gpu-blocks --seq 32768 (ring blocks on Triton vs CP=1)" ;;
+        bench-moe) echo "python benchmarks/moe.py --gpu (grouped GEMM vs a per-expert loop, bf16)" ;;
         *) return 1 ;;
     esac
 }
@@ -42,6 +43,7 @@ else 'NO GPU')" && (nvidia-smi || true) && python -c "import torch, sys; sys.exi
         bench-adamw) python benchmarks/adamw_flat.py ;;
         bench-mfu) python benchmarks/mfu.py ;;
         bench-ring) python benchmarks/context_parallel.py --gpu-blocks --seq 32768 ;;
+        bench-moe) python benchmarks/moe.py --gpu ;;
     esac
 }
 
