@@ -71,6 +71,7 @@ def build_parser():
     a("--moe-router-dtype", default=None, choices=["fp32", "fp64"], help="routing precision (default fp32)")
     a("--moe-grouped-gemm", action="store_true", help="accepted: the experts run one after the other")
     a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
+    a("--moe-per-layer-logging", action="store_true", help="each MoE layer's router losses to TensorBoard")
     a("--expert-model-parallel-size", type=int, default=1, help="ranks the experts are split over (MoE)")
     a("--expert-tensor-parallel-size", type=int, default=None, help="MoE experts' TP size (only 1 for now)")
     a("--moe-expert-capacity-factor", type=float, default=None, help="drop tokens over ceil(T·k/E · factor) per expert")
@@ -365,7 +366,7 @@ def model_config(args, vocab_size):
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate, moe_per_layer_logging=args.moe_per_layer_logging,
         **_bert_fields(args))
 
 

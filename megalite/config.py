@@ -92,7 +92,8 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (sigmoid scores)
     moe_router_bias_update_rate: float = 1e-3
-    moe_token_dispatcher_type: str = "allgather"  # or alltoall (the same result; other collectives)
+    moe_token_dispatcher_type: str = "allgather"
+    moe_per_layer_logging: bool = False  # each MoE layer's losses to TensorBoard / --log-json  # or alltoall (the same result; other collectives)
 
     def is_moe_layer(self, layer_number):
         """Whether the layer (global, 1-based) is an MoE layer."""

@@ -59,7 +59,7 @@ class MetricsLogger:
         """f: iteration fields (losses dict, lr, grad_norm, elapsed, tflops, ...)."""
         a = self.args
         batch = f.get("batch_size", a.global_batch_size)  # this iteration's (a ramp-up changes it)
-        losses = "".join(f" {k}: {v:.6E} |" for k, v in f["losses"].items())
+        losses = "".join(f" {k}: {v:.6E} |" for k, v in f["losses"].items() if "/" not in k)  # (per-layer: TB only)
         norm = float(f["grad_norm"]) if f["grad_norm"] is not None else None  # a device tensor: read here
         gn = f"{norm:.3f}" if norm is not None else "nan"
         extra = ""

@@ -21,14 +21,20 @@ def moe_loss_names(config):
 
 
 def moe_losses(config, num_microbatches, total=None):
-    """{name: device scalar}; total: the global micro-batch count with uneven DP shares."""
+    """{name: device scalar}; total: the global micro-batch count with uneven DP shares. With
+    --moe-per-layer-logging also {"moe/<name>_layer_<i>": scalar} per MoE layer (Megatron writes those to
+    TensorBoard only; the console line skips names with a "/")."""
     names = moe_loss_names(config)
     if not names:
         aux_losses.clear()
         return {}
     dev = ps.get_device()
-    vals = torch.stack([sum(aux_losses.get(n, {}).values(), torch.zeros((), device=dev)).to(dev).reshape(())
-                        for n in names])
+    layers = [i for i in range(1, config.num_layers + 1) if config.is_moe_layer(i)]
+    vals = torch.zeros(len(names), len(layers), device=dev)  # this stage's layers filled, the others 0
+    for j, n in enumerate(names):
+        for i, layer in enumerate(layers):
+            if layer in aux_losses.get(n, {}):
+                vals[j, i] = aux_losses[n][layer].to(dev)
     aux_losses.clear()
     vals = sum_over_data_parallel(vals) / total if total is not None else \
         average_over_data_parallel(vals / num_microbatches)
@@ -36,5 +42,7 @@ def moe_losses(config, num_microbatches, total=None):
         dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
     if config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:  # each TP rank's part
         dist.all_reduce(vals, group=ps.get_tensor_model_parallel_group())
-    layers = sum(config.is_moe_layer(i) for i in range(1, config.num_layers + 1))
-    return dict(zip(names, (vals / layers).unbind()))
+    out = dict(zip(names, (vals.sum(dim=1) / len(layers)).unbind()))
+    if config.moe_per_layer_logging:
+        out.update({f"moe/{n}_layer_{layer}": vals[j, i] for j, n in enumerate(names) for i, layer in enumerate(layers)})
+    return out

@@ -83,3 +83,19 @@ def test_log_json_evaluations_skip_train_and_plot(tmp_path, capsys):
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000
+
+
+def test_moe_per_layer_logging_goes_to_the_logs_not_the_console(tmp_path, capsys):
+    """--moe-per-layer-logging: each MoE layer's router losses in --log-json / TensorBoard (Megatron's
+    moe/<name>_layer_<i>); the console line keeps the mean over the layers, which they average to."""
+    log = str(tmp_path / "moe.jsonl")
+    out = _train(["--num-layers", "3", "--num-experts", "4", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",
+                  "--moe-z-loss-coeff", "0.001", "--moe-layer-freq", "[1,0,1]", "--moe-per-layer-logging",
+                  "--eval-iters", "0", "--log-json", log], capsys)
+    rows = [r for r in _rows(log) if "lm loss" in r]
+    assert rows and "load_balancing_loss: " in out and "moe/" not in out
+    for r in rows:
+        for name in ("load_balancing_loss", "z_loss"):
+            per = [r[f"moe/{name}_layer_{i}"] for i in (1, 3)]
+            assert f"moe/{name}_layer_2" not in r  # a dense layer
+            assert all(v > 0 for v in per) and abs(sum(per) / 2 - r[name]) <= 1e-6 * r[name], (name, r)
