@@ -15,6 +15,7 @@ setup(
         "megalite.optimizer",
         "megalite.data",
         "megalite.checkpoint",
+        "megalite.moe",
         "kernels",
     ],
     package_data={"megalite": ["megatron_flags.json"]},  # Megatron-LM's flag list (megatron_compat.py)

@@ -69,7 +69,8 @@ def build_parser():
       help="aux-loss-free balancing: a per-expert bias (sigmoid scores) moved towards equal loads each step")
     a("--moe-router-bias-update-rate", type=float, default=1e-3)
     a("--moe-router-dtype", default=None, choices=["fp32", "fp64"], help="routing precision (default fp32)")
-    a("--moe-grouped-gemm", action="store_true", help="accepted: the experts run one after the other")
+    a("--moe-grouped-gemm", action="store_true", help="the local experts as two Triton grouped GEMMs (fc1, fc2) "
+      "on CUDA; on CPU they run one after the other")
     a("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
     a("--moe-per-layer-logging", action="store_true", help="each MoE layer's router losses to TensorBoard")
     a("--expert-model-parallel-size", type=int, default=1, help="ranks the experts are split over (MoE)")
@@ -83,6 +84,8 @@ def build_parser():
     a("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU")
     a("--untie-embeddings-and-output-weights", action="store_true")
     a("--disable-bias-linear", action="store_true")
+    a("--add-qkv-bias", action="store_true", help="a bias on the QKV projection even with --disable-bias-linear "
+      "(Qwen)")
     a("--hidden-dropout", type=float, default=0.1)
     a("--attention-dropout", type=float, default=0.1)
     a("--init-method-std", type=float, default=0.02)
@@ -340,7 +343,8 @@ def model_config(args, vocab_size):
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
         squared_relu=args.squared_relu,
-        add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
@@ -367,6 +371,7 @@ def model_config(args, vocab_size):
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate, moe_per_layer_logging=args.moe_per_layer_logging,
+        moe_grouped_gemm=args.moe_grouped_gemm,
         **_bert_fields(args))
 
 

@@ -56,7 +56,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "ffn_hidden_size", "vocab_size", "position_embedding_type", "normalization", "swiglu",
                 "add_bias_linear", "untie_embeddings_and_output_weights", "model_type", "layernorm_position", "gelu",
                 "num_tokentypes", "bert_binary_head", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
-                "rotary_interleaved", "squared_relu")
+                "rotary_interleaved", "squared_relu", "add_qkv_bias", "num_moe_experts", "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 _pending = {"future": None, "executor": None, "group": None}
 # A forked process has none of its parent's threads or process groups: it starts its own.
@@ -68,7 +69,7 @@ CHECKPOINT_ARGS = {a: a for a in ("num_layers", "hidden_size", "num_attention_he
                                   "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
                                   "normalization",
                                   "swiglu", "squared_relu", "untie_embeddings_and_output_weights", "qk_layernorm",
-                                  "apply_layernorm_1p", "apply_query_key_layer_scaling")}
+                                  "apply_layernorm_1p", "apply_query_key_layer_scaling", "add_qkv_bias")}
 CHECKPOINT_ARGS.update(norm_epsilon="layernorm_epsilon", disable_bias_linear="add_bias_linear")
 
 

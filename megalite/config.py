@@ -42,6 +42,7 @@ class ModelConfig:
     swiglu: bool = False
     squared_relu: bool = False  # MLP activation relu(x)^2 instead of GeLU (Megatron's --squared-relu)
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # a bias on the QKV projection only (Qwen); implied by add_bias_linear
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -92,8 +93,9 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (sigmoid scores)
     moe_router_bias_update_rate: float = 1e-3
-    moe_token_dispatcher_type: str = "allgather"
-    moe_per_layer_logging: bool = False  # each MoE layer's losses to TensorBoard / --log-json  # or alltoall (the same result; other collectives)
+    moe_token_dispatcher_type: str = "allgather"  # or alltoall (the same result; other collectives)
+    moe_per_layer_logging: bool = False  # each MoE layer's losses to TensorBoard / --log-json
+    moe_grouped_gemm: bool = False  # the experts as two Triton grouped GEMMs on CUDA (a loop on CPU)
 
     def is_moe_layer(self, layer_number):
         """Whether the layer (global, 1-based) is an MoE layer."""

@@ -3,8 +3,9 @@
     # reshard offline (model and optimizer state)
     python tools/convert_checkpoint.py --loader megalite --saver megalite --load-dir ckpt --save-dir ckpt_tp4 \\
         --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
-    # export: GPT2LMHeadModel (learned positions, LayerNorm), LlamaForCausalLM (rope, RMSNorm, SwiGLU)
-    # or BertForPreTraining (pretrain_bert.py checkpoints)
+    # export: GPT2LMHeadModel (learned positions, LayerNorm), LlamaForCausalLM (rope, RMSNorm, SwiGLU),
+    # BertForPreTraining (pretrain_bert.py checkpoints), or for MoE models MixtralForCausalLM,
+    # Qwen2MoeForCausalLM (a gated shared expert) and Qwen3MoeForCausalLM (--qk-layernorm)
     python tools/convert_checkpoint.py --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
     # import a save_pretrained directory (safetensors) as a megalite "release" checkpoint
     python tools/convert_checkpoint.py --loader hf --saver megalite --load-dir hf_dir --save-dir ckpt \\
@@ -28,7 +29,8 @@ def build_parser():
     p = argparse.ArgumentParser(description="Convert megalite / Hugging Face checkpoints (Megatron's converter flags)",
                                 allow_abbrev=False)
     p.add_argument("--model-type", default=None, type=str.upper, choices=["GPT", "BERT"],
-                   help="the model family (GPT: GPT2LMHeadModel / LlamaForCausalLM; BERT: BertForPreTraining); "
+                   help="the model family (GPT: GPT2LMHeadModel / LlamaForCausalLM / Mixtral / Qwen2-MoE / Qwen3-MoE; "
+                        "BERT: BertForPreTraining); "
                         "megalite and HF checkpoints record it themselves")
     p.add_argument("--loader", required=True, choices=["megalite", "hf"], help="format of --load-dir")
     p.add_argument("--saver", required=True, choices=["megalite", "hf"], help="format to write to --save-dir")

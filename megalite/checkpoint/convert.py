@@ -14,7 +14,8 @@ import shutil
 import torch
 
 from megalite import __version__
-from megalite.checkpoint.hf import BY_HF_TYPE, arch_for
+from megalite.checkpoint.hf import GPT2, Bert, Llama
+from megalite.checkpoint.hf_moe import Mixtral, Qwen2Moe, Qwen3Moe, fused_expert_tensor, moe_arch_for
 from megalite.checkpoint.storage import (
     DTYPES,
     INDEX_FILE,
@@ -28,6 +29,17 @@ from megalite.checkpoint.storage import (
 from megalite.transformer.pipeline_layers import stage_layer_counts
 
 META, TRACKER = "megalite.json", "latest_checkpointed_iteration.txt"
+BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "bert": Bert, "mixtral": Mixtral, "qwen2_moe": Qwen2Moe,
+              "qwen3_moe": Qwen3Moe}
+
+
+def arch_for(config):
+    """The architecture a megalite model config maps to (configs before model_type: GPT)."""
+    if config.get("model_type", "gpt") == "bert":
+        return Bert
+    if config.get("num_moe_experts"):
+        return moe_arch_for(config)
+    return Llama if config["position_embedding_type"] == "rope" else GPT2
 _LAYER = re.compile(r"(?:de|en)coder\.layers\.(\d+)\.")
 
 
@@ -91,10 +103,12 @@ class Writer:
         self.buffers, self.pending = {}, {}  # rank -> {key: tensor}, rank -> [chunk entries]
         counts = stage_layer_counts(cfg["num_layers"], pp)
         self.stage_of_layer = [s for s, n in enumerate(counts) for _ in range(n)]
-        if cfg["num_attention_heads"] % tp or cfg["num_query_groups"] % tp or cfg["ffn_hidden_size"] % tp:
+        ffn = [cfg[f] for f in ("ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+               if cfg.get(f)]
+        if cfg["num_attention_heads"] % tp or cfg["num_query_groups"] % tp or any(n % tp for n in ffn):
             raise CheckpointError(f"--target-tensor-parallel-size {tp} does not divide the heads "
                                   f"({cfg['num_attention_heads']}), query groups ({cfg['num_query_groups']}) and "
-                                  f"FFN size ({cfg['ffn_hidden_size']})")
+                                  f"FFN sizes ({', '.join(map(str, ffn))})")
 
     def _stage(self, name):
         m = _LAYER.search(name)
@@ -226,15 +240,23 @@ class HFReader:
                                   "save_pretrained(..., safe_serialization=True))")
         self.path, self.files, self._open = path, files, {}
 
-    def get(self, name):
+    def _slice(self, name):
+        """A lazy view of tensor `name` (only what is indexed is read), or None."""
         file = "model.safetensors" if self.files is None else self.files.get(name)
         if file is None:
-            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+            return None
         if file not in self._open:
             self._open[file] = open_safetensors(os.path.join(self.path, file))
-        if name not in self._open[file].keys():
+        return self._open[file].get_slice(name) if name in self._open[file].keys() else None
+
+    def get(self, name):
+        s = self._slice(name)
+        if s is not None:
+            return s[:]
+        t = fused_expert_tensor(name, self._slice)  # an MoE expert's weight in the fused layout
+        if t is None:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
-        return self._open[file].get_tensor(name)
+        return t
 
 
 def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
@@ -243,7 +265,8 @@ def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
     h = src.config
     arch = BY_HF_TYPE.get(h.get("model_type"))
     if arch is None:
-        raise CheckpointError(f"model_type {h.get('model_type')!r} is not one megalite converts (gpt2, llama, bert)")
+        raise CheckpointError(f"model_type {h.get('model_type')!r} is not one megalite converts "
+                              f"({', '.join(BY_HF_TYPE)})")
     arch.check_hf(h)
     cfg = dict(arch.model_config(h), make_vocab_size_divisible_by=divisible_by)
     dtype = str(h.get("torch_dtype") or h.get("dtype") or "float32")

@@ -28,13 +28,12 @@ def qkv_join(q, k, v, heads, groups, d):
 
 
 def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent", "rotary_interleaved",
-                              "squared_relu")):
+                              "squared_relu", "add_qkv_bias")):
     """Megatron-only variations no HF class of ours represents (absent in older checkpoints)."""
     if cfg.get("num_moe_experts"):
-        raise CheckpointError(f"{arch} cannot represent a Mixture of Experts model ({cfg['num_moe_experts']} experts); "
-                              "MoE conversion to Hugging Face (Mixtral, Qwen-MoE) is not implemented in megalite yet")
+        raise CheckpointError(f"{arch} cannot represent a Mixture of Experts model ({cfg['num_moe_experts']} experts)")
     defaults = {"qk_layernorm": False, "apply_layernorm_1p": False, "rotary_percent": 1.0, "rotary_interleaved": False,
-                "squared_relu": False}
+                "squared_relu": False, "add_qkv_bias": False}
     for field in fields:
         if cfg.get(field, defaults[field]) != defaults[field]:
             raise CheckpointError(f"{arch} cannot represent {field}={cfg[field]!r}; convert a model trained "
@@ -57,6 +56,36 @@ def _need(cfg, arch, **want):
     for field, value in want.items():
         if cfg.get(field) != value:
             raise CheckpointError(f"{arch} cannot represent {field}={cfg.get(field)!r} (it needs {value!r})")
+
+
+def attention_rows(c, m, h):
+    """A Llama-family layer's norms and attention (q/k/v split from megalite's per-group QKV;
+    --add-qkv-bias: their biases; --qk-layernorm: q_norm / k_norm). m, h: the layer's prefixes."""
+    a, g, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
+    ident = (lambda x: x)
+    rows = [(h + "input_layernorm.weight", m + "input_layernorm.weight", ident, ident)]
+    for kind in ("weight", "bias") if c.get("add_qkv_bias") else ("weight",):
+        qkv, q, k, v = (m + f"self_attention.linear_qkv.{kind}",
+                        *(h + f"self_attn.{x}_proj.{kind}" for x in "qkv"))
+        rows += [(q, qkv, lambda w: qkv_split(w, a, g, d)[0], None),
+                 (k, qkv, lambda w: qkv_split(w, a, g, d)[1], None),
+                 # the last of the three rebuilds megalite's tensor from all of them
+                 (v, qkv, lambda w: qkv_split(w, a, g, d)[2], ("join", (q, k), lambda q_, k_, v_: qkv_join(
+                     q_, k_, v_, a, g, d)))]
+    rows.append((h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight", ident, ident))
+    if c.get("qk_layernorm"):
+        rows += [(h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight", ident, ident),
+                 (h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight", ident, ident)]
+    rows.append((h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", ident, ident))
+    return rows
+
+
+def swiglu_rows(m, gate, up, down):
+    """A SwiGLU MLP: megalite's fc1 [2, ffn, h] is HF's (gate, up); fc2 is down. m: its prefix."""
+    ident = (lambda x: x)
+    return [(gate, m + "linear_fc1.weight", lambda w: w[0], None),
+            (up, m + "linear_fc1.weight", lambda w: w[1], ("join", (gate,), lambda g_, u_: torch.stack([g_, u_]))),
+            (down, m + "linear_fc2.weight", ident, ident)]
 
 
 class GPT2:
@@ -143,7 +172,8 @@ class Llama:
 
     @staticmethod
     def check(c):
-        _plain(c, "LlamaForCausalLM", ("qk_layernorm", "rotary_percent", "rotary_interleaved", "squared_relu"))
+        _plain(c, "LlamaForCausalLM", ("qk_layernorm", "rotary_percent", "rotary_interleaved", "squared_relu",
+                                       "add_qkv_bias"))
         if c.get("layernorm_position", "pre") != "pre":
             raise CheckpointError("LlamaForCausalLM cannot represent a post-norm model")
         _need(c, "LlamaForCausalLM", position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -191,25 +221,13 @@ class Llama:
     @staticmethod
     @_gamma_rows
     def table(c):
-        a, g, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
         ident = (lambda x: x)
         rows = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", ident, ident)]
         for i in range(c["num_layers"]):
             m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-            qkv = m + "self_attention.linear_qkv.weight"
-            rows += [(h + "input_layernorm.weight", m + "input_layernorm.weight", ident, ident),
-                     (h + "self_attn.q_proj.weight", qkv, lambda w: qkv_split(w, a, g, d)[0], None),
-                     (h + "self_attn.k_proj.weight", qkv, lambda w: qkv_split(w, a, g, d)[1], None),
-                     (h + "self_attn.v_proj.weight", qkv, lambda w: qkv_split(w, a, g, d)[2],
-                      # the last of the three rebuilds megalite's tensor from all of them
-                      ("join", (h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight"),
-                       lambda q, k, v: qkv_join(q, k, v, a, g, d))),
-                     (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight", ident, ident),
-                     (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", ident, ident),
-                     (h + "mlp.gate_proj.weight", m + "mlp.linear_fc1.weight", lambda w: w[0], None),
-                     (h + "mlp.up_proj.weight", m + "mlp.linear_fc1.weight", lambda w: w[1],
-                      ("join", (h + "mlp.gate_proj.weight",), lambda gate, up: torch.stack([gate, up]))),
-                     (h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight", ident, ident)]
+            rows += attention_rows(c, m, h)
+            rows += swiglu_rows(m + "mlp.", h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight",
+                                h + "mlp.down_proj.weight")
         rows.append(("model.norm.weight", "decoder.final_layernorm.weight", ident, ident))
         if c["untie_embeddings_and_output_weights"]:
             rows.append(("lm_head.weight", "output_layer.weight", ident, ident))
@@ -304,13 +322,3 @@ def _linear_rows(hf, ours):
 
 
 _norm_rows = _linear_rows  # LayerNorm: weight and bias, as they are
-
-ARCHS = {"gpt2": GPT2, "llama": Llama, "bert": Bert}
-BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "bert": Bert}
-
-
-def arch_for(config):
-    """The architecture a megalite model config maps to (configs before model_type: GPT)."""
-    if config.get("model_type", "gpt") == "bert":
-        return Bert
-    return Llama if config["position_embedding_type"] == "rope" else GPT2

@@ -85,7 +85,7 @@ class SelfAttention(nn.Module):
         self.q_per_group = c.num_attention_heads // c.num_query_groups
         qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * self.d
         self.linear_qkv = ColumnParallelLinear(
-            c.hidden_size, qkv_out, bias=c.add_bias_linear, init_method=init_normal(c.init_method_std),
+            c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias, init_method=init_normal(c.init_method_std),
             sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_qkv"),
             params_dtype=c.params_dtype)
         self.linear_proj = RowParallelLinear(
