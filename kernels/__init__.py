@@ -14,6 +14,7 @@ from .rotary import rotary
 from .cross_entropy import cross_entropy
 from .flash_attention import flash_attention, flash_attention_block, flash_attention_block_backward
 from .adamw import adamw_step
+# not re-exported: `kernels.grouped_gemm` stays the module (benchmarks/moe.py imports it as one)
 
 __all__ = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy",
            "flash_attention", "flash_attention_block", "flash_attention_block_backward", "adamw_step", "set_backend",

@@ -32,8 +32,8 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 SMEM_LIMIT = {90: 232448, 80: 166912}  # max dynamic shared memory per block (opt-in), bytes
-KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "layer_norm", "rms_norm",
-                  "rotary", "softmax", "swiglu")
+KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "grouped_gemm", "layer_norm",
+                  "rms_norm", "rotary", "softmax", "swiglu")
 
 
 class _TargetOnlyDriver:
@@ -141,6 +141,17 @@ def _rotary(b, s, h, d, r):
     return run
 
 
+def _grouped(e, rows, n_in, n_out, dtype=torch.bfloat16):
+    """An MoE projection: rows routed unevenly over e experts (one gets none), weights [e, n_out, n_in]."""
+    def run(K):
+        counts = [0] + [rows // (e - 1)] * (e - 1)
+        counts[1] += rows - sum(counts)
+        gg = importlib.import_module("kernels.grouped_gemm")  # the module: kernels does not re-export it
+        _fwd_bwd(gg.grouped_gemm(_t(rows, n_in, dtype=dtype, grad=True), _t(e, n_out, n_in, dtype=dtype, grad=True),
+                                 counts))
+    return run
+
+
 CASES = [
     ("flash", "d64 causal MHA s4096 bf16 (GPT-2/BERT heads)", True, _attn(1, 4096, 12, 12, 64)),
     ("flash", "d80 causal s2048 bf16", True, _attn(1, 2048, 32, 32, 80)),
@@ -177,6 +188,11 @@ CASES = [
     ("elementwise", "rotary d64 half (rotary_percent 0.5) bf16", True, _rotary(1, 2048, 16, 64, 32)),
     ("adamw", "adamw fp32 grads", True, _adamw(1 << 24, torch.float32, None)),
     ("adamw", "adamw bf16 grads -> bf16 params", True, _adamw(1 << 24, torch.bfloat16, torch.bfloat16)),
+    ("grouped", "grouped_gemm Mixtral fc1 8 x [28672, 4096], 16384 rows bf16", True,
+     _grouped(8, 16384, 4096, 2 * 14336)),
+    ("grouped", "grouped_gemm Mixtral fc2 8 x [4096, 14336], 16384 rows fp16", True,
+     _grouped(8, 16384, 14336, 4096, dtype=torch.float16)),
+    ("grouped", "grouped_gemm 8 x [2048, 1024], 4096 rows fp32", True, _grouped(8, 4096, 1024, 2048, torch.float32)),
 ]
 
 
