@@ -1,6 +1,8 @@
 """Checks of the optional training features, each error one line: ZeRO-3 / Megatron's FSDP flags,
 fill-in-the-middle data, Mixture of Experts (validation.py calls them in this order)."""
 
+import torch
+
 from megalite.config import ConfigError
 from megalite.megatron_compat import print_notices
 
@@ -74,8 +76,9 @@ def _validate_moe(args):
     notices = []
     if args.moe_shared_expert_overlap:
         notices.append("--moe-shared-expert-overlap accepted: the shared expert runs in line (speed only)")
-    if args.moe_grouped_gemm:
-        notices.append("--moe-grouped-gemm accepted: the experts run one after the other (no grouped GEMM yet)")
+    if args.moe_grouped_gemm and not torch.cuda.is_available():
+        notices.append("--moe-grouped-gemm: on CPU the experts run one after the other (the Triton grouped GEMM "
+                       "runs on CUDA)")
     print_notices(notices)
 
 

@@ -3,13 +3,20 @@
 (`experts.local_experts.<e>`, Megatron's SequentialMLP names), so a checkpoint means the same
 expert whatever the expert-parallel layout. Their parameters are marked `expert_parallel`: their
 gradients reduce, and ZeRO shards them, over the expert-data-parallel group, not the dense one
-(megalite/distributed/param_facts.py). They run one after the other on their rows (Megatron's
-sequential path; on CPU also what --moe-grouped-gemm runs)."""
+(megalite/distributed/param_facts.py). By default they run one after the other on their rows
+(Megatron's sequential path). With --moe-grouped-gemm and rows on CUDA, all local experts' fc1,
+activation and fc2 run as two Triton grouped GEMMs (kernels/grouped_gemm.py) over the experts'
+weights: the same function, the parameters still separate (same names, each its own gradient).
+On CPU --moe-grouped-gemm keeps the loop. Any expert-TP size: an expert's layers hold their
+expert-TP shards and do not communicate (the dispatcher does), so the shards multiply alike."""
 
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kernels.grouped_gemm import grouped_gemm
 
 
 def expert_key(first, i):
@@ -24,6 +31,7 @@ class SequentialExperts(nn.Module):
         super().__init__()
         c = dataclasses.replace(config, ffn_hidden_size=config.moe_ffn_hidden_size)
         count = config.num_moe_experts if count is None else count
+        self.config = c
         self.first = first
         # keyed by global index: the parameters' names (checkpoint names) are the same at every EP size
         self.local_experts = nn.ModuleDict({expert_key(first, i): mlp_class(c, f"{prefix}.local_experts.{first + i}", expert=True)
@@ -31,8 +39,14 @@ class SequentialExperts(nn.Module):
         for p in self.parameters():
             p.expert_parallel = True
 
-    def forward(self, rows, counts):
-        """rows [N, h] sorted by local expert, counts[l] of them for expert l -> outputs [N, h]."""
+    def forward(self, rows, counts, grouped=None):
+        """rows [N, h] sorted by local expert, counts[l] of them for expert l -> outputs [N, h].
+        grouped: None: the grouped GEMMs when --moe-grouped-gemm and the rows are on CUDA; True /
+        False forces one path (tests compare them on CPU under the Triton interpreter)."""
+        if grouped is None:
+            grouped = self.config.moe_grouped_gemm and rows.is_cuda
+        if grouped:
+            return grouped_experts(self.config, list(self.local_experts.values()), rows, counts)
         outs = []
         # an expert with no rows still runs (on zero rows): its weights get a (zero) gradient, so
         # every rank's gradient hooks fire and the data-parallel buckets reduce in the same order
@@ -40,3 +54,38 @@ class SequentialExperts(nn.Module):
             y, bias = expert(x)
             outs.append(y if bias is None else y + bias)
         return torch.cat(outs)
+
+
+def _activation(c, h):
+    """The MLP's activation (megalite/transformer/mlp.py, MLP.forward) with no bias: experts have none."""
+    from megalite.transformer.mlp import bias_gelu, swiglu  # here: megalite.transformer imports this module
+    if c.swiglu:
+        return swiglu(h, None, c.fused_kernels)
+    if c.squared_relu:
+        return F.relu(h).pow(2)
+    if c.gelu == "exact":
+        return F.gelu(h)
+    return bias_gelu(h, None, c.fused_kernels)
+
+
+def _weights_ready(layer):
+    """--overlap-param-gather waits for a layer's parameter all-gather in that layer's forward
+    pre-hook (megalite/distributed/grad_buffer.py); the grouped path reads the weights without
+    calling the layers, so it runs their pre-hooks itself."""
+    for key, hook in layer._forward_pre_hooks.items():
+        hook(layer, (), {}) if key in layer._forward_pre_hooks_with_kwargs else hook(layer, ())
+
+
+def grouped_experts(c, experts, rows, counts):
+    """Every expert's fc1 -> activation -> fc2 on its rows as two grouped GEMMs. The weights go in
+    as lists of the experts' own parameters (kernels.grouped_gemm stacks them for the kernel and
+    again in the backward, so no stacked copy is kept for the backward; an expert with no rows gets
+    a zero gradient, as in the loop)."""
+    fc1 = [e.linear_fc1 for e in experts]
+    fc2 = [e.linear_fc2 for e in experts]
+    for layer in fc1 + fc2:
+        _weights_ready(layer)
+    from megalite.transformer.utils import kernel_backend  # here: megalite.transformer imports this module
+    with kernel_backend(c.fused_kernels):
+        h = grouped_gemm(rows, [m.weight for m in fc1], counts)
+        return grouped_gemm(_activation(c, h), [m.weight for m in fc2], counts)
