@@ -221,6 +221,11 @@ def build_parser():
     a("--eval-micro-batch-size", type=int, default=None, help="evaluation micro-batch (default --micro-batch-size)")
     a("--tensorboard-dir", default=None)
     a("--log-json", default=None, help="append one JSON object per logged iteration / evaluation to this file")
+    a("--wandb-project", default=None, help="log the TensorBoard scalars to this Weights & Biases project too "
+      "(needs the wandb package)")
+    a("--wandb-exp-name", default=None, help="the W&B run's name (required with --wandb-project)")
+    a("--wandb-entity", default=None, help="the W&B team or user")
+    a("--wandb-save-dir", default=None, help="W&B's local files (default: <--save>/wandb)")
     a("--log-params-norm", action="store_true", help="log the norm of all parameters")
     a("--log-num-zeros-in-grad", action="store_true", help="log the number of zero gradient elements")
     a("--log-validation-ppl-to-tensorboard", action="store_true")

@@ -1,11 +1,14 @@
-"""Training logs: Megatron's iteration line, validation lines, TensorBoard and JSON lines.
+"""Training logs: Megatron's iteration line, validation lines, TensorBoard, Weights & Biases and
+JSON lines.
 
-The last rank logs (it holds the loss: last pipeline stage). `--log-json FILE` appends one
+The last rank logs (it holds the loss: last pipeline stage). W&B (--wandb-project) gets the
+scalars TensorBoard gets, at the same steps, as Megatron's wandb writer does. `--log-json FILE` appends one
 JSON object per logged iteration and per evaluation, which `tools/plot_metrics.py` draws.
 """
 
 import json
 import math
+import os
 import resource
 import time
 
@@ -32,6 +35,28 @@ def _tensorboard(args):
     return SummaryWriter(log_dir=args.tensorboard_dir) if ps.global_rank() == ps.world_size() - 1 else None
 
 
+def _wandb(args):
+    """Megatron's W&B writer: wandb.init on the last rank with the run's arguments as its config;
+    the import is checked on every rank so all fail alike."""
+    if not args.wandb_project:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        fail("--wandb-project needs the wandb package: pip install wandb (or log with --tensorboard-dir / --log-json)")
+    if ps.global_rank() != ps.world_size() - 1:
+        return None
+    save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
+    os.makedirs(save_dir, exist_ok=True)
+    kwargs = {"dir": save_dir, "name": args.wandb_exp_name, "project": args.wandb_project,
+              "config": {k: v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)
+                         for k, v in vars(args).items()}}
+    if args.wandb_entity:
+        kwargs["entity"] = args.wandb_entity
+    wandb.init(**kwargs)
+    return wandb
+
+
 def memory_mb():
     """Peak device memory on CUDA, else the process's peak resident set (MB)."""
     if torch.cuda.is_available() and ps.get_device().type == "cuda":
@@ -42,7 +67,7 @@ def memory_mb():
 class MetricsLogger:
     def __init__(self, args):
         self.args = args
-        self.writer = _tensorboard(args)
+        self.writer, self.wandb = _tensorboard(args), _wandb(args)
         self.last = ps.global_rank() == ps.world_size() - 1
         self.json = open(args.log_json, "a") if args.log_json and self.last else None
 
@@ -51,6 +76,8 @@ class MetricsLogger:
             for k, v in values.items():
                 if v is not None:
                     self.writer.add_scalar(k, v, it)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in values.items() if v is not None}, step=it)
         if self.json is not None:
             self.json.write(json.dumps({"iteration": it, **values}) + "\n")
             self.json.flush()
@@ -96,6 +123,8 @@ class MetricsLogger:
     def close(self):
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.json is not None:
             self.json.close()
 

@@ -141,7 +141,6 @@ _WHY = (
     (("moe", "expert", "router"), "this Mixture of Experts option is not implemented in megalite yet (it has "
                                   "--num-experts with top-k softmax/sigmoid routing, aux/seq-aux/z losses, expert "
                                   "parallelism with allgather/alltoall dispatch)"),
-    (("wandb",), "Weights & Biases logging is not implemented in megalite; use --tensorboard-dir or --log-json"),
     (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
                                                               "run under torch.profiler or nsys yourself"),
     (("cuda-graph", "enable-cuda-graph"), "CUDA graphs are not implemented in megalite"),

@@ -25,6 +25,8 @@ def validate_args(args):
         raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp}, CP={cp})")
     if args.eval_interval == 0:
         args.eval_interval = None  # megalite's older spelling of "no periodic evaluation"
+    if args.wandb_project and not args.wandb_exp_name:
+        raise ConfigError("--wandb-project needs --wandb-exp-name (the W&B run's name), as in Megatron")
     for flag, minimum in (("micro_batch_size", 1), ("train_iters", 1), ("train_samples", 1), ("log_interval", 1),
                           ("num_layers", 1), ("seq_length", 1), ("eval_interval", 1), ("eval_iters", 0),
                           ("num_workers", 0), ("manual_gc_interval", 0)):

@@ -99,3 +99,55 @@ def test_moe_per_layer_logging_goes_to_the_logs_not_the_console(tmp_path, capsys
             per = [r[f"moe/{name}_layer_{i}"] for i in (1, 3)]
             assert f"moe/{name}_layer_2" not in r  # a dense layer
             assert all(v > 0 for v in per) and abs(sum(per) / 2 - r[name]) <= 1e-6 * r[name], (name, r)
+
+
+class _FakeWandb:
+    """The part of the wandb API Megatron's writer uses (init, log, finish), recording calls: the
+    real package is an optional extra this machine does not install."""
+
+    def __init__(self):
+        self.inits, self.logs, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+
+    def log(self, values, step):
+        self.logs.append((step, dict(values)))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_wandb_gets_the_logged_scalars(tmp_path, capsys, monkeypatch):
+    """--wandb-project: wandb.init(project, name, entity, dir, config=the arguments) on the last rank,
+    then every scalar --log-json gets, at the same iteration, and finish() at the end."""
+    fake, log = _FakeWandb(), str(tmp_path / "run.jsonl")
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    _train(["--wandb-project", "proj", "--wandb-exp-name", "run1", "--wandb-entity", "team", "--save",
+            str(tmp_path / "ckpt"), "--log-json", log], capsys)
+    (init,) = fake.inits
+    assert (init["project"], init["name"], init["entity"]) == ("proj", "run1", "team")
+    assert init["dir"] == str(tmp_path / "ckpt" / "wandb") and os.path.isdir(init["dir"])
+    assert init["config"]["hidden_size"] == 32 and init["config"]["wandb_project"] == "proj"
+    rows = _rows(log)
+    assert len(rows) == len(fake.logs) >= 4 and fake.finished == 1
+    for row, (step, values) in zip(rows, fake.logs):
+        assert step == row.pop("iteration") and values == row
+    assert any("lm loss" in v and "learning-rate" in v for _, v in fake.logs)
+    assert any("validation lm loss" in v for _, v in fake.logs)
+
+
+def test_wandb_errors_are_one_line(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        parse_args(RUN + ["--wandb-project", "proj"], world_size=1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--wandb-project needs --wandb-exp-name" in err[0]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: `import wandb` raises ImportError
+    args = parse_args(RUN + ["--wandb-project", "proj", "--wandb-exp-name", "x"], world_size=1)
+    with pytest.raises(SystemExit):
+        try:
+            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+        finally:
+            ps.destroy_model_parallel()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--wandb-project needs the wandb package" in err[0], err

@@ -134,12 +134,12 @@ def test_no_position_embedding_only_with_rope(capsys):
 
 
 def test_unknown_and_not_implemented_are_told_apart(capsys):
-    line = _error(SMALL + ["--num-layerz", "3", "--moe-router-num-groups", "2", "--fp8-format", "hybrid", "--wandb-project", "p",
-                           "--batch-size", "4"], capsys)
+    line = _error(SMALL + ["--num-layerz", "3", "--moe-router-num-groups", "2", "--fp8-format", "hybrid",
+                           "--cuda-graph-scope", "p", "--batch-size", "4"], capsys)
     assert "--num-layerz: unrecognized (did you mean --num-layers?)" in line
     assert "--moe-router-num-groups: this Mixture of Experts option is not implemented in megalite" in line
     assert "--fp8-format: FP8/FP4 training (Transformer Engine) is not implemented" in line
-    assert "--wandb-project: Weights & Biases logging is not implemented" in line
+    assert "--cuda-graph-scope: CUDA graphs are not implemented" in line
     assert "--batch-size: renamed in Megatron-LM: use --micro-batch-size" in line
     assert "'3'" not in line and "'4'" not in line and "'p'" not in line  # values go with their flags
 

@@ -25,8 +25,6 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
 
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
 KNOWN_GAPS = {
-    "--wandb-project": "W&B logging", "--wandb-entity": "W&B logging", "--wandb-exp-name": "W&B logging",
-    "--wandb-save-dir": "W&B logging",
     "--error-injection-rate": "re-run state machine fault injection",
     "--error-injection-type": "re-run state machine fault injection",
     "--use-mup": "muP", "--mup-base-hidden-size": "muP",

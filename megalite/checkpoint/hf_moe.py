@@ -57,7 +57,8 @@ def _llama_like_hf(c, arch, model_type):
 def _llama_like_config(h):
     rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not implemented in megalite")
+        raise CheckpointError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not implemented in "
+                              "megalite")
     if h.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act={h['hidden_act']!r}: megalite's SwiGLU uses silu")
     if h.get("use_sliding_window"):
