@@ -34,14 +34,17 @@ def _validate_moe(args):
             (e < 1, f"--num-experts {e} must be >= 1"),
             (not 1 <= k <= e, f"--moe-router-topk {k} must be between 1 and --num-experts {e}"),
             (not args.disable_bias_linear, "MoE layers have no linear biases: add --disable-bias-linear (as Megatron)"),
-            (k == 1 and args.moe_router_score_function == "softmax" and not args.moe_router_pre_softmax,
+            (k == 1 and args.moe_router_score_function == "softmax" and not args.moe_router_pre_softmax and
+             args.moe_router_load_balancing_type != "sinkhorn",
              "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a softmax over one expert is 1: "
              "the router would never learn)"),
             (isinstance(freq, list) and len(freq) != args.num_layers,
              f"--moe-layer-freq has {len(freq) if isinstance(freq, list) else 0} entries for --num-layers "
              f"{args.num_layers}"),
-            (args.moe_router_load_balancing_type == "sinkhorn", "--moe-router-load-balancing-type sinkhorn is not "
-                                                               "implemented in megalite yet (aux_loss, seq_aux_loss, none)"),
+            (args.moe_router_load_balancing_type == "sinkhorn" and args.moe_aux_loss_coeff > 0,
+             "--moe-router-load-balancing-type sinkhorn has no auxiliary loss: set --moe-aux-loss-coeff 0 (as Megatron)"),
+            (args.moe_router_load_balancing_type == "sinkhorn" and args.moe_router_enable_expert_bias,
+             "--moe-router-enable-expert-bias does not apply to sinkhorn routing; pick one balancing"),
             (args.moe_token_dispatcher_type == "flex", "--moe-token-dispatcher-type flex (DeepEP) is not implemented in "
                                                        "megalite; use allgather or alltoall"),
             (args.tensor_model_parallel_size > 1 and not args.sequence_parallel,

@@ -11,7 +11,7 @@ from megalite import parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.config import ModelConfig
 from megalite.moe.layer import MoELayer
-from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, topk_routing
+from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, sinkhorn, sinkhorn_routing, topk_routing
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.transformer.mlp import MLP
 from parity import assert_parity, layout, mismatches, patched, reference, run_layouts
@@ -72,6 +72,26 @@ def test_expert_bias_chooses_but_does_not_weigh_and_moves_towards_the_mean(grid)
     router.update_expert_bias(torch.tensor([9, 1, 3, 3]))  # mean 4: over-loaded down, under-loaded up
     assert router.expert_bias.tolist() == [-0.25, 0.25, 0.25, 0.25] and router.local_tokens_per_expert.sum() == 0
     assert not router.expert_bias.requires_grad
+
+
+def test_sinkhorn_balances_and_routes_as_megatron():
+    """Sinkhorn: its last rescaling makes every expert's column sum 1/E (up to its eps 1e-8 against
+    column sums of ~1e-2 before it), hence balanced top-1 choices where plain top-1 piles onto one
+    expert; probabilities are the unrenormalised scores; evaluation routes by the scores."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, E, dtype=torch.float64, generator=g) + torch.tensor([2.0, 0, 0, 0], dtype=torch.float64)
+    p = sinkhorn(logits)
+    assert torch.allclose(p.sum(0), torch.full((E,), 1 / E, dtype=torch.float64), rtol=1e-5)
+    plain = torch.bincount(logits.argmax(1), minlength=E)
+    balanced = torch.bincount(p.argmax(1), minlength=E)
+    assert plain.max() > 40 and balanced.max() < plain.max() - 15, (plain, balanced)
+    for k, act in ((1, torch.sigmoid(logits)), (2, torch.softmax(logits, -1))):
+        probs, rmap = sinkhorn_routing(logits, k, training=True)
+        chosen = torch.topk(sinkhorn(logits.float()), k, dim=1).indices
+        assert torch.equal(rmap, torch.zeros_like(rmap).scatter(1, chosen, True))
+        assert torch.equal(probs, act * rmap)
+        probs, rmap = sinkhorn_routing(logits, k, training=False)
+        assert torch.equal(rmap, torch.zeros_like(rmap).scatter(1, act.topk(k, dim=1).indices, True))
 
 
 @pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
@@ -182,10 +202,14 @@ def test_moe_flags_refused_in_one_line(capsys):
                      (["--disable-bias-linear", "--expert-model-parallel-size", "2", "--fp16"], "use --bf16"),
                      (["--disable-bias-linear", "--moe-router-enable-expert-bias"], "needs --moe-router-score-function "
                                                                                      "sigmoid"),
+                     (["--disable-bias-linear", "--moe-router-load-balancing-type", "sinkhorn",
+                       "--moe-aux-loss-coeff", "0.01"], "sinkhorn has no auxiliary loss"),
                      (["--disable-bias-linear", "--moe-router-num-groups", "2"], "Mixture of Experts option")):
         with pytest.raises(SystemExit):
             parse_args(req + bad, world_size=2)
         assert msg in capsys.readouterr().err, bad
+    parse_args(req + ["--disable-bias-linear", "--moe-router-topk", "1", "--moe-router-load-balancing-type",
+                      "sinkhorn"], world_size=1)  # top-1 sinkhorn scores by sigmoid: no pre-softmax needed
     args = parse_args(req + ["--disable-bias-linear", "--moe-layer-freq", "([1]*1+[0])*1", "--moe-grouped-gemm"],
                       world_size=1)
     assert args.moe_layer_freq == [1, 0]

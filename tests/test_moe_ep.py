@@ -35,6 +35,8 @@ BIAS = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bi
 
 
 SHARED = ("--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate")
+# S-BASE routing: no aux loss; under SP the Sinkhorn column sums span the TP ranks' tokens
+SINKHORN = tuple(a if a != "0.01" else "0" for a in MOE) + ("--moe-router-load-balancing-type", "sinkhorn")
 
 
 def ep(n, kind="allgather"):
@@ -97,6 +99,7 @@ LAYOUTS = [
     layout("ep2_tp2_sp_etp2_alltoall_shared_gate", tp=2, sp=True, dp=2, model=MOE + SHARED,
            flags=ep(2, "alltoall"), fault=record_logged),
     layout("ep2_tp2_sp_etp2_allgather_zero2", tp=2, sp=True, dp=2, zero=2, model=MOE, flags=ep(2)),
+    layout("ep2_tp2_sp_sinkhorn", tp=2, sp=True, dp=2, model=SINKHORN, flags=ep(2, "alltoall")),
     layout("ep2_dp4_zero3_recompute_capacity", dp=4, zero=3, recompute="full", flags=ep(2), model=MOE + (
         "--moe-expert-capacity-factor", "1.0", "--moe-shared-expert-intermediate-size", "32")),
 ]

@@ -9,6 +9,10 @@ Auxiliary losses (Megatron's formulas), added to the training loss through the g
 - aux_loss (Switch): coeff · E/(k·T²) · Σ_e (Σ_t p_te)(tokens to e), over this micro-batch's T tokens;
 - seq_aux_loss: the same per sequence, averaged over the sequences;
 - z-loss: coeff · mean_t logsumexp(logits_t)².
+sinkhorn (Megatron's S-BASE routing): in training the k experts are the top-k of Sinkhorn-balanced
+exp(logits) (rows and columns rescaled until every expert's column sums alike over the micro-batch),
+their probabilities the plain scores (sigmoid for k = 1, else softmax), not renormalised; in
+evaluation the top-k of the scores.
 --moe-expert-capacity-factor then drops what exceeds each expert's capacity (drop_over_capacity).
 --moe-router-enable-expert-bias (aux-loss-free balancing, DeepSeek-V3): the sigmoid top-k is chosen by
 score + expert_bias (a parameter without gradient, fp32, checkpointed); each step's token counts
@@ -95,6 +99,36 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     return dense, routing_map
 
 
+def sinkhorn(cost, tol=1e-4, tp=1):
+    """Megatron's Sinkhorn balancing of exp(cost) [T, E] (no gradient): d0 (per token) and d1 (per
+    expert) alternate until d1 moves by less than tol on average; returns d1 · exp(cost) · d0. tp > 1:
+    this rank holds 1/tp of the micro-batch's tokens (sequence parallelism): the column sums and the
+    token count are the micro-batch's (summed over TP), so every layout balances the same tokens."""
+    cost = torch.exp(cost)
+    tokens = cost.shape[0] * tp
+    d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.shape[1], device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:  # (a host read per round, as Megatron's)
+        d0 = (1 / tokens) / (torch.sum(d1 * cost, 1) + eps)
+        cols = torch.sum(d0.unsqueeze(1) * cost, 0)
+        if tp > 1:
+            cols = all_reduce_sum_tp(cols)
+        d1 = (1 / d1.shape[0]) / (cols + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def sinkhorn_routing(logits, topk, training, tp=1):
+    """(probs [T, E], routing map [T, E]) of Megatron's sinkhorn load balancing."""
+    scores = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1)
+    with torch.no_grad():
+        idx = torch.topk(sinkhorn(logits.float(), tp=tp) if training else scores, topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    return scores * routing_map, routing_map
+
+
 def drop_over_capacity(probs, routing_map, topk, capacity_factor, policy="probs", pad_to_capacity=False):
     """Megatron's token dropping: each expert takes at most ceil(T·k/E · factor) tokens, those
     with its largest probabilities ("probs") or the first ones in token order ("position");
@@ -169,9 +203,13 @@ class TopKRouter(nn.Module):
             zl = z_loss(logits, c.moe_z_loss_coeff, x.shape[0] * tp)
             _record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
             logits = AuxLossScaler.apply(logits, zl)
-        probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
-                                          c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor, self.expert_bias)
         kind = c.moe_router_load_balancing_type
+        if kind == "sinkhorn":
+            probs, routing_map = sinkhorn_routing(logits, c.moe_router_topk, self.training, tp)
+        else:
+            probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
+                                              c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor,
+                                              self.expert_bias)
         if kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
             scores = _scores_for_aux(logits, c.moe_router_score_function)
             # token counts of the whole micro-batch (summed over TP under SP); the probabilities stay
