@@ -9,7 +9,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from megalite import parallel_state as ps
+from megalite import mup, parallel_state as ps
 from megalite.moe.dispatcher import TokenDispatcher
 from megalite.moe.experts import SequentialExperts
 from megalite.moe.router import TopKRouter
@@ -29,7 +29,7 @@ class MoELayer(nn.Module):
             shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
             self.shared_experts = mlp_class(shared, prefix + ".shared_experts")
             if config.moe_shared_expert_gate:
-                w, recipe = replicated_init((1, config.hidden_size), init_normal(config.init_method_std),
+                w, recipe = replicated_init((1, config.hidden_size), init_normal(mup.hidden_std(config)),
                                             param_seed(config.seed, prefix + ".shared_experts.gate_weight"),
                                             ps.get_device())
                 self.shared_experts.gate_weight = with_recipe(

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import nn
 
-from megalite import parallel_state as ps
+from megalite import mup, parallel_state as ps
 from megalite.tensor_parallel.init import ConstantRecipe, init_normal, param_seed, replicated_init, with_recipe
 from megalite.tensor_parallel.mappings import all_reduce_sum_tp
 
@@ -162,7 +162,7 @@ class TopKRouter(nn.Module):
         c = self.config = config
         self.layer_number = layer_number
         # replicated over TP (its input is whole on every rank); Megatron keeps it in the model's dtype
-        w, recipe = replicated_init((c.num_moe_experts, c.hidden_size), init_normal(c.init_method_std),
+        w, recipe = replicated_init((c.num_moe_experts, c.hidden_size), init_normal(mup.hidden_std(c)),
                                     param_seed(c.seed, prefix + ".weight"), ps.get_device())
         self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=c.params_dtype)), recipe)
         # under sequence parallelism each TP rank routes its own tokens: partial gradients, summed over TP

@@ -30,7 +30,7 @@ TP x PP. The fp16 inf check is reduced over DP and TP x PP, so every rank skips 
 import torch
 import torch.distributed as dist
 
-from megalite import parallel_state as ps
+from megalite import mup, parallel_state as ps
 from megalite.config import ConfigError
 from megalite.optimizer.clip_grads import grad_norm_tensor
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
@@ -43,6 +43,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         c = config
         self.config = c
         self.model_chunks = list(model_chunks)
+        self._mup_width = mup.width_mult(self.model_chunks)
         for m in self.model_chunks:
             if not getattr(m, "zero_stage", 0):
                 raise ValueError("DistributedOptimizer needs DistributedDataParallel(..., use_distributed_optimizer=True)")
@@ -151,10 +152,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self._adopt_state(grp)  # copied into the flat buffers
         self.scaler.load_state_dict(sd["scaler"])
         # Groups by kind: a rank's slices may lack a kind another rank (whose groups were saved) has.
-        saved = {(s.get("decay", s["weight_decay"] > 0), s.get("decoupled", False)): s for s in sd["param_groups"]}
+        def kind(g):
+            return g.get("decay", g["weight_decay"] > 0), g.get("decoupled", False), g.get("mup_lr_mult", 1.0)
+        saved = {kind(s): s for s in sd["param_groups"]}
         for g in self.param_groups:
-            if (g["decay"], g["decoupled"]) in saved:
-                g.update(saved[(g["decay"], g["decoupled"])])
+            if kind(g) in saved:
+                g.update(saved[kind(g)])
         self._publish()
 
 

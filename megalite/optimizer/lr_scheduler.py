@@ -88,7 +88,9 @@ class LRScheduler:
         decoupled = self.lr if self.decoupled_lr is None else \
             self.get_lr(self.num_steps, self.decoupled_lr, self.decoupled_min_lr)
         for g in self.optimizer.param_groups:
-            g["lr"] = decoupled if g.get("decoupled") else self.lr
+            mult = g.get("mup_lr_mult", 1.0)  # muP's hidden matrices: peak and floor x 1/m, warm-up from init
+            g["lr"] = decoupled if g.get("decoupled") else self.lr if mult == 1.0 else \
+                self.get_lr(self.num_steps, self.max_lr * mult, self.min_lr * mult)
         return self.lr
 
     def state_dict(self):

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megalite import parallel_state as ps
+from megalite import mup, parallel_state as ps
 from megalite.optimizer.clip_grads import clip_grads, grad_norm_tensor
 from megalite.optimizer.param_groups import AdamWState
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_and_find_inf_
@@ -88,6 +88,7 @@ class MixedPrecisionOptimizer:
         c = config
         self.config = c
         named = [(n, p) for m in model_chunks for n, p in m.named_parameters() if p.requires_grad]
+        self._mup_width = mup.width_mult(model_chunks)
         self.model_params = [p for _, p in named]
         self.names = [n for n, _ in named]  # aligned with _grads(), for error messages
         own = not (c.bf16 or c.fp16) and all(p.dtype == torch.float32 for p in self.model_params)
@@ -104,16 +105,24 @@ class MixedPrecisionOptimizer:
         order = self._layout_order(len(triples))
         # --decoupled-lr: the input embedding and output layer form groups of their own, which
         # the LR scheduler steps to their own peak and floor (Megatron's param-group override).
+        # muP: hidden matrices form groups whose peak / floor LR and Adam eps are x 1/m (megalite/mup.py).
         split = getattr(c, "decoupled_lr", None) is not None
+        width = self._mup_width
+        mults = sorted({mup.lr_mult(*triples[i][:2], width) for i in order}, reverse=True)
+
+        def kind(name, param):
+            decoupled = split and getattr(param, "is_embedding_or_output_parameter", False)
+            return not no_weight_decay(name, param), decoupled, mup.lr_mult(name, param, width)
         with torch.no_grad():
-            for decay, decoupled in itertools.product((True, False), (False, True) if split else (False,)):
-                idx = [i for i in order if (not no_weight_decay(*triples[i][:2]), split and getattr(
-                    triples[i][1], "is_embedding_or_output_parameter", False)) == (decay, decoupled)]
+            for key in itertools.product((True, False), (False, True) if split else (False,), mults):
+                idx = [i for i in order if kind(*triples[i][:2]) == key]
                 if idx:
+                    decay, decoupled, mult = key
                     self._flat.append(self._flat_group(idx, [triples[i][2] for i in idx], own, movable))
                     groups.append({"params": [self.main_params[i] for i in sorted(idx)],
                                    "weight_decay": c.weight_decay if decay else 0.0, "decay": decay,
-                                   "decoupled": decoupled})
+                                   "decoupled": decoupled, **({"mup_lr_mult": mult, "eps": c.adam_eps * mult}
+                                                              if mult != 1.0 else {})})
         self.optimizer = AdamWState(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
         for grp in self._flat:  # torch's state entries, as views: state dicts and checkpoints read them
             for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):

@@ -6,6 +6,7 @@ from torch import nn
 
 import kernels
 
+from megalite import mup
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.layers import init_normal
 from megalite.transformer.utils import kernel_backend, output_init_std, param_seed
@@ -33,7 +34,7 @@ class MLP(nn.Module):
         self.config = c
         fc1_out = c.ffn_hidden_size * (2 if c.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
-            c.hidden_size, fc1_out, bias=c.add_bias_linear, init_method=init_normal(c.init_method_std),
+            c.hidden_size, fc1_out, bias=c.add_bias_linear, init_method=init_normal(mup.hidden_std(c)),
             skip_bias_add=True, sequence_parallel=c.sequence_parallel,
             init_seed=param_seed(c.seed, prefix + ".linear_fc1"), shard_chunks=2 if c.swiglu else 1,
             params_dtype=c.params_dtype, expert=expert)
