@@ -13,6 +13,7 @@ import os
 
 from megalite.config import ConfigError, ModelConfig, TrainingConfig, fail
 from megalite.megatron_compat import print_notices, sort_unknown
+from megalite.mup import MUP_FLAGS
 
 TOKENIZER_CHOICES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                      "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
@@ -81,6 +82,21 @@ def build_parser():
     a("--moe-shared-expert-intermediate-size", type=int, default=None, help="a shared expert of this FFN size")
     a("--moe-shared-expert-gate", action="store_true", help="scale the shared expert by sigmoid(x·g) (Qwen2-MoE)")
     a("--moe-shared-expert-overlap", action="store_true", help="accepted: the shared expert runs in line")
+    # muP (the flags' meanings and defaults: megalite/mup.py)
+    a("--use-mup", action="store_true", help="Maximal Update Parameterization, by hidden / --mup-base-hidden-size")
+    for dest, (kind, default, why) in MUP_FLAGS.items():
+        a("--" + dest.replace("_", "-"), type=kind, default=default, help=why)
+    # Multi-latent attention (DeepSeek-V2/V3, megalite/transformer/mla.py); Megatron's defaults
+    a("--multi-latent-attention", action="store_true", help="low-rank q/kv projections, rope on a shared key part")
+    a("--q-lora-rank", type=int, default=None, help="MLA: rank of the query latent (default: no query latent)")
+    a("--kv-lora-rank", type=int, default=32)
+    a("--qk-head-dim", type=int, default=128)
+    a("--qk-pos-emb-head-dim", type=int, default=64)
+    a("--v-head-dim", type=int, default=128)
+    a("--rope-type", default=None, choices=["rope", "yarn"], help="MLA's rotary embedding (default yarn, as Megatron)")
+    a("--rotary-scaling-factor", type=float, default=1.0, help="MLA YaRN: context extension factor")
+    a("--mscale", type=float, default=1.0)
+    a("--mscale-all-dim", type=float, default=0.0)
     a("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU")
     a("--untie-embeddings-and-output-weights", action="store_true")
     a("--disable-bias-linear", action="store_true")
@@ -262,6 +278,15 @@ def build_parser():
     a("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true", default=True,
       help="stop before the optimizer step on a NaN/Inf loss or gradient (default on)")
     a("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false")
+    # Megatron's re-run state machine (megalite/rerun.py); megalite's default is Megatron's "disabled"
+    a("--rerun-mode", default="disabled", choices=["disabled", "validate_results", "report_stats"],
+      help="validate_results: re-run an iteration whose loss fails validation (exit 16/17 as Megatron); "
+           "report_stats: run every iteration twice and log the differences")
+    a("--error-injection-rate", type=int, default=0, help="validate_results: inject a fault at 1 in N validations")
+    a("--error-injection-type", default="transient_error",
+      choices=["correct_result", "transient_error", "persistent_error"])
+    a("--check-for-spiky-loss", action="store_true",
+      help="validate each loss against 10x the largest of the first 100 (non-fatal)")
     a("--exit-signal-handler", action="store_true",
       help="on SIGTERM: save (with --save) at the next iteration boundary on every rank and exit 0")
     a("--exit-duration-in-mins", type=float, default=None, help="save (with --save) and exit after this long")
@@ -376,8 +401,11 @@ def model_config(args, vocab_size):
         moe_shared_expert_gate=args.moe_shared_expert_gate, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=args.moe_router_bias_update_rate, moe_per_layer_logging=args.moe_per_layer_logging,
-        moe_grouped_gemm=args.moe_grouped_gemm,
-        **_bert_fields(args))
+        moe_grouped_gemm=args.moe_grouped_gemm, multi_latent_attention=args.multi_latent_attention,
+        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, rope_type=args.rope_type,
+        rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim, use_mup=args.use_mup,
+        **{dest: getattr(args, dest) for dest in MUP_FLAGS}, **_bert_fields(args))
 
 
 def _bert_fields(args):

@@ -80,6 +80,7 @@ NOTICE = {
                                                   "(--overlap-param-gather), not the optimizer step (speed only)",
     "--cross-entropy-fusion-impl": "the vocab-parallel cross entropy is fused on CUDA unless --no-fused-kernels",
     "--spec": "megalite has one transformer layer implementation (Megatron's local spec)",
+    "--mla-down-proj-fusion": "MLA's q/kv down projections run as two GEMMs (speed only)",
     "--init-model-with-meta-device": "each rank builds only its TP shard of the weights (topology-independent "
                                      "init); with ZeRO-3 it keeps only its DP shard of that after start-up",
     "--fsdp-double-buffer": "ZeRO-3 gathers into one buffer per layer unit (memory layout only)",
@@ -90,8 +91,6 @@ NOTICE = {
     "--megatron-fsdp-version": "megalite has one FSDP implementation (ZeRO-3 in its distributed optimizer)",
     "--disable-strict-fsdp-dtensor-load": "megalite's checkpoint loads are always strict",
     "--no-strict-fsdp-dtensor-load": "megalite's checkpoint loads are always strict",
-    "--rerun-mode": "iterations are never re-run to tell transient from persistent faults; a NaN/Inf loss or "
-                    "gradient stops training (--check-for-nan-in-loss-and-grad, on by default)",
 }
 
 # Value-carrying flags whose *value* decides: accepted at these values, not implemented otherwise.
@@ -112,8 +111,6 @@ NEUTRAL_VALUES = {
     "--megatron-fsdp-grad-comm-dtype": ("auto fp32", "gradients are always reduced in fp32"),
     "--outer-dp-sharding-strategy": ("no_shard", "hybrid sharding (HSDP: replicas of a sharded group) is not "
                                                  "implemented in megalite"),
-    "--rerun-mode": ("disabled validate_results", "the re-run state machine's statistics mode is not "
-                                                  "implemented in megalite"),
 }
 
 # Megatron's own renames and removals: old spelling -> what to write now.
@@ -145,7 +142,11 @@ _WHY = (
                                                               "run under torch.profiler or nsys yourself"),
     (("cuda-graph", "enable-cuda-graph"), "CUDA graphs are not implemented in megalite"),
     (("mtp",), "multi-token prediction is not implemented in megalite"),
-    (("mla", "kv-lora", "q-lora", "multi-latent"), "multi-latent attention is not implemented in megalite"),
+    (("dsa", "experimental-attention-variant"), "DeepSeek sparse attention (DSA) and the other experimental "
+                                                "attention variants are not implemented in megalite"),
+    (("cache-mla-latents",), "caching MLA latents is for Megatron's dynamic inference engine, not in megalite"),
+    (("yarn-",), "YaRN for standard attention (--position-embedding-type yarn) is not implemented in megalite "
+                 "(multi-latent attention's is: --rope-type, --rotary-scaling-factor, --mscale, --mscale-all-dim)"),
     (("hybrid", "mamba"), "hybrid/Mamba models are not implemented in megalite"),
     (("rl-", "grpo", "inference", "vision", "biencoder", "distill", "sft", "retro"),
      "this Megatron workload is not implemented in megalite"),

@@ -45,6 +45,7 @@ from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.optimizer import NonFiniteGradError
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.pipeline.schedules import pipeline_tensor_shape
+from megalite.rerun import RerunExit, exit_after, get_rerun_state_machine, initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
 
 
@@ -134,10 +135,15 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
     if sync and ps.get_device().type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for c in chunks:
-        c.zero_grad_buffer(iteration)
-    reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
-                                    loss_scale=optimizer.loss_scale, loss_divisor=loss_divisor)
+    rerun = get_rerun_state_machine()  # --rerun-mode: the iteration again on the same state (megalite/rerun.py)
+    iters = rerun.wrap(iters)
+    while rerun.should_run_forward_backward(iters, chunks, iteration):
+        for c in chunks:
+            c.zero_grad_buffer(iteration)
+        reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
+                                        loss_scale=optimizer.loss_scale, loss_divisor=loss_divisor)
+        rerun.validate_losses(reported)
+    rerun.check_exit()  # RerunExit: before the optimizer step
     if sync and ps.get_device().type == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
@@ -248,6 +254,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     except ValueError as e:
         _abort(str(e), owns)
     model_parallel_manual_seed(args.seed)
+    initialize_rerun_state_machine(args)
     dp, micro, dp_rank = ps.get_data_parallel_world_size(), args.micro_batch_size, ps.get_data_parallel_rank()
     plan = IterationPlan(batches, initial_shares(args))  # each DP rank's micro-batches and weights
     log = MetricsLogger(args)
@@ -321,6 +328,9 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
             reported, stepped, grad_norm = train_step(
                 forward_step_func, train_iters, chunks, optimizer, num_micro, shape, dtype, step_times,
                 plan.loss_divisor(consumed_train, dp_rank), profiling, it)
+        except RerunExit as e:  # as Megatron: the state before this iteration saved, exit 16 / 17
+            log.close()
+            exit_after(e, (lambda: save(it - 1)) if args.save else None, owns)
         except NonFiniteGradError as e:
             where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
             _abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped before "

@@ -19,6 +19,8 @@ SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 3
 DIFFERENT_ON_PURPOSE = {
     "--distributed-backend": "None picks nccl with CUDA, gloo without; Megatron's nccl cannot run on CPU ranks",
     "--overlap-grad-reduce": "overlapping the DP reduction changes no value, only speed",
+    "--rerun-mode": "disabled (Megatron's validate_results needs a second host read and a world all-reduce per "
+                    "iteration); a NaN/Inf loss or gradient still stops the run, and no value changes",
 }
 
 

@@ -25,11 +25,7 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
 
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
 KNOWN_GAPS = {
-    "--error-injection-rate": "re-run state machine fault injection",
-    "--error-injection-type": "re-run state machine fault injection",
-    "--use-mup": "muP", "--mup-base-hidden-size": "muP",
-    "--multi-latent-attention": "MLA", "--q-lora-rank": "MLA", "--kv-lora-rank": "MLA", "--qk-head-dim": "MLA",
-    "--qk-pos-emb-head-dim": "MLA", "--v-head-dim": "MLA", "--experimental-attention-variant": "DSA",
+    "--experimental-attention-variant": "DSA",
     "--dsa-indexer-n-heads": "DSA", "--dsa-indexer-head-dim": "DSA", "--dsa-indexer-topk": "DSA",
     "--dsa-indexer-loss-coeff": "DSA",
 }
@@ -136,11 +132,14 @@ def test_every_functional_config_starts_or_names_its_cause():
     assert "gpt/gpt3_mcore_te_tp1_pp1_dist_optimizer_fim_dataset" in started
     assert {"gpt/gpt3_mcore_tp1_pp1_fsdp2_resume_torch_dist_te", "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"} \
         <= set(started)
+    # and its re-run state machine configs with fault injection (megalite/rerun.py)
+    assert {"gpt/gpt3_mcore_reruns_persistent_1", "gpt/gpt3_mcore_reruns_persistent_1_1node",
+            "gpt/gpt3_mcore_reruns_transient"} <= set(started)
     print(f"{len(started)} of {len(configs)} Megatron functional-test configs start")
 
 
 @pytest.mark.parametrize("flag,line", [
-    ("--rerun-mode report_stats", "--rerun-mode report_stats: the re-run state machine's statistics mode"),
+    ("--dataloader-type cyclic", "--dataloader-type cyclic: only the 'single' (sequential) data loader"),
     ("--spec my.module fn", "--spec my.module fn: custom layer specs are not implemented"),
     ("--ckpt-format zarr", "--ckpt-format zarr: megalite writes one checkpoint layout")])
 def test_values_megalite_does_not_have_are_named(flag, line):
