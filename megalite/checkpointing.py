@@ -57,7 +57,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "add_bias_linear", "untie_embeddings_and_output_weights", "model_type", "layernorm_position", "gelu",
                 "num_tokentypes", "bert_binary_head", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
                 "rotary_interleaved", "squared_relu", "add_qkv_bias", "num_moe_experts", "moe_ffn_hidden_size",
-                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank",
+                "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 _pending = {"future": None, "executor": None, "group": None}
 # A forked process has none of its parent's threads or process groups: it starts its own.

@@ -96,6 +96,29 @@ class ModelConfig:
     moe_token_dispatcher_type: str = "allgather"  # or alltoall (the same result; other collectives)
     moe_per_layer_logging: bool = False  # each MoE layer's losses to TensorBoard / --log-json
     moe_grouped_gemm: bool = False  # the experts as two Triton grouped GEMMs on CUDA (a loop on CPU)
+    # Multi-latent attention (DeepSeek-V2/V3, Megatron's --multi-latent-attention; megalite/transformer/mla.py):
+    # Megatron's flag defaults; YaRN's original context and betas are MLATransformerConfig's (no flag reaches them)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # None: queries straight from the hidden state (linear_q_proj)
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64  # the rotated part of each q/k head (k's shared by all heads)
+    v_head_dim: int = 128
+    rope_type: Optional[str] = None  # MLA's rotary: "yarn" (its default) or "rope"
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # muP (Megatron's --use-mup, --mup-*; formulas in megalite/mup.py); width and output mults are derived
+    use_mup: bool = False
+    mup_base_hidden_size: Optional[int] = None  # default: hidden_size (width multiplier 1)
+    mup_width_mult: float = 1.0  # hidden_size / mup_base_hidden_size
+    mup_embedding_mult: float = 1.0
+    mup_output_mult: float = 1.0  # left at 1 with a width multiplier m != 1: 1/m
+    mup_base_head_dim: Optional[float] = None
+    mup_attn_scale_power: float = 1.0
 
     def is_moe_layer(self, layer_number):
         """Whether the layer (global, 1-based) is an MoE layer."""
@@ -147,11 +170,48 @@ class ModelConfig:
         if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
             raise ConfigError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
                               f"{self.max_position_embeddings}")
-        if self.position_embedding_type == "rope":
+        if self.multi_latent_attention or self.rope_type is not None:
+            self._check_mla()
+        if self.position_embedding_type == "rope" and not self.multi_latent_attention:
             rot = int(self.kv_channels * self.rotary_percent)
             if not 0 < self.rotary_percent <= 1 or rot < 2 or rot % 2:
                 raise ConfigError(f"--rotary-percent {self.rotary_percent} of head dim {self.kv_channels} gives a "
                                   f"rotary dim of {rot}: it needs 0 < p <= 1 and an even rotary dim")
+        if self.use_mup:
+            from megalite.mup import finalize
+            finalize(self)
+
+    def _check_mla(self):
+        """Megatron's MLA checks, and what megalite's MLA does not do, one line each."""
+        if not self.multi_latent_attention:
+            if self.rope_type not in (None, "rope"):
+                raise ConfigError(f"--rope-type {self.rope_type}: standard attention takes rope only (as Megatron); "
+                                  "yarn is for --multi-latent-attention")
+            return
+        self.rope_type = self.rope_type or "yarn"  # Megatron's MLA default
+        rot = self.qk_pos_emb_head_dim if self.rope_type == "yarn" else int(self.qk_pos_emb_head_dim * self.rotary_percent)
+        dims = dict(q_lora_rank=self.q_lora_rank if self.q_lora_rank is not None else 1, kv_lora_rank=self.kv_lora_rank,
+                    qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim)
+        for cond, msg in (
+                (self.num_query_groups != self.num_attention_heads,
+                 "--multi-latent-attention and --group-query-attention are exclusive (as Megatron)"),
+                (min(dims.values()) < 1, "MLA sizes must be >= 1: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                                              for k, v in dims.items() if v < 1)),
+                (self.rope_type not in ("rope", "yarn"), f"--rope-type {self.rope_type!r} is not one of rope, yarn"),
+                (rot < 2 or rot % 2 or not 0 < self.rotary_percent <= 1,
+                 f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} (x --rotary-percent {self.rotary_percent} with "
+                 f"rope) gives a rotary dim of {rot}: it must be even and >= 2"),
+                (self.rotary_scaling_factor <= 0, f"--rotary-scaling-factor {self.rotary_scaling_factor} must be > 0"),
+                (self.rotary_interleaved, "--rotary-interleaved does not work with --multi-latent-attention (as "
+                                          "Megatron: MLA always rotates pairs of its pos-emb dims)"),
+                (self.qk_layernorm and self.q_lora_rank is None,
+                 "--qk-layernorm with --multi-latent-attention needs --q-lora-rank (the norm is on the query latent)"),
+                (self.add_qkv_bias, "--add-qkv-bias: multi-latent attention's projections have no biases (as Megatron)"),
+                (self.model_type != "gpt", "--multi-latent-attention is implemented for GPT models only"),
+                (self.cp_comm_type is not None,
+                 "--multi-latent-attention with --context-parallel-size > 1 is not implemented in megalite")):
+            if cond:
+                raise ConfigError(msg)
 
     def check_parallel(self, tp):
         """Checks that depend on the tensor-parallel size."""

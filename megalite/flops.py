@@ -4,7 +4,8 @@
 def num_floating_point_operations(config, batch_size, padded_vocab_size):
     """12 * B * s * L * h^2 * (attention + MLP + logit terms), as Megatron's training.py:
     attention: (1 + G/A + s/h) * (kv_channels * A / h); MLP: (ffn / h) * (3/2 if SwiGLU);
-    logits: V / (2 L h). For GPT-2 shapes this is 72 B s L h^2 (1 + s/6h + V/12Lh)."""
+    logits: V / (2 L h). For GPT-2 shapes this is 72 B s L h^2 (1 + s/6h + V/12Lh). MLA: 6 B s L (its
+    projection weights + s n (dq + dv)), the same convention (6 FLOPs per weight per token, non-causal scores)."""
     c = config
     h, L, s = c.hidden_size, c.num_layers, c.seq_length
     q_ratio = c.kv_channels * c.num_attention_heads / h
@@ -12,7 +13,14 @@ def num_floating_point_operations(config, batch_size, padded_vocab_size):
     # MoE layers (as Megatron): each token runs k experts of --moe-ffn-hidden-size (router not counted)
     moe = sum(c.is_moe_layer(i) for i in range(1, L + 1)) if c.num_moe_experts else 0
     ffn = ((L - moe) * c.ffn_hidden_size + moe * c.moe_router_topk * (c.moe_ffn_hidden_size or 0)) / L
+    attention = (1 + c.num_query_groups / c.num_attention_heads + s / h) * q_ratio
+    if c.multi_latent_attention:  # Megatron's MLA terms (projections, latent norms), scores without the causal half
+        n, dq = c.num_attention_heads, c.qk_head_dim + c.qk_pos_emb_head_dim
+        q_term = h * n * dq if c.q_lora_rank is None else c.q_lora_rank * (h + n * dq + 1)
+        weights = q_term + c.kv_lora_rank * (h + n * (c.qk_head_dim + c.v_head_dim) + 1) + h * c.qk_pos_emb_head_dim \
+            + n * c.v_head_dim * h
+        attention = (weights + s * n * (dq + c.v_head_dim)) / (2 * h * h)
     return 12 * batch_size * s * L * h * h * (
-        (1 + c.num_query_groups / c.num_attention_heads + s / h) * q_ratio
+        attention
         + (ffn / h) * gated
         + padded_vocab_size / (2 * L * h))

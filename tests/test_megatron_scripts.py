@@ -40,6 +40,8 @@ LISTS = {
     # fp16 with --apply-query-key-layer-scaling (Megatron's local transformer, no TE)
     "tp1_pp2_fp16_qk_scaling": ("gpt/gpt3_mcore_tp1_pp2_fp16", []),
     "tp2_pp2_local_fp16_qk_scaling": ("gpt/gpt3_mcore_tp2_pp2_uninstall_te", []),
+    # multi-latent attention (q/kv latents, YaRN; bf16, SP, async save)
+    "tp2_pp2_mla": ("gpt/gpt3_mcore_te_tp2_pp2_mla", []),
     # Mixtral 8x7B (MoE, alltoall dispatch, Llama2 sentencepiece tokenizer): PP4 x EP8 needs 32 ranks, here
     # PP2 x EP2 on 4; the experts' FFN and the query groups shrunk with the model
     "mixtral_8x7b": ("mixtral_8x7b.sh", ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",

@@ -100,9 +100,9 @@ def test_every_layer_passes_its_global_number_and_fp16_takes_the_scaled_path(tp1
         seen.append(a[-1])
         return real(*a)
 
-    def spy_explicit(*a):
+    def spy_explicit(*a, **kw):
         explicit.append(a[-2])  # the layer scale it applies
-        return real_explicit(*a)
+        return real_explicit(*a, **kw)
     monkeypatch.setattr(attention, "core_attention", spy)
     monkeypatch.setattr(attention, "_explicit_scores_attention", spy_explicit)
     base = ("--num-layers 3 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 --lr 1e-3 "

@@ -118,8 +118,10 @@ class Writer:
 
     def _split_dim(self, name, t):
         base = re.sub(r"^optimizer\.[a-z_]+\.", "", name)
+        # MLA: q/kv up (and q) projections column-parallel; its down projections and latent norms replicated
         if base.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
-                          "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias")):
+                          "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "linear_q_proj.weight",
+                          "linear_q_up_proj.weight", "linear_kv_up_proj.weight")):
             return 1 if (self.cfg["swiglu"] and "linear_fc1" in base) else 0
         if base.endswith(("linear_proj.weight", "linear_fc2.weight")):
             return 1
@@ -196,6 +198,9 @@ def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None):
         if cfg.setdefault("model_type", model_type) != model_type:
             raise CheckpointError(f"--model-type {model_type.upper()}: the checkpoint is a {cfg['model_type'].upper()} "
                                   "model; drop --model-type or pick that one")
+    if cfg.get("multi_latent_attention"):
+        raise CheckpointError("Hugging Face export of multi-latent attention (DeepSeek-V2/V3) is not implemented in "
+                              "megalite")
     arch = arch_for(cfg)
     arch.check(cfg)
     src = Reader(path)

@@ -27,6 +27,7 @@ from megalite.transformer import TransformerBlock
 from megalite.transformer.pipeline_layers import chunk_layers
 from megalite.transformer.rope import rotary_cos_sin
 from megalite.transformer.utils import param_seed
+from megalite.transformer.yarn import mla_rotary_cos_sin
 
 
 class GPTEmbedding(nn.Module):
@@ -121,7 +122,8 @@ class GPTModel(nn.Module):
         if getattr(self, "_rotary_key", None) != key:
             c = self.config
             rot = int(c.kv_channels * c.rotary_percent)  # Megatron's rotary dim
-            self._rotary = rotary_cos_sin(seq, rot, c.rotary_base, device, interleaved=c.rotary_interleaved)
+            self._rotary = mla_rotary_cos_sin(c, seq, device) if c.multi_latent_attention else \
+                rotary_cos_sin(seq, rot, c.rotary_base, device, interleaved=c.rotary_interleaved)
             self._rotary_key = key
         return self._rotary
 
@@ -149,7 +151,7 @@ class GPTModel(nn.Module):
         else:
             x = self.input_tensor
         rotary = None
-        if c.position_embedding_type == "rope":
+        if c.position_embedding_type == "rope" or c.multi_latent_attention:  # MLA: its own rotary, whatever the type
             sp = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
             seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if sp else 1)
             if inference_cache is None and cp_size() > 1:  # the rows of this rank's tokens

@@ -18,8 +18,9 @@ from megalite.transformer.rope import apply_rotary
 from megalite.transformer.utils import output_init_std, param_seed
 
 
-def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=False, layer_scale=None):
-    """q [b, s, hq, d]; k, v [b, s, hkv, d] -> [b, s, hq, d]. Causal unless attn_mask is given
+def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=False, layer_scale=None,
+                   softmax_scale=None):
+    """q [b, s, hq, d]; k, v [b, s, hkv, d (v: dv)] -> [b, s, hq, dv]. Causal unless attn_mask is given
     (bool [b, 1 or h, sq, sk], True = masked out; a key-padding mask [b, 1, 1, sk] runs flash
     attention on CUDA).
 
@@ -31,43 +32,53 @@ def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=Fa
     layer_scale (--apply-query-key-layer-scaling: the layer number): fp16 scores are computed
     in fp16 as q.k / (sqrt(d) * layer_scale) and multiplied back by layer_scale in the fp32
     softmax, as Megatron's DotProductAttention; other dtypes never hold scores in fp16, so
-    for them it changes nothing and the fast paths stay."""
+    for them it changes nothing and the fast paths stay.
+    softmax_scale: default 1/sqrt(q's head dim). v may have another head dim than q and k (MLA): the
+    flash kernel, which takes one, gets zero-padded heads and the output is cut back."""
     p = dropout_p if training else 0.0
     triton = fused and kernels.use_triton(q)
     key_padding = attn_mask is not None and attn_mask.shape[1:3] == (1, 1)  # [b, 1, 1, sk]: BERT's padding
     scaled = layer_scale is not None and q.dtype == torch.float16
     if not scaled and (triton or flash and q.is_cuda) and (attn_mask is None or key_padding):
+        dv, d = v.shape[-1], max(q.shape[-1], v.shape[-1])
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        q, k, v = (F.pad(t, (0, d - t.shape[-1])) if t.shape[-1] < d else t for t in (q, k, v))
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             if key_padding:
-                return kernels.flash_attention(q, k, v, causal=False, dropout_p=p, key_padding_mask=~attn_mask[:, 0, 0])
-            return kernels.flash_attention(q, k, v, causal=True, dropout_p=p)
+                out = kernels.flash_attention(q, k, v, causal=False, softmax_scale=scale, dropout_p=p,
+                                              key_padding_mask=~attn_mask[:, 0, 0])
+            else:
+                out = kernels.flash_attention(q, k, v, causal=True, softmax_scale=scale, dropout_p=p)
+        return out if dv == d else out[..., :dv]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if triton or scaled:
-        return _explicit_scores_attention(q, k, v, p, attn_mask, layer_scale if scaled else 1, triton)
+        return _explicit_scores_attention(q, k, v, p, attn_mask, layer_scale if scaled else 1, triton,
+                                          softmax_scale=softmax_scale)
     with get_rng_tracker().fork():
         sdpa_mask = None if attn_mask is None else ~attn_mask  # SDPA: True = take part
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=p,
-                                             is_causal=attn_mask is None, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=p, is_causal=attn_mask is None,
+                                             scale=softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 
 
-def _explicit_scores_attention(q, k, v, p, attn_mask, layer_scale, triton):
-    """Megatron's unfused attention on q [b, hq, s, d], k, v [b, hkv, s, d] -> [b, s, hq, d]:
-    scores in the input dtype (one batched GEMM scaled by 1 / (sqrt(d) * layer_scale)), the
+def _explicit_scores_attention(q, k, v, p, attn_mask, layer_scale, triton, softmax_scale=None):
+    """Megatron's unfused attention on q, k [b, h(kv), s, d], v [b, hkv, s, dv] -> [b, s, hq, dv]:
+    scores in the input dtype (one batched GEMM scaled by softmax_scale (1 / sqrt(d)) / layer_scale), the
     scaled masked softmax in fp32 (times layer_scale; causal when attn_mask is None), dropout,
     probs @ v. Query heads are grouped per KV head, so GQA needs no repeated k/v."""
     b, hq, s, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     qg = q.reshape(b * hkv, hq // hkv * s, d)
     kg = k.reshape(b * hkv, sk, d).transpose(1, 2)
-    scores = torch.baddbmm(qg.new_empty(qg.shape[0], qg.shape[1], sk), qg, kg, beta=0.0,
-                           alpha=d ** -0.5 / layer_scale).reshape(b, hq, s, sk)
+    alpha = (d ** -0.5 if softmax_scale is None else softmax_scale) / layer_scale
+    scores = torch.baddbmm(qg.new_empty(qg.shape[0], qg.shape[1], sk), qg, kg, beta=0.0, alpha=alpha).reshape(b, hq, s, sk)
     with contextlib.nullcontext() if triton else kernels.use_backend("torch"):
         probs = kernels.softmax(scores, scale=layer_scale, mask=attn_mask, causal=attn_mask is None)
     with get_rng_tracker().fork():
         probs = F.dropout(probs, p=p, training=True)
-    out = probs.reshape(b * hkv, hq // hkv * s, sk) @ v.reshape(b * hkv, sk, d)
-    return out.reshape(b, hq, s, d).transpose(1, 2)
+    dv = v.shape[-1]
+    out = probs.reshape(b * hkv, hq // hkv * s, sk) @ v.reshape(b * hkv, sk, dv)
+    return out.reshape(b, hq, s, dv).transpose(1, 2)
 
 
 class SelfAttention(nn.Module):

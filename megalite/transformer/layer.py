@@ -10,6 +10,7 @@ from megalite import parallel_state as ps
 from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel import get_rng_tracker
 from megalite.transformer.attention import SelfAttention
+from megalite.transformer.mla import MLASelfAttention
 from megalite.transformer.mlp import MLP
 from megalite.transformer.norm import build_norm
 
@@ -22,7 +23,8 @@ class TransformerLayer(nn.Module):
         self.post_norm = config.layernorm_position == "post"
         if not self.post_norm:
             self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, prefix + ".self_attention", layer_number)
+        attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, prefix + ".self_attention", layer_number)
         if self.post_norm:
             self.post_attention_layernorm = build_norm(config, config.hidden_size)
         else:
