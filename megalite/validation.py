@@ -7,6 +7,7 @@ import re
 from megalite.arguments import model_config, training_config
 from megalite.config import ConfigError
 from megalite.megatron_compat import print_notices
+from megalite.mup import validate_args as validate_mup
 from megalite.validation_features import validate_features
 
 # Flags Megatron has no default for: a launch script always passes them.
@@ -48,6 +49,7 @@ def validate_args(args):
         raise ConfigError(f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr (the embedding and "
                           "output layer's peak LR)")
     validate_features(args)
+    validate_mup(args)
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
     if args.hierarchical_grad_reduce and args.use_distributed_optimizer:

@@ -198,6 +198,9 @@ def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None):
         if cfg.setdefault("model_type", model_type) != model_type:
             raise CheckpointError(f"--model-type {model_type.upper()}: the checkpoint is a {cfg['model_type'].upper()} "
                                   "model; drop --model-type or pick that one")
+    if cfg.get("use_mup"):  # its embedding / logit multipliers and attention scale have no HF field
+        raise CheckpointError("Hugging Face models cannot represent a muP model (--use-mup: embedding and logit "
+                              "multipliers, attention scale); convert a model trained without --use-mup")
     if cfg.get("multi_latent_attention"):
         raise CheckpointError("Hugging Face export of multi-latent attention (DeepSeek-V2/V3) is not implemented in "
                               "megalite")

@@ -12,7 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
-from megalite import parallel_state as ps
+from megalite import mup, parallel_state as ps
 from megalite.distributed.cp_comm import cp_size, global_token_index
 from megalite.tensor_parallel import (
     ColumnParallelLinear,
@@ -40,6 +40,7 @@ class GPTEmbedding(nn.Module):
             init_seed=param_seed(c.seed, "embedding.word_embeddings"), reduce_scatter=c.sequence_parallel,
             params_dtype=c.params_dtype)
         self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
+        self.word_embeddings.weight.is_embedding_parameter = True  # muP's embedding class (base LR and eps)
         self.position_embeddings = None
         if c.position_embedding_type == "learned_absolute":
             shape = (c.max_position_embeddings, c.hidden_size)
@@ -48,6 +49,7 @@ class GPTEmbedding(nn.Module):
             w, recipe = replicated_init(shape, init_normal(c.init_method_std), seed, ps.get_device())
             with torch.no_grad():
                 with_recipe(self.position_embeddings.weight, recipe).copy_(w)
+            self.position_embeddings.weight.is_embedding_parameter = True
             # Under SP each rank adds only its sequence slice: partial grads, summed over TP.
             self.position_embeddings.weight.sequence_parallel = c.sequence_parallel and \
                 ps.get_tensor_model_parallel_world_size() > 1
@@ -60,13 +62,15 @@ class GPTEmbedding(nn.Module):
         return ids
 
     def embed(self, input_ids, position_ids=None):
-        """Word + position embeddings, [s(/TP under SP), b, h], before dropout."""
+        """Word + position embeddings (times muP's embedding multiplier), [s(/TP under SP), b, h], before
+        dropout."""
         x = self.word_embeddings(input_ids.t())  # [s(/TP under SP), b, h]
         if self.position_embeddings is not None:
             if position_ids is None:  # under CP: the global positions of this rank's tokens
                 position_ids = global_token_index(input_ids.shape[1], input_ids.device).unsqueeze(0)
             x = x + self.position_embeddings(self.sequence_slice(position_ids.t()))  # [s, b or 1]
-        return x
+        mult = mup.embedding_mult(self.config)
+        return x * mult if mult != 1.0 else x
 
     def dropout(self, x):
         sp = self.word_embeddings.reduce_scatter
@@ -106,6 +110,7 @@ class GPTModel(nn.Module):
                 params_dtype=c.params_dtype)
             self.output_layer.weight.real_vocab_size = c.vocab_size
             self.output_layer.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
+            self.output_layer.weight.is_embedding_parameter = True  # muP's embedding class (untied or tied copy)
             if self.share_embeddings_and_output_weights:
                 if pre_process:
                     # One parameter used twice; the output layer's own copy is dropped.
@@ -171,6 +176,8 @@ class GPTModel(nn.Module):
         if self.share_embeddings_and_output_weights and self.pre_process:
             weight = self.embedding.word_embeddings.weight
         logits = self.output_layer(x, weight=weight)  # [s, b, V/TP]
+        if mup.output_mult(c) != 1.0:
+            logits = logits * mup.output_mult(c)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         # In-place gradient saves a logits-sized buffer; on GPUs that memory matters.

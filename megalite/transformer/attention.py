@@ -8,7 +8,7 @@ from torch import nn
 
 import kernels
 
-from megalite import parallel_state as ps
+from megalite import mup, parallel_state as ps
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
 from megalite.tensor_parallel.layers import init_normal
 from megalite.distributed.cp_comm import cp_size
@@ -96,14 +96,15 @@ class SelfAttention(nn.Module):
         self.q_per_group = c.num_attention_heads // c.num_query_groups
         qkv_out = (c.num_attention_heads + 2 * c.num_query_groups) * self.d
         self.linear_qkv = ColumnParallelLinear(
-            c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias, init_method=init_normal(c.init_method_std),
-            sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_qkv"),
-            params_dtype=c.params_dtype)
+            c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias,
+            init_method=init_normal(mup.hidden_std(c)), sequence_parallel=c.sequence_parallel,
+            init_seed=param_seed(c.seed, prefix + ".linear_qkv"), params_dtype=c.params_dtype)
         self.linear_proj = RowParallelLinear(
             c.num_attention_heads * self.d, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
             init_method=init_normal(output_init_std(c)), skip_bias_add=True,
             sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_proj"),
             params_dtype=c.params_dtype)
+        self.query_scale = mup.query_scale(c)  # muP's softmax scale (megalite/mup.py); None: 1/sqrt(d)
         if c.qk_layernorm:  # per head, weights shared by the heads; a TP rank sees only its heads
             self.q_layernorm = build_norm(c, self.d, partial_grads=True)
             self.k_layernorm = build_norm(c, self.d, partial_grads=True)
@@ -123,6 +124,8 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q = apply_rotary(q, cos, sin, c.fused_kernels, c.rotary_interleaved)
             k = apply_rotary(k, cos, sin, c.fused_kernels, c.rotary_interleaved)
+        if self.query_scale is not None:  # every attention path below divides q.k by sqrt(d)
+            q = q * self.query_scale
         if inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
         if inference_cache is None and cp_size() > 1:  # this rank's part of every sequence
