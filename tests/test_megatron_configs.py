@@ -135,6 +135,9 @@ def test_every_functional_config_starts_or_names_its_cause():
     # and its re-run state machine configs with fault injection (megalite/rerun.py)
     assert {"gpt/gpt3_mcore_reruns_persistent_1", "gpt/gpt3_mcore_reruns_persistent_1_1node",
             "gpt/gpt3_mcore_reruns_transient"} <= set(started)
+    # and its W&B-logging release configs, MLA configs and muP config
+    assert {"bert/bert_release", "gpt/gpt3_15b_8t_release", "gpt/gpt3_mcore_te_tp2_pp2_mla",
+            "gpt/gpt3_mcore_te_tp2_pp2_mla_1node", "gpt/gpt3_mcore_te_tp1_pp1_mup"} <= set(started)
     print(f"{len(started)} of {len(configs)} Megatron functional-test configs start")
 
 
