@@ -97,6 +97,20 @@ def build_parser():
     a("--rotary-scaling-factor", type=float, default=1.0, help="MLA YaRN: context extension factor")
     a("--mscale", type=float, default=1.0)
     a("--mscale-all-dim", type=float, default=0.0)
+    # DeepSeek sparse attention on MLA (megalite/transformer/dsa.py); Megatron's names and defaults
+    a("--experimental-attention-variant", default=None, choices=["gdn", "gdn2", "dsa", "gated_delta_net"],
+      help="dsa: DeepSeek sparse attention (the others are not implemented)")
+    for flag in ("--dsa-indexer-n-heads", "--dsa-indexer-head-dim", "--dsa-indexer-topk"):
+        a(flag, type=int, default=None)
+    a("--dsa-indexer-topk-freq", type=int, default=1)
+    a("--dsa-indexer-skip-topk-offset", type=int, default=0)
+    a("--dsa-indexer-loss-coeff", type=float, default=None, help="the indexer's KL loss (None / 0: none)")
+    a("--dsa-indexer-use-sparse-loss", action="store_true", help="the indexer's KL loss on the top-k keys only")
+    a("--dsa-indexer-rope-interleaved", action="store_true")
+    a("--no-dsa-indexer-scoring-relu", "--disable-dsa-indexer-scoring-relu", dest="dsa_indexer_scoring_relu",
+      action="store_false")
+    a("--dsa-indexer-k-norm-epsilon", type=float, default=None)
+    a("--dsa-indexer-k-norm-fp32", action="store_true")
     a("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU")
     a("--untie-embeddings-and-output-weights", action="store_true")
     a("--disable-bias-linear", action="store_true")
@@ -405,6 +419,8 @@ def model_config(args, vocab_size):
         q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, rope_type=args.rope_type,
         rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim, use_mup=args.use_mup,
+        **{k: getattr(args, k) for k in vars(args) if k.startswith("dsa_indexer_")},
+        experimental_attention_variant=args.experimental_attention_variant,
         **{dest: getattr(args, dest) for dest in MUP_FLAGS}, **_bert_fields(args))
 
 

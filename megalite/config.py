@@ -111,6 +111,19 @@ class ModelConfig:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # DeepSeek sparse attention on MLA (Megatron's --experimental-attention-variant dsa; transformer/dsa.py)
+    experimental_attention_variant: Optional[str] = None
+    dsa_indexer_n_heads: Optional[int] = None
+    dsa_indexer_head_dim: Optional[int] = None
+    dsa_indexer_topk: Optional[int] = None
+    dsa_indexer_topk_freq: int = 1
+    dsa_indexer_skip_topk_offset: int = 0
+    dsa_indexer_loss_coeff: Optional[float] = None
+    dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_rope_interleaved: bool = False
+    dsa_indexer_scoring_relu: bool = True
+    dsa_indexer_k_norm_epsilon: Optional[float] = None
+    dsa_indexer_k_norm_fp32: bool = False
     # muP (Megatron's --use-mup, --mup-*; formulas in megalite/mup.py); width and output mults are derived
     use_mup: bool = False
     mup_base_hidden_size: Optional[int] = None  # default: hidden_size (width multiplier 1)
@@ -172,6 +185,8 @@ class ModelConfig:
                               f"{self.max_position_embeddings}")
         if self.multi_latent_attention or self.rope_type is not None:
             self._check_mla()
+        if self.experimental_attention_variant is not None:
+            self._check_dsa()
         if self.position_embedding_type == "rope" and not self.multi_latent_attention:
             rot = int(self.kv_channels * self.rotary_percent)
             if not 0 < self.rotary_percent <= 1 or rot < 2 or rot % 2:
@@ -210,6 +225,28 @@ class ModelConfig:
                 (self.model_type != "gpt", "--multi-latent-attention is implemented for GPT models only"),
                 (self.cp_comm_type is not None,
                  "--multi-latent-attention with --context-parallel-size > 1 is not implemented in megalite")):
+            if cond:
+                raise ConfigError(msg)
+
+    def _check_dsa(self):
+        """--experimental-attention-variant dsa: Megatron's checks, and what megalite's DSA does not do."""
+        v, sizes = self.experimental_attention_variant, ("n_heads", "head_dim", "topk")
+        missing = [f"--dsa-indexer-{k.replace('_', '-')}" for k in sizes
+                   if (getattr(self, "dsa_indexer_" + k) or 0) < 1]
+        for cond, msg in (
+                (v != "dsa", f"--experimental-attention-variant {v} is not implemented in megalite (dsa is)"),
+                (not self.multi_latent_attention, "--experimental-attention-variant dsa needs --multi-latent-attention "
+                                                  "(as Megatron: only MLA has sparse attention)"),
+                (bool(missing), f"--experimental-attention-variant dsa needs {', '.join(missing)} >= 1"),
+                (self.add_bias_linear,
+                 "--experimental-attention-variant dsa needs --disable-bias-linear (as Megatron)"),
+                (self.dsa_indexer_topk_freq != 1, f"--dsa-indexer-topk-freq {self.dsa_indexer_topk_freq}: sharing "
+                                                  "top-k indices across layers is not implemented in megalite (use 1)"),
+                (self.dsa_indexer_skip_topk_offset < 0,
+                 f"--dsa-indexer-skip-topk-offset {self.dsa_indexer_skip_topk_offset} must be non-negative"),
+                (self.dsa_indexer_head_dim is not None and self.dsa_indexer_head_dim < self.qk_pos_emb_head_dim,
+                 f"--dsa-indexer-head-dim {self.dsa_indexer_head_dim} must be >= --qk-pos-emb-head-dim "
+                 f"{self.qk_pos_emb_head_dim} (the indexer's rotary part)")):
             if cond:
                 raise ConfigError(msg)
 

@@ -57,6 +57,11 @@ NOTICE = {
     "--data-impl": "the .bin/.idx format is always the mmap one",
     "--use-cpu-initialization": "initialisation is topology independent; each rank makes only its shard",
     "--no-async-save-check": "async saves are checked at the next save",
+    "--dsa-kernel-backend": "DSA runs megalite's unfused (torch) indexer and masked attention",
+    "--no-dsa-indexer-rotate-activation": "megalite never applies the indexer's Hadamard rotation (orthogonal on "
+                                          "both q and k: index scores unchanged)",
+    "--disable-dsa-indexer-rotate-activation": "megalite never applies the indexer's Hadamard rotation (orthogonal "
+                                               "on both q and k: index scores unchanged)",
     "--timing-log-level": "megalite has one level of timers (--log-timers-to-tensorboard)",
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalite's tokenizers do not",
     "--ckpt-format": "megalite writes one layout (Megatron's directory names; sharded safetensors + JSON "
@@ -142,8 +147,6 @@ _WHY = (
                                                               "run under torch.profiler or nsys yourself"),
     (("cuda-graph", "enable-cuda-graph"), "CUDA graphs are not implemented in megalite"),
     (("mtp",), "multi-token prediction is not implemented in megalite"),
-    (("dsa", "experimental-attention-variant"), "DeepSeek sparse attention (DSA) and the other experimental "
-                                                "attention variants are not implemented in megalite"),
     (("cache-mla-latents",), "caching MLA latents is for Megatron's dynamic inference engine, not in megalite"),
     (("yarn-",), "YaRN for standard attention (--position-embedding-type yarn) is not implemented in megalite "
                  "(multi-latent attention's is: --rope-type, --rotary-scaling-factor, --mscale, --mscale-all-dim)"),

@@ -46,3 +46,21 @@ def moe_losses(config, num_microbatches, total=None):
     if config.moe_per_layer_logging:
         out.update({f"moe/{n}_layer_{layer}": vals[j, i] for j, n in enumerate(names) for i, layer in enumerate(layers)})
     return out
+
+
+def dsa_indexer_loss(config, num_microbatches, total=None):
+    """{"indexer loss": device scalar} with DSA and --dsa-indexer-loss-coeff > 0 (Megatron's
+    track_indexer_metrics): each layer's coeff-scaled KL loss averaged over the micro-batches and DP ranks,
+    summed over the pipeline stages, averaged over the layers. Every TP rank holds the whole loss (the
+    indexer sees the whole sequence): no sum over TP. Collective on every rank; the values are cleared."""
+    per_layer = aux_losses.pop("indexer loss", {})
+    if config.experimental_attention_variant != "dsa" or not config.dsa_indexer_loss_coeff:
+        return {}
+    vals = torch.zeros(config.num_layers, device=ps.get_device())
+    for layer, value in per_layer.items():
+        vals[layer - 1] = value.to(vals.device)
+    vals = sum_over_data_parallel(vals) / total if total is not None else \
+        average_over_data_parallel(vals / num_microbatches)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
+    return {"indexer loss": vals.sum() / config.num_layers}

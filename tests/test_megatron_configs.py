@@ -24,11 +24,7 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
          "CHECKPOINT_LOAD_PATH": "/ckpt", "DATA_CACHE_PATH": "/cache", "REPEAT": "1"}
 
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
-KNOWN_GAPS = {
-    "--experimental-attention-variant": "DSA",
-    "--dsa-indexer-n-heads": "DSA", "--dsa-indexer-head-dim": "DSA", "--dsa-indexer-topk": "DSA",
-    "--dsa-indexer-loss-coeff": "DSA",
-}
+KNOWN_GAPS = {}
 KNOWN_GAP_VALUES = {}
 # Refused for what their values ask, not for a flag.
 KNOWN_GAP_CONFIGS = {}
@@ -138,6 +134,8 @@ def test_every_functional_config_starts_or_names_its_cause():
     # and its W&B-logging release configs, MLA configs and muP config
     assert {"bert/bert_release", "gpt/gpt3_15b_8t_release", "gpt/gpt3_mcore_te_tp2_pp2_mla",
             "gpt/gpt3_mcore_te_tp2_pp2_mla_1node", "gpt/gpt3_mcore_te_tp1_pp1_mup"} <= set(started)
+    # and its DeepSeek sparse attention config (DSA on MLA)
+    assert "gpt/gpt3_mcore_te_tp2_pp2_dsa" in set(started)
     print(f"{len(started)} of {len(configs)} Megatron functional-test configs start")
 
 

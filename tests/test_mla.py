@@ -246,7 +246,7 @@ def test_mla_flags_and_refusals_are_one_line_each(capsys):
                          (["--qk-pos-emb-head-dim", "3"], "rotary dim of 3"),
                          (["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "33"],
                           "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
-                         (["--experimental-attention-variant", "dsa"], "DeepSeek sparse attention (DSA)")):
+                         (["--experimental-attention-variant", "gdn"], "gdn is not implemented in megalite")):
         assert words in _refusal(["--multi-latent-attention"] + extra, capsys), extra
     assert "yarn is for --multi-latent-attention" in _refusal(["--rope-type", "yarn"], capsys)
 

@@ -15,6 +15,8 @@ are column-parallel (they gather the sequence), W_o row-parallel. kr feeds every
 gathered over the sequence (its gradient reduce-scattered); without SP each rank's heads give a
 partial gradient, summed over TP by copy_to_tensor_model_parallel_region. Parameter names are
 Megatron's (self_attention.linear_q_down_proj.weight, ...); init is topology independent.
+--experimental-attention-variant dsa: DeepSeek sparse attention (dsa.py, self_attention.core_attention.indexer.*)
+picks the keys each query attends to; the core attention below runs with its mask.
 """
 
 import torch
@@ -85,6 +87,9 @@ class MLASelfAttention(nn.Module):
             n * c.v_head_dim, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
             init_method=init_normal(output_init_std(c)), skip_bias_add=True, sequence_parallel=c.sequence_parallel,
             init_seed=param_seed(c.seed, prefix + ".linear_proj"), params_dtype=c.params_dtype)
+        if c.experimental_attention_variant == "dsa":
+            from megalite.transformer.dsa import DSAttention  # dsa.py builds on this file's DuplicatedLinear
+            self.core_attention = DSAttention(c, prefix + ".core_attention", layer_number, self.softmax_scale)
 
     def _shared_rotary_key(self, k_pe):
         """k_pe [s(/TP under SP), b, dr] -> [s, b, dr], every head of this rank reading it."""
@@ -94,9 +99,11 @@ class MLASelfAttention(nn.Module):
             return gather_from_sequence_parallel_region(k_pe, tensor_parallel_output_grad=True)
         return copy_to_tensor_model_parallel_region(k_pe)
 
-    def qkv(self, x, rotary):
-        """x [s(/TP), b, h] -> q, k [b, s, heads, dn + dr], v [b, s, heads, dv] (this rank's heads)."""
+    def qkv(self, x, rotary, latent=False):
+        """x [s(/TP), b, h] -> q, k [b, s, heads, dn + dr], v [b, s, heads, dv] (this rank's heads)
+        (and, latent=True, the query latent after its norm, or x without --q-lora-rank: DSA's indexer input)."""
         c = self.config
+        q_latent = x
         if c.q_lora_rank is None:
             q = self.linear_q_proj(x)
         else:
@@ -119,7 +126,7 @@ class MLASelfAttention(nn.Module):
             k_pe = apply_rotary(k_pe, cos, sin, c.fused_kernels, interleaved=True)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        return q, k, v
+        return (q, k, v, q_latent) if latent else (q, k, v)
 
     def forward(self, x, rotary=None, attn_mask=None, inference_cache=None):
         """x [s, b, h] (sequence-sharded under SP); rotary: MLA's (cos, sin) tables (yarn.py) at this
@@ -127,12 +134,20 @@ class MLASelfAttention(nn.Module):
         c = self.config
         if cp_size() > 1:
             raise NotImplementedError("multi-latent attention with context parallelism")  # refused by ModelConfig
-        q, k, v = self.qkv(x, rotary)
+        q, k, v, q_latent = self.qkv(x, rotary, latent=True)
         b, s = q.shape[:2]
-        if inference_cache is not None:
+        dsa_loss = None
+        if c.experimental_attention_variant == "dsa":
+            if inference_cache is not None:
+                raise NotImplementedError("DSA (--experimental-attention-variant dsa) with a KV cache: generate "
+                                          "with use_cache=False")
+            attn_mask, dsa_loss = self.core_attention(x, q_latent, q, k, rotary, attn_mask)
+        elif inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
         args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
                 self.layer_number if c.apply_query_key_layer_scaling else None, self.softmax_scale)
         ctx = checkpoint(core_attention, *args) if c.recompute_granularity == "selective" else core_attention(*args)
+        if dsa_loss is not None:
+            ctx = self.core_attention.attach(ctx, dsa_loss)
         ctx = ctx.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, heads * dv]
         return self.linear_proj(ctx)
