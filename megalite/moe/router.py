@@ -199,7 +199,7 @@ class TopKRouter(nn.Module):
         c = self.config
         logits = torch.nn.functional.linear(x.to(self.dtype), self.weight.to(self.dtype))
         tp = self.tp  # the losses are of the whole micro-batch: this rank's tokens are 1/tp of it
-        if c.moe_z_loss_coeff:
+        if c.moe_z_loss_coeff and torch.is_grad_enabled():  # not in evaluation, nor twice under recompute
             zl = z_loss(logits, c.moe_z_loss_coeff, x.shape[0] * tp)
             _record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
             logits = AuxLossScaler.apply(logits, zl)
