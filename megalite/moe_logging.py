@@ -1,7 +1,9 @@
-"""The MoE auxiliary losses in the training log line (Megatron's track_moe_metrics): each one's
-value per MoE layer, averaged over this iteration's micro-batches (and DP ranks), summed over the
-pipeline stages (and the TP ranks' parts of each micro-batch under sequence parallelism), and averaged over the model's MoE layers. Every rank takes part (the names come
-from the config, so stages without MoE layers send zeros); the recorded values are then cleared."""
+"""The auxiliary losses in the training log line: the MoE routers' (Megatron's track_moe_metrics)
+and DSA's indexer loss (its track_indexer_metrics). Each one's value per layer is averaged over this
+iteration's micro-batches (and DP ranks), summed over the pipeline stages (and, for the routers, over
+the TP ranks' parts of each micro-batch under sequence parallelism), and averaged over the layers.
+Every rank takes part (the names come from the config, so stages without such layers send zeros);
+the recorded values are then cleared."""
 
 import torch
 import torch.distributed as dist
@@ -36,10 +38,7 @@ def moe_losses(config, num_microbatches, total=None):
             if layer in aux_losses.get(n, {}):
                 vals[j, i] = aux_losses[n][layer].to(dev)
     aux_losses.clear()
-    vals = sum_over_data_parallel(vals) / total if total is not None else \
-        average_over_data_parallel(vals / num_microbatches)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
+    vals = _over_batch_and_stages(vals, num_microbatches, total)
     if config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:  # each TP rank's part
         dist.all_reduce(vals, group=ps.get_tensor_model_parallel_group())
     out = dict(zip(names, (vals.sum(dim=1) / len(layers)).unbind()))
@@ -49,18 +48,32 @@ def moe_losses(config, num_microbatches, total=None):
 
 
 def dsa_indexer_loss(config, num_microbatches, total=None):
-    """{"indexer loss": device scalar} with DSA and --dsa-indexer-loss-coeff > 0 (Megatron's
-    track_indexer_metrics): each layer's coeff-scaled KL loss averaged over the micro-batches and DP ranks,
-    summed over the pipeline stages, averaged over the layers. Every TP rank holds the whole loss (the
-    indexer sees the whole sequence): no sum over TP. Collective on every rank; the values are cleared."""
+    """{"indexer loss": device scalar}: each layer's coeff-scaled KL loss. Every TP rank holds the whole
+    loss (the indexer sees the whole sequence): no sum over TP."""
     per_layer = aux_losses.pop("indexer loss", {})
     if config.experimental_attention_variant != "dsa" or not config.dsa_indexer_loss_coeff:
         return {}
     vals = torch.zeros(config.num_layers, device=ps.get_device())
     for layer, value in per_layer.items():
         vals[layer - 1] = value.to(vals.device)
+    return {"indexer loss": _over_batch_and_stages(vals, num_microbatches, total).sum() / config.num_layers}
+
+
+def _over_batch_and_stages(vals, num_microbatches, total):
+    """Per-layer sums over this rank's micro-batches -> averaged over the batch (total: the global
+    micro-batch count with uneven DP shares), summed over the pipeline stages (each holds its layers)."""
     vals = sum_over_data_parallel(vals) / total if total is not None else \
         average_over_data_parallel(vals / num_microbatches)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
-    return {"indexer loss": vals.sum() / config.num_layers}
+    return vals
+
+
+def auxiliary_losses(config, num_microbatches, total=None):
+    """Every auxiliary loss of the log line (collective on every rank when the model has any)."""
+    out = {}
+    if config.experimental_attention_variant == "dsa":  # first: moe_losses clears every recorded value
+        out.update(dsa_indexer_loss(config, num_microbatches, total))
+    if config.num_moe_experts:
+        out.update(moe_losses(config, num_microbatches, total))
+    return out

@@ -38,7 +38,7 @@ from megalite.flops import num_floating_point_operations
 from megalite.iteration_plan import IterationPlan, auto_shares, evaluation_plan, initial_shares
 from megalite.logger import MetricsLogger, TrainingWindow, print_rank_last
 from megalite.microbatches import batch_schedule
-from megalite.moe_logging import dsa_indexer_loss, moe_losses
+from megalite.moe_logging import auxiliary_losses
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.lr_scheduler import schedule_steps
 from megalite.optimizer.model_stats import global_norm_and_zeros
@@ -349,14 +349,9 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
             _abort(f"iteration {it}: replicas hold different weights ({', '.join(drifted[:3])}"
                    f"{', ...' if len(drifted) > 3 else ''}): a gradient reduction or a device is faulty", owns)
         loss, means = mean_losses(reported, read=False, total=total)  # lm loss (every rank); all (last stage)
-        if mcfg.experimental_attention_variant == "dsa":  # DSA's indexer loss (collective: every rank)
-            dsa = dsa_indexer_loss(mcfg, num_micro, total)
-            if ps.is_pipeline_last_stage(ignore_virtual=True):
-                means = {**means, **dsa}
-        if mcfg.num_moe_experts:  # the routers' auxiliary losses (collective: every rank)
-            moe = moe_losses(mcfg, num_micro, total)
-            if ps.is_pipeline_last_stage(ignore_virtual=True):  # the stage that logs every loss
-                means = {**means, **moe}
+        aux = auxiliary_losses(mcfg, num_micro, total)  # MoE routers', DSA's (collective: every rank)
+        if aux and ps.is_pipeline_last_stage(ignore_virtual=True):  # the stage that logs every loss
+            means = {**means, **aux}
         window.add(loss, means, stepped)
         if args.manual_gc and args.manual_gc_interval and it % args.manual_gc_interval == 0:
             gc.collect()

@@ -75,14 +75,14 @@ _LOGGED = []  # the routers' losses for the log line, per iteration (recorded wh
 
 def record_logged():
     """Record what the log line shows of the routers' losses (a layout's `fault` slot: applied in every rank)."""
-    import megalite.training as training
-    original = training.moe_losses
+    import megalite.moe_logging as moe_logging
+    original = moe_logging.moe_losses
 
     def recording(*a, **k):
         out = original(*a, **k)
         _LOGGED.append({n: float(v) for n, v in out.items()})
         return out
-    return patched(training, "moe_losses", recording)
+    return patched(moe_logging, "moe_losses", recording)
 
 
 LAYOUTS = [
