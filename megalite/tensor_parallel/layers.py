@@ -19,6 +19,7 @@ from megalite.tensor_parallel.init import (  # noqa: F401 (re-exported)
     init_block,
     init_master,
     init_normal,
+    replicated_init,
     with_recipe,
 )
 from megalite.tensor_parallel.mappings import (
@@ -172,6 +173,23 @@ class RowParallelLinear(nn.Module):
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias
+
+
+class DuplicatedLinear(nn.Module):
+    """y = x W^T with W whole on every TP rank (Megatron's TELinear parallel_mode="duplicated"), initialised
+    by the replicated recipe (the same values at every TP size). partial_grads: it reads this rank's
+    sequence slice (sequence parallelism), so its gradient is a partial sum, marked `sequence_parallel`
+    to be summed over TP."""
+
+    def __init__(self, input_size, output_size, init_method, init_seed, params_dtype, partial_grads):
+        super().__init__()
+        w, recipe = replicated_init((output_size, input_size), init_method, init_seed, ps.get_device())
+        self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=params_dtype)), recipe)
+        self.weight.tensor_model_parallel = False
+        self.weight.sequence_parallel = partial_grads
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -30,7 +30,12 @@ from torch import nn
 
 from megalite import parallel_state as ps
 from megalite.moe.router import AuxLossScaler, _record
-from megalite.tensor_parallel import gather_from_sequence_parallel_region, reduce_from_tensor_model_parallel_region
+from megalite.tensor_parallel import (
+    DuplicatedLinear,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from megalite.tensor_parallel.init import init_normal, param_seed
 from megalite.transformer.norm import LayerNorm
 from megalite.transformer.rope import apply_rotary
 
@@ -68,10 +73,10 @@ def indexer_loss(scores, q, k, softmax_scale, masked, selected, coeff, sparse=Fa
 
 
 def _replicated(config, inp, out, name):
-    from megalite.transformer.mla import DuplicatedLinear
-    lin = DuplicatedLinear(config, inp, out, name)
-    lin.weight.sequence_parallel = False  # reads the gathered sequence: a whole gradient on every TP rank
-    return lin
+    """The indexer's weights read the gathered sequence: a whole gradient on every TP rank."""
+    c = config
+    return DuplicatedLinear(inp, out, init_normal(c.init_method_std), param_seed(c.seed, name), c.params_dtype,
+                            partial_grads=False)
 
 
 class DSAIndexer(nn.Module):

@@ -20,41 +20,25 @@ picks the keys each query attends to; the core attention below runs with its mas
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite import parallel_state as ps
 from megalite.distributed.cp_comm import cp_size
 from megalite.tensor_parallel import (
     ColumnParallelLinear,
+    DuplicatedLinear,
     RowParallelLinear,
     checkpoint,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from megalite.tensor_parallel.init import init_normal, param_seed, replicated_init, with_recipe
+from megalite.tensor_parallel.init import init_normal, param_seed
 from megalite.transformer.attention import core_attention
+from megalite.transformer.dsa import DSAttention
 from megalite.transformer.norm import build_norm
 from megalite.transformer.rope import apply_rotary
 from megalite.transformer.utils import output_init_std
 from megalite.transformer.yarn import mla_softmax_scale
-
-
-class DuplicatedLinear(nn.Module):
-    """y = x W^T with W whole on every TP rank (Megatron's TELinear parallel_mode="duplicated")."""
-
-    def __init__(self, config, input_size, output_size, name):
-        super().__init__()
-        c = config
-        w, recipe = replicated_init((output_size, input_size), init_normal(c.init_method_std), param_seed(c.seed, name),
-                                    ps.get_device())
-        self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=c.params_dtype)), recipe)
-        self.weight.tensor_model_parallel = False
-        # under SP each TP rank projects its own tokens: partial gradients, summed over TP
-        self.weight.sequence_parallel = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
-
-    def forward(self, x):
-        return F.linear(x, self.weight)
 
 
 class MLASelfAttention(nn.Module):
@@ -71,14 +55,17 @@ class MLASelfAttention(nn.Module):
             return ColumnParallelLinear(inp, out, bias=False, init_method=init_normal(c.init_method_std),
                                         sequence_parallel=c.sequence_parallel,
                                         init_seed=param_seed(c.seed, f"{prefix}.{name}"), params_dtype=c.params_dtype)
+        def duplicated(inp, out, name):  # under SP it projects this rank's tokens: partial gradients
+            return DuplicatedLinear(inp, out, init_normal(c.init_method_std), param_seed(c.seed, f"{prefix}.{name}"),
+                                    c.params_dtype, partial_grads=c.sequence_parallel and tp > 1)
         n = c.num_attention_heads
         if c.q_lora_rank is None:
             self.linear_q_proj = column(c.hidden_size, n * self.dq, "linear_q_proj")
         else:
-            self.linear_q_down_proj = DuplicatedLinear(c, c.hidden_size, c.q_lora_rank, prefix + ".linear_q_down_proj")
+            self.linear_q_down_proj = duplicated(c.hidden_size, c.q_lora_rank, "linear_q_down_proj")
             self.linear_q_up_proj = column(c.q_lora_rank, n * self.dq, "linear_q_up_proj")
-        self.linear_kv_down_proj = DuplicatedLinear(c, c.hidden_size, c.kv_lora_rank + c.qk_pos_emb_head_dim,
-                                                    prefix + ".linear_kv_down_proj")
+        self.linear_kv_down_proj = duplicated(c.hidden_size, c.kv_lora_rank + c.qk_pos_emb_head_dim,
+                                              "linear_kv_down_proj")
         self.linear_kv_up_proj = column(c.kv_lora_rank, n * (c.qk_head_dim + c.v_head_dim), "linear_kv_up_proj")
         if c.qk_layernorm:  # on the latents (this rank's sequence slice under SP: partial grads, summed over TP)
             self.q_layernorm = build_norm(c, c.q_lora_rank)
@@ -88,7 +75,6 @@ class MLASelfAttention(nn.Module):
             init_method=init_normal(output_init_std(c)), skip_bias_add=True, sequence_parallel=c.sequence_parallel,
             init_seed=param_seed(c.seed, prefix + ".linear_proj"), params_dtype=c.params_dtype)
         if c.experimental_attention_variant == "dsa":
-            from megalite.transformer.dsa import DSAttention  # dsa.py builds on this file's DuplicatedLinear
             self.core_attention = DSAttention(c, prefix + ".core_attention", layer_number, self.softmax_scale)
 
     def _shared_rotary_key(self, k_pe):
