@@ -5,7 +5,7 @@ expert_parallel); buckets, the optimizer, norms, replica checks and checkpoint w
 which group a parameter belongs to and never re-derive it from names.
 - Dense parameters: gradients reduced (averaged over DP, summed over CP) and ZeRO-sharded over
   DP x CP; one copy of each over TP x PP (TP-replicated ones counted on TP rank 0).
-- Expert parameters (an MoE job's expert grid, parallel_state._expert_groups): tensor-parallel over
+- Expert parameters (an MoE job's expert grid, process_groups._expert_groups): tensor-parallel over
   expert-TP; reduced and sharded over expert-DP, with the same divisor (DP: each EP rank's experts
   already summed the tokens of every EP rank's batch); one copy of each element over ETP x EP x PP.
 Without an expert grid experts are dense parameters (expert-parallel size 1).
