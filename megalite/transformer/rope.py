@@ -6,10 +6,15 @@ import torch
 import kernels
 
 
-def rotary_cos_sin(seq_length, dim, base, device, dtype=torch.float32, interleaved=False):
-    """cos, sin of shape [seq, dim]: the frequencies repeated for both halves, or (interleaved)
-    each repeated for its pair."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+def rope_inv_freq(dim, base, device=None):
+    """The dim/2 rotary inverse frequencies base^(-2i/dim), fp32."""
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+def rotary_cos_sin(seq_length, dim, base, device, dtype=torch.float32, interleaved=False, inv_freq=None):
+    """cos, sin of shape [seq, dim]: the frequencies (rope's, or inv_freq) repeated for both halves,
+    or (interleaved) each repeated for its pair."""
+    inv_freq = rope_inv_freq(dim, base, device) if inv_freq is None else inv_freq
     t = torch.arange(seq_length, dtype=torch.float32, device=device)
     freqs = torch.outer(t, inv_freq)
     emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat([freqs, freqs], dim=-1)

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from megalite.transformer.rope import rotary_cos_sin
+from megalite.transformer.rope import rope_inv_freq, rotary_cos_sin
 
 
 def yarn_mscale(scale, mscale=1.0):
@@ -36,7 +36,7 @@ def yarn_correction_range(beta_fast, beta_slow, dim, base, original_max_position
 
 def yarn_inv_freq(dim, base, scale, original_max_position_embeddings, beta_fast, beta_slow, device=None):
     """The d/2 YaRN inverse frequencies (fp32, as Megatron)."""
-    extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    extra = rope_inv_freq(dim, base, device)
     lo, hi = yarn_correction_range(beta_fast, beta_slow, dim, base, original_max_position_embeddings)
     if lo == hi:
         hi += 0.001
@@ -58,6 +58,6 @@ def mla_rotary_cos_sin(config, seq_length, device):
                               interleaved=True)
     inv = yarn_inv_freq(c.qk_pos_emb_head_dim, c.rotary_base, c.rotary_scaling_factor,
                         c.original_max_position_embeddings, c.beta_fast, c.beta_slow, device)
-    freqs = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv).repeat_interleave(2, dim=-1)
+    cos, sin = rotary_cos_sin(seq_length, c.qk_pos_emb_head_dim, c.rotary_base, device, interleaved=True, inv_freq=inv)
     m = yarn_mscale(c.rotary_scaling_factor, c.mscale) / yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim)
-    return freqs.cos() * m, freqs.sin() * m
+    return cos * m, sin * m
