@@ -10,6 +10,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def grid():
+    """A single-process grid (every parallel size 1) with the model-parallel RNG seeded 0."""
+    from megalite import parallel_state as ps
+    from megalite.tensor_parallel import model_parallel_manual_seed
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_manual_seed(0)
+    yield
+    ps.destroy_model_parallel()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped with a reason on CPU)")
 

@@ -12,19 +12,10 @@ from megalite.arguments import parse_args
 from megalite.config import ModelConfig
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, sinkhorn, sinkhorn_routing, topk_routing
-from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.transformer.mlp import MLP
 from parity import assert_parity, layout, mismatches, patched, reference, run_layouts
 
 E, K = 4, 2
-
-
-@pytest.fixture
-def grid():
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_manual_seed(0)
-    yield
-    ps.destroy_model_parallel()
 
 
 def _cfg(**kw):

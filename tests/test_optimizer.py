@@ -17,14 +17,6 @@ from megalite.tensor_parallel import model_parallel_manual_seed
 from model_util import batch, tiny_config
 
 
-@pytest.fixture
-def single():
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_manual_seed(0)
-    yield
-    ps.destroy_model_parallel()
-
-
 def test_dynamic_loss_scaler_hysteresis_and_growth():
     s = DynamicLossScaler(initial_scale=1024, min_scale=1, growth_interval=3, hysteresis=2)
     s.update(True)
@@ -41,7 +33,7 @@ def _model_and_opt(cfg_kw, tcfg):
     return model, MixedPrecisionOptimizer([model], tcfg)
 
 
-def test_fp16_skips_step_with_inf_and_recovers(single):
+def test_fp16_skips_step_with_inf_and_recovers(grid):
     tcfg = TrainingConfig(fp16=True, initial_loss_scale=2.0 ** 16, hysteresis=1, lr=1e-2, global_batch_size=2)
     model, opt = _model_and_opt({"params_dtype": torch.float16}, tcfg)
     cfg = model.module.config
@@ -63,7 +55,7 @@ def test_fp16_skips_step_with_inf_and_recovers(single):
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_weight_decay_groups(single):
+def test_weight_decay_groups(grid):
     model, opt = _model_and_opt({}, TrainingConfig(weight_decay=0.1, global_batch_size=2))
     named = dict(model.module.named_parameters())
     decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
@@ -87,7 +79,7 @@ def test_lr_schedule_warmup_then_cosine():
     assert _Opt.param_groups[0]["lr"] == 0.0
 
 
-def test_clip_scales_to_max_norm(single):
+def test_clip_scales_to_max_norm(grid):
     model, opt = _model_and_opt({}, TrainingConfig(clip_grad=1e-3, lr=0.0, global_batch_size=2))
     ids, labels = batch(model.module.config)
     model.zero_grad_buffer()

@@ -6,10 +6,8 @@ import torch
 
 import kernels
 import kernels.grouped_gemm as G
-from megalite import parallel_state as ps
 from megalite.config import ModelConfig
 from megalite.moe.experts import SequentialExperts
-from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.transformer.mlp import MLP
 
 from kernel_testutil import TOL32, backend, check, cuda_relerr_ok, relerr  # noqa: F401
@@ -99,14 +97,6 @@ def test_fallback_is_the_plain_loop_and_bad_inputs_are_refused():
 
 
 # -- the experts' grouped path (--moe-grouped-gemm) ---------------------------------------------
-@pytest.fixture
-def grid():
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_manual_seed(0)
-    yield
-    ps.destroy_model_parallel()
-
-
 def _experts(**kw):
     base = dict(num_layers=2, hidden_size=K, num_attention_heads=2, seq_length=6, vocab_size=32,
                 num_moe_experts=len(COUNTS), moe_router_topk=2, add_bias_linear=False, moe_ffn_hidden_size=24,
