@@ -13,7 +13,6 @@ expert-TP shards and do not communicate (the dispatcher does), so the shards mul
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.grouped_gemm import grouped_gemm
@@ -56,18 +55,6 @@ class SequentialExperts(nn.Module):
         return torch.cat(outs)
 
 
-def _activation(c, h):
-    """The MLP's activation (megalite/transformer/mlp.py, MLP.forward) with no bias: experts have none."""
-    from megalite.transformer.mlp import bias_gelu, swiglu  # here: megalite.transformer imports this module
-    if c.swiglu:
-        return swiglu(h, None, c.fused_kernels)
-    if c.squared_relu:
-        return F.relu(h).pow(2)
-    if c.gelu == "exact":
-        return F.gelu(h)
-    return bias_gelu(h, None, c.fused_kernels)
-
-
 def _weights_ready(layer):
     """--overlap-param-gather waits for a layer's parameter all-gather in that layer's forward
     pre-hook (megalite/distributed/grad_buffer.py); the grouped path reads the weights without
@@ -85,7 +72,8 @@ def grouped_experts(c, experts, rows, counts):
     fc2 = [e.linear_fc2 for e in experts]
     for layer in fc1 + fc2:
         _weights_ready(layer)
-    from megalite.transformer.utils import kernel_backend  # here: megalite.transformer imports this module
+    from megalite.transformer.mlp import activation  # here: megalite.transformer imports this module
+    from megalite.transformer.utils import kernel_backend
     with kernel_backend(c.fused_kernels):
         h = grouped_gemm(rows, [m.weight for m in fc1], counts)
-        return grouped_gemm(_activation(c, h), [m.weight for m in fc2], counts)
+        return grouped_gemm(activation(c, h), [m.weight for m in fc2], counts)

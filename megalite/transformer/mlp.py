@@ -46,13 +46,15 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h, b = self.linear_fc1(x)
-        c = self.config
-        if c.swiglu:
-            h = swiglu(h, b, c.fused_kernels)
-        elif c.squared_relu:  # Megatron's squared_relu, after the bias
-            h = F.relu(h if b is None else h + b).pow(2)
-        elif c.gelu == "exact":  # erf GeLU (BERT); the fused kernel is the tanh approximation
-            h = F.gelu(h if b is None else h + b)
-        else:
-            h = bias_gelu(h, b, c.fused_kernels)
-        return self.linear_fc2(h)
+        return self.linear_fc2(activation(self.config, h, b))
+
+
+def activation(c, h, b=None):
+    """The MLP's activation of fc1's output h and bias b (or None): SwiGLU, squared ReLU, erf or tanh GeLU."""
+    if c.swiglu:
+        return swiglu(h, b, c.fused_kernels)
+    if c.squared_relu:  # Megatron's squared_relu, after the bias
+        return F.relu(h if b is None else h + b).pow(2)
+    if c.gelu == "exact":  # erf GeLU (BERT); the fused kernel is the tanh approximation
+        return F.gelu(h if b is None else h + b)
+    return bias_gelu(h, b, c.fused_kernels)
