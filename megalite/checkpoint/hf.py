@@ -88,6 +88,35 @@ def swiglu_rows(m, gate, up, down):
             (down, m + "linear_fc2.weight", ident, ident)]
 
 
+def llama_hf_config(c, arch, model_type):
+    """The config keys every Llama-family class (Llama, Mixtral, Qwen-MoE) shares."""
+    theta = c["rotary_base"]
+    return {"architectures": [arch], "model_type": model_type, "vocab_size": c["vocab_size"],
+            "hidden_size": c["hidden_size"], "num_hidden_layers": c["num_layers"],
+            "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_query_groups"],
+            "head_dim": c["kv_channels"], "max_position_embeddings": c["max_position_embeddings"],
+            "rms_norm_eps": c["layernorm_epsilon"], "rope_theta": theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "hidden_act": "silu",
+            "tie_word_embeddings": not c["untie_embeddings_and_output_weights"], "torch_dtype": c["params_dtype"]}
+
+
+def llama_model_config(h):
+    """The megalite fields of a Llama-family HF config (rope, RMSNorm, SwiGLU, GQA, no biases)."""
+    rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        kind = rope.get("rope_type", rope.get("type"))
+        raise CheckpointError(f"{h.get('model_type', 'llama')} rope scaling {kind!r} is not implemented in megalite")
+    heads = h["num_attention_heads"]
+    return {"num_layers": h["num_hidden_layers"], "hidden_size": h["hidden_size"], "num_attention_heads": heads,
+            "num_query_groups": h.get("num_key_value_heads") or heads,
+            "kv_channels": h.get("head_dim") or h["hidden_size"] // heads, "vocab_size": h["vocab_size"],
+            "max_position_embeddings": h["max_position_embeddings"], "seq_length": h["max_position_embeddings"],
+            "position_embedding_type": "rope",
+            "rotary_base": float(rope.get("rope_theta", h.get("rope_theta", 10000.0))),
+            "normalization": "RMSNorm", "layernorm_epsilon": h.get("rms_norm_eps", 1e-6), "swiglu": True,
+            "add_bias_linear": False, "untie_embeddings_and_output_weights": not h.get("tie_word_embeddings", False)}
+
+
 class GPT2:
     """GPT2LMHeadModel: learned positions, LayerNorm, tanh GeLU, biases, tied embeddings."""
     hf_class = "GPT2LMHeadModel"
@@ -181,34 +210,12 @@ class Llama:
 
     @staticmethod
     def hf_config(c):
-        theta = c["rotary_base"]
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c["vocab_size"],
-                "hidden_size": c["hidden_size"], "intermediate_size": c["ffn_hidden_size"],
-                "num_hidden_layers": c["num_layers"], "num_attention_heads": c["num_attention_heads"],
-                "num_key_value_heads": c["num_query_groups"], "head_dim": c["kv_channels"],
-                "max_position_embeddings": c["max_position_embeddings"], "rms_norm_eps": c["layernorm_epsilon"],
-                "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-                "tie_word_embeddings": not c["untie_embeddings_and_output_weights"],
-                "torch_dtype": c["params_dtype"]}
+        return dict(llama_hf_config(c, "LlamaForCausalLM", "llama"), intermediate_size=c["ffn_hidden_size"],
+                    attention_bias=False, mlp_bias=False)
 
     @staticmethod
     def model_config(h):
-        rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise CheckpointError(f"Llama rope scaling {rope.get('rope_type', rope.get('type'))!r} is not "
-                                  "implemented in megalite")
-        heads = h["num_attention_heads"]
-        return {"num_layers": h["num_hidden_layers"], "hidden_size": h["hidden_size"], "num_attention_heads": heads,
-                "num_query_groups": h.get("num_key_value_heads") or heads,
-                "kv_channels": h.get("head_dim") or h["hidden_size"] // heads,
-                "ffn_hidden_size": h["intermediate_size"], "vocab_size": h["vocab_size"],
-                "max_position_embeddings": h["max_position_embeddings"], "seq_length": h["max_position_embeddings"],
-                "position_embedding_type": "rope", "rotary_base": float(rope.get("rope_theta", h.get("rope_theta",
-                                                                                                     10000.0))),
-                "normalization": "RMSNorm", "layernorm_epsilon": h.get("rms_norm_eps", 1e-6), "swiglu": True,
-                "add_bias_linear": False, "untie_embeddings_and_output_weights": not h.get("tie_word_embeddings",
-                                                                                           False)}
+        return dict(llama_model_config(h), ffn_hidden_size=h["intermediate_size"])
 
     @staticmethod
     def check_hf(h):

@@ -12,7 +12,7 @@ losses are training-time choices: the HF model runs dropless.
 
 import re
 
-from megalite.checkpoint.hf import _need, attention_rows, swiglu_rows
+from megalite.checkpoint.hf import _need, attention_rows, llama_hf_config, llama_model_config, swiglu_rows
 from megalite.checkpoint.storage import CheckpointError
 
 _LLAMA_LIKE = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False)
@@ -43,35 +43,16 @@ def _router_hf(c):
 
 
 def _llama_like_hf(c, arch, model_type):
-    theta = c["rotary_base"]
-    return {"architectures": [arch], "model_type": model_type, "vocab_size": c["vocab_size"],
-            "hidden_size": c["hidden_size"], "num_hidden_layers": c["num_layers"],
-            "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_query_groups"],
-            "head_dim": c["kv_channels"], "max_position_embeddings": c["max_position_embeddings"],
-            "rms_norm_eps": c["layernorm_epsilon"], "rope_theta": theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "hidden_act": "silu",
-            "tie_word_embeddings": not c["untie_embeddings_and_output_weights"], "torch_dtype": c["params_dtype"],
-            "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None}
+    return dict(llama_hf_config(c, arch, model_type), attention_dropout=0.0, use_sliding_window=False,
+                sliding_window=None)
 
 
 def _llama_like_config(h):
-    rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not implemented in "
-                              "megalite")
     if h.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act={h['hidden_act']!r}: megalite's SwiGLU uses silu")
     if h.get("use_sliding_window"):
         raise CheckpointError("use_sliding_window=True (sliding-window attention) is not implemented in megalite")
-    heads = h["num_attention_heads"]
-    return dict(_LLAMA_LIKE, num_layers=h["num_hidden_layers"], hidden_size=h["hidden_size"],
-                num_attention_heads=heads, num_query_groups=h.get("num_key_value_heads") or heads,
-                kv_channels=h.get("head_dim") or h["hidden_size"] // heads, vocab_size=h["vocab_size"],
-                max_position_embeddings=h["max_position_embeddings"], seq_length=h["max_position_embeddings"],
-                rotary_base=float(rope.get("rope_theta", h.get("rope_theta", 10000.0))),
-                layernorm_epsilon=h.get("rms_norm_eps", 1e-6),
-                untie_embeddings_and_output_weights=not h.get("tie_word_embeddings", False),
-                moe_router_topk=h["num_experts_per_tok"])
+    return dict(llama_model_config(h), moe_router_topk=h["num_experts_per_tok"])
 
 
 def _num_experts(h):
