@@ -1,4 +1,4 @@
-"""The README's "your own model" example runs as written on 2 ranks and equals a plain MLP."""
+"""docs/layers.md's "your own model" example runs as written on 2 ranks and equals a plain MLP."""
 
 import pathlib
 import re
@@ -9,19 +9,19 @@ import torch.nn.functional as F
 from dist_util import rel_err, run_on_ranks
 from model_util import gather_full
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+LAYERS_DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "layers.md"
 
 
 def readme_example():
-    text = README.read_text()
+    text = LAYERS_DOC.read_text()
     m = re.search(r"<!-- tp-mlp-example -->\s*```python\n(.*?)```", text, re.S)
-    assert m, "README.md lost its tensor-parallel MLP example"
+    assert m, "docs/layers.md lost its tensor-parallel MLP example"
     return m.group(1)
 
 
 def _run(code):
     env = {}
-    exec(compile(code, "README.md", "exec"), env)
+    exec(compile(code, "docs/layers.md", "exec"), env)
     mlp, x, y = env["mlp"], env["x"], env["y"]
     w1, b1 = gather_full(mlp.up.weight, mlp.up.weight), gather_full(mlp.up.bias, mlp.up.bias)
     w2, b2 = mlp.down.weight, mlp.down.bias
