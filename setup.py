@@ -36,5 +36,6 @@ setup(
         "hf": ["transformers", "safetensors"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],  # tools/plot_metrics.py
+        "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging, megalite/logger.py)
     },
 )

@@ -1,12 +1,16 @@
 """Evaluation: forward-only passes over the validation / test data, mean losses over
-micro-batches, iterations and DP ranks (every rank gets the same numbers)."""
+micro-batches, iterations and DP ranks (every rank gets the same numbers); which splits there
+are to evaluate (report_splits)."""
 
 import torch
 
 from megalite import parallel_state as ps
 from megalite.distributed.collectives import (average_over_data_parallel, broadcast_from_last_rank,
                                               sum_over_data_parallel)
+from megalite.logger import print_rank_last
 from megalite.pipeline.schedules import get_forward_backward_func
+
+SPLITS = ("train", "validation", "test")
 
 
 def run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
@@ -58,3 +62,34 @@ def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, sha
     for c in chunks:
         c.train()
     return {k: float(sum(d[k] for d in losses)) / len(losses) for k in losses[-1]}
+
+
+def report_splits(args, datasets, wanted):
+    """Print each split's sample count once from the logging rank (as Megatron's dataset
+    builder) and, in one line, the splits whose evaluation is skipped because they hold no
+    sample. Returns (train, valid, test), None for a split not evaluated (all under --eval-iters 0)."""
+    sizes = [0 if d is None else len(d) for d in datasets]
+    print_rank_last(f"megalite: datasets built, samples per split (this run needs {', '.join(map(str, wanted))}):\n"
+                    + "\n".join(f"    {name + ':':<12}{n}" for name, n in zip(SPLITS, sizes)))
+    if args.eval_iters <= 0:
+        return datasets[0], None, None
+    empty = [name for name, n in zip(SPLITS[1:], sizes[1:]) if n == 0]
+    if empty:
+        print_rank_last(_skip_line(args, empty))
+    return datasets[0], *(d if n else None for d, n in zip(datasets[1:], sizes[1:]))
+
+
+def _skip_line(args, empty):
+    it, which = ("it", f"the {empty[0]} split holds") if len(empty) == 1 else \
+        ("them", "the validation and test splits hold")
+    why = ""
+    if getattr(args, "data_path", None):  # how many documents --split gives them (mock data: none to count)
+        from megalite.data.builder import split_document_counts
+        try:
+            counts, total = split_document_counts(args.data_path, args.split, documents=args.model_type == "bert")
+            why = f" (--split {args.split} gives {it} {' and '.join(str(counts[SPLITS.index(n)]) for n in empty)} " \
+                  f"of {total} documents)"
+        except (ValueError, OSError):  # a provider of its own may read --data-path otherwise
+            pass
+    return (f"megalite: evaluation skipped: {which} no sample{why}; give {it} a larger share of --split to evaluate "
+            f"{it}")

@@ -43,7 +43,8 @@ def _wandb(args):
     try:
         import wandb
     except ImportError:
-        fail("--wandb-project needs the wandb package: pip install wandb (or log with --tensorboard-dir / --log-json)")
+        fail("--wandb-project needs the wandb package: pip install 'megalite[wandb]' (or log with --tensorboard-dir "
+             "/ --log-json)")
     if ps.global_rank() != ps.world_size() - 1:
         return None
     save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")

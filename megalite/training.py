@@ -33,7 +33,7 @@ from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
-from megalite.evaluation import evaluate, mean_losses, run_forward_backward
+from megalite.evaluation import evaluate, mean_losses, report_splits, run_forward_backward
 from megalite.flops import num_floating_point_operations
 from megalite.iteration_plan import IterationPlan, auto_shares, evaluation_plan, initial_shares
 from megalite.logger import MetricsLogger, TrainingWindow, print_rank_last
@@ -260,11 +260,11 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     log = MetricsLogger(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
-        train_ds, valid_ds, test_ds = datasets_provider(args, dataset_sizes(args, batches))
+        wanted = dataset_sizes(args, batches)
+        datasets = datasets_provider(args, wanted)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         _abort(str(e).splitlines()[0] if str(e) else type(e).__name__, owns)
-    if args.eval_iters <= 0:
-        valid_ds = test_ds = None
+    train_ds, valid_ds, test_ds = report_splits(args, datasets, wanted)  # sizes; an empty split's skip, said once
     try:
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider, plan)
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)

@@ -151,3 +151,4 @@ def test_wandb_errors_are_one_line(capsys, monkeypatch):
             ps.destroy_model_parallel()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--wandb-project needs the wandb package" in err[0], err
+    assert "pip install 'megalite[wandb]'" in err[0], err  # the extra in setup.py

@@ -56,6 +56,20 @@ def default_cache_dir(prefix: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
 
 
+def split_document_counts(data_path: list[str], split: str, documents: bool = False) -> tuple[list[int], int]:
+    """([train, valid, test] documents --split gives each split, total) over --data-path's
+    prefixes. GPT splits sequences, as Megatron; BERT whole documents (documents=True)."""
+    prefixes, _ = parse_data_path(data_path)
+    weights, counts, total = parse_split(split), [0, 0, 0], 0
+    for p in prefixes:
+        d = IndexedDataset(p)
+        n = d.num_documents if documents else len(d)
+        total += n
+        for s, (lo, hi) in enumerate(split_ranges(weights, n)):
+            counts[s] += hi - lo
+    return counts, total
+
+
 def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: int,
                        num_samples: tuple[int, int, int], cache_path: str | None,
                        is_builder: bool = True, barrier: Callable[[], None] = lambda: None):
