@@ -244,10 +244,24 @@ def _parse(argv, world_size, defaults=None):
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
+    if args.use_checkpoint_args:  # as Megatron: the checkpoint's model flags first, then validation
+        _take_checkpoint_args(args, parser)
     from megalite.validation import validate_args  # it maps args through this module's configs
     validate_args(args)
     print_notices(notices)
     return args
+
+
+def _take_checkpoint_args(args, parser):
+    from megalite.checkpoint.storage import CheckpointError
+    from megalite.checkpoint_args import use_checkpoint_args  # imported only with the flag (torch's DCP)
+    try:
+        path, replaced = use_checkpoint_args(args, {a.dest: a.default for a in parser._actions})
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    print_notices([f"--use-checkpoint-args: model flags from {path}" + (
+        f" (replacing the command line's {', '.join(replaced)})" if replaced else "") if path else
+        f"--use-checkpoint-args: no checkpoint in --load {args.load}; the command line's model flags stand"])
 
 
 def model_config(args, vocab_size):

@@ -63,15 +63,6 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
 _pending = {"future": None, "executor": None, "group": None}
 # A forked process has none of its parent's threads or process groups: it starts its own.
 os.register_at_fork(after_in_child=lambda: _pending.update(future=None, executor=None, group=None))
-# --use-checkpoint-args: command-line dest -> the ModelConfig field a checkpoint records (Megatron's list,
-# for what megalite has); disable_bias_linear is add_bias_linear negated
-CHECKPOINT_ARGS = {a: a for a in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                                  "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
-                                  "position_embedding_type", "rotary_base", "rotary_percent", "rotary_interleaved",
-                                  "normalization",
-                                  "swiglu", "squared_relu", "untie_embeddings_and_output_weights", "qk_layernorm",
-                                  "apply_layernorm_1p", "apply_query_key_layer_scaling", "add_qkv_bias")}
-CHECKPOINT_ARGS.update(norm_epsilon="layernorm_epsilon", disable_bias_linear="add_bias_linear")
 
 
 def iteration_dir(root, iteration):
@@ -89,22 +80,6 @@ def read_tracker(root):
     if not text.isdigit():
         raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number")
     return int(text)
-
-
-def use_checkpoint_args(args):
-    """--use-checkpoint-args (Megatron's): the model flags as --load's newest checkpoint recorded
-    them replace the command line's. Returns the checkpoint directory, or None when --load holds
-    no checkpoint (then the command line stands, as in Megatron)."""
-    it = read_tracker(args.load) if args.load and os.path.isdir(args.load) else None
-    if it is None:
-        return None
-    path = iteration_dir(args.load, it)
-    saved = read_json(os.path.join(path, META), "checkpoint metadata").get("model_config") or {}
-    for dest, field in CHECKPOINT_ARGS.items():
-        if field in saved:
-            setattr(args, dest, (not saved[field]) if dest == "disable_bias_linear" else saved[field])
-    args.group_query_attention = args.num_query_groups not in (None, args.num_attention_heads)
-    return path
 
 
 def config_json(config):

@@ -25,7 +25,6 @@ from megalite.checkpointing import (
     read_tracker,
     save_checkpoint,
     unwrap_checkpoint_error,
-    use_checkpoint_args,
 )
 from megalite.config import ConfigError, fail
 from megalite.data_iterators import build_data_iterator, chunk_iterators, data_iterators  # noqa: F401  (mfu.py)
@@ -221,15 +220,6 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
             gc.enable()
 
 
-def _take_checkpoint_args(args):
-    path = use_checkpoint_args(args)
-    if ps.global_rank() == 0:
-        print(f"megalite: --use-checkpoint-args: model flags from {path}" if path else
-              f"megalite: --use-checkpoint-args: no checkpoint in --load {args.load}; the command line's model "
-              "flags stand", flush=True)
-    model_config(args, args.vocab_size or 1).check_parallel(args.tensor_model_parallel_size)
-
-
 def _pretrain(datasets_provider, model_provider, forward_step_func, args, return_state, started, owns):
     if args.deterministic_mode:
         from megalite.determinism import enable_deterministic
@@ -238,8 +228,6 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         _SIGTERM["got"] = False
         signal.signal(signal.SIGTERM, lambda *_: _SIGTERM.update(got=True))
     try:
-        if args.use_checkpoint_args:
-            _take_checkpoint_args(args)
         batches = batch_schedule(args)  # each iteration's global batch (ramp-up), checked
     except (ConfigError, CheckpointError) as e:
         _abort(str(e), owns)

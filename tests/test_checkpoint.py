@@ -260,6 +260,63 @@ def test_use_checkpoint_args_takes_the_saved_model_flags(tmp_path, capsys):
     assert len(fresh) == 1 and "no checkpoint in --load" in capsys.readouterr().out
 
 
+ARGS_ONLY = ["--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--mock-data"]
+
+
+def _metadata_only_checkpoint(root, model_config):
+    """What --use-checkpoint-args reads: the tracker and the metadata's model config."""
+    (root / "release").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("release\n")
+    (root / "release" / "megalite.json").write_text(json.dumps({"format": "megalite-checkpoint",
+                                                                "model_config": model_config}))
+    return str(root)
+
+
+@pytest.mark.parametrize("flags", [
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear --group-query-attention "
+    "--num-query-groups 2 --untie-embeddings-and-output-weights --norm-epsilon 1e-6 --rotary-base 5e5 "
+    "--hidden-dropout 0 --attention-dropout 0 --vocab-size 300 --ffn-hidden-size 80",
+    "--num-layers 4 --num-experts 4 --moe-ffn-hidden-size 32 --moe-layer-freq ([0]+[1]*3) --moe-router-topk 1 "
+    "--moe-router-pre-softmax --moe-shared-expert-intermediate-size 48 --moe-shared-expert-gate --disable-bias-linear",
+    "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+    "--v-head-dim 16 --position-embedding-type rope --normalization RMSNorm --qk-layernorm"], ids=["llama", "moe", "mla"])
+def test_use_checkpoint_args_gives_back_every_model_field(tmp_path, flags):
+    """A command line with no model flag at all builds the model the checkpoint recorded, field for field."""
+    from megalite.arguments import model_config
+    from megalite.checkpointing import config_json
+    sizes = "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 32".split()
+    a = parse_args(sizes + flags.split() + ARGS_ONLY, world_size=1)
+    saved = config_json(model_config(a, a.vocab_size))
+    b = parse_args(["--load", _metadata_only_checkpoint(tmp_path, saved), "--use-checkpoint-args"] + ARGS_ONLY,
+                   world_size=1)
+    got = config_json(model_config(b, b.vocab_size))
+    assert {k: (v, got[k]) for k, v in saved.items() if got[k] != v} == {}
+
+
+def test_use_checkpoint_args_megatron_semantics_and_errors(tmp_path, capsys):
+    """As Megatron: the checkpoint's architecture replaces the command line's, an explicit --seq-length
+    stands. No checkpoint and no sizes: one line naming --load."""
+    root = _metadata_only_checkpoint(tmp_path / "ckpt", dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=48,
+        seq_length=64, max_position_embeddings=64, vocab_size=100, position_embedding_type="rope",
+        normalization="RMSNorm", swiglu=True, add_bias_linear=False))
+    args = parse_args(["--load", root, "--use-checkpoint-args", "--hidden-size", "64", "--seq-length", "16"]
+                      + ARGS_ONLY, world_size=1)
+    got = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "ffn_hidden_size", "kv_channels", "seq_length",
+                                         "max_position_embeddings", "vocab_size", "position_embedding_type",
+                                         "swiglu", "disable_bias_linear", "group_query_attention", "num_query_groups")}
+    assert got == dict(num_layers=2, hidden_size=32, ffn_hidden_size=48, kv_channels=8, seq_length=16,
+                       max_position_embeddings=64, vocab_size=100, position_embedding_type="rope", swiglu=True,
+                       disable_bias_linear=True, group_query_attention=True, num_query_groups=2), got
+    assert "(replacing the command line's --hidden-size 64)" in capsys.readouterr().out
+    for load, expect in ((str(tmp_path / "nowhere"), f"--load {tmp_path / 'nowhere'} does not exist"),
+                         (str(tmp_path), "holds no checkpoint"), (None, "--use-checkpoint-args needs --load DIR")):
+        with pytest.raises(SystemExit):
+            parse_args((["--load", load] if load else []) + ["--use-checkpoint-args"] + ARGS_ONLY, world_size=1)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expect in err[0], err
+        assert load is None or "--num-layers, --hidden-size, --num-attention-heads, --seq-length" in err[0], err
+
 def test_missing_load_dir_trains_from_scratch_and_bad_paths_fail(tmp_path, capsys):
     fresh = _spawn(1, [["--load", str(tmp_path / "nothing-here"), "--exit-interval", "2"]])[0]
     assert len(fresh) == 2

@@ -1,0 +1,69 @@
+"""--use-checkpoint-args (Megatron's load_args_from_checkpoint): the model flags that --load's newest
+checkpoint recorded (its metadata's model config) go into args before validation, so every rank derives
+the same args once, and a fine-tuning command needs no size flags. Works alike for checkpoints written by
+training and by tools/convert_checkpoint.py (a Hugging Face import)."""
+
+import os
+
+from megalite.checkpoint.storage import CheckpointError, read_json
+from megalite.checkpointing import META, TRACKER, iteration_dir, read_tracker
+
+# Command-line dest -> the ModelConfig field a checkpoint records (Megatron's list for what megalite has, and MLA's;
+# disable_bias_linear is add_bias_linear negated). The checkpoint's value replaces the command line's, as
+# Megatron's _set_arg(force=True) does for the architecture flags. Megatron keeps the sizes a command line
+# gives (its _set_arg without force); megalite keeps --seq-length and --max-position-embeddings that way
+# (fine-tuning at another length), and takes the checkpoint's layers, hidden, heads, FFN and kv-channels,
+# since a size other than the checkpoint's could only fail to load (it is named in the notice).
+CHECKPOINT_ARGS = {a: a for a in (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "kv_channels",
+    "seq_length", "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
+    "rotary_interleaved", "normalization", "swiglu", "squared_relu", "untie_embeddings_and_output_weights",
+    "qk_layernorm", "apply_layernorm_1p", "apply_query_key_layer_scaling", "add_qkv_bias", "hidden_dropout",
+    "attention_dropout", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff", "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+    "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")}
+CHECKPOINT_ARGS.update(norm_epsilon="layernorm_epsilon", disable_bias_linear="add_bias_linear",
+                       num_experts="num_moe_experts")
+CHECKPOINT_ARGS_IF_UNSET = ("seq_length", "max_position_embeddings")
+
+
+def use_checkpoint_args(args, defaults):
+    """--use-checkpoint-args, run before validation (so every rank derives the same args once): the model
+    flags as --load's newest checkpoint recorded them go into args, and the vocabulary size where neither
+    --vocab-size nor a tokenizer gives it. defaults: the parser's, to name the command line's flags replaced.
+    Returns (checkpoint directory, [those flags]), or (None, []) when --load holds no checkpoint (then the
+    command line stands, as in Megatron, if it gives the model's sizes)."""
+    root = args.load
+    if not root:
+        raise CheckpointError("--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"--load {root} is a file; give the checkpoint directory (the one holding {TRACKER})")
+    it = read_tracker(root) if os.path.isdir(root) else None
+    if it is None:
+        missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads",
+                                                        "seq_length") if getattr(args, f) is None]
+        if missing:
+            where = "does not exist" if not os.path.exists(root) else f"holds no checkpoint ({TRACKER} is missing)"
+            raise CheckpointError(f"--use-checkpoint-args: --load {root} {where}, so nothing gives "
+                                  f"{', '.join(missing)}; point --load at a checkpoint directory or pass them")
+        return None, []
+    path = iteration_dir(root, it)
+    meta = read_json(os.path.join(path, META), "checkpoint metadata")
+    saved = meta.get("model_config") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{os.path.join(path, META)} records no model config for --use-checkpoint-args")
+    replaced = []
+    for dest, field in CHECKPOINT_ARGS.items():
+        if field not in saved or (dest in CHECKPOINT_ARGS_IF_UNSET and getattr(args, dest) is not None):
+            continue
+        value, mine = (not saved[field]) if dest == "disable_bias_linear" else saved[field], getattr(args, dest)
+        if mine not in (value, defaults.get(dest)):
+            replaced.append(f"--{dest.replace('_', '-')}" + ("" if isinstance(mine, bool) else f" {mine}"))
+        setattr(args, dest, value)
+    if "num_query_groups" in saved:
+        args.group_query_attention = args.num_query_groups not in (None, args.num_attention_heads)
+    if args.vocab_size is None and args.tokenizer_type is None and saved.get("vocab_size"):
+        args.vocab_size = saved["vocab_size"]
+    return path, replaced
