@@ -10,6 +10,15 @@ test module (seconds per rank on the 2-core machine, most of the suite's time). 
 starts as a spawned one would: its own parallel state torn down, kernel backend "auto", freshly
 seeded random streams, one thread. Where the test process has initialised CUDA (the GPU machine), a fork
 could not use it, so the ranks are spawned.
+
+`capability=` runs the ranks under another ATen CPU capability than the test process (machines
+of the CI kind differ: AVX-512 on some, AVX2 on others, and ATen's vectorised kernels round
+differently on each). ATen fixes its capability at the first operation of a process, so such
+ranks are forked from a fork server started once under ATEN_CPU_CAPABILITY=<capability>, with
+torch and megalite already imported; `fn` and its arguments then travel pickled (module-level
+functions only). `OTHER_CAPABILITY` is the next capability below this process's (AVX512 -> avx2,
+AVX2 -> default; None where there is none below), which the parity harness uses for every
+parallel world, so each run of the suite checks two machines' rounding against each other.
 """
 
 import os
@@ -25,6 +34,35 @@ import torch
 import torch._dynamo  # noqa: F401  torch.optim's first optimizer imports it (3.5 s here): once, before the forks
 import torch.multiprocessing as mp
 
+_BELOW = {"AVX512": "avx2", "AVX2": "default"}
+OTHER_CAPABILITY = _BELOW.get(torch.backends.cpu.get_cpu_capability())
+# what the fork server imports before it forks ranks (the parity harness's world)
+_PRELOAD = ["torch", "torch._dynamo", "numpy", "kernels", "megalite.training", "dist_util", "parity"]
+_forkserver_capability = None
+
+
+def _forkserver_context(capability):
+    """The fork server's context, its server started under ATEN_CPU_CAPABILITY=capability (once:
+    multiprocessing keeps one fork server per process)."""
+    global _forkserver_capability
+    from multiprocessing import forkserver
+    ctx = mp.get_context("forkserver")
+    if _forkserver_capability is None:
+        ctx.set_forkserver_preload(_PRELOAD)
+        old = os.environ.get("ATEN_CPU_CAPABILITY")
+        os.environ["ATEN_CPU_CAPABILITY"] = capability  # the server inherits the environment as it starts
+        try:
+            forkserver.ensure_running()
+        finally:
+            if old is None:
+                del os.environ["ATEN_CPU_CAPABILITY"]
+            else:
+                os.environ["ATEN_CPU_CAPABILITY"] = old
+        _forkserver_capability = capability
+    assert _forkserver_capability == capability, \
+        f"one fork server per process: it runs {_forkserver_capability}, not {capability}"
+    return ctx
+
 
 def free_port():
     with socket.socket() as s:
@@ -32,7 +70,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, out_dir):
+def _worker(rank, world_size, port, fn, args, out_dir, capability=None):
+    if capability is not None:  # (a fork server's rank) check that ATen really rounds as asked
+        got = torch.backends.cpu.get_cpu_capability()
+        assert got == capability.upper(), f"rank {rank} runs ATen capability {got}, not {capability}"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -62,11 +103,17 @@ def _worker(rank, world_size, port, fn, args, out_dir):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size, *args, timeout=180):
-    ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+def run_on_ranks(fn, world_size, *args, timeout=180, capability=None):
+    if torch.cuda.is_initialized():
+        ctx, capability = mp.get_context("spawn"), None
+    elif capability is not None:
+        ctx = _forkserver_context(capability)
+    else:
+        ctx = mp.get_context("fork")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir, capability))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout

@@ -250,14 +250,14 @@ def indexer_grads_summed_over_tp():
     return patched(dsa_module, "_replicated", replicated)
 
 
-MODEL = MLA + DSA + ("--init-method-std", "0.1")  # scores of a few units: the indexer loss and top-k matter
-# The top-k choice is discrete. At step 1 every layout starts from the same parameters and computes
-# each micro-batch's index scores in the same order (the indexer is replicated and reads gathered
-# inputs), so the chosen keys are the same and the step is compared at DESIGN's bound. After it, a
-# layout that reduces gradients in another order holds parameters a rounding apart, and a near-tied key
-# can flip (PP2 x DP2 here flips one at step 4), after which no bound follows from the arithmetic:
-# PP2 x DP2 is held to the bound at step 1 only (its loss, norm and every gradient; later steps are
-# printed, not compared); TP2+SP x DP2 over all six steps, where it stays within the bound.
+# Scores of a few units: the indexer loss and top-k matter. No ReLU on the scores here: its kink at 0 is a
+# discrete decision too (whether a score's gradient passes), taken on values a rounding apart; the ReLU's
+# formula and gradient are tested above against float64.
+MODEL = MLA + DSA + ("--init-method-std", "0.1", "--no-dsa-indexer-scoring-relu")
+# The top-k choice is discrete, and the layouts' index scores differ from the single process's by a
+# rounding (ReLU also makes exact ties at 0): the world takes the single process's choice where its own is
+# a tie within that rounding (tests/decision_replay.py), so every layout is held to DESIGN's bound over all
+# six steps. Faults are O(1) at step 1: STEP_ONE holds them to the bound there only.
 STEP_ONE = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-5,
             "losses": math.inf, "norms": math.inf, "params": math.inf}
 LAYOUTS = [layout("tp2_sp_dp2", tp=2, sp=True, dp=2, model=MODEL), layout("pp2_dp2", pp=2, dp=2, model=MODEL)]
@@ -273,10 +273,7 @@ def world():
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)
 def test_dsa_layouts_match_the_single_process(world, lay):
-    if lay.name.startswith("pp2"):
-        later = mismatches(lay, world[lay.name], reference(lay))
-        print(f"\n{lay.name}, after step 1 (not compared): {later[:3]}")
-    assert_parity(lay, world[lay.name], tol=STEP_ONE if lay.name.startswith("pp2") else None)
+    assert_parity(lay, world[lay.name])
 
 
 @pytest.mark.parametrize("lay", FAULTS, ids=lambda lay: lay.name)

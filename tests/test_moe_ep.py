@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from dist_util import run_on_ranks
+from dist_util import OTHER_CAPABILITY, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.checkpoint.convert import Reader, find_checkpoint
@@ -160,9 +160,9 @@ EP2 = ("--use-distributed-optimizer", "--zero-stage", "2") + ep(2)  # with MOE +
 STOP = ("--train-iters", "3", "--use-checkpoint-opt_param-scheduler")  # load, train nothing, save here
 
 
-def _world(root):
+def _world(root, decided):
     out = {"dispatch": _dispatch_checks()}
-    out.update({lay.name: train(lay, _collect) for lay in LAYOUTS + FAULTS})
+    out.update({lay.name: train(lay, _collect, decided[lay.name]) for lay in LAYOUTS + FAULTS})
     a, b, c, f = (os.path.join(root, n) for n in ("a", "b", "c", "f"))
     out["first"] = _pretrain(list(EP2) + ["--save", a, "--exit-interval", "3"])
     out["resumed"] = _pretrain(list(EP2) + ["--load", a])
@@ -181,7 +181,8 @@ def _world(root):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe_ep"))
-    ranks = run_on_ranks(_world, 4, root, timeout=480)
+    decided = {lay.name: reference(lay)["decided"] for lay in LAYOUTS + FAULTS}  # (tests/decision_replay.py)
+    ranks = run_on_ranks(_world, 4, root, decided, timeout=480, capability=OTHER_CAPABILITY)
     return root, {k: [r[k] for r in ranks] for k in ranks[0]}
 
 

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import nn
 
-from megalite import mup, parallel_state as ps
+from megalite import decisions, mup, parallel_state as ps
 from megalite.tensor_parallel.init import ConstantRecipe, init_normal, param_seed, replicated_init, with_recipe
 from megalite.tensor_parallel.mappings import all_reduce_sum_tp
 
@@ -80,17 +80,17 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     (sigmoid): the k experts are chosen by score + bias, their probabilities are the scores."""
     if expert_bias is not None:
         scores = torch.sigmoid(logits)
-        idx = torch.topk(scores + expert_bias.to(scores.dtype), topk, dim=1).indices
+        idx = decisions.topk(scores + expert_bias.to(scores.dtype), topk, 1, "routing").indices
         top = scores.gather(1, idx)
         probs = top / (top.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else top
     elif score_function == "softmax":
         if pre_softmax:
-            probs, idx = torch.topk(torch.softmax(logits, dim=-1), topk, dim=1)
+            probs, idx = decisions.topk(torch.softmax(logits, dim=-1), topk, 1, "routing")
         else:
-            top, idx = torch.topk(logits, topk, dim=1)
+            top, idx = decisions.topk(logits, topk, 1, "routing")
             probs = torch.softmax(top, dim=-1)
     else:
-        top, idx = torch.topk(torch.sigmoid(logits), topk, dim=1)
+        top, idx = decisions.topk(torch.sigmoid(logits), topk, 1, "routing")
         probs = top / (top.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else top
     if scaling_factor:
         probs = probs * scaling_factor
@@ -124,7 +124,8 @@ def sinkhorn_routing(logits, topk, training, tp=1):
     """(probs [T, E], routing map [T, E]) of Megatron's sinkhorn load balancing."""
     scores = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1)
     with torch.no_grad():
-        idx = torch.topk(sinkhorn(logits.float(), tp=tp) if training else scores, topk, dim=1).indices
+        idx = decisions.topk(sinkhorn(logits.float(), tp=tp) if training else scores, topk, 1,
+                             "sinkhorn routing").indices
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
     return scores * routing_map, routing_map
 
@@ -138,7 +139,9 @@ def drop_over_capacity(probs, routing_map, topk, capacity_factor, policy="probs"
     if capacity >= num_tokens:
         keep = torch.ones_like(routing_map)
     elif policy == "probs":
-        keep = torch.zeros_like(routing_map).scatter(0, torch.topk(probs, capacity, dim=0).indices, True)
+        # among the expert's own tokens (the others are dropped whatever their order)
+        idx = decisions.topk(probs, capacity, 0, "capacity", probs.masked_fill(~routing_map, float("-inf"))).indices
+        keep = torch.zeros_like(routing_map).scatter(0, idx, True)
     else:  # the first `capacity` tokens of each expert, then (padding) the first of the others
         rank = torch.cumsum(routing_map.long(), dim=0)
         keep = routing_map & (rank <= capacity)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite import decisions
 from megalite import parallel_state as ps
 from megalite.moe.router import AuxLossScaler, _record
 from megalite.tensor_parallel import (
@@ -53,7 +54,7 @@ def index_scores(q, k, w, relu=True):
 def select_topk(scores, masked, topk):
     """scores [b, s, t], masked bool [b, s, t] (True: not attendable) -> selected bool [b, s, t]."""
     scores = scores.detach().masked_fill(masked, float("-inf"))
-    vals, idx = scores.topk(min(topk, scores.shape[-1]), dim=-1)
+    vals, idx = decisions.topk(scores, min(topk, scores.shape[-1]), -1, "dsa top-k")
     return torch.zeros_like(masked).scatter_(-1, idx, vals != float("-inf"))
 
 

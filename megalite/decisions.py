@@ -1,0 +1,38 @@
+"""Discrete decisions taken on float comparisons: the top-k choices of MoE routing (top-k,
+Sinkhorn's, the expert bias's), of capacity drops and of DSA's keys.
+
+Two runs that compute the same function in another order (a parallel layout and the single
+process, or one CPU's rounding and another's) agree to a rounding error, and a choice between
+values closer than that may go either way, after which the runs differ by far more than a
+rounding. Every such choice goes through `topk` here, so that a test can see each one and, to
+compare two runs, make the second take the first's choices where they are ties within the
+rounding (tests/decision_replay.py). With no hook installed it is torch.topk.
+"""
+
+import contextlib
+
+import torch
+
+_hooks = []
+
+
+@contextlib.contextmanager
+def hooked(fn):
+    """Inside the block, fn(kind, values, k, dim, decided) sees every top-k choice first; it
+    returns the indices to take ([..., k] along dim, like torch.topk's) or None (torch.topk's)."""
+    _hooks.append(fn)
+    try:
+        yield
+    finally:
+        _hooks.remove(fn)
+
+
+def topk(values, k, dim, kind, decided=None):
+    """torch.topk(values, k, dim) -> (values, indices), the choice named `kind` for hooks.
+    decided: the values whose order is the decision, where that is not all of `values` (-inf
+    where the choice does not matter, e.g. tokens an expert drops whatever their order)."""
+    for fn in _hooks:
+        idx = fn(kind, values, k, dim, decided)
+        if idx is not None:
+            return torch.return_types.topk((values.gather(dim, idx), idx))
+    return torch.topk(values, k, dim=dim)
