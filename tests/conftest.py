@@ -21,10 +21,37 @@ def grid():
     ps.destroy_model_parallel()
 
 
+# The quick tier (`python -m pytest -m quick tests`, about 3 minutes on the 2-core machine): one small
+# check per package and axis, for everyday work; the full suite stays what CI runs. Node-id prefixes.
+QUICK = (
+    "tests/test_parity.py::test_two_ranks_match_single_process",  # TP, PP, DP, SP, recompute, bf16/fp16
+    "tests/test_parity.py::test_references_learn",
+    "tests/test_parity.py::test_one_f_one_b_definition_is_not_gpipe",
+    "tests/test_decisions.py",  # top-k decisions and the harness's replay of ties
+    "tests/test_moe.py", "tests/test_dsa.py",  # MoE and DSA: formulas, decisions, DP / PP / TP+SP parity
+    "tests/test_mla.py::test_one_layer_matches_the_formulas_in_float64",
+    "tests/test_context_parallel.py::test_cp_attention_equals_whole_sequence_attention",
+    "tests/test_distributed_optimizer.py::test_tp2_dp2_matches_plain",  # ZeRO-1 with TP
+    "tests/test_optimizer.py", "tests/test_mappings.py", "tests/test_arguments.py", "tests/test_megatron_compat.py",
+    "tests/test_checkpoint.py::test_use_checkpoint_args", "tests/test_checkpoint.py::test_pickle_payload_is_refused",
+    "tests/test_continue_hf.py",  # HF -> megalite -> training -> HF
+    "tests/test_data_splits.py", "tests/data/test_data_indexed_dataset.py", "tests/data/test_data_gpt_dataset.py",
+    "tests/kernels/test_kernel_norms.py", "tests/kernels/test_kernel_activations.py",
+    "tests/test_readme.py", "tests/test_user_mlp.py",
+)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped with a reason on CPU)")
+    config.addinivalue_line("markers", "quick: the quick tier (-m quick): one small check per package and axis")
 
 
+def pytest_itemcollected(item):
+    if item.nodeid.startswith(QUICK):
+        item.add_marker(pytest.mark.quick)
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what will not run
 def pytest_collection_modifyitems(config, items):
     # The sm_80/sm_90 builds (tests/kernels/test_gpu_compile.py) are a minute or more of CPU in
     # their own processes: start them now at the lowest priority, where they use the cores the
