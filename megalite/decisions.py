@@ -18,7 +18,7 @@ _hooks = []
 
 @contextlib.contextmanager
 def hooked(fn):
-    """Inside the block, fn(kind, values, k, dim, decided) sees every top-k choice first; it
+    """Inside the block, fn(kind, values, k, dim, choosable) sees every top-k choice first; it
     returns the indices to take ([..., k] along dim, like torch.topk's) or None (torch.topk's)."""
     _hooks.append(fn)
     try:
@@ -27,12 +27,12 @@ def hooked(fn):
         _hooks.remove(fn)
 
 
-def topk(values, k, dim, kind, decided=None):
+def topk(values, k, dim, kind, choosable=None):
     """torch.topk(values, k, dim) -> (values, indices), the choice named `kind` for hooks.
-    decided: the values whose order is the decision, where that is not all of `values` (-inf
-    where the choice does not matter, e.g. tokens an expert drops whatever their order)."""
+    choosable: a bool mask of the values whose order is the decision, where that is not all of
+    them (e.g. an expert's own tokens: the others are dropped whatever their order)."""
     for fn in _hooks:
-        idx = fn(kind, values, k, dim, decided)
+        idx = fn(kind, values, k, dim, choosable)
         if idx is not None:
             return torch.return_types.topk((values.gather(dim, idx), idx))
     return torch.topk(values, k, dim=dim)

@@ -32,8 +32,10 @@ MATCH = {"fp32": 1e-2, "bf16": 1e-1, "fp16": 5e-2}
 MASKED = -1e30  # -inf (a key that may not be chosen) as a number rows can be compared with
 
 
-def _rows(values, dim):
-    """values -> [n, L] float64 rows along dim, -inf as MASKED."""
+def _rows(values, dim, choosable=None):
+    """values -> [n, L] float64 rows along dim, -inf and values not choosable as MASKED."""
+    if choosable is not None:
+        values = values.masked_fill(~choosable, float("-inf"))
     v = values.detach().movedim(dim, -1)
     return v.reshape(-1, v.shape[-1]).double().nan_to_num(neginf=MASKED)
 
@@ -58,9 +60,9 @@ class Recorder:
     def __init__(self):
         self.rows = {}
 
-    def __call__(self, kind, values, k, dim, decided):
+    def __call__(self, kind, values, k, dim, choosable):
         idx = torch.topk(values, k, dim=dim).indices.movedim(dim, -1)
-        rows = _rows(values if decided is None else decided, dim)
+        rows = _rows(values, dim, choosable)
         keep = _decides(rows, k)
         self.rows.setdefault((kind, rows.shape[-1], k), []).append((rows[keep], idx.reshape(-1, k)[keep].sort(-1).values))
         return None
@@ -82,12 +84,12 @@ class Replayer:
         if len(self.problems) < 5:
             self.problems.append(msg)
 
-    def __call__(self, kind, values, k, dim, decided):
+    def __call__(self, kind, values, k, dim, choosable):
         own = torch.topk(values, k, dim=dim).indices
         own_rows = own.movedim(dim, -1)
         shape = own_rows.shape
         own_rows = own_rows.reshape(-1, k)
-        rows = _rows(values if decided is None else decided, dim)
+        rows = _rows(values, dim, choosable)
         count = self.counts.setdefault(kind, [0, 0])
         which = _decides(rows, k).nonzero().flatten()
         rows = rows[which]

@@ -22,7 +22,7 @@ def test_topk_is_torch_topk_unless_hooked():
     got, want = decisions.topk(x, 3, 1, "test"), torch.topk(x, 3, dim=1)
     assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
     fixed = torch.arange(3).expand(37, 3)
-    with decisions.hooked(lambda kind, values, k, dim, decided: fixed if kind == "test" else None):
+    with decisions.hooked(lambda kind, values, k, dim, choosable: fixed if kind == "test" else None):
         got = decisions.topk(x, 3, 1, "test")
         assert torch.equal(got.indices, fixed) and torch.equal(got.values, x[:, :3])
         assert torch.equal(decisions.topk(x, 3, 1, "other").indices, want.indices)
@@ -71,10 +71,10 @@ def choices_on_perturbed_scores():
     original = decisions.topk
     g = torch.Generator().manual_seed(7)
 
-    def topk(values, k, dim, kind, decided=None):
+    def topk(values, k, dim, kind, choosable=None):
         spread = values.amax(dim, keepdim=True) - values.amin(dim, keepdim=True)
         noisy = values + 5e-3 * spread * (torch.rand(values.shape, generator=g, dtype=values.dtype) - 0.5)
-        idx = original(noisy, k, dim, kind, decided).indices
+        idx = original(noisy, k, dim, kind, choosable).indices
         return torch.return_types.topk((values.gather(dim, idx), idx))
     return patched(decisions, "topk", topk)
 

@@ -140,7 +140,7 @@ def drop_over_capacity(probs, routing_map, topk, capacity_factor, policy="probs"
         keep = torch.ones_like(routing_map)
     elif policy == "probs":
         # among the expert's own tokens (the others are dropped whatever their order)
-        idx = decisions.topk(probs, capacity, 0, "capacity", probs.masked_fill(~routing_map, float("-inf"))).indices
+        idx = decisions.topk(probs, capacity, 0, "capacity", routing_map).indices
         keep = torch.zeros_like(routing_map).scatter(0, idx, True)
     else:  # the first `capacity` tokens of each expert, then (padding) the first of the others
         rank = torch.cumsum(routing_map.long(), dim=0)
