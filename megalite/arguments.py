@@ -16,6 +16,7 @@ from megalite.config import ConfigError, ModelConfig, TrainingConfig, fail
 from megalite.megatron_compat import print_notices, sort_unknown
 from megalite.model_flags import add_model_flags
 from megalite.mup import MUP_FLAGS
+from megalite.semi_sync_flags import add_semi_sync_flags
 
 TOKENIZER_CHOICES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                      "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
@@ -94,6 +95,7 @@ def build_parser():
            "weighted exactly; auto: measured over the first iterations and balanced")
     a("--data-parallel-shares-profile-iters", type=int, default=3,
       help="with --data-parallel-shares auto: iterations timed (at equal shares) before balancing")
+    add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/semi_sync_flags.py)
     # training and the LR schedule (Megatron's defaults: no warmup, linear decay to 0)
     a("--micro-batch-size", type=int, default=None)
     a("--global-batch-size", type=int, default=None)

@@ -24,12 +24,12 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
                                or ps.is_pipeline_last_stage(ignore_virtual=True)):
         return None
     from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
+    rank = ps.get_data_parallel_rank_across_replicas()  # semi-synchronous replicas read their own parts
     if plan is not None and plan.uneven:
-        sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro, ps.get_data_parallel_rank(),
-                                           plan)
+        sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro, rank, plan)
     else:
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
-                                             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+                                             rank, ps.get_data_parallel_world_size() * ps.get_replica_world_size())
     device = ps.get_device()
     reader = ps.get_tensor_and_context_parallel_rank() == 0  # one reader per TP x CP group
     workers = getattr(args, "num_workers", 0)

@@ -93,3 +93,25 @@ def _skip_line(args, empty):
             pass
     return (f"megalite: evaluation skipped: {which} no sample{why}; give {it} a larger share of --split to evaluate "
             f"{it}")
+
+
+def dataset_sizes(args, batches):
+    """(train, valid, test) samples: Megatron's get_train_valid_test_num_samples, with the
+    final validation counted when there is no periodic one; a sample-based ramp-up's last
+    batch may pass --train-samples, and the train set covers it."""
+    g, eval_g = args.global_batch_size, eval_batch(args)[0]
+    if args.train_samples is not None:
+        train = max(args.train_samples, batches.samples_for(args.train_iters))
+    else:
+        train = (args.train_iters or 0) * g
+    if args.eval_iters <= 0:  # Megatron: --eval-iters 0 turns evaluation off
+        return train, 0, 0
+    evals = args.train_iters // args.eval_interval + 1 if args.eval_interval and not args.skip_train else 1
+    return train, evals * args.eval_iters * eval_g, args.eval_iters * eval_g
+
+
+def eval_batch(args):
+    """(samples, micro-batch size) of one evaluation iteration: --eval-global-batch-size and
+    --eval-micro-batch-size, by default the training's full batch (as Megatron)."""
+    g = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    return g, getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size

@@ -45,10 +45,12 @@ def parse_shares(text, dp):
 
 class IterationPlan:
     """schedule: the run's BatchSchedule (global batch per iteration); shares: None (equal, as
-    Megatron) or one positive integer per DP rank."""
+    Megatron) or one positive integer per DP rank. replicas (semi-synchronous training): the DP ranks
+    form this many consecutive blocks, each a model copy that steps on its own part of the batch, so
+    losses and gradients are normalised within the block (ranks are DP ranks across replicas)."""
 
-    def __init__(self, schedule, shares=None):
-        self.schedule, self.shares = schedule, shares
+    def __init__(self, schedule, shares=None, replicas=1):
+        self.schedule, self.shares, self.replicas = schedule, shares, replicas
         self.dp, self.micro = schedule.dp, schedule.micro
 
     @property
@@ -58,8 +60,13 @@ class IterationPlan:
 
     @property
     def grad_divisor(self):
-        """What the DP reduction divides the summed gradients by."""
-        return 1 if self.uneven else self.dp
+        """What the DP reduction (within a replica) divides the summed gradients by."""
+        return 1 if self.uneven else self.dp // self.replicas
+
+    def replica_ranks(self, rank):
+        """The DP ranks of rank's replica."""
+        n = self.dp // self.replicas
+        return range(rank - rank % n, rank - rank % n + n)
 
     def global_batch_size(self, consumed):
         return self.schedule.global_batch_size(consumed)
@@ -72,10 +79,18 @@ class IterationPlan:
         total = sum(self.shares)
         return [g * s // (total * self.micro) for s in self.shares]
 
-    def total(self, consumed):
-        """With shares, the global micro-batch count the losses are averaged over (else None:
-        each rank's mean, averaged over DP)."""
-        return sum(self.counts(consumed)) if self.uneven else None
+    def total(self, consumed, rank=0):
+        """With shares, the micro-batch count of rank's replica (the whole batch without replicas),
+        which the losses are averaged over (else None: each rank's mean, averaged over DP)."""
+        if not self.uneven:
+            return None
+        counts = self.counts(consumed)
+        return sum(counts[r] for r in self.replica_ranks(rank))
+
+    def replica_samples(self, consumed, rank):
+        """Samples rank's replica trains on in the iteration after `consumed`."""
+        counts = self.counts(consumed)
+        return self.micro * sum(counts[r] for r in self.replica_ranks(rank))
 
     def num_microbatches(self, consumed, rank):
         return self.counts(consumed)[rank]
@@ -83,7 +98,7 @@ class IterationPlan:
     def loss_divisor(self, consumed, rank):
         """Each micro-batch loss is divided by this: the rank's own count (the reduction then
         averages) or, with shares, the global count (the reduction sums)."""
-        return self.total(consumed) or self.num_microbatches(consumed, rank)
+        return self.total(consumed, rank) or self.num_microbatches(consumed, rank)
 
     def first_sample(self, consumed, rank):
         """With shares: the first sample of rank's contiguous slice of the global batch."""
@@ -134,7 +149,7 @@ def evaluation_plan(args, plan, global_batch, micro_batch):
     training's, at the training's micro-batch)."""
     from megalite.microbatches import BatchSchedule
     shares = plan.shares if args.data_parallel_shares != "auto" else None
-    return IterationPlan(BatchSchedule(global_batch, micro_batch, plan.dp), shares)
+    return IterationPlan(BatchSchedule(global_batch, micro_batch, plan.dp), shares, plan.replicas)
 
 
 def auto_shares(args, plan):

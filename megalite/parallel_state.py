@@ -14,13 +14,12 @@ to compute single-process references.
 """
 
 import contextlib
-import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from megalite.process_groups import build_groups
+from megalite.launch import initialize_distributed, new_group  # noqa: F401  (re-exported: ps.initialize_distributed)
+from megalite.process_groups import build_groups, build_replica_groups
 
 _GRID = None
 
@@ -49,6 +48,12 @@ class _Grid:
         self.ep_rank = self.etp_rank = 0
         self.etp = 1
         self.edp, self.edp_rank = dp * cp, 0
+        # semi-synchronous replicas (--semi-sync-replicas): R model copies, each its own grid of `dp`
+        # inner DP ranks; the replica group joins this rank's counterparts in the other replicas (the
+        # outer step), the replica-world group all ranks of this replica (None where R = 1: the world)
+        self.replicas, self.replica_rank = 1, 0
+        self.replica_group = self.replica_world_group = None
+        self.replica_world_ranks = None
 
 
 def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1, pp=1, pp_before_dp=False):
@@ -56,49 +61,6 @@ def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1, pp=1, pp_before_
     if pp_before_dp:
         return tp_rank + tp * (cp_rank + cp * (pp_rank + pp * dp_rank))
     return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
-
-
-_TIMEOUT = None  # --distributed-timeout-minutes, for every group
-
-
-def initialize_distributed(backend=None, timeout_s=600):
-    """Initialise torch.distributed from torchrun's environment if it is not yet; returns
-    whether this call did (and so owns the teardown, see shutdown_distributed).
-
-    NCCL when CUDA is present, gloo otherwise, unless `backend` says. `timeout_s` bounds
-    every collective of every group: a dead or hung peer fails the survivors after it.
-    """
-    global _TIMEOUT
-    _TIMEOUT = timedelta(seconds=timeout_s)
-    if dist.is_initialized():
-        return False
-    if "RANK" not in os.environ:
-        return False  # plain `python script.py`: single process, no groups
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=_TIMEOUT, **_restart_safe_store())
-    return True
-
-
-def _restart_safe_store():
-    """Under torchrun the agent's store outlives a restart (--max-restarts), and the groups'
-    keys are not per attempt: restarted ranks would read a dead peer's address and fail to
-    connect. A prefix per attempt gives each restart clean keys."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=_TIMEOUT)
-    return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}/", store), "rank": rank, "world_size": world}
-
-
-def new_group(ranks=None, backend=None):
-    """A process group with the job's timeout (Megatron's --distributed-timeout-minutes)."""
-    kw = {"timeout": _TIMEOUT} if _TIMEOUT is not None else {}
-    return dist.new_group(ranks, backend=backend, **kw)
 
 
 def shutdown_distributed(barrier=True):
@@ -115,12 +77,15 @@ def shutdown_distributed(barrier=True):
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                               virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
                               hierarchical_context_parallel_sizes=None, use_tp_pp_dp_mapping=False,
-                              ranks_per_node=None, expert_model_parallel_size=None, expert_tensor_parallel_size=None):
+                              ranks_per_node=None, expert_model_parallel_size=None, expert_tensor_parallel_size=None,
+                              replicas=1):
     """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world.
     ranks_per_node (--hierarchical-grad-reduce): also split each gradient-reduction group (DP x CP)
     into its members on one node (global rank // ranks_per_node) and its cross-node groups.
     expert_model_parallel_size (MoE models): also the expert grid, see _expert_groups (its expert-TP size
-    defaults to the TP size, as Megatron's). The groups' rank lists: megalite/process_groups.py."""
+    defaults to the TP size, as Megatron's). replicas (semi-synchronous training): the DP ranks split into
+    this many consecutive blocks, each a whole model copy whose DP groups (gradients, ZeRO) are its block
+    (megalite/distributed/semi_sync.py). The groups' rank lists: megalite/process_groups.py."""
     global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
@@ -132,6 +97,9 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
             f"world size {world} is not divisible by tensor-model-parallel size {tp} x context-parallel size {cp} x "
             f"pipeline-model-parallel size {pp} = {tp * cp * pp}; change --nproc-per-node or the parallel sizes")
     dp = world // (tp * cp * pp)
+    if not isinstance(replicas, int) or replicas < 1 or dp % replicas:
+        raise ValueError(f"{replicas} semi-synchronous replicas must divide the data-parallel size {dp}")
+    full_dp, dp = dp, dp // replicas
     ep = expert_model_parallel_size
     etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
     if ep is not None and (not isinstance(ep, int) or ep < 1 or (tp * cp * dp) % (ep * etp)):
@@ -149,19 +117,23 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     grid.cp_rank = (rank // tp) % cp
     if use_tp_pp_dp_mapping:
         grid.pp_rank = (rank // (tp * cp)) % pp
-        grid.dp_rank = rank // (tp * cp * pp)
+        full_dp_rank = rank // (tp * cp * pp)
     else:
-        grid.dp_rank = (rank // (tp * cp)) % dp
-        grid.pp_rank = rank // (tp * cp * dp)
+        full_dp_rank = (rank // (tp * cp)) % full_dp
+        grid.pp_rank = rank // (tp * cp * full_dp)
+    grid.dp_rank, grid.replica_rank, grid.replicas = full_dp_rank % dp, full_dp_rank // dp, replicas
 
-    def at(t, c, d, p):
-        return rank_of(t, d, p, tp, dp, c, cp, pp, use_tp_pp_dp_mapping)
+    def at_replica(r):
+        return lambda t, c, d, p: rank_of(t, d + dp * r, p, tp, full_dp, c, cp, pp, use_tp_pp_dp_mapping)
 
     def make(ranks):  # every rank creates every group, in the same order (torch requires it)
         g = new_group(ranks)
         return g if rank in ranks else None
 
-    build_groups(grid, rank, at, make, hierarchical_context_parallel_sizes, ranks_per_node)
+    for r in range(replicas):  # each replica's grid, in replica order
+        build_groups(grid, rank, at_replica(r), make, hierarchical_context_parallel_sizes, ranks_per_node)
+    if replicas > 1:
+        build_replica_groups(grid, at_replica, make)
     _GRID = grid
 
 
@@ -223,6 +195,34 @@ def get_data_parallel_rank(with_context_parallel=False):
 def get_data_parallel_world_size(with_context_parallel=False):
     g = _grid()
     return g.dp * g.cp if with_context_parallel else g.dp
+
+
+def get_data_parallel_rank_across_replicas():
+    """This rank's DP index over every replica (replica x inner DP): what it reads of each global batch."""
+    g = _grid()
+    return g.dp_rank + g.dp * g.replica_rank
+
+
+def get_replica_rank():
+    """Semi-synchronous training: which replica this rank belongs to (0 without)."""
+    return _grid().replica_rank
+
+
+def get_replica_world_size():
+    """The number of semi-synchronous replicas (1 without)."""
+    return _grid().replicas
+
+
+def get_replica_group():
+    """This rank and its counterparts (same TP, CP, inner DP, PP coordinates) in the other replicas:
+    the group of the outer step. None with one replica."""
+    return _grid().replica_group
+
+
+def get_replica_world_group():
+    """Every rank of this replica (None with one replica: the world), and their global ranks."""
+    g = _grid()
+    return g.replica_world_group, (list(g.replica_world_ranks) if g.replica_world_ranks else list(range(world_size())))
 
 
 def get_context_parallel_group():

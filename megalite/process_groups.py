@@ -88,3 +88,15 @@ def _expert_groups(grid, stages, rank, make):
         grid.edp_group = make([at(ranks, t, i, e) for e in E]) or grid.edp_group
     for e in E:
         grid.emp_group = make(sorted(at(r, t, i, e) for r in stages for i in I for t in T)) or grid.emp_group
+
+
+def build_replica_groups(grid, at_replica, make):
+    """Semi-synchronous replicas: every replica's ranks (its world), then per (TP, CP, inner DP, PP)
+    coordinate the counterparts across replicas (the outer step's group)."""
+    R, T, C, D, P = range(grid.replicas), range(grid.tp), range(grid.cp), range(grid.dp), range(grid.pp)
+    for r in R:
+        ranks = sorted(at_replica(r)(t, c, d, p) for p in P for d in D for c in C for t in T)
+        if (g := make(ranks)) is not None:
+            grid.replica_world_group, grid.replica_world_ranks = g, ranks
+    for t, c, d, p in ((t, c, d, p) for p in P for d in D for c in C for t in T):
+        grid.replica_group = make([at_replica(r)(t, c, d, p) for r in R]) or grid.replica_group

@@ -32,7 +32,8 @@ from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
-from megalite.evaluation import evaluate, mean_losses, report_splits, run_forward_backward
+from megalite.distributed.semi_sync import SemiSync
+from megalite.evaluation import dataset_sizes, eval_batch, evaluate, mean_losses, report_splits, run_forward_backward
 from megalite.flops import num_floating_point_operations
 from megalite.iteration_plan import IterationPlan, auto_shares, evaluation_plan, initial_shares
 from megalite.logger import MetricsLogger, TrainingWindow, print_rank_last
@@ -174,28 +175,6 @@ def _grad_stats(args, chunks, optimizer):
     return out
 
 
-def dataset_sizes(args, batches):
-    """(train, valid, test) samples: Megatron's get_train_valid_test_num_samples, with the
-    final validation counted when there is no periodic one; a sample-based ramp-up's last
-    batch may pass --train-samples, and the train set covers it."""
-    g, eval_g = args.global_batch_size, eval_batch(args)[0]
-    if args.train_samples is not None:
-        train = max(args.train_samples, batches.samples_for(args.train_iters))
-    else:
-        train = (args.train_iters or 0) * g
-    if args.eval_iters <= 0:  # Megatron: --eval-iters 0 turns evaluation off
-        return train, 0, 0
-    evals = args.train_iters // args.eval_interval + 1 if args.eval_interval and not args.skip_train else 1
-    return train, evals * args.eval_iters * eval_g, args.eval_iters * eval_g
-
-
-def eval_batch(args):
-    """(samples, micro-batch size) of one evaluation iteration: --eval-global-batch-size and
-    --eval-micro-batch-size, by default the training's full batch (as Megatron)."""
-    g = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
-    return g, getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
-
-
 def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
     """Train per the command line; returns the list of per-iteration lm losses (and, with
     return_state, the model chunks and optimizer too)."""
@@ -238,13 +217,13 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                                      int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size()))
                                      if args.hierarchical_grad_reduce else None,
                                      args.expert_model_parallel_size if args.num_experts else None,
-                                     args.expert_tensor_parallel_size)
+                                     args.expert_tensor_parallel_size, args.semi_sync_replicas)
     except ValueError as e:
         _abort(str(e), owns)
     model_parallel_manual_seed(args.seed)
     initialize_rerun_state_machine(args)
-    dp, micro, dp_rank = ps.get_data_parallel_world_size(), args.micro_batch_size, ps.get_data_parallel_rank()
-    plan = IterationPlan(batches, initial_shares(args))  # each DP rank's micro-batches and weights
+    dp, micro, dp_rank = args.data_parallel_size, args.micro_batch_size, ps.get_data_parallel_rank_across_replicas()
+    plan = IterationPlan(batches, initial_shares(args), args.semi_sync_replicas)  # each DP rank's micro-batches
     log = MetricsLogger(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
@@ -261,7 +240,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     start_iter, consumed_train, consumed_valid = start or (0, 0, 0)
     eval_g, eval_mbs = eval_batch(args)
     eval_plan, auto = evaluation_plan(args, plan, eval_g, eval_mbs), auto_shares(args, plan)
-    eval_micro, eval_total = eval_plan.num_microbatches(0, dp_rank), eval_plan.total(0)
+    eval_micro, eval_total = eval_plan.num_microbatches(0, dp_rank), eval_plan.total(0, dp_rank)
+    semi = SemiSync(args, optimizer) if args.semi_sync_method else None  # replicas' outer steps
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     ramp = "" if batches.is_constant() else f" now, {args.global_batch_size // (micro * dp)} at the full batch " \
         f"{args.global_batch_size}"
@@ -271,6 +251,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} {f'CP={cp} ' if cp > 1 else ''}"
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
                     f"{n_params:,} | micro-batches per iteration: {counts}{ramp}")
+    if semi is not None:
+        print_rank_last(f"megalite: {semi.describe()}")
     if args.skip_train or start_iter >= args.train_iters:
         train_ds = None  # nothing left to train on: no iterator (its position may be at the end)
     train_iters = data_iterators(train_ds, consumed_train, args, chunks, plan=plan)
@@ -292,6 +274,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         if args.manual_gc and args.manual_gc_eval:
             gc.collect()
         out = evaluate(forward_step_func, its, chunks, eval_micro, args.eval_iters, eval_shape, dtype, eval_total)
+        if semi is not None:  # every replica evaluated the global weights on its part of the batches
+            out = semi.combine(out, eval_plan.replica_samples(0, dp_rank))
         if args.manual_gc and args.manual_gc_eval:
             gc.collect(generation=0)  # what the evaluation made
         return out
@@ -309,11 +293,12 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         c.train()
     for it in range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1):
         num_micro, batch = plan.num_microbatches(consumed_train, dp_rank), plan.global_batch_size(consumed_train)
-        total = plan.total(consumed_train)  # uneven shares: losses over the global count
+        total = plan.total(consumed_train, dp_rank)  # uneven shares: losses over the replica's count
         profiling = auto is not None and not auto.done
         step_times = timers if timers is not None or not profiling else {}
+        idle = semi is not None and not semi.trains(it)  # a replica of fewer inner steps waits for the round's end
         try:
-            reported, stepped, grad_norm = train_step(
+            reported, stepped, grad_norm = (None, True, None) if idle else train_step(
                 forward_step_func, train_iters, chunks, optimizer, num_micro, shape, dtype, step_times,
                 plan.loss_divisor(consumed_train, dp_rank), profiling, it)
         except RerunExit as e:  # as Megatron: the state before this iteration saved, exit 16 / 17
@@ -328,6 +313,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                             f"{', '.join(f'{1e3 * t:.1f}' for t in chosen[0])} -> micro-batches per iteration "
                             f"{','.join(map(str, chosen[1]))} from iteration {it + 1}")
             train_iters = data_iterators(train_ds, consumed_train + batch, args, chunks, plan=plan)
+        trained = 0 if idle or not stepped else plan.replica_samples(consumed_train, dp_rank)
         consumed_train += batch
         if stepped:  # as Megatron: a skipped fp16 iteration does not advance the schedule
             scheduler.step(batch)
@@ -336,11 +322,14 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         if hash_every and it % hash_every == 0 and (drifted := replicas_differ(chunks, tp_too=args.test_mode)):
             _abort(f"iteration {it}: replicas hold different weights ({', '.join(drifted[:3])}"
                    f"{', ...' if len(drifted) > 3 else ''}): a gradient reduction or a device is faulty", owns)
-        loss, means = mean_losses(reported, read=False, total=total)  # lm loss (every rank); all (last stage)
-        aux = auxiliary_losses(mcfg, num_micro, total)  # MoE routers', DSA's (collective: every rank)
-        if aux and ps.is_pipeline_last_stage(ignore_virtual=True):  # the stage that logs every loss
-            means = {**means, **aux}
-        window.add(loss, means, stepped)
+        if not idle:
+            loss, means = mean_losses(reported, read=False, total=total)  # lm loss (every rank); all (last stage)
+            aux = auxiliary_losses(mcfg, num_micro, total)  # MoE routers', DSA's (collective: every rank)
+            if aux and ps.is_pipeline_last_stage(ignore_virtual=True):  # the stage that logs every loss
+                means = {**means, **aux}
+            window.add(loss, means, stepped)
+        if semi is not None and semi.after_iteration(it, trained) and semi.H < semi.round and it < args.train_iters:
+            train_iters = data_iterators(train_ds, consumed_train, args, chunks, plan=plan)  # past the idle ticks
         if args.manual_gc and args.manual_gc_interval and it % args.manual_gc_interval == 0:
             gc.collect()
         if it % args.log_interval == 0 or it == args.train_iters:

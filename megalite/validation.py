@@ -8,6 +8,7 @@ from megalite.arguments import model_config, training_config
 from megalite.config import ConfigError
 from megalite.megatron_compat import print_notices
 from megalite.mup import validate_args as validate_mup
+from megalite.semi_sync_flags import validate_semi_sync
 from megalite.validation_features import validate_features
 
 # Flags Megatron has no default for: a launch script always passes them.
@@ -39,6 +40,7 @@ def validate_args(args):
                           "change --nproc-per-node or the sizes")
     args.data_parallel_size = args.world_size // (tp * cp * pp)
     _validate_shares(args)
+    validate_semi_sync(args)
     _validate_pipeline(args)
     _validate_context_parallel(args)
     if args.sequence_parallel and tp == 1:

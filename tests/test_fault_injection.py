@@ -1,5 +1,6 @@
 """Tests of the tests: each fault a real bug would cause, injected alone inside the spawned
-ranks, must make the parity harness (tests/parity.py) report a mismatch naming the tensor.
+ranks, must make the parity harness (tests/parity.py) report a mismatch naming the tensor; the
+semi-synchronous replicas' faults, their harness (tests/semi_sync_reference.py).
 
 The faulty runs share one spawn of two ranks and one of eight.
 """
@@ -9,6 +10,7 @@ import contextlib
 import pytest
 
 from parity import EIGHT_LAYERS, LLAMA, assert_parity, layout, mismatches, patched, reference, run_layouts
+from semi_sync_reference import DILOCO, collect, semi, semi_sync_mismatches, serial_reference
 
 
 def no_dp_averaging():
@@ -131,6 +133,35 @@ def shares_weighted_by_rank_means():
     return stack
 
 
+def pseudo_gradient_sign_flipped():
+    from megalite.distributed.semi_sync import SemiSync
+    return patched(SemiSync, "_contribution", lambda self, local, glob: local - glob)
+
+
+def outer_momentum_not_carried():
+    from megalite.distributed.semi_sync import SemiSync
+    original = SemiSync.outer_step
+
+    def outer_step(self):
+        self.buf = None  # every outer step starts a fresh momentum
+        original(self)
+    return patched(SemiSync, "outer_step", outer_step)
+
+
+def replicas_weighted_equally():
+    from megalite.distributed.semi_sync import SemiSync
+    return patched(SemiSync, "_weight", lambda self, group: 1.0 / self.replicas)
+
+
+# semi-synchronous faults (DiLoCo, two ranks): (fault, layout name, replicas, inner steps, what the report must name)
+SEMI_FAULTS = [
+    (pseudo_gradient_sign_flipped, "dp2_r2_diloco", 2, "2", "params"),
+    (outer_momentum_not_carried, "dp2_r2_diloco", 2, "2", "momentum"),
+    (replicas_weighted_equally, "dp2_r2_uneven_3_1", 2, "3,1", "params"),
+]
+SEMI_LAYOUTS = [semi(f"{f.__name__}@{name}", r, steps, dp=2, fault=f) for f, name, r, steps, _ in SEMI_FAULTS]
+
+
 # (fault, layout name, layout, what the mismatch report must name): each fault on the smallest
 # layout with its code path (two ranks), and again on an eight-rank layout of tests/test_parity.py
 # (interleaving, ZeRO-2, SP, TP4, PP4), so those layouts are seen to fail too.
@@ -168,8 +199,8 @@ EXPECTED = {lay.name: expected for lay, (*_, expected) in zip(LAYOUTS, FAULTS)}
 def faulty_runs():
     runs = {}
     for world in (2, 8):  # one spawn per world size runs all its faulty layouts
-        lays = [lay for lay in LAYOUTS if lay.world_size == world]
-        runs.update(zip((lay.name for lay in lays), run_layouts(lays, world)))
+        lays = [lay for lay in LAYOUTS + SEMI_LAYOUTS if lay.world_size == world]
+        runs.update(zip((lay.name for lay in lays), run_layouts(lays, world, collect=collect)))
     return runs
 
 
@@ -183,3 +214,15 @@ def test_harness_reports_injected_fault(faulty_runs, lay):
     assert named, f"{lay.name}: the harness did not name {expected!r} for this fault: {found}"
     with pytest.raises(AssertionError, match="mismatches against the single-process run"):
         assert_parity(lay, ranks)
+
+
+@pytest.mark.parametrize("case", SEMI_FAULTS, ids=lambda c: f"{c[0].__name__}@{c[1]}")
+def test_semi_sync_harness_reports_injected_fault(faulty_runs, case):
+    fault, name, replicas, steps, expected = case
+    lay = next(lay for lay in SEMI_LAYOUTS if lay.name == f"{fault.__name__}@{name}")
+    steps = [int(h) for h in steps.split(",")] * (replicas if "," not in steps else 1)
+    ref = serial_reference(lay, replicas, steps, DILOCO, 2)
+    found = semi_sync_mismatches(lay, faulty_runs[lay.name], ref, steps, DILOCO)
+    named = [m for m in found if f" {expected} " in m]
+    print(f"\n{lay.name}: {len(found)} mismatches, e.g. {named[:1]}")
+    assert named, f"{lay.name}: the semi-sync harness did not name {expected!r} for this fault: {found}"

@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
+from megalite.distributed.collectives import broadcast_from_last_rank
 
 
 def _grad(p):
@@ -90,8 +91,7 @@ def scale_grads_by_token_count(model_chunks, count):
     count = count.reshape(1).float().clone()
     if ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(count, group=ps.get_data_parallel_group())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(count, src=dist.get_world_size() - 1)
+    broadcast_from_last_rank(count)
     grads = [_grad(p) for m in model_chunks for p in m.parameters() if p.requires_grad and _grad(p) is not None]
     if grads:
         divisor = getattr(model_chunks[0], "grad_divisor", ps.get_data_parallel_world_size())

@@ -195,6 +195,15 @@ class MixedPrecisionOptimizer:
         pass
 
     @torch.no_grad()
+    def publish_main_params(self):
+        """The main params were set from outside the step (the semi-synchronous outer step): the model's
+        copies take them, and are gathered as after a step."""
+        pairs = [(out, m) for out, m in zip(self._copies(), self.main_params) if out is not m]
+        if pairs:
+            torch._foreach_copy_([o for o, _ in pairs], [m for _, m in pairs])
+        self._after_step()
+
+    @torch.no_grad()
     def step(self):
         """Returns (stepped, grad_norm); stepped is False for a skipped fp16 iteration."""
         grads = self._grads()

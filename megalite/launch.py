@@ -1,0 +1,51 @@
+"""The job's torch.distributed process: initialised from torchrun's environment, with one timeout for
+every group (--distributed-timeout-minutes) and a store that survives torchrun's restarts. Process
+groups themselves are made by megalite.parallel_state through new_group."""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_TIMEOUT = None  # --distributed-timeout-minutes, for every group
+
+
+def initialize_distributed(backend=None, timeout_s=600):
+    """Initialise torch.distributed from torchrun's environment if it is not yet; returns
+    whether this call did (and so owns the teardown, see shutdown_distributed).
+
+    NCCL when CUDA is present, gloo otherwise, unless `backend` says. `timeout_s` bounds
+    every collective of every group: a dead or hung peer fails the survivors after it.
+    """
+    global _TIMEOUT
+    _TIMEOUT = timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ:
+        return False  # plain `python script.py`: single process, no groups
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=_TIMEOUT, **_restart_safe_store())
+    return True
+
+
+def _restart_safe_store():
+    """Under torchrun the agent's store outlives a restart (--max-restarts), and the groups'
+    keys are not per attempt: restarted ranks would read a dead peer's address and fail to
+    connect. A prefix per attempt gives each restart clean keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=_TIMEOUT)
+    return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}/", store), "rank": rank, "world_size": world}
+
+
+def new_group(ranks=None, backend=None):
+    """A process group with the job's timeout (Megatron's --distributed-timeout-minutes)."""
+    kw = {"timeout": _TIMEOUT} if _TIMEOUT is not None else {}
+    return dist.new_group(ranks, backend=backend, **kw)

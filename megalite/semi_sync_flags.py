@@ -1,0 +1,90 @@
+"""The command line of semi-synchronous training (megalite/distributed/semi_sync.py): its flags and
+their checks, each user error one line."""
+
+from megalite.config import ConfigError
+
+METHODS = ("local_sgd", "diloco")
+DEFAULT_STEPS = 100
+
+
+def add_semi_sync_flags(a):
+    a("--semi-sync-method", default=None, choices=METHODS,
+      help="replicas train on their own and meet every --semi-sync-steps inner steps: local_sgd averages "
+           "their weights, diloco applies an outer Nesterov SGD step to their averaged pseudo-gradient")
+    a("--semi-sync-replicas", type=int, default=None,
+      help="model copies (consecutive blocks of data-parallel ranks; default: one per DP rank)")
+    a("--semi-sync-steps", default=None,
+      help=f"inner steps between outer steps: H, or H0,H1,... one per replica (a faster replica runs more); "
+           f"default {DEFAULT_STEPS}")
+    a("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate (default 0.7)")
+    a("--outer-momentum", type=float, default=None, help="diloco: the outer SGD's momentum (default 0.9)")
+    a("--no-outer-nesterov", dest="outer_nesterov", action="store_false", default=True,
+      help="diloco: plain momentum instead of Nesterov's")
+
+
+def validate_semi_sync(args):
+    """Derive args.semi_sync_replicas (an int) and args.semi_sync_steps (one int per replica); refuse what
+    does not compose, one line each."""
+    given = [f for f, v in (("--semi-sync-replicas", args.semi_sync_replicas),
+                            ("--semi-sync-steps", args.semi_sync_steps),
+                            ("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum),
+                            ("--no-outer-nesterov", None if args.outer_nesterov else True)) if v is not None]
+    if args.semi_sync_method is None:
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --semi-sync-method local_sgd or diloco")
+        args.semi_sync_replicas, args.semi_sync_steps = 1, None
+        return
+    dp = args.data_parallel_size
+    r = dp if args.semi_sync_replicas is None else args.semi_sync_replicas
+    if r < 1 or dp % r:
+        raise ConfigError(f"--semi-sync-replicas {r} must divide the data-parallel size {dp} (each replica is a block "
+                          "of consecutive DP ranks)")
+    args.semi_sync_replicas = r
+    args.semi_sync_steps = _steps(args.semi_sync_steps, r)
+    if args.semi_sync_method == "local_sgd":
+        wrong = [f for f in given if f in ("--outer-lr", "--outer-momentum", "--no-outer-nesterov")]
+        if wrong:
+            raise ConfigError(f"{', '.join(wrong)}: local_sgd averages the replicas' weights (no outer optimizer); "
+                              "use --semi-sync-method diloco for an outer SGD")
+        args.outer_lr, args.outer_momentum = 1.0, 0.0
+    else:
+        args.outer_lr = 0.7 if args.outer_lr is None else args.outer_lr
+        args.outer_momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
+        if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
+            raise ConfigError(f"--outer-lr {args.outer_lr} must be > 0 and --outer-momentum {args.outer_momentum} in "
+                              "[0, 1)")
+    round_ = max(args.semi_sync_steps)
+    for flag in ("eval_interval", "save_interval", "exit_interval"):
+        v = getattr(args, flag, None)
+        if v and v % round_:
+            raise ConfigError(f"--{flag.replace('_', '-')} {v} must be a multiple of the outer-step interval "
+                              f"{round_} (--semi-sync-steps): replicas hold the global weights only after an outer step")
+    refused = [(args.data_parallel_shares == "auto", "--data-parallel-shares auto (it times all DP ranks each step)"),
+               (args.hierarchical_grad_reduce, "--hierarchical-grad-reduce"),
+               (args.grad_compression != "none", "--grad-compression"),
+               (args.load is not None or args.save is not None, "--save / --load (semi-synchronous checkpoints are "
+                                                                "not implemented yet)"),
+               (args.train_samples is not None, "--train-samples (rounds count inner steps: use --train-iters)"),
+               (getattr(args, "rerun_mode", "disabled") != "disabled", "--rerun-mode (its checks span the world)"),
+               (args.exit_signal_handler or args.exit_duration_in_mins, "--exit-signal-handler / "
+                                                                        "--exit-duration-in-mins")]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"--semi-sync-method {args.semi_sync_method} does not compose with {what} yet")
+
+
+def _steps(text, replicas):
+    if text is None:
+        return [DEFAULT_STEPS] * replicas
+    if text.strip().lower() == "auto":
+        raise ConfigError("--semi-sync-steps auto is not implemented yet: give H, or H0,H1,... one per replica")
+    try:
+        steps = [int(s) for s in text.replace(" ", ",").split(",") if s]
+    except ValueError:
+        raise ConfigError(f"--semi-sync-steps {text!r}: give a positive integer, or one per replica") from None
+    if len(steps) == 1:
+        steps *= replicas
+    if len(steps) != replicas or any(h < 1 for h in steps):
+        raise ConfigError(f"--semi-sync-steps {text!r}: give one positive integer, or one per replica "
+                          f"({replicas} replicas)")
+    return steps

@@ -1,0 +1,138 @@
+"""The semi-synchronous replicas' reference (tests/test_semi_sync.py, tests/test_fault_injection.py):
+a single process runs the replicas' inner loops one after the other on model copies of megalite's own
+single-process training, then applies the outer step with torch.optim.SGD on an fp32 global copy (Local
+SGD: the sample-weighted mean of the weights); `semi_sync_mismatches` compares a world's ranks with it."""
+
+import contextlib
+import importlib
+
+import torch
+
+import parity
+from dist_util import rel_err
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from model_util import gather_full
+from parity import STEPS, learnable_datasets
+
+DILOCO = ("--semi-sync-method", "diloco", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+LOCAL_SGD = ("--semi-sync-method", "local_sgd")
+
+
+def semi(name, replicas, steps, method=DILOCO, **kw):
+    """A parity layout with R replicas of H (or H0,H1,...) inner steps per round."""
+    flags = tuple(method) + ("--semi-sync-replicas", str(replicas), "--semi-sync-steps", steps)
+    flags += tuple(kw.pop("flags", ()))
+    return parity.layout(name, flags=flags, **kw)
+
+
+def collect(chunks, opt):
+    """A rank's replica and the outer momentum it holds, as full tensors under global names ({} for a run
+    without replicas)."""
+    s = getattr(opt, "semi_sync", None)
+    if s is None:
+        return {}
+    out = {"replica": ps.get_replica_rank(), "momentum": {}, "outer steps": s.outer_steps}
+    if s.buf is not None:
+        local = parity._full_local_grads(opt, s.buf)
+        for name, p in parity._named(chunks):
+            if id(p) in local:
+                out["momentum"][name] = parity._cut_vocab(name, gather_full(p, local[id(p)]), parity.VOCAB)
+    return out
+
+
+class ReplicaView:
+    """Replica r's samples in the order its inner loop reads them: of every chunk of micro x DP samples
+    (Megatron's sampler) the DP ranks of block r take the contiguous run [r m n, (r+1) m n) (n = inner DP)."""
+
+    def __init__(self, base, r, replicas, dp, micro):
+        self.base, self.r, self.n, self.dp, self.m = base, r, dp // replicas, dp, micro
+
+    def __len__(self):
+        return len(self.base) * self.n // self.dp
+
+    def __getitem__(self, k):
+        chunk, off = divmod(k, self.m * self.n)
+        return self.base[chunk * self.m * self.dp + self.r * self.m * self.n + off]
+
+
+def serial_reference(lay, replicas, steps, method, dp):
+    """Replica r's H_r inner steps of each round on its own model copy and AdamW, one replica after
+    the other; then torch.optim.SGD on an fp32 global copy with the sample-weighted pseudo-gradient
+    (Local SGD: the weighted mean of the weights). Returns losses per replica, step-1 grads per replica,
+    the final global weights and momentum."""
+    from megalite.pipeline.schedules import pipeline_tensor_shape
+    from megalite.training import data_iterators, setup, train_step
+    from megalite.tensor_parallel import model_parallel_manual_seed
+    entry = importlib.import_module(lay.entry)
+    g = int(lay.base[lay.base.index("--global-batch-size") + 1])
+    args = parse_args(list(lay.reference_argv()) + ["--global-batch-size", str(g // replicas)], world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    base = learnable_datasets(args, [g * STEPS * 2])[0]
+    copies = []
+    for r in range(replicas):
+        model_parallel_manual_seed(args.seed)
+        mcfg, _, chunks, opt, _ = setup(args, entry.model_provider)
+        copies.append((chunks, opt, ReplicaView(base, r, replicas, dp, args.micro_batch_size)))
+    named = [n for n, _ in copies[0][0][0].module.named_parameters()]
+    glob = [p.detach().clone() for p in copies[0][0][0].module.parameters()]
+    sgd = torch.optim.SGD(glob, lr=1.0 if method == LOCAL_SGD else 0.7, momentum=0.0 if method == LOCAL_SGD else 0.9,
+                          nesterov=method != LOCAL_SGD)
+    losses, grads, rnd, micro = [[] for _ in range(replicas)], [None] * replicas, max(steps), args.micro_batch_size
+    shape, n_micro = pipeline_tensor_shape(mcfg, micro), g // replicas // micro
+    for start in range(0, STEPS, rnd):
+        for r, (chunks, opt, view) in enumerate(copies):
+            for t in range(start, min(start + steps[r], STEPS)):
+                its, rec = data_iterators(view, t * (g // replicas), args, chunks), {"norms": []}
+                with parity.recording(rec) if grads[r] is None else contextlib.nullcontext():
+                    reported, _, _ = train_step(entry.forward_step, its, chunks, opt, n_micro, shape, torch.float32,
+                                                loss_divisor=n_micro)
+                losses[r].append(sum(float(x["lm loss"]) for x in reported) / n_micro)
+                if grads[r] is None:  # step 1, before clipping
+                    grads[r] = {n: rec["grads"][id(p)] for n, p in zip(named, chunks[0].module.parameters())}
+        w = [min(steps[r], STEPS - start) for r in range(replicas)]
+        w = [x / sum(w) for x in w]
+        locals_ = [list(c[0][0].module.parameters()) for c in copies]
+        with torch.no_grad():
+            for i, p in enumerate(glob):
+                p.grad = sum(wr * (p - loc[i]) for wr, loc in zip(w, locals_))
+            sgd.step()
+            for loc in locals_:
+                for p, q in zip(glob, loc):
+                    q.copy_(p)
+    mom = {n: sgd.state[p]["momentum_buffer"] for n, p in zip(named, glob)} if method != LOCAL_SGD else {}
+    ps.destroy_model_parallel()
+    return {"losses": losses, "grads": grads, "params": dict(zip(named, glob)), "momentum": mom}
+
+
+def semi_sync_mismatches(lay, ranks, ref, steps, method):
+    """Messages for every quantity of the world (losses, step-1 grads, global weights, outer momentum, the
+    count of outer steps) off the serial reference by more than 1e-5, and for replicas that do not end on
+    bit-identical weights."""
+    bad = []
+    for r in ranks:
+        rep, where = r["collected"]["replica"], f"{lay.name} replica {r['collected']['replica']} rank {r['coords']}"
+        if r["collected"]["outer steps"] != -(-STEPS // max(steps)):
+            bad.append(f"{where}: {r['collected']['outer steps']} outer steps")
+        errs = [abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"][rep])]
+        if len(r["losses"]) != len(ref["losses"][rep]) or max(errs) > 1e-5:
+            bad.append(f"{where}: losses {r['losses']} vs {ref['losses'][rep]}")
+        for what, want in (("grads", ref["grads"][rep]), ("params", ref["params"]),
+                           ("momentum", ref["momentum"])):
+            got = r[what] if what != "momentum" else r["collected"]["momentum"]
+            for name, t in got.items():
+                if name.endswith("[last-stage copy]"):
+                    name = name.replace(" [last-stage copy]", "")
+                w = parity._cut_vocab(name, want[name], parity.VOCAB)
+                if (e := rel_err(t, w)) > 1e-5:
+                    bad.append(f"{where}: {what} {name}: relative error {e:.2e} > 1e-05")
+            if what == "momentum" and method == DILOCO and not got:
+                bad.append(f"{where}: no outer momentum reported")
+    first = {}
+    for r in ranks:  # every replica ends on the same global weights, bit for bit
+        key = r["coords"]
+        for name, t in r["params"].items():
+            if (key, name) in first and not torch.equal(first[(key, name)], t):
+                bad.append(f"{lay.name}: replicas differ in {name} at {key} after the last outer step")
+            first.setdefault((key, name), t)
+    return bad
