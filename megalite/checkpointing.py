@@ -34,6 +34,7 @@ from megalite.checkpoint.state import (
     model_from_main_params,
     optimizer_entries,
     optimizer_step,
+    outer_momentum_entries,
     rng_state,
     set_optimizer_step,
     set_rng_state,
@@ -186,7 +187,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
                 "model_config": config_json(model_config), "dtype": config_json(model_config)["params_dtype"],
                 "parallel": {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
                              "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-                             "data_parallel_size": ps.get_data_parallel_world_size(),
+                             "data_parallel_size": ps.get_data_parallel_world_size(),  # (per replica)
+                             "semi_sync_replicas": ps.get_replica_world_size(),
                              "context_parallel_size": ps.get_context_parallel_world_size(),
                              "use_tp_pp_dp_mapping": ps.uses_tp_pp_dp_mapping(),
                              "virtual_pipeline_model_parallel_size":
@@ -195,6 +197,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
                              "zero_stage": args.zero_stage, "world_size": ps.world_size()},
                 "has_optimizer": not args.no_save_optim, "has_rng": not args.no_save_rng,
                 "optimizer": {"step": optimizer_step(optimizer)},
+                "semi_sync": semi.state() if (semi := getattr(optimizer, "semi_sync", None)) else None,
                 "scheduler": scheduler.state_dict(), "loss_scaler": optimizer.scaler.state_dict(),
                 "tokenizer": {"type": getattr(args, "tokenizer_type", None),
                               "model": getattr(args, "tokenizer_model", None),
@@ -206,8 +209,9 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
     if not args.no_save_rng:
         fsync_write(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), json.dumps(rng_state()).encode())
     entries = model_entries(chunks, for_save=True)
-    if not args.no_save_optim:
-        entries.update(optimizer_entries(optimizer, chunks, for_save=True))
+    if not args.no_save_optim:  # each semi-synchronous replica its own inner state, the first the outer one
+        entries.update(optimizer_entries(optimizer, chunks, for_save=True, prefix=_replica_prefix()))
+        entries.update(outer_momentum_entries(optimizer, chunks, for_save=True))
     kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration, args.verify_integrity,
                                                getattr(args, "save_retain_interval", None)),
               planner=ChunkSavePlanner(entries),
@@ -268,10 +272,15 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     load_optim = not (weights_only or args.no_load_optim) and meta.get("has_optimizer", False)
     entries = model_entries(chunks, for_save=False)
     optional = set()
-    if load_optim:
-        opt = optimizer_entries(optimizer, chunks, for_save=False)
-        optional = {k for k in opt if k.startswith("optimizer.main_param.")}  # absent in fp32 checkpoints
+    if load_optim:  # a replica the checkpoint has not (another count, or a synchronous run) takes the first's
+        saved = (meta.get("parallel") or {}).get("semi_sync_replicas", 1)
+        prefix = _replica_prefix() if ps.get_replica_rank() < saved else ""
+        opt = optimizer_entries(optimizer, chunks, for_save=False, prefix=prefix)
+        optional = {k for k in opt if k.startswith(f"{prefix}optimizer.main_param.")}  # absent in fp32 checkpoints
+        momentum = outer_momentum_entries(optimizer, chunks, for_save=False)
+        optional |= set(momentum)  # a synchronous (or Local SGD) checkpoint has none: the momentum starts at 0
         entries.update(opt)
+        entries.update(momentum)
     group = _group()
     if args.verify_integrity:
         verify_integrity(path, group)
@@ -282,7 +291,8 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     _drop_gathered(chunks)
     if load_optim:
         set_optimizer_step(optimizer, chunks, meta["optimizer"]["step"])
-        if optional and not planner.missing:
+        mains = {k for k in optional if ".main_param." in k}
+        if mains and not mains & set(planner.missing):
             model_from_main_params(optimizer)
         else:
             main_params_from_model(optimizer)
@@ -291,9 +301,18 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     else:
         main_params_from_model(optimizer)
     _restore_rng(meta, path, args, weights_only)
+    if getattr(optimizer, "semi_sync", None) is not None:  # saved at an outer step: the weights are global
+        optimizer.semi_sync.loaded(meta.get("semi_sync"), [k for k in planner.missing if k.startswith("semi_sync.")])
     if weights_only:
         return 0, 0, 0
     return meta["iteration"], meta["consumed_train_samples"], meta["consumed_valid_samples"]
+
+
+def _replica_prefix():
+    """Checkpoint names of this semi-synchronous replica's inner optimizer state (the first's are the
+    ordinary ones, which a synchronous run loads)."""
+    r = ps.get_replica_rank()
+    return f"replica{r}." if r else ""
 
 
 def load_weights(chunks, root):

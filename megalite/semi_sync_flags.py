@@ -62,9 +62,8 @@ def validate_semi_sync(args):
     refused = [(args.data_parallel_shares == "auto", "--data-parallel-shares auto (it times all DP ranks each step)"),
                (args.hierarchical_grad_reduce, "--hierarchical-grad-reduce"),
                (args.grad_compression != "none", "--grad-compression"),
-               (args.load is not None or args.save is not None, "--save / --load (semi-synchronous checkpoints are "
-                                                                "not implemented yet)"),
                (args.train_samples is not None, "--train-samples (rounds count inner steps: use --train-iters)"),
+               (bool(args.num_experts), "MoE models (--num-experts: expert parallelism inside replicas is untested)"),
                (getattr(args, "rerun_mode", "disabled") != "disabled", "--rerun-mode (its checks span the world)"),
                (args.exit_signal_handler or args.exit_duration_in_mins, "--exit-signal-handler / "
                                                                         "--exit-duration-in-mins")]

@@ -234,6 +234,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     train_ds, valid_ds, test_ds = report_splits(args, datasets, wanted)  # sizes; an empty split's skip, said once
     try:
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider, plan)
+        semi = SemiSync(args, optimizer) if args.semi_sync_method else None  # replicas' outer steps (loaded too)
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
     except (ConfigError, CheckpointError) as e:
         _abort(str(e), owns)
@@ -241,7 +242,6 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     eval_g, eval_mbs = eval_batch(args)
     eval_plan, auto = evaluation_plan(args, plan, eval_g, eval_mbs), auto_shares(args, plan)
     eval_micro, eval_total = eval_plan.num_microbatches(0, dp_rank), eval_plan.total(0, dp_rank)
-    semi = SemiSync(args, optimizer) if args.semi_sync_method else None  # replicas' outer steps
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     ramp = "" if batches.is_constant() else f" now, {args.global_batch_size // (micro * dp)} at the full batch " \
         f"{args.global_batch_size}"
@@ -328,8 +328,11 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
             if aux and ps.is_pipeline_last_stage(ignore_virtual=True):  # the stage that logs every loss
                 means = {**means, **aux}
             window.add(loss, means, stepped)
-        if semi is not None and semi.after_iteration(it, trained) and semi.H < semi.round and it < args.train_iters:
-            train_iters = data_iterators(train_ds, consumed_train, args, chunks, plan=plan)  # past the idle ticks
+        if semi is not None and semi.after_iteration(it, trained):  # an outer step: replicas hold the same weights
+            if hash_every and (drifted := replicas_differ(chunks, across_replicas=True)):
+                _abort(f"iteration {it}: semi-synchronous replicas differ after the outer step ({drifted[0]})", owns)
+            if semi.H < semi.round and it < args.train_iters:
+                train_iters = data_iterators(train_ds, consumed_train, args, chunks, plan=plan)  # past idle ticks
         if args.manual_gc and args.manual_gc_interval and it % args.manual_gc_interval == 0:
             gc.collect()
         if it % args.log_interval == 0 or it == args.train_iters:

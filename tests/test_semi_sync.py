@@ -11,7 +11,7 @@ import argparse
 import pytest
 import torch
 
-from dist_util import rel_err
+from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.distributed.semi_sync import SemiSync
@@ -20,11 +20,13 @@ from semi_sync_reference import DILOCO, LOCAL_SGD, collect, semi, semi_sync_mism
 
 
 # -- one replica is the ordinary run ---------------------------------------------------------
-@pytest.mark.parametrize("flags", [LOCAL_SGD + ("--semi-sync-steps", "2"),
-                                   ("--semi-sync-method", "diloco", "--semi-sync-steps", "4", "--outer-lr", "1",
-                                    "--outer-momentum", "0")], ids=["local_sgd", "diloco_lr1_mu0"])
-def test_one_replica_is_the_ordinary_run_bit_for_bit(flags):
-    lay = layout("one_replica", flags=flags)
+@pytest.mark.parametrize("flags, dtype", [(LOCAL_SGD + ("--semi-sync-steps", "2"), "fp32"),
+                                          (("--semi-sync-method", "diloco", "--semi-sync-steps", "4", "--outer-lr", "1",
+                                            "--outer-momentum", "0"), "fp32"),
+                                          (LOCAL_SGD + ("--semi-sync-steps", "3"), "bf16")],
+                         ids=["local_sgd", "diloco_lr1_mu0", "local_sgd_bf16"])
+def test_one_replica_is_the_ordinary_run_bit_for_bit(flags, dtype):
+    lay = layout("one_replica", flags=flags, dtype=dtype)
     want, threads = reference(lay), torch.get_num_threads()
     torch.set_num_threads(1)  # as the reference ran: another thread count sums in another order
     try:
@@ -74,7 +76,7 @@ def test_outer_step_is_sgd_with_momentum_in_float64(nesterov):
 CASES = [
     (semi("dp4_r2_diloco", 2, "2", dp=4), 2, [2, 2], DILOCO, 4),
     (semi("dp4_r4_local_sgd_uneven", 4, "3,1,2,3", method=LOCAL_SGD, dp=4), 4, [3, 1, 2, 3], LOCAL_SGD, 4),
-    (semi("tp2_sp_r2_diloco", 2, "2", tp=2, sp=True, dp=2), 2, [2, 2], DILOCO, 2),
+    (semi("tp2_sp_r2_diloco_test_mode", 2, "2", tp=2, sp=True, dp=2, flags=("--test-mode",)), 2, [2, 2], DILOCO, 2),
     (semi("pp2_r2_diloco_uneven", 2, "3,2", pp=2, dp=2), 2, [3, 2], DILOCO, 2),
     (semi("zero2_dp4_r2_diloco", 2, "3", zero=2, dp=4), 2, [3, 3], DILOCO, 4),
     (semi("cp2_r2_diloco", 2, "2", cp=2, dp=2), 2, [2, 2], DILOCO, 2),
@@ -104,7 +106,8 @@ def test_replicas_match_the_serial_reference(world, i):
     (DILOCO + ("--semi-sync-steps", "0"), 2, "one positive integer"),
     (DILOCO + ("--semi-sync-steps", "4", "--eval-interval", "6"), 2, "--eval-interval 6 must be a multiple of"),
     (DILOCO + ("--semi-sync-steps", "auto"), 2, "auto is not implemented yet"),
-    (DILOCO + ("--save", "/tmp/x"), 2, "does not compose with --save / --load"),
+    (DILOCO + ("--semi-sync-steps", "4", "--save-interval", "6"), 2, "--save-interval 6 must be a multiple of"),
+    (DILOCO + ("--num-experts", "4"), 2, "does not compose with MoE models"),
     (DILOCO + ("--outer-momentum", "1.5"), 2, "--outer-momentum 1.5 in [0, 1)"),
 ])
 def test_bad_combinations_are_one_line(flags, world, message):
@@ -112,3 +115,57 @@ def test_bad_combinations_are_one_line(flags, world, message):
     with pytest.raises(ConfigError) as e:
         _parse(list(BASE) + list(flags), world_size=world)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def _run(flags):
+    """pretrain on this rank's grid with BASE + flags: (losses, {name: full parameter})."""
+    import pretrain_gpt
+    from megalite.arguments import parse_args
+    from megalite.training import pretrain
+    from model_util import gather_full
+    from parity import _named, learnable_datasets
+    args = parse_args(list(BASE) + ["--lr-decay-iters", str(STEPS)] + list(flags), world_size=ps.world_size())
+    try:
+        losses, chunks, _ = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
+                                     return_state=True)
+        return losses, {n: gather_full(p, p.detach().float()) for n, p in _named(chunks)}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _checkpoint_runs(d):
+    semi_flags = list(DILOCO) + ["--semi-sync-replicas", "2", "--semi-sync-steps", "2"]
+    out = {"whole": _run(semi_flags)}
+    out["first 4"] = _run(semi_flags + ["--train-iters", "4", "--save", f"{d}/semi"])
+    out["resumed"] = _run(semi_flags + ["--load", f"{d}/semi"])
+    out["sync from semi"] = _run(["--load", f"{d}/semi", "--train-iters", "4"])
+    out["tp2 from semi"] = _run(["--tensor-model-parallel-size", "2", "--load", f"{d}/semi", "--train-iters", "4"])
+    out["sync first 4"] = _run(["--train-iters", "4", "--save", f"{d}/sync"])
+    out["semi from sync"] = _run(semi_flags + ["--load", f"{d}/sync", "--train-iters", "4"])
+    out["semi from sync, trained"] = _run(semi_flags + ["--load", f"{d}/sync"])
+    return out
+
+
+def test_checkpoints_resume_exactly_and_cross_to_synchronous_training(tmp_path):
+    from megalite.checkpoint.convert import export_hf
+    runs = run_on_ranks(_checkpoint_runs, 2, str(tmp_path))
+
+    def same(a, b, what):
+        for name, t in b.items():
+            assert torch.equal(a[name], t), f"{what}: {name} differs"
+    for r in runs:
+        whole, first, resumed = r["whole"], r["first 4"], r["resumed"]
+        assert resumed[0] == whole[0][4:], (resumed[0], whole[0])  # the loss of every resumed step
+        same(resumed[1], whole[1], "resumed at iteration 4 vs the whole run")
+        same(r["sync from semi"][1], first[1], "a synchronous run loading the semi-sync checkpoint")
+        same(r["tp2 from semi"][1], first[1], "TP2 loading the semi-sync checkpoint (DP2, 2 replicas)")
+        same(r["semi from sync"][1], r["sync first 4"][1], "semi-sync loading a synchronous checkpoint")
+        assert len(r["semi from sync, trained"][0]) == 2
+    export_hf(str(tmp_path / "semi"), str(tmp_path / "hf"), model_type="gpt")  # the global weights, to HF
+    from safetensors.torch import load_file
+    hf = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        hf.update(load_file(str(f)))
+    emb = runs[0]["first 4"][1]["embedding.word_embeddings.weight"]
+    assert torch.equal(hf["transformer.wte.weight"].float(), emb[:hf["transformer.wte.weight"].shape[0]])

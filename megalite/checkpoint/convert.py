@@ -117,7 +117,7 @@ class Writer:
         return 0 if "embedding." in name else self.pp - 1
 
     def _split_dim(self, name, t):
-        base = re.sub(r"^optimizer\.[a-z_]+\.", "", name)
+        base = re.sub(r"^(replica\d+\.)?(optimizer|semi_sync)\.[a-z_]+\.", "", name)  # (a replica's state too)
         # MLA: q/kv up (and q) projections column-parallel; its down projections and latent norms replicated
         if base.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
                           "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "linear_q_proj.weight",

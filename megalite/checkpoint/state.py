@@ -13,6 +13,7 @@ import random
 import numpy as np
 import torch
 
+from megalite import parallel_state as ps
 from megalite.checkpoint.layout import ParamLayout
 from megalite.checkpoint.planner import Entry
 from megalite.tensor_parallel import get_rng_tracker
@@ -50,10 +51,11 @@ def _weight_slots(chunks):
 def model_entries(chunks, for_save):
     """Save: what this rank writes. Load: everything this rank holds."""
     # The first replica over DP x CP (experts: expert-DP) writes (CP ranks hold the same weights);
-    # a ZeRO-3 shard's owner.
-    entries = {}
+    # a ZeRO-3 shard's owner; of semi-synchronous replicas (saved at outer steps: the same global
+    # weights in each) the first.
+    entries, first_of_replicas = {}, ps.get_replica_rank() == 0
     for lay, t, start, end, sharded in _weight_slots(chunks):
-        if for_save and not (lay.owner and (sharded or lay.first_replica)):
+        if for_save and not (lay.owner and (sharded or lay.first_replica) and first_of_replicas):
             continue
         _add(entries, lay.name, lay, t.dtype, lay.chunks(t, start, end))
     return entries
@@ -78,7 +80,8 @@ def _optimizer_slots(optimizer, chunks):
     return [(layouts[p], mp, 0, p.numel(), mp is not p) for p, mp in zip(optimizer.model_params, optimizer.main_params)]
 
 
-def optimizer_entries(optimizer, chunks, for_save):
+def optimizer_entries(optimizer, chunks, for_save, prefix=""):
+    """prefix: a semi-synchronous replica's ("replica<r>." for r > 0: each keeps its inner state)."""
     entries = {}
     sharded = hasattr(optimizer, "pieces")  # ZeRO: each shard's owner writes it
     for lay, mp, start, end, separate in _optimizer_slots(optimizer, chunks):
@@ -89,8 +92,24 @@ def optimizer_entries(optimizer, chunks, for_save):
         if separate:
             tensors["main_param"] = mp
         for k, t in tensors.items():
-            _add(entries, f"optimizer.{k}.{lay.name}", lay, torch.float32,
+            _add(entries, f"{prefix}optimizer.{k}.{lay.name}", lay, torch.float32,
                  lay.chunks(t.detach().view(-1), start, end))
+    return entries
+
+
+def outer_momentum_entries(optimizer, chunks, for_save):
+    """DiLoCo's outer momentum ("semi_sync.momentum.<name>", laid out as the main params; the same in
+    every replica: the first writes it). Created (zeros) to load into when there is none yet."""
+    semi = getattr(optimizer, "semi_sync", None)
+    if semi is None or not semi.momentum or (for_save and (semi.buf is None or ps.get_replica_rank() != 0)):
+        return {}
+    if semi.buf is None:
+        semi.buf = [torch.zeros_like(g) for g in semi.glob]
+    entries, sharded = {}, hasattr(optimizer, "pieces")
+    for (lay, _, start, end, _), buf in zip(_optimizer_slots(optimizer, chunks), semi.buf):
+        if not for_save or (lay.owner and (sharded or lay.first_replica)):
+            _add(entries, f"semi_sync.momentum.{lay.name}", lay, torch.float32,
+                 lay.chunks(buf.detach().view(-1), start, end))
     return entries
 
 

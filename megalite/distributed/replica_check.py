@@ -52,14 +52,19 @@ def _differ(hashes, names, group, size):
     return [n for n, d in zip(names, (stacked != stacked[:1]).any(dim=0).tolist()) if d]
 
 
-def replicas_differ(chunks, tp_too=False):
+def replicas_differ(chunks, tp_too=False, across_replicas=False):
     """Names of the parameters whose bits differ between DP replicas ([] when they agree), the
     same list on every rank; tp_too: also the TP-replicated ones between TP ranks. Pending ZeRO
-    all-gathers (--overlap-param-gather) finish first."""
+    all-gathers (--overlap-param-gather) finish first. across_replicas (after a semi-synchronous
+    outer step): every weight this rank holds against its counterparts in the other replicas."""
     for chunk in chunks:
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
     hashes, out = weight_hashes(chunks), []
+    if across_replicas:
+        r = ps.get_replica_world_size()
+        differ = _differ(hashes, list(hashes), ps.get_replica_group(), r) if r > 1 else []
+        return [f"{n} (over replicas)" for n in differ]
     groups = ((False, ps.get_data_parallel_group(with_context_parallel=True),  # CP ranks are replicas too
                ps.get_data_parallel_world_size(with_context_parallel=True)),
               (True, ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size()))

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
+from megalite.distributed import comm
 
 BUCKET = 1 << 24  # elements per outer all-reduce
 
@@ -46,6 +47,19 @@ class SemiSync:
         """The global weights: this rank's fp32 main parameters as they are now."""
         self.glob = [m.detach().float().clone() for m in self.optimizer.main_params]
 
+    def state(self):
+        """What a checkpoint's metadata records (it is taken at an outer step)."""
+        return {"method": self.method, "replicas": self.replicas, "steps": self.steps, "outer_steps": self.outer_steps,
+                "outer_lr": self.lr, "outer_momentum": self.momentum, "outer_nesterov": self.nesterov}
+
+    def loaded(self, saved, missing):
+        """After a checkpoint load: its weights are the global ones (saved at an outer step, or a synchronous
+        run's); the outer momentum is the loaded one unless the checkpoint had none (then it starts again)."""
+        self.reset_global()
+        self.samples, self.outer_steps = 0, (saved or {}).get("outer_steps", 0)
+        if missing or not saved or not saved.get("outer_momentum"):
+            self.buf = None
+
     def trains(self, it):
         """Whether this replica runs iteration `it` (its first H steps of every round)."""
         return (it - 1) % self.round < self.H
@@ -57,7 +71,8 @@ class SemiSync:
         how = "weights averaged" if self.method == "local_sgd" else \
             f"outer SGD lr {self.lr:g}, momentum {self.momentum:g}{', Nesterov' if self.nesterov else ''}"
         return (f"{self.replicas} semi-synchronous replicas ({self.method}), inner steps per round "
-                f"{','.join(map(str, self.steps))}, {how}")
+                f"{','.join(map(str, self.steps))}, {how}; the training loss logged is replica {self.replicas - 1}'s, "
+                "validation is every replica's on the global weights")
 
     def after_iteration(self, it, trained_samples):
         """Count this replica's samples; at the end of a round (or of training) the outer step.
@@ -81,7 +96,7 @@ class SemiSync:
             total = mine * frac if frac != 1.0 else mine
             if group is not None:
                 sent = total.float()
-                dist.all_reduce(sent, group=group)
+                comm.all_reduce(sent, group=group)  # (counted with the other DP collectives)
                 self.bytes_sent += sent.numel() * sent.element_size()
                 total = sent.double()
             new = total if self.method == "local_sgd" else glob - self.lr * self._direction(idx, total)
