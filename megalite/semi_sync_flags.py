@@ -14,8 +14,9 @@ def add_semi_sync_flags(a):
     a("--semi-sync-replicas", type=int, default=None,
       help="model copies (consecutive blocks of data-parallel ranks; default: one per DP rank)")
     a("--semi-sync-steps", default=None,
-      help=f"inner steps between outer steps: H, or H0,H1,... one per replica (a faster replica runs more); "
-           f"default {DEFAULT_STEPS}")
+      help=f"inner steps between outer steps: H, or H0,H1,... one per replica (a faster replica runs more), or "
+           f"auto[:H] (the first round H steps each, timed; then the fastest replica H, the others in proportion "
+           f"to their speed); default {DEFAULT_STEPS}")
     a("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate (default 0.7)")
     a("--outer-momentum", type=float, default=None, help="diloco: the outer SGD's momentum (default 0.9)")
     a("--no-outer-nesterov", dest="outer_nesterov", action="store_false", default=True,
@@ -32,7 +33,7 @@ def validate_semi_sync(args):
     if args.semi_sync_method is None:
         if given:
             raise ConfigError(f"{', '.join(given)} need --semi-sync-method local_sgd or diloco")
-        args.semi_sync_replicas, args.semi_sync_steps = 1, None
+        args.semi_sync_replicas, args.semi_sync_steps, args.semi_sync_auto = 1, None, False
         return
     dp = args.data_parallel_size
     r = dp if args.semi_sync_replicas is None else args.semi_sync_replicas
@@ -40,6 +41,7 @@ def validate_semi_sync(args):
         raise ConfigError(f"--semi-sync-replicas {r} must divide the data-parallel size {dp} (each replica is a block "
                           "of consecutive DP ranks)")
     args.semi_sync_replicas = r
+    args.semi_sync_auto = str(args.semi_sync_steps).strip().lower().startswith("auto")
     args.semi_sync_steps = _steps(args.semi_sync_steps, r)
     if args.semi_sync_method == "local_sgd":
         wrong = [f for f in given if f in ("--outer-lr", "--outer-momentum", "--no-outer-nesterov")]
@@ -75,8 +77,11 @@ def validate_semi_sync(args):
 def _steps(text, replicas):
     if text is None:
         return [DEFAULT_STEPS] * replicas
-    if text.strip().lower() == "auto":
-        raise ConfigError("--semi-sync-steps auto is not implemented yet: give H, or H0,H1,... one per replica")
+    if text.strip().lower().startswith("auto"):
+        h = text.strip()[4:].lstrip(":") or str(DEFAULT_STEPS)
+        if not h.isdigit() or int(h) < 2:
+            raise ConfigError(f"--semi-sync-steps {text!r}: auto or auto:H with H >= 2 inner steps per round")
+        return [int(h)] * replicas
     try:
         steps = [int(s) for s in text.replace(" ", ",").split(",") if s]
     except ValueError:

@@ -331,6 +331,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         if semi is not None and semi.after_iteration(it, trained):  # an outer step: replicas hold the same weights
             if hash_every and (drifted := replicas_differ(chunks, across_replicas=True)):
                 _abort(f"iteration {it}: semi-synchronous replicas differ after the outer step ({drifted[0]})", owns)
+            if (line := semi.announcement(it)) is not None:  # --semi-sync-steps auto's choice
+                print_rank_last(line)
             if semi.H < semi.round and it < args.train_iters:
                 train_iters = data_iterators(train_ds, consumed_train, args, chunks, plan=plan)  # past idle ticks
         if args.manual_gc and args.manual_gc_interval and it % args.manual_gc_interval == 0:

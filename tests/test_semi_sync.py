@@ -105,7 +105,7 @@ def test_replicas_match_the_serial_reference(world, i):
     (DILOCO + ("--semi-sync-steps", "2,3,4"), 2, "one per replica (2 replicas)"),
     (DILOCO + ("--semi-sync-steps", "0"), 2, "one positive integer"),
     (DILOCO + ("--semi-sync-steps", "4", "--eval-interval", "6"), 2, "--eval-interval 6 must be a multiple of"),
-    (DILOCO + ("--semi-sync-steps", "auto"), 2, "auto is not implemented yet"),
+    (DILOCO + ("--semi-sync-steps", "auto:1"), 2, "auto or auto:H with H >= 2"),
     (DILOCO + ("--semi-sync-steps", "4", "--save-interval", "6"), 2, "--save-interval 6 must be a multiple of"),
     (DILOCO + ("--num-experts", "4"), 2, "does not compose with MoE models"),
     (DILOCO + ("--outer-momentum", "1.5"), 2, "--outer-momentum 1.5 in [0, 1)"),
@@ -127,9 +127,10 @@ def _run(flags):
     from parity import _named, learnable_datasets
     args = parse_args(list(BASE) + ["--lr-decay-iters", str(STEPS)] + list(flags), world_size=ps.world_size())
     try:
-        losses, chunks, _ = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
-                                     return_state=True)
-        return losses, {n: gather_full(p, p.detach().float()) for n, p in _named(chunks)}
+        losses, chunks, opt = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
+                                       return_state=True)
+        semi = getattr(opt, "semi_sync", None)
+        return losses, {n: gather_full(p, p.detach().float()) for n, p in _named(chunks)}, semi and semi.chosen
     finally:
         ps.destroy_model_parallel()
 
@@ -169,3 +170,30 @@ def test_checkpoints_resume_exactly_and_cross_to_synchronous_training(tmp_path):
         hf.update(load_file(str(f)))
     emb = runs[0]["first 4"][1]["embedding.word_embeddings.weight"]
     assert torch.equal(hf["transformer.wte.weight"].float(), emb[:hf["transformer.wte.weight"].shape[0]])
+
+
+def _auto_run():
+    import time
+
+    import pretrain_gpt
+    original = pretrain_gpt.forward_step
+
+    def slow(it, model):  # replica 1 is the slow one: 50 ms more per micro-batch
+        if ps.get_replica_rank() == 1:
+            time.sleep(0.05)
+        return original(it, model)
+    pretrain_gpt.forward_step = slow
+    try:
+        return _run(list(DILOCO) + ["--semi-sync-replicas", "2", "--semi-sync-steps", "auto:4", "--train-iters", "8"])
+    finally:
+        pretrain_gpt.forward_step = original
+
+
+def test_auto_steps_give_the_slow_replica_fewer_inner_steps():
+    """The first round times 4 steps of each replica; replica 1 (4 micro-batches x 50 ms slower per step than
+    replica 0's few ms) then gets round(4 x its relative speed) = 1 step per round, replica 0 keeps 4."""
+    runs = run_on_ranks(_auto_run, 2)
+    for r, (losses, _, chosen) in enumerate(runs):
+        secs, counts, at = chosen
+        assert counts == [4, 1] and at == 4 and secs[1] > 4 * secs[0], chosen
+        assert len(losses) == (8 if r == 0 else 5), (r, losses)  # replica 1: 4 steps, then 1 of the next 4

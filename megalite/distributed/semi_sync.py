@@ -20,6 +20,8 @@ the outer all-reduce runs over those counterparts (parallel_state's replica grou
 The outer arithmetic runs in float64, so one replica with outer lr 1 and momentum 0 reproduces the
 ordinary run bit for bit."""
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -42,6 +44,8 @@ class SemiSync:
         self.buf = None  # the outer momentum, per main parameter (torch's SGD: created at the first step)
         self.samples = 0  # what this replica trained on since the last outer step
         self.outer_steps = self.bytes_sent = 0
+        self.auto = getattr(args, "semi_sync_auto", False)  # time the first round, then set the counts
+        self.step_times, self.last_tick, self.chosen = [], None, None
 
     def reset_global(self):
         """The global weights: this rank's fp32 main parameters as they are now."""
@@ -78,10 +82,41 @@ class SemiSync:
         """Count this replica's samples; at the end of a round (or of training) the outer step.
         Returns whether an outer step ran."""
         self.samples += trained_samples
+        if self.auto:
+            now = time.perf_counter()
+            if self.last_tick is not None and trained_samples:
+                self.step_times.append(now - self.last_tick)
+            self.last_tick = now
         if not self.outer_due(it):
             return False
         self.outer_step()
+        if self.auto:
+            self._choose_steps(it)
         return True
+
+    def announcement(self, it):
+        """The line that reports --semi-sync-steps auto's choice, at the outer step that made it."""
+        if self.chosen is None or self.chosen[2] != it:
+            return None
+        counts = ",".join(map(str, self.steps))
+        return (f"megalite: --semi-sync-steps auto: ms per inner step by replica "
+                f"{', '.join(f'{1e3 * t:.1f}' for t in self.chosen[0])} -> inner steps per round {counts} from "
+                f"iteration {it + 1} (to repeat: --semi-sync-steps {counts})")
+
+    def _choose_steps(self, it):
+        """--semi-sync-steps auto, after the first (timed) round: each replica's seconds per inner step (the
+        median over the round after its first step; a replica is as slow as its slowest rank), gathered in one
+        all-reduce that every rank reads alike; the fastest replica keeps H, each other one H x its speed
+        relative to the fastest (at least 1). Printed so that a run can be repeated with explicit counts."""
+        mine = sorted(self.step_times)[len(self.step_times) // 2] if self.step_times else 0.0
+        t = torch.zeros(self.replicas, dtype=torch.float64, device=ps.get_device())
+        t[self.replica] = mine
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        secs = t.tolist()
+        fastest = min(secs) if min(secs) > 0 else 1.0
+        self.steps = [max(1, int(round(self.round * fastest / s))) if s > 0 else self.round for s in secs]
+        self.H, self.auto, self.chosen = self.steps[self.replica], False, (secs, list(self.steps), it)
 
     @torch.no_grad()
     def outer_step(self):
