@@ -17,6 +17,12 @@ def add_semi_sync_flags(a):
       help=f"inner steps between outer steps: H, or H0,H1,... one per replica (a faster replica runs more), or "
            f"auto[:H] (the first round H steps each, timed; then the fastest replica H, the others in proportion "
            f"to their speed); default {DEFAULT_STEPS}")
+    a("--semi-sync-fragments", type=int, default=1,
+      help="Streaming DiLoCo: K fragments of contiguous layers, fragment i synced at its own offset in the round")
+    a("--semi-sync-fragment-delay", type=int, default=0,
+      help="Streaming: a fragment's outer all-reduce overlaps this many inner steps before it is applied")
+    a("--semi-sync-fragment-alpha", type=float, default=0.0,
+      help="Streaming: the local weights become alpha x local + (1 - alpha) x global at a fragment's update")
     a("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate (default 0.7)")
     a("--outer-momentum", type=float, default=None, help="diloco: the outer SGD's momentum (default 0.9)")
     a("--no-outer-nesterov", dest="outer_nesterov", action="store_false", default=True,
@@ -30,6 +36,10 @@ def validate_semi_sync(args):
                             ("--semi-sync-steps", args.semi_sync_steps),
                             ("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum),
                             ("--no-outer-nesterov", None if args.outer_nesterov else True)) if v is not None]
+    streaming = [f for f, v, d in (("--semi-sync-fragments", args.semi_sync_fragments, 1),
+                                   ("--semi-sync-fragment-delay", args.semi_sync_fragment_delay, 0),
+                                   ("--semi-sync-fragment-alpha", args.semi_sync_fragment_alpha, 0.0)) if v != d]
+    given += streaming
     if args.semi_sync_method is None:
         if given:
             raise ConfigError(f"{', '.join(given)} need --semi-sync-method local_sgd or diloco")
@@ -56,11 +66,14 @@ def validate_semi_sync(args):
             raise ConfigError(f"--outer-lr {args.outer_lr} must be > 0 and --outer-momentum {args.outer_momentum} in "
                               "[0, 1)")
     round_ = max(args.semi_sync_steps)
+    if streaming:
+        _validate_streaming(args, round_)
     for flag in ("eval_interval", "save_interval", "exit_interval"):
         v = getattr(args, flag, None)
         if v and v % round_:
             raise ConfigError(f"--{flag.replace('_', '-')} {v} must be a multiple of the outer-step interval "
-                              f"{round_} (--semi-sync-steps): replicas hold the global weights only after an outer step")
+                              f"{round_} (--semi-sync-steps): replicas hold the global weights only after an outer "
+                              "step")
     refused = [(args.data_parallel_shares == "auto", "--data-parallel-shares auto (it times all DP ranks each step)"),
                (args.hierarchical_grad_reduce, "--hierarchical-grad-reduce"),
                (args.grad_compression != "none", "--grad-compression"),
@@ -72,6 +85,26 @@ def validate_semi_sync(args):
     for bad, what in refused:
         if bad:
             raise ConfigError(f"--semi-sync-method {args.semi_sync_method} does not compose with {what} yet")
+
+
+def _validate_streaming(args, round_):
+    k, tau, alpha = args.semi_sync_fragments, args.semi_sync_fragment_delay, args.semi_sync_fragment_alpha
+    if k < 1 or k > round_ or k > args.num_layers:
+        raise ConfigError(f"--semi-sync-fragments {k} must be between 1 and the inner steps per round ({round_}) and "
+                          f"the layers ({args.num_layers})")
+    if tau < 0 or tau >= round_ / k:
+        raise ConfigError(f"--semi-sync-fragment-delay {tau} must be >= 0 and below the steps between two fragments' "
+                          f"syncs (--semi-sync-steps {round_} / --semi-sync-fragments {k} = {round_ / k:g})")
+    if not 0 <= alpha < 1:
+        raise ConfigError(f"--semi-sync-fragment-alpha {alpha} must be in [0, 1)")
+    if len(set(args.semi_sync_steps)) > 1 or args.semi_sync_auto:
+        raise ConfigError("streaming (--semi-sync-fragments / -delay / -alpha) needs one --semi-sync-steps H for "
+                          "every replica (not uneven counts or auto)")
+    given = [f"--{f.replace('_', '-')}" for f in ("eval_interval", "save_interval", "exit_interval")
+             if getattr(args, f, None)]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: with streaming the replicas hold the global weights only at the end "
+                          "of training (fragments sync at staggered steps); evaluate and save at the end")
 
 
 def _steps(text, replicas):

@@ -291,7 +291,9 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     timers = {} if args.log_timers_to_tensorboard else None
     for c in chunks:
         c.train()
+    last = start_iter  # the last iteration run (a replica of fewer inner steps has fewer losses)
     for it in range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1):
+        last = it
         num_micro, batch = plan.num_microbatches(consumed_train, dp_rank), plan.global_batch_size(consumed_train)
         total = plan.total(consumed_train, dp_rank)  # uneven shares: losses over the replica's count
         profiling = auto is not None and not auto.done
@@ -370,7 +372,6 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
     losses = window.losses
-    last = start_iter + len(losses)
     if args.save and saved_at != last:  # as Megatron: the final state is saved too
         save(last)
     finish_checkpointing()

@@ -150,16 +150,27 @@ def outer_momentum_not_carried():
 
 def replicas_weighted_equally():
     from megalite.distributed.semi_sync import SemiSync
-    return patched(SemiSync, "_weight", lambda self, group: 1.0 / self.replicas)
+    return patched(SemiSync, "_weight", lambda self, group, samples: 1.0 / self.replicas)
 
 
-# semi-synchronous faults (DiLoCo, two ranks): (fault, layout name, replicas, inner steps, what the report must name)
+def fragment_synced_at_the_wrong_step():
+    """Each fragment syncs where the next one should (fragment f at offset (f + 2) H / K)."""
+    from megalite.distributed.semi_sync import SemiSync
+    return patched(SemiSync, "offset", lambda self, f: ((f + 2) * self.round // self.fragments) % self.round)
+
+
+# semi-synchronous faults (DiLoCo, two ranks): (fault, layout name, replicas, inner steps, streaming (fragments,
+# delay, alpha), what the report must name)
 SEMI_FAULTS = [
-    (pseudo_gradient_sign_flipped, "dp2_r2_diloco", 2, "2", "params"),
-    (outer_momentum_not_carried, "dp2_r2_diloco", 2, "2", "momentum"),
-    (replicas_weighted_equally, "dp2_r2_uneven_3_1", 2, "3,1", "params"),
+    (pseudo_gradient_sign_flipped, "dp2_r2_diloco", 2, "2", (1, 0, 0.0), "params"),
+    (outer_momentum_not_carried, "dp2_r2_diloco", 2, "2", (1, 0, 0.0), "momentum"),
+    (replicas_weighted_equally, "dp2_r2_uneven_3_1", 2, "3,1", (1, 0, 0.0), "params"),
+    (fragment_synced_at_the_wrong_step, "dp2_r2_streaming_k2", 2, "4", (2, 1, 0.0), "params"),
 ]
-SEMI_LAYOUTS = [semi(f"{f.__name__}@{name}", r, steps, dp=2, fault=f) for f, name, r, steps, _ in SEMI_FAULTS]
+SEMI_LAYOUTS = [semi(f"{f.__name__}@{name}", r, steps, dp=2, fault=f,
+                     flags=("--semi-sync-fragments", str(k), "--semi-sync-fragment-delay", str(tau),
+                            "--semi-sync-fragment-alpha", str(alpha)))
+                for f, name, r, steps, (k, tau, alpha), _ in SEMI_FAULTS]
 
 
 # (fault, layout name, layout, what the mismatch report must name): each fault on the smallest
@@ -218,10 +229,10 @@ def test_harness_reports_injected_fault(faulty_runs, lay):
 
 @pytest.mark.parametrize("case", SEMI_FAULTS, ids=lambda c: f"{c[0].__name__}@{c[1]}")
 def test_semi_sync_harness_reports_injected_fault(faulty_runs, case):
-    fault, name, replicas, steps, expected = case
+    fault, name, replicas, steps, streaming, expected = case
     lay = next(lay for lay in SEMI_LAYOUTS if lay.name == f"{fault.__name__}@{name}")
     steps = [int(h) for h in steps.split(",")] * (replicas if "," not in steps else 1)
-    ref = serial_reference(lay, replicas, steps, DILOCO, 2)
+    ref = serial_reference(lay, replicas, steps, DILOCO, 2, streaming)
     found = semi_sync_mismatches(lay, faulty_runs[lay.name], ref, steps, DILOCO)
     named = [m for m in found if f" {expected} " in m]
     print(f"\n{lay.name}: {len(found)} mismatches, e.g. {named[:1]}")

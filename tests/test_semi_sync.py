@@ -72,7 +72,8 @@ def test_outer_step_is_sgd_with_momentum_in_float64(nesterov):
     assert opt.published == 4 and s.outer_steps == 4
 
 
-# (layout, replicas, inner steps per replica, method, DP size over all replicas)
+STREAMING = ("--semi-sync-fragments", "2", "--semi-sync-fragment-delay", "1", "--semi-sync-fragment-alpha", "0.5")
+# (layout, replicas, inner steps per replica, method, DP size over all replicas[, (fragments, delay, alpha)])
 CASES = [
     (semi("dp4_r2_diloco", 2, "2", dp=4), 2, [2, 2], DILOCO, 4),
     (semi("dp4_r4_local_sgd_uneven", 4, "3,1,2,3", method=LOCAL_SGD, dp=4), 4, [3, 1, 2, 3], LOCAL_SGD, 4),
@@ -80,6 +81,12 @@ CASES = [
     (semi("pp2_r2_diloco_uneven", 2, "3,2", pp=2, dp=2), 2, [3, 2], DILOCO, 2),
     (semi("zero2_dp4_r2_diloco", 2, "3", zero=2, dp=4), 2, [3, 3], DILOCO, 4),
     (semi("cp2_r2_diloco", 2, "2", cp=2, dp=2), 2, [2, 2], DILOCO, 2),
+    # Streaming DiLoCo: 2 fragments (layers 0-1 + embeddings, layers 2-3 + final norm) at iterations 2 and 4
+    # of each round of 4, applied one iteration later and mixed in with alpha 0.5
+    (semi("dp4_r2_streaming_k2_delay1_alpha", 2, "4", dp=4, flags=STREAMING), 2, [4, 4], DILOCO, 4, (2, 1, 0.5)),
+    # 4 fragments over PP2 (each stage syncs its two at different iterations), no delay
+    (semi("pp2_r2_streaming_k4", 2, "4", pp=2, dp=2, flags=("--semi-sync-fragments", "4")), 2, [4, 4], DILOCO, 2,
+     (4, 0, 0.0)),
 ]
 
 
@@ -90,8 +97,8 @@ def world():
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[c[0].name for c in CASES])
 def test_replicas_match_the_serial_reference(world, i):
-    lay, replicas, steps, method, dp = CASES[i]
-    ranks, ref = world[i], serial_reference(lay, replicas, steps, method, dp)
+    lay, replicas, steps, method, dp, *streaming = CASES[i]
+    ranks, ref = world[i], serial_reference(lay, replicas, steps, method, dp, *streaming)
     bad = semi_sync_mismatches(lay, ranks, ref, steps, method)
     assert not bad, f"{lay.name}: {len(bad)} mismatches against the serial reference:\n" + "\n".join(bad[:30])
     check_reference({"losses": ref["losses"][0]}, margin=0.3)
@@ -145,6 +152,8 @@ def _checkpoint_runs(d):
     out["sync first 4"] = _run(["--train-iters", "4", "--save", f"{d}/sync"])
     out["semi from sync"] = _run(semi_flags + ["--load", f"{d}/sync", "--train-iters", "4"])
     out["semi from sync, trained"] = _run(semi_flags + ["--load", f"{d}/sync"])
+    uneven = list(DILOCO) + ["--semi-sync-replicas", "2", "--semi-sync-steps", "2,1"]
+    out["uneven"] = _run(uneven + ["--save", f"{d}/uneven"])  # replica 1 has 3 losses, and saves iteration 6 too
     return out
 
 
@@ -163,6 +172,9 @@ def test_checkpoints_resume_exactly_and_cross_to_synchronous_training(tmp_path):
         same(r["tp2 from semi"][1], first[1], "TP2 loading the semi-sync checkpoint (DP2, 2 replicas)")
         same(r["semi from sync"][1], r["sync first 4"][1], "semi-sync loading a synchronous checkpoint")
         assert len(r["semi from sync, trained"][0]) == 2
+    assert [len(r["uneven"][0]) for r in runs] == [6, 3]
+    assert (tmp_path / "uneven" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert not (tmp_path / "uneven" / "iter_0000003").exists()
     export_hf(str(tmp_path / "semi"), str(tmp_path / "hf"), model_type="gpt")  # the global weights, to HF
     from safetensors.torch import load_file
     hf = {}

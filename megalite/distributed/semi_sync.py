@@ -20,6 +20,7 @@ the outer all-reduce runs over those counterparts (parallel_state's replica grou
 The outer arithmetic runs in float64, so one replica with outer lr 1 and momentum 0 reproduces the
 ordinary run bit for bit."""
 
+import re
 import time
 
 import torch
@@ -46,6 +47,18 @@ class SemiSync:
         self.outer_steps = self.bytes_sent = 0
         self.auto = getattr(args, "semi_sync_auto", False)  # time the first round, then set the counts
         self.step_times, self.last_tick, self.chosen = [], None, None
+        # Streaming: fragments of contiguous layers, each synced at its own offset in the round, its all-reduce
+        # overlapping `delay` inner steps and then mixed in with weight alpha for the local weights
+        self.fragments = getattr(args, "semi_sync_fragments", 1)
+        self.delay = getattr(args, "semi_sync_fragment_delay", 0)
+        self.alpha = getattr(args, "semi_sync_fragment_alpha", 0.0)
+        names = getattr(optimizer, "names", [""] * len(self.glob))
+        params = [pc.param for pc in optimizer.pieces] if hasattr(optimizer, "pieces") else \
+            getattr(optimizer, "model_params", [None] * len(self.glob))
+        self.frag_of = [0 if getattr(p, "shared_embedding", False) else  # the last stage's tied copy: as the first's
+                        fragment_of(n, getattr(args, "num_layers", 1), self.fragments) for n, p in zip(names, params)]
+        self.frag_samples, self.pending = [0] * self.fragments, []
+        self.frag_syncs = [0] * self.fragments  # outer all-reduces per fragment (bytes: 4 x its elements each)
 
     def reset_global(self):
         """The global weights: this rank's fp32 main parameters as they are now."""
@@ -78,9 +91,19 @@ class SemiSync:
                 f"{','.join(map(str, self.steps))}, {how}; the training loss logged is replica {self.replicas - 1}'s, "
                 "validation is every replica's on the global weights")
 
+    def offset(self, f):
+        """Fragment f's outer steps: the iterations it % round == offset (the last at the round's end)."""
+        return ((f + 1) * self.round // self.fragments) % self.round
+
+    @property
+    def streaming(self):
+        return self.fragments > 1 or self.delay > 0 or self.alpha > 0
+
     def after_iteration(self, it, trained_samples):
         """Count this replica's samples; at the end of a round (or of training) the outer step.
-        Returns whether an outer step ran."""
+        Returns whether an outer step left every replica on the global weights."""
+        if self.streaming:
+            return self._streaming_iteration(it, trained_samples)
         self.samples += trained_samples
         if self.auto:
             now = time.perf_counter()
@@ -120,33 +143,80 @@ class SemiSync:
 
     @torch.no_grad()
     def outer_step(self):
-        mains, group = self.optimizer.main_params, ps.get_replica_group()
-        frac = self._weight(group)
-        if self.buf is None and self.momentum:
-            self.buf = [None] * len(mains)
-        for idx in _buckets([m.numel() for m in mains]):
-            local = torch.cat([mains[i].detach().reshape(-1).double() for i in idx])
-            glob = torch.cat([self.glob[i].reshape(-1).double() for i in idx])
-            mine = self._contribution(local, glob)
-            total = mine * frac if frac != 1.0 else mine
-            if group is not None:
-                sent = total.float()
-                comm.all_reduce(sent, group=group)  # (counted with the other DP collectives)
-                self.bytes_sent += sent.numel() * sent.element_size()
-                total = sent.double()
-            new = total if self.method == "local_sgd" else glob - self.lr * self._direction(idx, total)
-            for i, part in zip(idx, new.split([mains[i].numel() for i in idx])):
-                self.glob[i].copy_(part.view_as(self.glob[i]))
-                mains[i].copy_(self.glob[i])
-        self.optimizer.publish_main_params()
+        self._finish(self._start(range(len(self.glob)), self.samples), alpha=0.0)
         self.samples, self.outer_steps = 0, self.outer_steps + 1
 
-    def _weight(self, group):
+    @torch.no_grad()
+    def _streaming_iteration(self, it, trained):
+        """Fragments: start each due fragment's all-reduce, finish those started `delay` iterations ago
+        (mixing in with alpha); at the last iteration everything is finished and every fragment synced at
+        once, unmixed, so training ends on the global weights."""
+        self.frag_samples = [n + trained for n in self.frag_samples]
+        last = it == self.train_iters
+        for p in [p for p in self.pending if p["at"] == it or last]:
+            self.pending.remove(p)
+            self._finish(p, alpha=self.alpha)
+        due = range(self.fragments) if last else [f for f in range(self.fragments) if it % self.round == self.offset(f)]
+        for f in due:
+            idx = [i for i, g in enumerate(self.frag_of) if g == f]
+            p = self._start(idx, self.frag_samples[f], async_op=not last and self.delay > 0)
+            self.frag_samples[f], p["at"], p["fragment"] = 0, it + (0 if last else self.delay), f
+            if p["at"] == it:
+                self._finish(p, alpha=0.0 if last else self.alpha)
+            else:
+                self.pending.append(p)
+        if last or (due and self.offset(due[-1]) == 0):
+            self.outer_steps += 1
+        return last
+
+    def _start(self, idx, samples, async_op=False):
+        """This rank's weighted contribution for the main params idx, summed over the replicas (async_op:
+        returned with the pending work)."""
+        mains, group = self.optimizer.main_params, ps.get_replica_group()
+        frac, parts = self._weight(group, samples), []
+        for f in {self.frag_of[i] for i in idx}:
+            self.frag_syncs[f] += 1
+        for b in _buckets([mains[i].numel() for i in idx]):
+            ids = [idx[j] for j in b]
+            local = torch.cat([mains[i].detach().reshape(-1).double() for i in ids])
+            glob = torch.cat([self.glob[i].reshape(-1).double() for i in ids])
+            mine = self._contribution(local, glob)
+            total, work = mine * frac if frac != 1.0 else mine, None
+            if group is not None:
+                total = total.float()
+                work = comm.all_reduce(total, group=group, async_op=async_op)  # (counted with the DP collectives)
+                self.bytes_sent += total.numel() * total.element_size()
+            parts.append((ids, total, work))
+        return {"parts": parts}
+
+    def _finish(self, pending, alpha):
+        """The outer update of the params of a started all-reduce; the local weights become alpha x local +
+        (1 - alpha) x the new global weights."""
+        mains = self.optimizer.main_params
+        if self.buf is None and self.momentum:
+            self.buf = [None] * len(mains)
+        for ids, total, work in pending["parts"]:
+            if work is not None:
+                work.wait()
+            total = total.double()
+            glob = torch.cat([self.glob[i].reshape(-1).double() for i in ids])
+            new = total if self.method == "local_sgd" else glob - self.lr * self._direction(ids, total)
+            sizes = [mains[i].numel() for i in ids]
+            mixed = new.split(sizes)
+            if alpha:
+                local = torch.cat([mains[i].detach().reshape(-1).double() for i in ids])
+                mixed = (alpha * local + (1 - alpha) * new).split(sizes)
+            for i, part, mine in zip(ids, new.split(sizes), mixed):
+                self.glob[i].copy_(part.view_as(self.glob[i]))
+                mains[i].copy_(mine.view_as(mains[i]) if alpha else self.glob[i])
+        self.optimizer.publish_main_params()
+
+    def _weight(self, group, samples):
         """This replica's weight: its samples since the last outer step over all replicas' (one all-reduce)."""
-        w = torch.tensor([float(self.samples)], dtype=torch.float64, device=ps.get_device())
+        w = torch.tensor([float(samples)], dtype=torch.float64, device=ps.get_device())
         if group is not None:
             dist.all_reduce(w, group=group)
-        return self.samples / w.item() if w.item() > 0 else 1.0 / self.replicas
+        return samples / w.item() if w.item() > 0 else 1.0 / self.replicas
 
     def _contribution(self, local, glob):
         """What this replica sends: Local SGD its weights, DiLoCo its pseudo-gradient global - local."""
@@ -176,6 +246,18 @@ class SemiSync:
                          device=ps.get_device())
         dist.all_reduce(t, group=group)
         return {k: (t[i] / t[-1]).item() for i, k in enumerate(keys)}
+
+
+def fragment_of(name, num_layers, fragments):
+    """The fragment of a parameter (by its global name): transformer layer i of L in fragment i K // L; the
+    embeddings in the first, everything after the layers (final norm, output layer) in the last."""
+    m = _LAYER.search(name)
+    if m:
+        return int(m.group(1)) * fragments // max(num_layers, 1)
+    return 0 if "embedding" in name else fragments - 1
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def _buckets(sizes):
