@@ -23,6 +23,9 @@ def add_semi_sync_flags(a):
       help="Streaming: a fragment's outer all-reduce overlaps this many inner steps before it is applied")
     a("--semi-sync-fragment-alpha", type=float, default=0.0,
       help="Streaming: the local weights become alpha x local + (1 - alpha) x global at a fragment's update")
+    a("--semi-sync-quantize", default=None, choices=["bf16", "fp8"],
+      help="send the outer step's contributions in bf16 or fp8 (e4m3, a scale per row of 256), all-gathered and "
+           "summed in fp32; the outer step itself stays fp32")
     a("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate (default 0.7)")
     a("--outer-momentum", type=float, default=None, help="diloco: the outer SGD's momentum (default 0.9)")
     a("--no-outer-nesterov", dest="outer_nesterov", action="store_false", default=True,
@@ -35,6 +38,7 @@ def validate_semi_sync(args):
     given = [f for f, v in (("--semi-sync-replicas", args.semi_sync_replicas),
                             ("--semi-sync-steps", args.semi_sync_steps),
                             ("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum),
+                            ("--semi-sync-quantize", args.semi_sync_quantize),
                             ("--no-outer-nesterov", None if args.outer_nesterov else True)) if v is not None]
     streaming = [f for f, v, d in (("--semi-sync-fragments", args.semi_sync_fragments, 1),
                                    ("--semi-sync-fragment-delay", args.semi_sync_fragment_delay, 0),
@@ -54,6 +58,9 @@ def validate_semi_sync(args):
     args.semi_sync_auto = str(args.semi_sync_steps).strip().lower().startswith("auto")
     args.semi_sync_steps = _steps(args.semi_sync_steps, r)
     if args.semi_sync_method == "local_sgd":
+        if args.semi_sync_quantize:
+            raise ConfigError("--semi-sync-quantize sends pseudo-gradients in low precision; local_sgd sends weights: use "
+                              "--semi-sync-method diloco --outer-lr 1 --outer-momentum 0 (the same average)")
         wrong = [f for f in given if f in ("--outer-lr", "--outer-momentum", "--no-outer-nesterov")]
         if wrong:
             raise ConfigError(f"{', '.join(wrong)}: local_sgd averages the replicas' weights (no outer optimizer); "

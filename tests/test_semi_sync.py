@@ -90,9 +90,26 @@ CASES = [
 ]
 
 
+# fp8 pseudo-gradients (Streaming DiLoCo, 2 fragments, delay 1): not the exact update, so checked on its own
+QUANTIZED = semi("dp4_r2_streaming_fp8", 2, "4", dp=4, flags=("--semi-sync-fragments", "2", "--semi-sync-fragment-delay",
+                                                             "1", "--semi-sync-quantize", "fp8"))
+
+
 @pytest.fixture(scope="module")
 def world():
-    return run_layouts([c[0] for c in CASES], 4, collect=collect)
+    return run_layouts([c[0] for c in CASES] + [QUANTIZED], 4, collect=collect)
+
+
+def test_quantized_outer_steps_keep_replicas_identical_and_send_the_formula(world):
+    from megalite.distributed.quantize import payload_bytes
+    ranks, first = world[-1], {}
+    for r in ranks:
+        c = r["collected"]
+        want = sum(n * payload_bytes(e, "fp8") for n, e in zip(c["syncs"], c["elements"]))  # one bucket each here
+        assert c["syncs"] == [2, 2] and c["bytes"] == want, (c["syncs"], c["bytes"], want)
+        for name, t in r["params"].items():
+            assert torch.equal(first.setdefault((r["coords"], name), t), t), f"replicas differ in {name}"
+    check_reference({"losses": ranks[0]["losses"]}, margin=0.3)
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[c[0].name for c in CASES])
@@ -115,6 +132,13 @@ def test_replicas_match_the_serial_reference(world, i):
     (DILOCO + ("--semi-sync-steps", "auto:1"), 2, "auto or auto:H with H >= 2"),
     (DILOCO + ("--semi-sync-steps", "4", "--save-interval", "6"), 2, "--save-interval 6 must be a multiple of"),
     (DILOCO + ("--num-experts", "4"), 2, "does not compose with MoE models"),
+    (LOCAL_SGD + ("--semi-sync-quantize", "fp8"), 2, "local_sgd sends weights"),
+    (DILOCO + ("--semi-sync-steps", "4", "--semi-sync-fragments", "5"), 2, "--semi-sync-fragments 5 must be between"),
+    (DILOCO + ("--semi-sync-steps", "4", "--semi-sync-fragments", "2", "--semi-sync-fragment-delay", "2"), 2,
+     "--semi-sync-fragment-delay 2 must be >= 0 and below"),
+    (DILOCO + ("--semi-sync-steps", "4,2", "--semi-sync-fragments", "2"), 2, "needs one --semi-sync-steps H"),
+    (DILOCO + ("--semi-sync-steps", "4", "--semi-sync-fragments", "2", "--eval-interval", "4"), 2,
+     "hold the global weights only at the end"),
     (DILOCO + ("--outer-momentum", "1.5"), 2, "--outer-momentum 1.5 in [0, 1)"),
 ])
 def test_bad_combinations_are_one_line(flags, world, message):
@@ -209,3 +233,20 @@ def test_auto_steps_give_the_slow_replica_fewer_inner_steps():
         secs, counts, at = chosen
         assert counts == [4, 1] and at == 4 and secs[1] > 4 * secs[0], chosen
         assert len(losses) == (8 if r == 0 else 5), (r, losses)  # replica 1: 4 steps, then 1 of the next 4
+
+
+# -- quantized pseudo-gradients -------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_quantized_payloads_stay_within_their_bound(kind):
+    from megalite.distributed import quantize
+    torch.manual_seed(0)
+    n = 3 * quantize.ROW + 37  # a partial last row
+    x = torch.randn(n, dtype=torch.float64) * torch.logspace(-6, 1, n, dtype=torch.float64)  # magnitudes over 7 decades
+    x[quantize.ROW:2 * quantize.ROW] = 0.0  # a row of zeros
+    payload, scale = quantize.quantize(x, kind)
+    back = quantize.dequantize(payload, scale, kind, n)
+    err, bound = (back - x.float().double()).abs(), quantize.error_bound(x, kind)
+    assert bool((err <= bound).all()), f"{kind}: worst excess {(err - bound).max():.3e}"
+    assert bool((back[quantize.ROW:2 * quantize.ROW] == 0).all())
+    assert payload.numel() + (0 if scale is None else 4 * scale.numel()) == quantize.payload_bytes(n, kind)
+    assert (err > 0).any(), "a quantizer that loses nothing here is not quantizing"

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
-from megalite.distributed import comm
+from megalite.distributed import comm, quantize
 
 BUCKET = 1 << 24  # elements per outer all-reduce
 
@@ -59,6 +59,7 @@ class SemiSync:
                         fragment_of(n, getattr(args, "num_layers", 1), self.fragments) for n, p in zip(names, params)]
         self.frag_samples, self.pending = [0] * self.fragments, []
         self.frag_syncs = [0] * self.fragments  # outer all-reduces per fragment (bytes: 4 x its elements each)
+        self.quantize = getattr(args, "semi_sync_quantize", None)  # bf16 / fp8 payloads, all-gathered (quantize.py)
 
     def reset_global(self):
         """The global weights: this rank's fp32 main parameters as they are now."""
@@ -181,13 +182,38 @@ class SemiSync:
             local = torch.cat([mains[i].detach().reshape(-1).double() for i in ids])
             glob = torch.cat([self.glob[i].reshape(-1).double() for i in ids])
             mine = self._contribution(local, glob)
-            total, work = mine * frac if frac != 1.0 else mine, None
-            if group is not None:
+            total, works = mine * frac if frac != 1.0 else mine, []
+            if group is not None and self.quantize:  # every replica's payload, summed after dequantizing
+                total, works = self._gather_quantized(total, group, async_op)
+            elif group is not None:
                 total = total.float()
-                work = comm.all_reduce(total, group=group, async_op=async_op)  # (counted with the DP collectives)
+                works = [comm.all_reduce(total, group=group, async_op=async_op)]  # (counted with the DP collectives)
                 self.bytes_sent += total.numel() * total.element_size()
-            parts.append((ids, total, work))
+            parts.append((ids, total, works))
         return {"parts": parts}
+
+    def _gather_quantized(self, total, group, async_op):
+        payload, scale = quantize.quantize(total, self.quantize)
+        out = [torch.empty(self.replicas * payload.numel(), dtype=torch.uint8, device=payload.device), None]
+        works = [comm.all_gather(out[0], payload, group=group, async_op=async_op)]
+        if scale is not None:
+            out[1] = torch.empty(self.replicas * scale.numel(), dtype=scale.dtype, device=scale.device)
+            works.append(comm.all_gather(out[1], scale, group=group, async_op=async_op))
+        self.bytes_sent += quantize.payload_bytes(total.numel(), self.quantize)
+        return ("quantized", out, total.numel()), works
+
+    def _received(self, total):
+        """The summed contributions: the all-reduced fp32 tensor, or the replicas' dequantized payloads
+        summed in replica order (the same on every rank)."""
+        if not (isinstance(total, tuple) and total[0] == "quantized"):
+            return total.double()
+        (payloads, scales), n = total[1], total[2]
+        pays = payloads.view(self.replicas, -1)
+        sc = scales.view(self.replicas, -1) if scales is not None else [None] * self.replicas
+        out = torch.zeros(n, dtype=torch.float64, device=payloads.device)
+        for r in range(self.replicas):
+            out += quantize.dequantize(pays[r], sc[r], self.quantize, n)
+        return out
 
     def _finish(self, pending, alpha):
         """The outer update of the params of a started all-reduce; the local weights become alpha x local +
@@ -195,10 +221,11 @@ class SemiSync:
         mains = self.optimizer.main_params
         if self.buf is None and self.momentum:
             self.buf = [None] * len(mains)
-        for ids, total, work in pending["parts"]:
-            if work is not None:
-                work.wait()
-            total = total.double()
+        for ids, total, works in pending["parts"]:
+            for work in works:
+                if work is not None:
+                    work.wait()
+            total = self._received(total)
             glob = torch.cat([self.glob[i].reshape(-1).double() for i in ids])
             new = total if self.method == "local_sgd" else glob - self.lr * self._direction(ids, total)
             sizes = [mains[i].numel() for i in ids]
