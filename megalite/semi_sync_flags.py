@@ -59,8 +59,8 @@ def validate_semi_sync(args):
     args.semi_sync_steps = _steps(args.semi_sync_steps, r)
     if args.semi_sync_method == "local_sgd":
         if args.semi_sync_quantize:
-            raise ConfigError("--semi-sync-quantize sends pseudo-gradients in low precision; local_sgd sends weights: use "
-                              "--semi-sync-method diloco --outer-lr 1 --outer-momentum 0 (the same average)")
+            raise ConfigError("--semi-sync-quantize sends pseudo-gradients in low precision; local_sgd sends weights: "
+                              "use --semi-sync-method diloco --outer-lr 1 --outer-momentum 0 (the same average)")
         wrong = [f for f in given if f in ("--outer-lr", "--outer-momentum", "--no-outer-nesterov")]
         if wrong:
             raise ConfigError(f"{', '.join(wrong)}: local_sgd averages the replicas' weights (no outer optimizer); "

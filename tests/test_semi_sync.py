@@ -91,8 +91,8 @@ CASES = [
 
 
 # fp8 pseudo-gradients (Streaming DiLoCo, 2 fragments, delay 1): not the exact update, so checked on its own
-QUANTIZED = semi("dp4_r2_streaming_fp8", 2, "4", dp=4, flags=("--semi-sync-fragments", "2", "--semi-sync-fragment-delay",
-                                                             "1", "--semi-sync-quantize", "fp8"))
+QUANTIZED = semi("dp4_r2_streaming_fp8", 2, "4", dp=4,
+                 flags=("--semi-sync-fragments", "2", "--semi-sync-fragment-delay", "1", "--semi-sync-quantize", "fp8"))
 
 
 @pytest.fixture(scope="module")
