@@ -35,6 +35,8 @@ QUICK = (
     "tests/test_optimizer.py", "tests/test_mappings.py", "tests/test_arguments.py", "tests/test_megatron_compat.py",
     "tests/test_checkpoint.py::test_use_checkpoint_args", "tests/test_checkpoint.py::test_pickle_payload_is_refused",
     "tests/test_continue_hf.py",  # HF -> megalite -> training -> HF
+    "tests/test_semi_sync.py::test_one_replica", "tests/test_semi_sync.py::test_outer_step",  # semi-sync replicas
+    "tests/test_semi_sync.py::test_bad_combinations", "tests/test_semi_sync.py::test_quantized_payloads",
     "tests/test_data_splits.py", "tests/data/test_data_indexed_dataset.py", "tests/data/test_data_gpt_dataset.py",
     "tests/kernels/test_kernel_norms.py", "tests/kernels/test_kernel_activations.py",
     "tests/test_readme.py", "tests/test_user_mlp.py",
