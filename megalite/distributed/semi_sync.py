@@ -18,7 +18,12 @@ from the new global weights. Each rank holds the global weights and the outer mo
 main parameters it owns (its ZeRO shard), its counterparts in the other replicas hold the same elements:
 the outer all-reduce runs over those counterparts (parallel_state's replica group), in fp32, bucketed.
 The outer arithmetic runs in float64, so one replica with outer lr 1 and momentum 0 reproduces the
-ordinary run bit for bit."""
+ordinary run bit for bit.
+
+Streaming DiLoCo (--semi-sync-fragments / -fragment-delay / -fragment-alpha): the same update per fragment of
+contiguous layers at staggered iterations, optionally applied `delay` iterations after its all-reduce started
+and mixed into the local weights; --semi-sync-quantize sends the contributions as bf16 / fp8 payloads
+(quantize.py), all-gathered and summed in replica order. --semi-sync-steps auto times the first round."""
 
 import re
 import time
@@ -58,7 +63,7 @@ class SemiSync:
         self.frag_of = [0 if getattr(p, "shared_embedding", False) else  # the last stage's tied copy: as the first's
                         fragment_of(n, getattr(args, "num_layers", 1), self.fragments) for n, p in zip(names, params)]
         self.frag_samples, self.pending = [0] * self.fragments, []
-        self.frag_syncs = [0] * self.fragments  # outer all-reduces per fragment (bytes: 4 x its elements each)
+        self.frag_syncs = [0] * self.fragments  # outer syncs per fragment (bytes: quantize.payload_bytes or 4 x n)
         self.quantize = getattr(args, "semi_sync_quantize", None)  # bf16 / fp8 payloads, all-gathered (quantize.py)
 
     def reset_global(self):
