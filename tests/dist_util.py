@@ -3,7 +3,9 @@
 `run_on_ranks(fn, world_size, *args)` starts N processes, each with torch.distributed
 initialised (gloo, a free port, one thread), calls `fn(*args)` and returns the list of the
 ranks' return values. A rank's exception surfaces with its traceback; a run that exceeds
-`timeout` is killed and reported instead of hanging the suite.
+`timeout` is killed and reported instead of hanging the suite. `start_on_ranks` (same arguments)
+starts the world and returns at once; its `.result()` is run_on_ranks' return value, so worlds
+that do not depend on each other run side by side.
 
 The ranks are forked from the test process: a spawned rank re-imports torch, megalite and the
 test module (seconds per rank on the 2-core machine, most of the suite's time). Each rank then
@@ -24,6 +26,7 @@ parallel world, so each run of the suite checks two machines' rounding against e
 import os
 import pickle
 import random
+import shutil
 import socket
 import tempfile
 import time
@@ -103,22 +106,35 @@ def _worker(rank, world_size, port, fn, args, out_dir, capability=None):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size, *args, timeout=180, capability=None):
-    if torch.cuda.is_initialized():
-        ctx, capability = mp.get_context("spawn"), None
-    elif capability is not None:
-        ctx = _forkserver_context(capability)
-    else:
-        ctx = mp.get_context("fork")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir, capability))
-                 for r in range(world_size)]
-        for p in procs:
+class Ranks:
+    """A world started by start_on_ranks; result() waits for it (run_on_ranks' return value or error)."""
+
+    def __init__(self, fn, world_size, args, timeout, capability):
+        if torch.cuda.is_initialized():
+            ctx, capability = mp.get_context("spawn"), None
+        elif capability is not None:
+            ctx = _forkserver_context(capability)
+        else:
+            ctx = mp.get_context("fork")
+        port = free_port()
+        self.world_size, self.timeout = world_size, timeout
+        self.out_dir = tempfile.mkdtemp()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, self.out_dir, capability))
+                      for r in range(world_size)]
+        for p in self.procs:
             p.start()
-        deadline = time.monotonic() + timeout
+        self.deadline = time.monotonic() + timeout
+
+    def result(self):
+        try:
+            return self._collect()
+        finally:
+            shutil.rmtree(self.out_dir, ignore_errors=True)
+
+    def _collect(self):
+        procs, world_size, out_dir, timeout = self.procs, self.world_size, self.out_dir, self.timeout
         for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            p.join(max(0.0, self.deadline - time.monotonic()))
         deadline_hit = any(p.is_alive() for p in procs)
         if deadline_hit:
             for p in procs:
@@ -143,6 +159,17 @@ def run_on_ranks(fn, world_size, *args, timeout=180, capability=None):
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+def start_on_ranks(fn, world_size, *args, timeout=180, capability=None):
+    """run_on_ranks without the wait: the world starts now, `.result()` waits for it and returns
+    (or raises) what run_on_ranks would. Worlds that do not depend on each other can so run side
+    by side (a world whose ranks wait on each other leaves a core idle on the 2-core machine)."""
+    return Ranks(fn, world_size, args, timeout, capability)
+
+
+def run_on_ranks(fn, world_size, *args, timeout=180, capability=None):
+    return start_on_ranks(fn, world_size, *args, timeout=timeout, capability=capability).result()
 
 
 def rel_err(a, b):

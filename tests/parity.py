@@ -29,6 +29,8 @@ API (tests/test_parity.py and tests/test_fault_injection.py use it):
         another machine's rounding (dist_util.OTHER_CAPABILITY), taking the reference's top-k
         choices where its own are ties (tests/decision_replay.py);
         `collect(chunks, optimizer)` (module-level) adds anything to a rank's result.
+    start_layouts(layouts, world_size, collect=None) -> started; started.result() is run_layouts'
+        return value: the world runs meanwhile (worlds side by side; the next world's references).
         A rank result: {"losses", "norms", "grads": {name: full}, "params": {name: full},
         "coords": (tp, pp, dp) rank, "collected"}.
     train(layout, collect=None, decided=None) -> one rank result, on the grid of the calling process
@@ -53,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from decision_replay import MATCH, Recorder, Replayer
-from dist_util import OTHER_CAPABILITY, rel_err, run_on_ranks
+from dist_util import OTHER_CAPABILITY, rel_err, start_on_ranks
 from megalite import decisions, parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.distributed.param_facts import data_parallel
@@ -282,9 +284,36 @@ def run_layouts(layouts, world_size, collect=None, timeout=420, capability=OTHER
     fp32 layouts round as another machine does (dist_util.OTHER_CAPABILITY) than the test process,
     where the single-process reference runs: a bound that holds only for one machine's rounding
     fails on every machine. bf16 / fp16 layouts run under the reference's own capability (a second
-    spawn where a world mixes them): their step 1 is held to identical arithmetic, and ATen's
-    half-precision kernels themselves round at other places under another capability (bf16 step-1
-    gradients 6e-3 apart between its default and AVX2 kernels)."""
+    spawn where a world mixes them, side by side with the first): their step 1 is held to identical
+    arithmetic, and ATen's half-precision kernels themselves round at other places under another
+    capability (bf16 step-1 gradients 6e-3 apart between its default and AVX2 kernels)."""
+    return start_layouts(layouts, world_size, collect, timeout, capability).result()
+
+
+class _Started:
+    def __init__(self, n, worlds):
+        self.n, self.worlds = n, worlds
+
+    def result(self):
+        out, failed = [None] * self.n, None
+        for which, world in self.worlds:  # every world waited for, the first failure raised after
+            try:
+                per_rank = world.result()
+            except AssertionError as e:
+                failed = failed or e
+                continue
+            for j, i in enumerate(which):
+                out[i] = [r[j] for r in per_rank]
+        if failed is not None:
+            raise failed
+        return out
+
+
+def start_layouts(layouts, world_size, collect=None, timeout=420, capability=OTHER_CAPABILITY):
+    """run_layouts without the wait: the references run here (the choices the world replays), then
+    the world starts; `.result()` waits for it and returns what run_layouts would. Independent
+    worlds can so run side by side, and the test process can compute the next world's references
+    (one thread) while this one runs."""
     for lay in layouts:
         assert lay.world_size == world_size, f"{lay.name} needs {lay.world_size} ranks, not {world_size}"
     decided = [reference(lay)["decided"] for lay in layouts]  # the choices the world replays where they are ties
@@ -292,14 +321,10 @@ def run_layouts(layouts, world_size, collect=None, timeout=420, capability=OTHER
               (None, [i for i, lay in enumerate(layouts) if lay.dtype != "fp32"])]
     if capability is None:
         groups = [(None, list(range(len(layouts))))]
-    out = [None] * len(layouts)
-    for cap, which in groups:
-        if which:
-            per_rank = run_on_ranks(_run_all, world_size, [layouts[i] for i in which], collect,
-                                    [decided[i] for i in which], timeout=timeout, capability=cap)
-            for j, i in enumerate(which):
-                out[i] = [r[j] for r in per_rank]
-    return out
+    worlds = [(which, start_on_ranks(_run_all, world_size, [layouts[i] for i in which], collect,
+                                      [decided[i] for i in which], timeout=timeout, capability=cap))
+              for cap, which in groups if which]
+    return _Started(len(layouts), worlds)
 
 
 _REFERENCES = {}

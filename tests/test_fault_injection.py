@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 
-from parity import EIGHT_LAYERS, LLAMA, assert_parity, layout, mismatches, patched, reference, run_layouts
+from parity import EIGHT_LAYERS, LLAMA, assert_parity, layout, mismatches, patched, reference, start_layouts
 from semi_sync_reference import DILOCO, collect, semi, semi_sync_mismatches, serial_reference
 
 
@@ -208,10 +208,12 @@ EXPECTED = {lay.name: expected for lay, (*_, expected) in zip(LAYOUTS, FAULTS)}
 
 @pytest.fixture(scope="module")
 def faulty_runs():
-    runs = {}
-    for world in (2, 8):  # one spawn per world size runs all its faulty layouts
+    runs, started = {}, []
+    for world in (2, 8):  # one spawn per world size runs all its faulty layouts; the two side by side
         lays = [lay for lay in LAYOUTS + SEMI_LAYOUTS if lay.world_size == world]
-        runs.update(zip((lay.name for lay in lays), run_layouts(lays, world, collect=collect)))
+        started.append((lays, start_layouts(lays, world, collect=collect)))
+    for lays, world in started:
+        runs.update(zip((lay.name for lay in lays), world.result()))
     return runs
 
 
