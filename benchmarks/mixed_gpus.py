@@ -24,20 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
 import json
-import pickle
-import socket
 import statistics
 import tempfile
 import time
 
-import torch
-import torch.multiprocessing as mp
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gloo_ranks import spawn
 
 
 def _model_flags(a, iters):
@@ -45,36 +36,6 @@ def _model_flags(a, iters):
             f"--max-position-embeddings {a.seq} --vocab-size 1024 --mock-data --micro-batch-size 1 "
             f"--global-batch-size {a.batch} --train-iters {iters} --lr 1e-4 --log-interval 1 --eval-iters 0 "
             "--num-workers 0 --hidden-dropout 0 --attention-dropout 0").split()
-
-
-def _rank(rank, world, port, fn, args, out_dir, env):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world))), **env)
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = fn(*args)
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    dist.destroy_process_group()
-
-
-def _spawn(world, fn, *args, env=None):
-    port = _port()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [mp.get_context("fork").Process(target=_rank, args=(r, world, port, fn, args, d, env or {}))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        while all(p.exitcode in (None, 0) for p in procs) and any(p.is_alive() for p in procs):
-            time.sleep(0.2)
-        for p in procs:  # a failed rank leaves its peers waiting in a collective
-            if p.is_alive() and any(q.exitcode for q in procs):
-                p.kill()
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        return [pickle.load(open(os.path.join(d, f"{r}.pkl"), "rb")) for r in range(world)]
 
 
 def _timed_runs(a, modes, log_dir):
@@ -141,7 +102,7 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         modes = [("equal shares", []), (f"shares {a.shares}", ["--data-parallel-shares", a.shares]),
                  ("auto", ["--data-parallel-shares", "auto", "--data-parallel-shares-profile-iters", "2"])]
-        times = _spawn(2, _timed_runs, a, modes, d)[1]
+        times = spawn(2, _timed_runs, a, modes, d)[1]
     print(f"\nPart 1: DP2, replica 1 sleeps {a.slow_ms:g} ms per micro-batch; GPT h{a.hidden} L{a.layers} seq {a.seq}, "
           f"global batch {a.batch}; median ms/iteration after iteration {a.warmup}")
     base = times["equal shares"]
@@ -153,7 +114,7 @@ def main():
     comp = [("flat", []), ("hierarchical", ["--hierarchical-grad-reduce"]),
             (f"topk {a.ratio:g}", ["--grad-compression", "topk", "--grad-compression-ratio", str(a.ratio)]),
             (f"powersgd {a.ratio:g}", ["--grad-compression", "powersgd", "--grad-compression-ratio", str(a.ratio)])]
-    counts = _spawn(4, _counted_runs, a, comp, env={"LOCAL_WORLD_SIZE": "2"})[0]
+    counts = spawn(4, _counted_runs, a, comp, env={"LOCAL_WORLD_SIZE": "2"})[0]
     flat_cross = counts["flat"][1]
     print("\nPart 2: DP4 as 2 nodes x 2 ranks; bytes per iteration of the gradient reduction (ring volume): "
           "sent by rank 0, and over each cross-node link")

@@ -26,48 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
 import json
-import pickle
-import socket
 import tempfile
 import time
 
 import torch
-import torch.multiprocessing as mp
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank, world, port, fn, args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = fn(*args)
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    dist.destroy_process_group()
-
-
-def _spawn(world, fn, *args):
-    port = _port()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [mp.get_context("fork").Process(target=_rank, args=(r, world, port, fn, args, d)) for r in range(world)]
-        for p in procs:
-            p.start()
-        while all(p.exitcode in (None, 0) for p in procs) and any(p.is_alive() for p in procs):
-            time.sleep(0.2)
-        for p in procs:  # a failed rank leaves its peers waiting in a collective
-            if p.is_alive() and any(q.exitcode for q in procs):
-                p.kill()
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        return [pickle.load(open(os.path.join(d, f"{r}.pkl"), "rb")) for r in range(world)]
+from gloo_ranks import spawn
 
 
 class SlowLink:
@@ -225,7 +189,7 @@ def main():
     p.add_argument("--json", default=None, help="also write the figures here")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as cache:
-        res = _spawn(4, _runs, a, cache)[3]
+        res = spawn(4, _runs, a, cache)[3]
     modes = dict(_modes(a))
     a.auto_counts = res.pop("auto counts", f"{2 * a.h},{a.h}")
     base_name = "sync DP, equal shares"
