@@ -220,9 +220,9 @@ def get_replica_group():
 
 
 def get_replica_world_group():
-    """Every rank of this replica (None with one replica: the world), and their global ranks."""
+    """Every rank of this replica and their global ranks ((None, None) with one replica: the world)."""
     g = _grid()
-    return g.replica_world_group, (list(g.replica_world_ranks) if g.replica_world_ranks else list(range(world_size())))
+    return g.replica_world_group, g.replica_world_ranks
 
 
 def get_context_parallel_group():

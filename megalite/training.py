@@ -315,7 +315,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                             f"{', '.join(f'{1e3 * t:.1f}' for t in chosen[0])} -> micro-batches per iteration "
                             f"{','.join(map(str, chosen[1]))} from iteration {it + 1}")
             train_iters = data_iterators(train_ds, consumed_train + batch, args, chunks, plan=plan)
-        trained = 0 if idle or not stepped else plan.replica_samples(consumed_train, dp_rank)
+        trained = 0 if semi is None or idle or not stepped else plan.replica_samples(consumed_train, dp_rank)
         consumed_train += batch
         if stepped:  # as Megatron: a skipped fp16 iteration does not advance the schedule
             scheduler.step(batch)
@@ -331,7 +331,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                 means = {**means, **aux}
             window.add(loss, means, stepped)
         if semi is not None and semi.after_iteration(it, trained):  # an outer step: replicas hold the same weights
-            if hash_every and (drifted := replicas_differ(chunks, across_replicas=True)):
+            due = hash_every and it // hash_every != (it - semi.round) // hash_every  # a check fell in the round
+            if due and (drifted := replicas_differ(chunks, across_replicas=True)):
                 _abort(f"iteration {it}: semi-synchronous replicas differ after the outer step ({drifted[0]})", owns)
             if (line := semi.announcement(it)) is not None:  # --semi-sync-steps auto's choice
                 print_rank_last(line)

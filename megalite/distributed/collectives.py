@@ -37,8 +37,8 @@ def broadcast_from_last_rank(values):
     """Give every rank its replica's last rank's tensor (the last pipeline stage holds the loss; without
     semi-synchronous replicas: the world's last rank)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        group, ranks = ps.get_replica_world_group() if ps.model_parallel_is_initialized() else (None, [-1])
-        dist.broadcast(values, src=ranks[-1] if group is not None else dist.get_world_size() - 1, group=group)
+        group, ranks = ps.get_replica_world_group() if ps.model_parallel_is_initialized() else (None, None)
+        dist.broadcast(values, src=ranks[-1] if ranks else dist.get_world_size() - 1, group=group)
     return values
 
 

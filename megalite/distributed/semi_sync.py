@@ -265,7 +265,7 @@ class SemiSync:
         else:
             buf = torch.cat([self.buf[i].reshape(-1).double() for i in idx]) * self.momentum + g
         for i, part in zip(idx, buf.split(sizes)):
-            self.buf[i] = part.float().view_as(self.glob[i]).clone()
+            self.buf[i] = part.float().view_as(self.glob[i])  # (float() copies out of the float64 buffer)
         return g + self.momentum * buf if self.nesterov else buf
 
     def combine(self, values, weight):
