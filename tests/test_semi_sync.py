@@ -81,6 +81,8 @@ CASES = [
     (semi("pp2_r2_diloco_uneven", 2, "3,2", pp=2, dp=2), 2, [3, 2], DILOCO, 2),
     (semi("zero2_dp4_r2_diloco", 2, "3", zero=2, dp=4), 2, [3, 3], DILOCO, 4),
     (semi("cp2_r2_diloco", 2, "2", cp=2, dp=2), 2, [2, 2], DILOCO, 2),
+    (semi("pp2_interleaved_r2_diloco", 2, "3", pp=2, vp=1, dp=2), 2, [3, 3], DILOCO, 2),
+    (semi("zero3_dp4_r2_recompute_diloco", 2, "2", zero=3, dp=4, recompute="full"), 2, [2, 2], DILOCO, 4),
     # Streaming DiLoCo: 2 fragments (layers 0-1 + embeddings, layers 2-3 + final norm) at iterations 2 and 4
     # of each round of 4, applied one iteration later and mixed in with alpha 0.5
     (semi("dp4_r2_streaming_k2_delay1_alpha", 2, "4", dp=4, flags=STREAMING), 2, [4, 4], DILOCO, 4, (2, 1, 0.5)),
