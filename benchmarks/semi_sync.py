@@ -1,17 +1,17 @@
 """Semi-synchronous replicas on an uneven, distant cluster, emulated on 4 CPU ranks (gloo): synchronous
 DP (equal shares, --data-parallel-shares auto) against Local SGD, DiLoCo and Streaming DiLoCo (equal, uneven
-and auto inner steps).
+and auto inner steps) and asynchronous outer updates (Local SGD, DiLoCo; staleness 1).
 
 The cluster: 2 "nodes" of 2 ranks (ranks 0-1, 2-3). The GPUs are emulated by a sleep per micro-batch
 (forward) of --fast-ms on node 0 and --slow-ms on node 1 (2x slower), so that the 2 CPU cores' own
 compute, shared by the 4 ranks, is a small part of a step. The link between the nodes is slow: this
 script wraps torch.distributed's collectives (not megalite's) and, for every collective whose group spans
 both nodes, sleeps the bytes a ring puts on the cross-node link (all-reduce 2(n-1)/n x payload,
-all-gather / reduce-scatter (n-1)/n x, broadcast 1x) at --link-gbit Gbit/s, and counts them. With
+all-gather / reduce-scatter (n-1)/n x, broadcast and point-to-point send 1x) at --link-gbit Gbit/s, and counts them. With
 replicas (R = 2) each node is one replica.
 
 Every mode trains the same GPT (default corpus, its 8192-token vocabulary) for --iters iterations of
-global batch --batch, evaluating every --eval-interval iterations (Streaming DiLoCo: at the end only).
+global batch --batch, evaluating every --eval-interval iterations (Streaming DiLoCo and the asynchronous modes: at the end only).
 Printed per mode: validation loss against wall-clock (evaluation time excluded) and tokens trained, the
 wall-clock to reach the target (synchronous DP's validation loss at 3/4 of its run), bytes over the slow
 link per token trained, and the loss at the end relative to synchronous DP's.
@@ -38,7 +38,7 @@ class SlowLink:
     """Wraps torch.distributed's collectives: a group spanning both nodes pays its cross-node bytes at
     `gbit` Gbit/s (a sleep) and counts them."""
     RING = {"all_reduce": 2.0, "broadcast": None, "all_gather_into_tensor": 1.0, "reduce_scatter_tensor": 1.0,
-            "all_gather_single": 1.0, "reduce_scatter_single": 1.0}
+            "all_gather_single": 1.0, "reduce_scatter_single": 1.0, "send": None}  # (send: the asynchronous mode)
 
     def __init__(self, gbit, ranks_per_node):
         import torch.distributed as dist
@@ -75,8 +75,8 @@ class SlowLink:
 
 
 def _modes(a):
-    h1, h2 = a.h, 2 * a.h
-    return [("sync DP, equal shares", []),
+    h1, h2, only = a.h, 2 * a.h, [o for o in (a.only or "").split(",") if o]
+    modes = [("sync DP, equal shares", []),
             ("sync DP, shares auto", ["--data-parallel-shares", "auto", "--data-parallel-shares-profile-iters", "2"]),
             (f"Local SGD H={h1}", ["--semi-sync-method", "local_sgd", "--semi-sync-replicas", "2",
                                    "--semi-sync-steps", str(h1)]),
@@ -93,7 +93,15 @@ def _modes(a):
             (f"Streaming DiLoCo H={h2} K=2", ["--semi-sync-method", "diloco", "--semi-sync-replicas", "2",
                                               "--semi-sync-steps", str(h2), "--semi-sync-fragments", "2",
                                               "--semi-sync-fragment-delay", "1", "--semi-sync-fragment-alpha", "0.5",
-                                              "--eval-interval", "0"])]
+                                              "--eval-interval", "0"]),
+            # asynchronous: no periodic evaluation (replicas hold the same weights at the end only)
+            (f"async Local SGD H={h1} S=1", ["--semi-sync-method", "local_sgd", "--semi-sync-replicas", "2",
+                                             "--semi-sync-steps", str(h1), "--semi-sync-async",
+                                             "--semi-sync-max-staleness", "1", "--eval-interval", "0"]),
+            (f"async DiLoCo H={h1} S=1", ["--semi-sync-method", "diloco", "--semi-sync-replicas", "2",
+                                          "--semi-sync-steps", str(h1), "--semi-sync-async",
+                                          "--semi-sync-max-staleness", "1", "--eval-interval", "0"])]
+    return [m for m in modes if not only or m[0] == modes[0][0] or any(o in m[0] for o in only)]
 
 
 def _flags(a, cache):
@@ -187,6 +195,8 @@ def main():
     p.add_argument("--slow-ms", type=float, default=100.0, help="node 1's")
     p.add_argument("--link-gbit", type=float, default=1.0)
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--only", default=None, help="comma-separated parts of mode names to run (sync DP, equal shares "
+                                                "always runs: it sets the target)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         res = spawn(4, _runs, a, cache)[3]

@@ -14,17 +14,20 @@ def _collate(samples):
     return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
 
 
-def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micro_batch_size=None, plan=None):
+def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micro_batch_size=None, plan=None,
+                        rank=None):
     """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
     for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
     labels (first and last) read data, unless every_stage. micro_batch_size: default
     --micro-batch-size (evaluation passes its own). plan: the IterationPlan; with uneven shares
-    each rank reads its contiguous slice of every global batch."""
+    each rank reads its contiguous slice of every global batch. rank: the DP rank (across replicas) whose
+    part is read (default this rank's; asynchronous replicas read the part of the slot they train)."""
     if dataset is None or not (every_stage or ps.is_pipeline_first_stage(ignore_virtual=True)
                                or ps.is_pipeline_last_stage(ignore_virtual=True)):
         return None
     from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
-    rank = ps.get_data_parallel_rank_across_replicas()  # semi-synchronous replicas read their own parts
+    if rank is None:  # semi-synchronous replicas read their own parts
+        rank = ps.get_data_parallel_rank_across_replicas()
     if plan is not None and plan.uneven:
         sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro, rank, plan)
     else:
@@ -64,10 +67,11 @@ def chunk_iterators(it, num_chunks):
     return its
 
 
-def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None, plan=None):
+def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None, plan=None, rank=None):
     """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask,
     GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage."""
     if getattr(chunks[0].module, "input_on_every_stage", False):
-        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan) for _ in chunks]
-    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size, plan),
+        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan, rank)
+                for _ in chunks]
+    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size, plan, rank),
                            len(chunks))

@@ -53,7 +53,7 @@ class _Grid:
         # outer step), the replica-world group all ranks of this replica (None where R = 1: the world)
         self.replicas, self.replica_rank = 1, 0
         self.replica_group = self.replica_world_group = None
-        self.replica_world_ranks = None
+        self.replica_world_ranks, self.replica_counterparts = None, []
 
 
 def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1, pp=1, pp_before_dp=False):
@@ -217,6 +217,11 @@ def get_replica_group():
     """This rank and its counterparts (same TP, CP, inner DP, PP coordinates) in the other replicas:
     the group of the outer step. None with one replica."""
     return _grid().replica_group
+
+
+def get_replica_counterparts():
+    """Every position's counterparts across the replicas (lists of global ranks in replica order; [] without)."""
+    return _grid().replica_counterparts
 
 
 def get_replica_world_group():

@@ -98,5 +98,6 @@ def build_replica_groups(grid, at_replica, make):
         ranks = sorted(at_replica(r)(t, c, d, p) for p in P for d in D for c in C for t in T)
         if (g := make(ranks)) is not None:
             grid.replica_world_group, grid.replica_world_ranks = g, ranks
-    for t, c, d, p in ((t, c, d, p) for p in P for d in D for c in C for t in T):
-        grid.replica_group = make([at_replica(r)(t, c, d, p) for r in R]) or grid.replica_group
+    grid.replica_counterparts = [[at_replica(r)(t, c, d, p) for r in R] for p in P for d in D for c in C for t in T]
+    for ranks in grid.replica_counterparts:
+        grid.replica_group = make(ranks) or grid.replica_group

@@ -26,6 +26,12 @@ def add_semi_sync_flags(a):
     a("--semi-sync-quantize", default=None, choices=["bf16", "fp8"],
       help="send the outer step's contributions in bf16 or fp8 (e4m3, a scale per row of 256), all-gathered and "
            "summed in fp32; the outer step itself stays fp32")
+    a("--semi-sync-async", action="store_true",
+      help="asynchronous outer updates: a replica that finished its inner steps sends its pseudo-gradient and goes "
+           "on from the newest global weights without waiting (delayed Nesterov; not deterministic)")
+    a("--semi-sync-max-staleness", type=int, default=None,
+      help="--semi-sync-async: a replica runs at most this many rounds ahead of the slowest one (default 1; 0 is "
+           "the synchronous schedule)")
     a("--outer-lr", type=float, default=None, help="diloco: the outer SGD's learning rate (default 0.7)")
     a("--outer-momentum", type=float, default=None, help="diloco: the outer SGD's momentum (default 0.9)")
     a("--no-outer-nesterov", dest="outer_nesterov", action="store_false", default=True,
@@ -39,7 +45,9 @@ def validate_semi_sync(args):
                             ("--semi-sync-steps", args.semi_sync_steps),
                             ("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum),
                             ("--semi-sync-quantize", args.semi_sync_quantize),
-                            ("--no-outer-nesterov", None if args.outer_nesterov else True)) if v is not None]
+                            ("--no-outer-nesterov", None if args.outer_nesterov else True),
+                            ("--semi-sync-async", args.semi_sync_async or None),
+                            ("--semi-sync-max-staleness", args.semi_sync_max_staleness)) if v is not None]
     streaming = [f for f, v, d in (("--semi-sync-fragments", args.semi_sync_fragments, 1),
                                    ("--semi-sync-fragment-delay", args.semi_sync_fragment_delay, 0),
                                    ("--semi-sync-fragment-alpha", args.semi_sync_fragment_alpha, 0.0)) if v != d]
@@ -75,6 +83,10 @@ def validate_semi_sync(args):
     round_ = max(args.semi_sync_steps)
     if streaming:
         _validate_streaming(args, round_)
+    if args.semi_sync_async:
+        _validate_async(args, given)
+    elif args.semi_sync_max_staleness is not None:
+        raise ConfigError("--semi-sync-max-staleness bounds --semi-sync-async; add it or drop the staleness")
     for flag in ("eval_interval", "save_interval", "exit_interval"):
         v = getattr(args, flag, None)
         if v and v % round_:
@@ -112,6 +124,27 @@ def _validate_streaming(args, round_):
     if given:
         raise ConfigError(f"{', '.join(given)}: with streaming the replicas hold the global weights only at the end "
                           "of training (fragments sync at staggered steps); evaluate and save at the end")
+
+
+def _validate_async(args, given):
+    s = args.semi_sync_max_staleness = 1 if args.semi_sync_max_staleness is None else args.semi_sync_max_staleness
+    if s < 0:
+        raise ConfigError(f"--semi-sync-max-staleness {s} must be >= 0 (rounds a replica may run ahead)")
+    h = args.semi_sync_steps[0]
+    if len(set(args.semi_sync_steps)) > 1 or args.semi_sync_auto:
+        raise ConfigError("--semi-sync-async needs one --semi-sync-steps H (a faster replica trains more rounds "
+                          "instead of more steps per round)")
+    if args.train_iters is None or args.train_iters % h:
+        raise ConfigError(f"--semi-sync-async: --train-iters {args.train_iters} must be a multiple of "
+                          f"--semi-sync-steps {h} (the work is cut into rounds of H inner steps)")
+    bad = [f for f in given if f.startswith("--semi-sync-fragment") or f == "--semi-sync-quantize"]
+    bad += [f"--{f.replace('_', '-')}" for f in ("eval_interval", "save_interval", "exit_interval")
+            if getattr(args, f, None) and getattr(args, f) < args.train_iters]
+    bad += ["--data-parallel-shares"] if args.data_parallel_shares else []
+    bad += ["--rampup-batch-size"] if getattr(args, "rampup_batch_size", None) else []
+    if bad:
+        raise ConfigError(f"--semi-sync-async does not compose with {', '.join(bad)}: replicas hold the same weights "
+                          "only at the end (evaluate and save there), train equal parts of each round and send fp32")
 
 
 def _steps(text, replicas):

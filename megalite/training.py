@@ -32,7 +32,7 @@ from megalite.distributed import DistributedDataParallel, finalize_model_grads
 from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
-from megalite.distributed.semi_sync import SemiSync
+from megalite.distributed.semi_sync_async import semi_sync_for
 from megalite.evaluation import dataset_sizes, eval_batch, evaluate, mean_losses, report_splits, run_forward_backward
 from megalite.flops import num_floating_point_operations
 from megalite.iteration_plan import IterationPlan, auto_shares, evaluation_plan, initial_shares
@@ -234,8 +234,10 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     train_ds, valid_ds, test_ds = report_splits(args, datasets, wanted)  # sizes; an empty split's skip, said once
     try:
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider, plan)
-        semi = SemiSync(args, optimizer) if args.semi_sync_method else None  # replicas' outer steps (loaded too)
+        semi = semi_sync_for(args, optimizer)  # replicas' outer steps (loaded too); None without
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
+        if semi is not None:
+            semi.begin((start or (0,))[0])
     except (ConfigError, CheckpointError) as e:
         _abort(str(e), owns)
     start_iter, consumed_train, consumed_valid = start or (0, 0, 0)
@@ -292,8 +294,13 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     for c in chunks:
         c.train()
     last = start_iter  # the last iteration run (a replica of fewer inner steps has fewer losses)
-    for it in range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1):
+    its = range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1)
+    for it in semi.iterations() if semi is not None and semi.asynchronous and not args.skip_train else its:
         last = it
+        if semi is not None and (slot := semi.slot_start(it)) is not None:  # asynchronous: a slot's data and LR
+            consumed_train, rank = slot
+            train_iters = data_iterators(train_ds, consumed_train, args, chunks, plan=plan, rank=rank)
+            scheduler.step(consumed_train - scheduler.num_steps)
         num_micro, batch = plan.num_microbatches(consumed_train, dp_rank), plan.global_batch_size(consumed_train)
         total = plan.total(consumed_train, dp_rank)  # uneven shares: losses over the replica's count
         profiling = auto is not None and not auto.done
@@ -331,8 +338,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                 means = {**means, **aux}
             window.add(loss, means, stepped)
         if semi is not None and semi.after_iteration(it, trained):  # an outer step: replicas hold the same weights
-            due = hash_every and it // hash_every != (it - semi.round) // hash_every  # a check fell in the round
-            if due and (drifted := replicas_differ(chunks, across_replicas=True)):
+            if semi.check_due(it, hash_every) and (drifted := replicas_differ(chunks, across_replicas=True)):
                 _abort(f"iteration {it}: semi-synchronous replicas differ after the outer step ({drifted[0]})", owns)
             if (line := semi.announcement(it)) is not None:  # --semi-sync-steps auto's choice
                 print_rank_last(line)
@@ -370,6 +376,9 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
                 print_rank_last(f"megalite: exiting at iteration {it} ({why or 'another rank asked to stop'})")
                 break
     read_losses()  # a loop left early (exit flags) still reports every loss
+    if semi is not None and semi.asynchronous and last > start_iter:  # every replica holds the final weights
+        last, consumed_train = args.train_iters, args.train_iters * args.global_batch_size
+        scheduler.step(consumed_train - scheduler.num_steps)
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
     losses = window.losses

@@ -66,6 +66,19 @@ class SemiSync:
         self.frag_syncs = [0] * self.fragments  # outer syncs per fragment (bytes: quantize.payload_bytes or 4 x n)
         self.quantize = getattr(args, "semi_sync_quantize", None)  # bf16 / fp8 payloads, all-gathered (quantize.py)
 
+    asynchronous = False  # (semi_sync_async.py's subclass: slots instead of rounds)
+
+    def begin(self, start_iter):
+        """Before the loop, after a checkpoint load (the asynchronous mode starts its server here)."""
+
+    def slot_start(self, it):
+        """The asynchronous mode's new slot at `it`: (samples before it, the DP rank whose part it reads)."""
+        return None
+
+    def check_due(self, it, every):
+        """Whether a cross-replica check (every `every` iterations) fell in the round that ended at `it`."""
+        return bool(every) and it // every != (it - self.round) // every
+
     def reset_global(self):
         """The global weights: this rank's fp32 main parameters as they are now."""
         self.glob = [m.detach().float().clone() for m in self.optimizer.main_params]
