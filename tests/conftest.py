@@ -37,6 +37,8 @@ QUICK = (
     "tests/test_continue_hf.py",  # HF -> megalite -> training -> HF
     "tests/test_semi_sync.py::test_one_replica", "tests/test_semi_sync.py::test_outer_step",  # semi-sync replicas
     "tests/test_semi_sync.py::test_bad_combinations", "tests/test_semi_sync.py::test_quantized_payloads",
+    "tests/test_semi_sync_async.py::test_delayed", "tests/test_semi_sync_async.py::test_slots",  # asynchronous
+    "tests/test_semi_sync_async.py::test_bad_combinations",
     "tests/test_data_splits.py", "tests/data/test_data_indexed_dataset.py", "tests/data/test_data_gpt_dataset.py",
     "tests/kernels/test_kernel_norms.py", "tests/kernels/test_kernel_activations.py",
     "tests/test_readme.py", "tests/test_user_mlp.py",
