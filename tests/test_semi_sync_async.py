@@ -86,6 +86,17 @@ def test_slots_are_trained_once_within_the_staleness_bound(staleness):
     assert with_equal == {r: [(k, r) for k in range(4)] for r in range(2)}  # equal speeds: each its own part
 
 
+def test_one_asynchronous_replica_is_the_ordinary_run():
+    """One replica, outer lr 1, momentum 0: every exchange gives back the replica's own weights (up to the
+    fp32 rounding of the pseudo-gradient it sends: a difference of two fp32 weights, 2^-24 of the weights)."""
+    from test_semi_sync import _run
+    plain = _run([])
+    one = _run(list(DILOCO[:2]) + ["--semi-sync-steps", "2", "--outer-lr", "1", "--outer-momentum", "0", *ASYNC])
+    assert max(abs(a - b) / abs(b) for a, b in zip(one[0], plain[0])) <= 1e-5 and len(one[0]) == len(plain[0])
+    for name, t in plain[1].items():
+        assert (one[1][name] - t).abs().max() <= 1e-6 * t.abs().max(), name
+
+
 # -- on ranks ---------------------------------------------------------------------------------------
 def slow_replica_one():
     """Replica 1's inner steps take 0.25 s longer (a slower GPU)."""

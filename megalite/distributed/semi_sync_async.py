@@ -160,7 +160,7 @@ class AsyncSemiSync(SemiSync):
         g = torch.cat([(b.double() - m.detach().double()).reshape(-1) for b, m in
                        zip(self.glob, self.optimizer.main_params)]) / self.replicas
         g = g.float().cpu()
-        if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and \
+        if self.replicas > 1 and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and \
                 ps.get_context_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0:
             t = self.store.add(f"megalite/async/{self.run}/tickets", 1) - 1  # this slot's place in the order
             self.store.set(f"megalite/async/{self.run}/ticket{t}", str(self.replica))
@@ -212,7 +212,8 @@ class _Server(threading.Thread):
         self.outer = DelayedNesterov(glob, owner.lr, owner.momentum, owner.nesterov, owner.replicas, buf)
         self.inbox, self.outbox = queue.Queue(), queue.Queue()
         self.applied = [0] * owner.replicas  # pseudo-gradients applied, per replica
-        self.store = owner.store.clone()  # its own connection: a wait on the training thread's would block it
+        # its own connection: a wait on the training thread's would block it (one replica: no tickets)
+        self.store = owner.store.clone() if owner.replicas > 1 else None
         self.waiting = set()
 
     def run(self):
@@ -239,14 +240,7 @@ class _Server(threading.Thread):
         o, stopped, t = self.owner, set(), 0
         n = self.outer.glob.numel()
         while len(stopped) < o.replicas:
-            key = f"megalite/async/{o.run}/ticket{t}"
-            while True:  # a round can outlast the store's timeout: wait in pieces
-                try:
-                    self.store.wait([key], timedelta(seconds=60))
-                    break
-                except RuntimeError:
-                    continue
-            src = int(self.store.get(key))
+            src = self._ticket(t)
             if src == 0:
                 g = self.inbox.get()
             else:
@@ -264,6 +258,18 @@ class _Server(threading.Thread):
                 stopped.update([r] if nxt == "stop" else [])
                 self._reply(r, nxt)
             t += 1
+
+    def _ticket(self, t):
+        """The replica whose pseudo-gradient is the t-th to apply."""
+        if self.store is None:
+            return 0
+        key = f"megalite/async/{self.owner.run}/ticket{t}"
+        while True:  # a round can outlast the store's timeout: wait in pieces
+            try:
+                self.store.wait([key], timedelta(seconds=60))
+                return int(self.store.get(key))
+            except RuntimeError:
+                continue
 
     def _reply(self, r, slot):
         weights = self.outer.glob.float()
