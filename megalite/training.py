@@ -295,7 +295,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         c.train()
     last = start_iter  # the last iteration run (a replica of fewer inner steps has fewer losses)
     its = range(start_iter + 1, args.train_iters + 1 if not args.skip_train else start_iter + 1)
-    for it in semi.iterations() if semi is not None and semi.asynchronous and not args.skip_train else its:
+    for it in semi.iterations(its) if semi is not None else its:
         last = it
         if semi is not None and (slot := semi.slot_start(it)) is not None:  # asynchronous: a slot's data and LR
             consumed_train, rank = slot

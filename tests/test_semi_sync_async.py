@@ -2,7 +2,8 @@
 
 Proof: delayed Nesterov against torch.optim.SGD in float64 (R arrivals from one base are one synchronous step);
 the slot decisions in a simulation of uneven replicas (every slot trained once, the staleness bound, the faster
-replica trains more); on 4 gloo ranks, S = 0 with equal speeds against the serial DiLoCo reference (as the
+replica trains more); on 4 gloo ranks, S = 0 with equal speeds (TP2, interleaved PP2, CP2, ZeRO-3 with
+recompute inside) against the serial DiLoCo reference (as the
 synchronous mode: losses, step-1 gradients, global weights, outer momentum, <= 1e-5), and with one replica
 slowed: pseudo-gradients sent = applied = slots, each slot once, the bound kept, replicas ending identical;
 a checkpoint of an asynchronous run continues as ordinary synchronous training."""
@@ -118,26 +119,33 @@ def collect_async(chunks, opt):
     return out
 
 
-SYNCHRONOUS_SCHEDULE = semi("tp2_r2_async_s0", 2, "2", tp=2, dp=2, flags=ASYNC + ("--semi-sync-max-staleness", "0"))
+S0 = ASYNC + ("--semi-sync-max-staleness", "0")
+# equal speeds, S = 0: the synchronous schedule, with TP, PP (interleaved), CP and ZeRO-3 + recompute inside
+SYNCHRONOUS_SCHEDULE = [semi("tp2_r2_async_s0", 2, "2", tp=2, dp=2, flags=S0),
+                        semi("pp2_interleaved_r2_async_s0", 2, "2", pp=2, vp=1, dp=2, flags=S0),
+                        semi("cp2_r2_async_s0", 2, "2", cp=2, dp=2, flags=S0),
+                        semi("zero3_dp4_r2_recompute_async_s0", 2, "2", zero=3, dp=4, recompute="full", flags=S0)]
 SLOWED = semi("zero2_dp4_r2_async_s1_slowed", 2, "1", zero=2, dp=4, fault=slow_replica_one,
               flags=ASYNC + ("--semi-sync-max-staleness", "1", "--train-iters", "8"))
 
 
 @pytest.fixture(scope="module")
 def world():
-    return run_layouts([SYNCHRONOUS_SCHEDULE, SLOWED], 4, collect=collect_async)
+    return run_layouts([SLOWED] + SYNCHRONOUS_SCHEDULE, 4, collect=collect_async)
 
 
-def test_equal_speeds_and_no_staleness_are_synchronous_diloco(world):
-    ranks = world[0]
-    ref = serial_reference(SYNCHRONOUS_SCHEDULE, 2, [2, 2], DILOCO, 2)
-    bad = semi_sync_mismatches(SYNCHRONOUS_SCHEDULE, ranks, ref, [2, 2], DILOCO, momentum_from={0})
+@pytest.mark.parametrize("i", range(len(SYNCHRONOUS_SCHEDULE)), ids=[lay.name for lay in SYNCHRONOUS_SCHEDULE])
+def test_equal_speeds_and_no_staleness_are_synchronous_diloco(world, i):
+    lay, ranks = SYNCHRONOUS_SCHEDULE[i], world[1 + i]
+    dp = 4 if lay.name.startswith("zero3") else 2
+    ref = serial_reference(lay, 2, [2, 2], DILOCO, dp)
+    bad = semi_sync_mismatches(lay, ranks, ref, [2, 2], DILOCO, momentum_from={0})
     assert not bad, "\n".join(bad[:30])
     check_reference({"losses": ref["losses"][0]}, margin=0.3)
 
 
 def test_a_slow_replica_does_not_hold_the_fast_one(world):
-    ranks, S, rounds = world[1], 1, 8
+    ranks, S, rounds = world[0], 1, 8
     done = {}
     for r in ranks:
         c = r["collected"]

@@ -71,6 +71,10 @@ class SemiSync:
     def begin(self, start_iter):
         """Before the loop, after a checkpoint load (the asynchronous mode starts its server here)."""
 
+    def iterations(self, its):
+        """The loop's iterations (the asynchronous mode's come from its slots)."""
+        return its
+
     def slot_start(self, it):
         """The asynchronous mode's new slot at `it`: (samples before it, the DP rank whose part it reads)."""
         return None

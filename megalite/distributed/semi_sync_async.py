@@ -109,6 +109,7 @@ class AsyncSemiSync(SemiSync):
         self.run = next(_RUNS)
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self.group, self.counterparts, self.new_slot, self.server = None, None, False, None
+        self.draws_tickets = replicas_first_rank() and self.replicas > 1  # (one replica: no order to keep)
         for ranks in ps.get_replica_counterparts():  # every rank creates every group, in order
             g = new_group(ranks, backend="gloo")
             if dist.get_rank() in ranks:
@@ -126,15 +127,15 @@ class AsyncSemiSync(SemiSync):
                               f"is at iteration {start_iter})")
         self.first = first = start_iter // self.H
         rounds = self.train_iters // self.H
-        self.slot = (first, self.replica) if first < rounds else None
-        self.new_slot = self.slot is not None
+        self.slot = (first, self.replica) if first < rounds else None  # the loop's own data and LR already
         if self.replica == 0 and first < rounds:
             self.server = _Server(self, Slots(first, rounds, self.replicas, self.staleness))
             self.server.start()
 
-    def iterations(self):
-        """The loop's iterations: those of each slot this replica is given, until the server says stop."""
-        while self.slot is not None:
+    def iterations(self, its):
+        """The loop's iterations: those of each slot this replica is given, until the server says stop
+        (nothing where the loop has none: --skip-train, or training already done)."""
+        while its and self.slot is not None:
             k = self.slot[0]
             for it in range(k * self.H + 1, (k + 1) * self.H + 1):
                 yield it
@@ -145,9 +146,6 @@ class AsyncSemiSync(SemiSync):
             return None
         self.new_slot = False
         return (it - 1) * self.batch, self.slot[1] * ps.get_data_parallel_world_size() + ps.get_data_parallel_rank()
-
-    def trains(self, it):
-        return True
 
     def check_due(self, it, every):
         return bool(every)  # only at the end, where every replica holds the final weights
@@ -160,8 +158,7 @@ class AsyncSemiSync(SemiSync):
         g = torch.cat([(b.double() - m.detach().double()).reshape(-1) for b, m in
                        zip(self.glob, self.optimizer.main_params)]) / self.replicas
         g = g.float().cpu()
-        if self.replicas > 1 and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and \
-                ps.get_context_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0:
+        if self.draws_tickets:
             t = self.store.add(f"megalite/async/{self.run}/tickets", 1) - 1  # this slot's place in the order
             self.store.set(f"megalite/async/{self.run}/ticket{t}", str(self.replica))
         self.sent += 1
@@ -192,12 +189,9 @@ class AsyncSemiSync(SemiSync):
         return False
 
     def _take(self, weights):
-        mains, off = self.optimizer.main_params, 0
-        for i, m in enumerate(mains):
-            part = weights[off:off + m.numel()].view_as(m)
-            self.glob[i].copy_(part)
+        for g, m, part in zip(self.glob, self.optimizer.main_params, unflatten(weights, self.glob)):
+            g.copy_(part)
             m.detach().copy_(part)
-            off += m.numel()
         self.optimizer.publish_main_params()
 
 
@@ -230,11 +224,8 @@ class _Server(threading.Thread):
     def momentum(self):
         if self.outer.buf is None:
             return None
-        out, off = [], 0
-        for g in self.owner.glob:
-            out.append(self.outer.buf[off:off + g.numel()].view_as(g).to(g.device, torch.float32))
-            off += g.numel()
-        return out
+        glob = self.owner.glob
+        return [b.to(g.device, torch.float32) for b, g in zip(unflatten(self.outer.buf, glob), glob)]
 
     def _serve(self):
         o, stopped, t = self.owner, set(), 0
@@ -280,6 +271,17 @@ class _Server(threading.Thread):
         head = torch.tensor([1, 0, 0] if slot == "stop" else [0, slot[0], slot[1]], dtype=torch.int64)
         dist.send(head, dst, group=self.owner.group)
         dist.send(weights, dst, group=self.owner.group)
+
+
+def replicas_first_rank():
+    """Whether this rank is its replica's first (TP, CP, inner DP and PP rank 0)."""
+    return ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and \
+        ps.get_context_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+
+
+def unflatten(flat, like):
+    """Views of a flat vector shaped as the tensors `like`, in order."""
+    return [t.view_as(x) for t, x in zip(flat.split([x.numel() for x in like]), like)]
 
 
 def semi_sync_for(args, optimizer):
