@@ -16,6 +16,7 @@ from megalite.config import ConfigError, ModelConfig, TrainingConfig, fail
 from megalite.megatron_compat import print_notices, sort_unknown
 from megalite.model_flags import add_model_flags
 from megalite.mup import MUP_FLAGS
+from megalite.mixed_gpu_flags import add_mixed_gpu_flags
 from megalite.semi_sync_flags import add_semi_sync_flags
 
 TOKENIZER_CHOICES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
@@ -96,6 +97,7 @@ def build_parser():
     a("--data-parallel-shares-profile-iters", type=int, default=3,
       help="with --data-parallel-shares auto: iterations timed (at equal shares) before balancing")
     add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/semi_sync_flags.py)
+    add_mixed_gpu_flags(a)  # per-replica micro-batches, optimizer offload (megalite/mixed_gpu_flags.py)
     # training and the LR schedule (Megatron's defaults: no warmup, linear decay to 0)
     a("--micro-batch-size", type=int, default=None)
     a("--global-batch-size", type=int, default=None)
@@ -336,4 +338,6 @@ def training_config(args):
         loss_scale_window=args.loss_scale_window,
         hysteresis=args.hysteresis, log_interval=args.log_interval, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, seed=args.seed, fused_kernels=not args.no_fused_kernels,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d)

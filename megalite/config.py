@@ -294,6 +294,10 @@ class TrainingConfig:
     seed: int = 1234
     fused_kernels: bool = True  # fused AdamW (Triton) on CUDA
     check_for_nan_in_grad: bool = True  # stop before an update with a NaN/Inf grad norm
+    # --optimizer-cpu-offload: a fraction (one, or one per DP replica) of the optimizer on the host
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: object = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
     train_samples: Optional[int] = None  # sample-based training (train_iters derived from it)
     lr_warmup_fraction: Optional[float] = None
     lr_warmup_samples: int = 0

@@ -29,7 +29,7 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
     if rank is None:  # semi-synchronous replicas read their own parts
         rank = ps.get_data_parallel_rank_across_replicas()
     if plan is not None and plan.uneven:
-        sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro, rank, plan)
+        sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro_of(rank), rank, plan)
     else:
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
                                              rank, ps.get_data_parallel_world_size() * ps.get_replica_world_size())

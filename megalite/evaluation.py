@@ -24,8 +24,8 @@ def mean_losses(reported, read=True, total=None):
     """(lm loss on every rank, {key: mean} of every loss the loss function reports, e.g. "lm loss"
     and "sop loss"): means over micro-batches and DP ranks; the last pipeline stage holds them
     all, other stages get {"lm loss": ...} (the first key when there is no "lm loss").
-    total: the global batch's micro-batch count when DP ranks run different counts (uneven
-    shares): the losses are summed over micro-batches and ranks and divided by it."""
+    total: with uneven shares or micro-batch sizes, this rank's loss divisor (IterationPlan.total):
+    each rank's losses are summed and divided by it, then summed over DP ranks."""
     dev = ps.get_device()
     out = {}
     if reported:
@@ -37,7 +37,7 @@ def mean_losses(reported, read=True, total=None):
         else:
             vals = torch.stack([torch.stack([r[k].float().reshape(()).to(dev) for k in keys]) for r in reported])
             vals = (average_over_data_parallel(vals.mean(0)) if total is None else
-                    sum_over_data_parallel(vals.sum(0)) / total)
+                    sum_over_data_parallel(vals.sum(0) / total))
         out = dict(zip(keys, vals.unbind()))  # device scalars: read when logged, no sync here
         lm = vals[keys.index("lm loss") if "lm loss" in keys else 0].reshape(1).clone()
     else:  # a stage without the loss (pipeline)

@@ -14,6 +14,11 @@ batch (never the mean of per-rank means, which over-weights the small shares). A
 is summed and divided by the global token count. Every rank still reduces once per iteration,
 after its own last micro-batch, so all ranks issue the same collectives whatever their counts.
 
+--data-parallel-micro-batch-sizes M0,M1,... (with or without shares): DP rank r runs micro-batches of
+M_r samples over its part (equal parts without shares). A micro-batch loss is a mean over its M_r
+samples, so it is divided by the replica's samples / M_r: every sample weighs 1/(the replica's
+samples), whatever the sizes, and the reduction sums (with equal sizes this is the global count M).
+
 --data-parallel-shares auto: equal shares for the first K iterations
 (--data-parallel-shares-profile-iters), each replica's forward-backward time per micro-batch
 measured (after a device sync), then the counts that minimise the slowest replica's time, by a
@@ -45,18 +50,35 @@ def parse_shares(text, dp):
 
 class IterationPlan:
     """schedule: the run's BatchSchedule (global batch per iteration); shares: None (equal, as
-    Megatron) or one positive integer per DP rank. replicas (semi-synchronous training): the DP ranks
-    form this many consecutive blocks, each a model copy that steps on its own part of the batch, so
-    losses and gradients are normalised within the block (ranks are DP ranks across replicas)."""
+    Megatron) or one positive integer per DP rank; micros: None (the schedule's micro-batch size
+    everywhere) or one micro-batch size per DP rank (--data-parallel-micro-batch-sizes). replicas
+    (semi-synchronous training): the DP ranks form this many consecutive blocks, each a model copy that
+    steps on its own part of the batch, so losses and gradients are normalised within the block
+    (ranks are DP ranks across replicas)."""
 
-    def __init__(self, schedule, shares=None, replicas=1):
+    def __init__(self, schedule, shares=None, replicas=1, micros=None):
         self.schedule, self.shares, self.replicas = schedule, shares, replicas
-        self.dp, self.micro = schedule.dp, schedule.micro
+        self.dp, self.micro, self.micros = schedule.dp, schedule.micro, micros
 
     @property
     def uneven(self):
-        """Shares given: contiguous slices, losses over the global count, summing reduction."""
-        return self.shares is not None
+        """Shares or per-rank micro-batch sizes given: contiguous slices, each sample's loss weighed
+        1/(the replica's samples), summing reduction."""
+        return self.shares is not None or self.micros is not None
+
+    def micro_of(self, rank):
+        """DP rank's micro-batch size."""
+        return self.micros[rank] if self.micros is not None else self.micro
+
+    def equal_counts(self):
+        """Every DP rank runs the same number of micro-batches in every reachable batch (then the
+        per-micro-batch collectives of ZeRO-2/3 and EP line up even with unequal shares or sizes)."""
+        return all(len(set(self.counts_of(g))) == 1 for g in self.schedule.batch_sizes(0))
+
+    def counts_of(self, g):
+        """Micro-batches of every DP rank in an iteration of global batch g."""
+        weights = self.shares or [1] * self.dp
+        return [g * w // (sum(weights) * self.micro_of(r)) for r, w in enumerate(weights)]
 
     @property
     def grad_divisor(self):
@@ -73,51 +95,57 @@ class IterationPlan:
 
     def counts(self, consumed):
         """Micro-batches of every DP rank in the iteration that starts after `consumed` samples."""
-        g = self.schedule.global_batch_size(consumed)
-        if not self.uneven:
-            return [g // (self.micro * self.dp)] * self.dp
-        total = sum(self.shares)
-        return [g * s // (total * self.micro) for s in self.shares]
+        return self.counts_of(self.schedule.global_batch_size(consumed))
 
     def total(self, consumed, rank=0):
-        """With shares, the micro-batch count of rank's replica (the whole batch without replicas),
-        which the losses are averaged over (else None: each rank's mean, averaged over DP)."""
+        """Uneven: what each of rank's micro-batch losses (a mean over its samples) is divided by,
+        so that every sample of the replica's batch weighs 1/(its samples): the replica's samples
+        over rank's micro-batch size (the global micro-batch count when all sizes are equal).
+        Else None: each rank's mean, averaged over DP."""
         if not self.uneven:
             return None
-        counts = self.counts(consumed)
-        return sum(counts[r] for r in self.replica_ranks(rank))
+        return self.replica_samples(consumed, rank) / self.micro_of(rank)
 
     def replica_samples(self, consumed, rank):
         """Samples rank's replica trains on in the iteration after `consumed`."""
         counts = self.counts(consumed)
-        return self.micro * sum(counts[r] for r in self.replica_ranks(rank))
+        return sum(counts[r] * self.micro_of(r) for r in self.replica_ranks(rank))
 
     def num_microbatches(self, consumed, rank):
         return self.counts(consumed)[rank]
 
     def loss_divisor(self, consumed, rank):
         """Each micro-batch loss is divided by this: the rank's own count (the reduction then
-        averages) or, with shares, the global count (the reduction sums)."""
+        averages) or, uneven, `total` (the reduction sums)."""
         return self.total(consumed, rank) or self.num_microbatches(consumed, rank)
 
     def first_sample(self, consumed, rank):
-        """With shares: the first sample of rank's contiguous slice of the global batch."""
-        return consumed + self.micro * sum(self.counts(consumed)[:rank])
+        """Uneven: the first sample of rank's contiguous slice of the global batch."""
+        counts = self.counts(consumed)
+        return consumed + sum(counts[r] * self.micro_of(r) for r in range(rank))
 
     def check(self, consumed=0, pipeline_size=1, interleaved=False, what=None):
         """Every reachable global batch splits into whole micro-batches per share (at least one
         each; a multiple of the pipeline size when interleaved); else one ConfigError line."""
         if not self.uneven:
             return self.schedule.check(consumed, pipeline_size, interleaved, what)
-        total, flag = sum(self.shares), f"--data-parallel-shares {','.join(map(str, self.shares))}"
-        flag += f" ({what})" if what else ""
+        weights = self.shares or [1] * self.dp
+        total, flags = sum(weights), []
+        if self.shares:
+            flags.append(f"--data-parallel-shares {','.join(map(str, self.shares))}")
+        if self.micros:
+            flags.append(f"--data-parallel-micro-batch-sizes {','.join(map(str, self.micros))}")
+        flag = " ".join(flags) + (f" ({what})" if what else "")
         for g in self.schedule.batch_sizes(consumed):
-            for r, s in enumerate(self.shares):
-                n, rest = divmod(g * s, total * self.micro)
+            for r, s in enumerate(weights):
+                m = self.micro_of(r)
+                n, rest = divmod(g * s, total * m)
                 if rest or n < 1:
-                    raise ConfigError(f"{flag}: global batch {g} x share {s} / {total} = {g * s / total:g} samples for "
-                                      f"DP rank {r} is not a positive whole number of --micro-batch-size "
-                                      f"{self.micro} micro-batches; change the shares or the batch sizes")
+                    part = f"share {s} / {total}" if self.shares else f"1 / {self.dp}"
+                    unit = f"micro-batches of {m}" if self.micros else f"--micro-batch-size {m} micro-batches"
+                    raise ConfigError(f"{flag}: global batch {g} x {part} = {g * s / total:g} samples for "
+                                      f"DP rank {r} is not a positive whole number of {unit}; change the "
+                                      f"{'sizes' if self.micros else 'shares'} or the batch sizes")
                 if interleaved and (why := interleaving_problem(n, pipeline_size, interleaved)):
                     raise ConfigError(f"{flag}: DP rank {r} gets {n} micro-batches of global batch {g}: {why}")
 
@@ -138,6 +166,12 @@ def balanced_counts(seconds, total, unit=1):
     return [c * unit for c in n]
 
 
+def training_plan(args, schedule):
+    """The run's IterationPlan: its shares, per-rank micro-batch sizes and replicas."""
+    return IterationPlan(schedule, initial_shares(args), getattr(args, "semi_sync_replicas", None) or 1,
+                         getattr(args, "data_parallel_micro_batch_sizes", None))
+
+
 def initial_shares(args):
     """The shares the run starts with: the flag's, equal ones for auto (profiled first), or None."""
     shares = getattr(args, "data_parallel_shares", None)
@@ -149,7 +183,8 @@ def evaluation_plan(args, plan, global_batch, micro_batch):
     training's, at the training's micro-batch)."""
     from megalite.microbatches import BatchSchedule
     shares = plan.shares if args.data_parallel_shares != "auto" else None
-    return IterationPlan(BatchSchedule(global_batch, micro_batch, plan.dp), shares, plan.replicas)
+    return IterationPlan(BatchSchedule(global_batch, micro_batch, plan.dp), shares, plan.replicas,
+                         getattr(args, "eval_micro_batch_sizes", None))
 
 
 def auto_shares(args, plan):

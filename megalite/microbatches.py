@@ -160,8 +160,8 @@ def batch_schedule(args):
         args.global_batch_size = final  # what iteration-based LR steps are counted in
     schedule = BatchSchedule(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
                              args.rampup_batch_size, steps)
-    from megalite.iteration_plan import IterationPlan, initial_shares
-    IterationPlan(schedule, initial_shares(args)).check(0, args.pipeline_model_parallel_size, interleaving(args))
+    from megalite.iteration_plan import training_plan
+    training_plan(args, schedule).check(0, args.pipeline_model_parallel_size, interleaving(args))
     return schedule
 
 

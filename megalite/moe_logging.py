@@ -23,7 +23,7 @@ def moe_loss_names(config):
 
 
 def moe_losses(config, num_microbatches, total=None):
-    """{name: device scalar}; total: the global micro-batch count with uneven DP shares. With
+    """{name: device scalar}; total: this rank's loss divisor when uneven. With
     --moe-per-layer-logging also {"moe/<name>_layer_<i>": scalar} per MoE layer (Megatron writes those to
     TensorBoard only; the console line skips names with a "/")."""
     names = moe_loss_names(config)
@@ -60,9 +60,10 @@ def dsa_indexer_loss(config, num_microbatches, total=None):
 
 
 def _over_batch_and_stages(vals, num_microbatches, total):
-    """Per-layer sums over this rank's micro-batches -> averaged over the batch (total: the global
-    micro-batch count with uneven DP shares), summed over the pipeline stages (each holds its layers)."""
-    vals = sum_over_data_parallel(vals) / total if total is not None else \
+    """Per-layer sums over this rank's micro-batches -> averaged over the batch (total: this rank's
+    loss divisor with uneven DP shares or micro-batch sizes, IterationPlan.total), summed over the
+    pipeline stages (each holds its layers)."""
+    vals = sum_over_data_parallel(vals / total) if total is not None else \
         average_over_data_parallel(vals / num_microbatches)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())

@@ -6,47 +6,35 @@ Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in M
     forward_step_func(data_iterator, model) -> (output, loss_func)
 """
 
-import contextlib
 import gc
 import os
 import signal
 import time
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import parallel_state as ps
-from megalite.arguments import model_config, parse_args, training_config
-from megalite.checkpointing import (
-    CheckpointError,
-    check_save_dir,
-    finish_checkpointing,
-    load_checkpoint,
-    read_tracker,
-    save_checkpoint,
-    unwrap_checkpoint_error,
-)
+from megalite.arguments import parse_args
+from megalite.checkpointing import CheckpointError, finish_checkpointing, save_checkpoint
 from megalite.config import ConfigError, fail
 from megalite.data_iterators import build_data_iterator, chunk_iterators, data_iterators  # noqa: F401  (mfu.py)
-from megalite.distributed import DistributedDataParallel, finalize_model_grads
+from megalite.distributed import finalize_model_grads
 from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.distributed.semi_sync_async import semi_sync_for
 from megalite.evaluation import dataset_sizes, eval_batch, evaluate, mean_losses, report_splits, run_forward_backward
 from megalite.flops import num_floating_point_operations
-from megalite.iteration_plan import IterationPlan, auto_shares, evaluation_plan, initial_shares
+from megalite.iteration_plan import auto_shares, evaluation_plan, training_plan
 from megalite.logger import MetricsLogger, TrainingWindow, print_rank_last
 from megalite.microbatches import batch_schedule
 from megalite.moe_logging import auxiliary_losses
-from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
-from megalite.optimizer.lr_scheduler import schedule_steps
 from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.optimizer import NonFiniteGradError
-from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.rerun import RerunExit, exit_after, get_rerun_state_machine, initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
+from megalite.training_setup import build_model, build_scheduler, checkpoint_setup, setup  # noqa: F401  (tests)
 
 
 _SIGTERM = {"got": False}
@@ -60,72 +48,6 @@ def _abort(msg, owns):
     if owns:
         ps.shutdown_distributed(barrier=False)
     fail(msg)
-
-
-def build_model(mcfg, model_provider, args, plan=None):
-    """This rank's model chunks (v of them with interleaving), each wrapped for DP (plan: the
-    IterationPlan, whose shares set how the DP reduction weighs; default equal shares)."""
-    v = ps.get_virtual_pipeline_model_parallel_world_size() or 1
-    chunks = []
-    from megalite.distributed.grad_compression import build_compressor
-    compressor = build_compressor(args.grad_compression, args.grad_compression_ratio, args.grad_compression_start_iter,
-                                  args.seed)
-    for j in range(v):
-        ps.set_virtual_pipeline_model_parallel_rank(j)
-        # ZeRO-3: parameters built on the meta device; each rank makes only its shards (O(shard))
-        with ps.meta_init() if args.use_distributed_optimizer and args.zero_stage == 3 else contextlib.nullcontext():
-            m = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
-        chunks.append(DistributedDataParallel(m, bucket_size=args.ddp_bucket_size,
-                                              overlap_grad_reduce=args.overlap_grad_reduce,
-                                              use_distributed_optimizer=args.use_distributed_optimizer,
-                                              zero_stage=args.zero_stage or 1,
-                                              overlap_param_gather=args.overlap_param_gather,
-                                              grad_divisor=plan.grad_divisor if plan else None,
-                                              reduce_once=bool(plan and plan.uneven),
-                                              hierarchical=args.hierarchical_grad_reduce,
-                                              compressor=compressor,
-                                              reshard_after_forward=args.torch_fsdp2_reshard_after_forward))
-    ps.set_virtual_pipeline_model_parallel_rank(0)
-    return chunks
-
-
-def setup(args, model_provider, plan=None):
-    tcfg = training_config(args)
-    mcfg = model_config(args, args.vocab_size)
-    mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
-    chunks = build_model(mcfg, model_provider, args, plan)
-    optimizer = (DistributedOptimizer if args.use_distributed_optimizer else MixedPrecisionOptimizer)(chunks, tcfg)
-    return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)
-
-
-def build_scheduler(optimizer, tcfg):
-    """Megatron's schedule in samples; --skip-train without a length takes the checkpoint's."""
-    if tcfg.train_iters is None and tcfg.train_samples is None:
-        warmup, decay, use_checkpoint = 0, 1, True
-    else:
-        (warmup, decay), use_checkpoint = schedule_steps(tcfg), tcfg.use_checkpoint_opt_param_scheduler
-    return LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, warmup, decay, tcfg.lr_decay_style, tcfg.lr_warmup_init,
-                       use_checkpoint, tcfg.override_opt_param_scheduler, legacy_step=tcfg.global_batch_size,
-                       decoupled=(tcfg.decoupled_lr, tcfg.decoupled_min_lr))
-
-
-def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
-    """Check --save early; load --load. Returns (iteration, consumed train, consumed valid) or None."""
-    if args.save:
-        check_save_dir(args.save)
-        if not args.load and read_tracker(args.save) is not None:
-            args.load = args.save  # a restarted job resumes by itself (torchrun --max-restarts)
-    if not args.load:
-        return None
-    try:
-        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args)
-    except CheckpointException as e:  # DCP wraps every rank's error; ours is one line
-        raise unwrap_checkpoint_error(e) from None
-    if loaded is None and args.exit_on_missing_checkpoint:
-        raise CheckpointError(f"--load {args.load} holds no checkpoint and --exit-on-missing-checkpoint is set")
-    if loaded is not None:
-        print_rank_last(f"megalite: loaded checkpoint from {args.load} at iteration {loaded[0]}")
-    return loaded
 
 
 def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None,
@@ -222,8 +144,9 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         _abort(str(e), owns)
     model_parallel_manual_seed(args.seed)
     initialize_rerun_state_machine(args)
-    dp, micro, dp_rank = args.data_parallel_size, args.micro_batch_size, ps.get_data_parallel_rank_across_replicas()
-    plan = IterationPlan(batches, initial_shares(args), args.semi_sync_replicas)  # each DP rank's micro-batches
+    dp, dp_rank = args.data_parallel_size, ps.get_data_parallel_rank_across_replicas()
+    plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)
+    micro = plan.micro_of(dp_rank)
     log = MetricsLogger(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
@@ -245,10 +168,11 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     eval_plan, auto = evaluation_plan(args, plan, eval_g, eval_mbs), auto_shares(args, plan)
     eval_micro, eval_total = eval_plan.num_microbatches(0, dp_rank), eval_plan.total(0, dp_rank)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
-    ramp = "" if batches.is_constant() else f" now, {args.global_batch_size // (micro * dp)} at the full batch " \
-        f"{args.global_batch_size}"
+    ramp = "" if batches.is_constant() else f" now, {args.global_batch_size // (args.micro_batch_size * dp)} at " \
+        f"the full batch {args.global_batch_size}"
     counts = plan.counts(consumed_train)
-    counts = f"{counts[0]}" if not plan.uneven else f"{','.join(map(str, counts))} (DP ranks' shares)"
+    counts = f"{counts[0]}" if not plan.uneven else f"{','.join(map(str, counts))} (DP ranks' shares)" + (
+        f" of {','.join(map(str, plan.micros))} samples" if plan.micros else "")
     cp = ps.get_context_parallel_world_size()
     print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} {f'CP={cp} ' if cp > 1 else ''}"
                     f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
@@ -263,7 +187,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     valid_pos = consumed_valid % len(valid_ds) if valid_ds is not None and len(valid_ds) else 0
     valid_iters = data_iterators(valid_ds, valid_pos, args, chunks, eval_mbs, eval_plan)
     shape, dtype = pipeline_tensor_shape(mcfg, micro), mcfg.params_dtype
-    eval_shape = pipeline_tensor_shape(mcfg, eval_mbs)
+    eval_shape = pipeline_tensor_shape(mcfg, eval_plan.micro_of(dp_rank))
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
     window = TrainingWindow(start_iter)
 

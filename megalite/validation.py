@@ -8,6 +8,7 @@ from megalite.arguments import model_config, training_config
 from megalite.config import ConfigError
 from megalite.megatron_compat import print_notices
 from megalite.mup import validate_args as validate_mup
+from megalite.mixed_gpu_flags import check_uneven_composes, validate_mixed_gpus
 from megalite.semi_sync_flags import validate_semi_sync
 from megalite.validation_features import validate_features
 
@@ -40,6 +41,7 @@ def validate_args(args):
                           "change --nproc-per-node or the sizes")
     args.data_parallel_size = args.world_size // (tp * cp * pp)
     _validate_shares(args)
+    validate_mixed_gpus(args)
     validate_semi_sync(args)
     _validate_pipeline(args)
     _validate_context_parallel(args)
@@ -105,8 +107,9 @@ def validate_args(args):
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         args.vocab_size = 1024
     from megalite.microbatches import batch_schedule, interleaving, interleaving_problem
-    if args.data_parallel_shares is not None:
-        batch_schedule(args)  # every reachable global batch against the shares (and interleaving), per rank
+    if args.data_parallel_shares is not None or args.data_parallel_micro_batch_sizes is not None:
+        # every reachable global batch against the shares / sizes (and interleaving), per rank
+        check_uneven_composes(args, batch_schedule(args))
     else:
         num_micro = training_config(args).num_microbatches(args.data_parallel_size)  # the full batch's count
         if interleaving(args) and (why := interleaving_problem(num_micro, pp, interleaving(args))):
@@ -144,13 +147,16 @@ def _validate_eval_batch(args):
     to the training ones, in whole micro-batches on every DP rank."""
     if args.eval_global_batch_size is None:
         args.eval_global_batch_size = args.global_batch_size
+    # per-replica micro-batch sizes hold for evaluation too, unless it has a size of its own
+    args.eval_micro_batch_sizes = args.data_parallel_micro_batch_sizes if args.eval_micro_batch_size is None else None
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
     g, m, dp = args.eval_global_batch_size, args.eval_micro_batch_size, args.data_parallel_size
-    if isinstance(args.data_parallel_shares, list) and g >= 1 and m >= 1:
+    shares = args.data_parallel_shares if isinstance(args.data_parallel_shares, list) else None
+    if (shares or args.eval_micro_batch_sizes) and g >= 1 and m >= 1:
         from megalite.iteration_plan import IterationPlan
         from megalite.microbatches import BatchSchedule, interleaving
-        plan = IterationPlan(BatchSchedule(g, m, dp), args.data_parallel_shares)
+        plan = IterationPlan(BatchSchedule(g, m, dp), shares, micros=args.eval_micro_batch_sizes)
         plan.check(0, args.pipeline_model_parallel_size, interleaving(args), what="--eval-global-batch-size")
         return
     if g < 1 or m < 1 or g % (m * dp):

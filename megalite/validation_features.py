@@ -61,9 +61,9 @@ def _validate_moe(args):
              "expert grid)"),
             (args.fp16 and args.expert_model_parallel_size > 1, "--fp16 with --expert-model-parallel-size > 1 is not "
                                                                 "supported (as Megatron); use --bf16"),
-            (args.expert_model_parallel_size > 1 and args.data_parallel_shares is not None,
-             "--data-parallel-shares with --expert-model-parallel-size > 1: ranks that run different micro-batch "
-             "counts would dispatch tokens a different number of times; drop one"),
+            (args.expert_model_parallel_size > 1 and args.data_parallel_shares == "auto",
+             "--data-parallel-shares auto with --expert-model-parallel-size > 1: ranks that run different "
+             "micro-batch counts would dispatch tokens a different number of times; give the shares"),
             (args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid",
              "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as Megatron)"),
             (args.moe_aux_loss_coeff < 0 or (args.moe_z_loss_coeff or 0) < 0, "--moe-aux-loss-coeff and "
@@ -120,14 +120,10 @@ def _validate_fsdp(args):
         if args.use_torch_fsdp2:
             print_notices(["--use-torch-fsdp2 accepted: megalite's ZeRO-3 (its own sharded buckets, unit by unit "
                            "with prefetch; composes with pipeline parallelism)"])
-    if args.zero_stage == 3 and args.data_parallel_shares is not None:
-        raise ConfigError(f"--data-parallel-shares {_shares_str(args.data_parallel_shares)} with ZeRO-3: ranks that run "
-                          "different micro-batch counts would issue different numbers of parameter all-gathers; use "
-                          "--zero-stage 2 or drop --data-parallel-shares")
+    if args.zero_stage == 3 and args.data_parallel_shares == "auto":
+        raise ConfigError("--data-parallel-shares auto with ZeRO-3: ranks that run different micro-batch counts "
+                          "would issue different numbers of parameter all-gathers; use --zero-stage 2 or give shares "
+                          "that keep the counts equal")
     if not args.torch_fsdp2_reshard_after_forward and args.zero_stage != 3:
         raise ConfigError("--torch-fsdp2-no-reshard-after-forward needs ZeRO-3 (--use-torch-fsdp2, "
                           "--use-megatron-fsdp or --use-distributed-optimizer --zero-stage 3)")
-
-
-def _shares_str(shares):
-    return shares if isinstance(shares, str) else ",".join(map(str, shares))

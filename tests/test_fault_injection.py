@@ -133,6 +133,17 @@ def shares_weighted_by_rank_means():
     return stack
 
 
+def microbatches_weighted_equally():
+    """Micro-batches of unequal sizes weighted alike (each loss over the replica's micro-batch count
+    instead of its samples / the micro-batch's size): the small micro-batches' samples are over-weighted."""
+    from megalite.iteration_plan import IterationPlan
+
+    def total(self, consumed, rank=0):
+        counts = self.counts(consumed)
+        return sum(counts[r] for r in self.replica_ranks(rank))
+    return patched(IterationPlan, "total", total)
+
+
 def pseudo_gradient_sign_flipped():
     from megalite.distributed.semi_sync import SemiSync
     return patched(SemiSync, "_contribution", lambda self, local, glob: local - glob)
@@ -190,6 +201,8 @@ FAULTS = [
     (cp_grad_norm_counted_cp_times, "cp2", dict(cp=2), "norms"),
     (cp_local_positions, "cp2_llama", dict(cp=2, model=LLAMA), "step-1 grad"),
     (shares_weighted_by_rank_means, "dp2_shares_3_1", dict(dp=2, flags=("--data-parallel-shares", "3,1")),
+     "step-1 grad"),
+    (microbatches_weighted_equally, "dp2_sizes_4_1", dict(dp=2, flags=("--data-parallel-micro-batch-sizes", "4,1")),
      "step-1 grad"),
     (no_dp_averaging, "tp2_pp2_dp2_sp_interleaved_zero2", dict(tp=2, pp=2, dp=2, sp=True, vp=1, zero=2),
      "step-1 grad"),

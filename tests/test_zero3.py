@@ -251,7 +251,8 @@ def test_fsdp_flags_map_onto_zero_stages(capsys):
                      (["--use-megatron-fsdp", "--use-torch-fsdp2"], "exclusive"),
                      (["--use-megatron-fsdp", "--zero-stage", "2"], "drop --zero-stage"),
                      (["--torch-fsdp2-no-reshard-after-forward"], "needs ZeRO-3"),
-                     (["--use-torch-fsdp2", "--data-parallel-shares", "3,1"], "different numbers of parameter all-gathers"),
+                     (["--use-torch-fsdp2", "--data-parallel-shares", "3,1", "--global-batch-size", "8"],
+                      "every rank must run the same count"),
                      (["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"], "hybrid sharding")):
         with pytest.raises(SystemExit):
             parse_args(req + bad, world_size=2)

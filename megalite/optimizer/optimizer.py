@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import mup, parallel_state as ps
+from megalite.optimizer import offload
 from megalite.optimizer.clip_grads import clip_grads, grad_norm_tensor
 from megalite.optimizer.param_groups import AdamWState
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_and_find_inf_
@@ -64,6 +65,7 @@ class _FlatGroup:
         self.mains, self.m_views, self.v_views = [], [], []
         self.step = 0  # a Python int: bias correction needs no host read
         self.step_t = torch.zeros((), dtype=torch.float32)  # torch's state["step"], shared by the group
+        self.grad, self.group_index = None, 0  # a host group's gradient buffer (offload); its param group
 
 
 def _flat_view(ts):
@@ -113,12 +115,20 @@ class MixedPrecisionOptimizer:
         def kind(name, param):
             decoupled = split and getattr(param, "is_embedding_or_output_parameter", False)
             return not no_weight_decay(name, param), decoupled, mup.lr_mult(name, param, width)
+        fraction, device = offload.fraction_for_rank(c), triples[0][2].device if triples else ps.get_device()
+        self.offload, self._host = offload.OffloadStats(), None
         with torch.no_grad():
             for key in itertools.product((True, False), (False, True) if split else (False,), mults):
                 idx = [i for i in order if kind(*triples[i][:2]) == key]
                 if idx:
                     decay, decoupled, mult = key
-                    self._flat.append(self._flat_group(idx, [triples[i][2] for i in idx], own, movable))
+                    on_host, on_device = offload.host_split(idx, [triples[i][2].numel() for i in idx], fraction)
+                    for part, host in ((on_device, False), (on_host, True)):  # --optimizer-cpu-offload: F on the host
+                        if part:
+                            grp = self._flat_group(part, [triples[i][2] for i in part], own and not host, movable,
+                                                   host)
+                            grp.group_index = len(groups)
+                            self._flat.append(grp)
                     groups.append({"params": [self.main_params[i] for i in sorted(idx)],
                                    "weight_decay": c.weight_decay if decay else 0.0, "decay": decay,
                                    "decoupled": decoupled, **({"mup_lr_mult": mult, "eps": c.adam_eps * mult}
@@ -128,14 +138,25 @@ class MixedPrecisionOptimizer:
             for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):
                 self.optimizer.state[mp] = {"step": grp.step_t, "exp_avg": m, "exp_avg_sq": v}
         self.scaler = build_loss_scaler(c)
+        self._host = offload.HostSteps(self.offload, c.overlap_cpu_optimizer_d2h_h2d, device) \
+            if self.offload.host_elements else None
 
-    def _flat_group(self, idx, values, own, movable):
+    def _flat_group(self, idx, values, own, movable, host=False):
+        """host: the group lives in host memory (--optimizer-cpu-offload): its main values are
+        copies there (never the model's tensors), with a host buffer for its gradients."""
         sizes = [t.numel() for t in values]
         total = sum(sizes)
 
         def buffer():
+            if host:
+                return offload.host_buffer(total, values[0].device)
             return torch.zeros(total, dtype=torch.float32, device=values[0].device)
         grp = _FlatGroup(idx, sizes, own, None if own and not movable else buffer(), buffer(), buffer())
+        grp.grad = buffer() if host else None
+        if host:
+            self.offload.host_elements += total
+        else:
+            self.offload.device_elements += total
         for i, t, off, n in zip(idx, values, itertools.accumulate([0] + sizes), sizes):
             grp.m_views.append(grp.exp_avg[off:off + n].view(t.shape))
             grp.v_views.append(grp.exp_avg_sq[off:off + n].view(t.shape))
@@ -232,10 +253,23 @@ class MixedPrecisionOptimizer:
         ops on CPU), model copies written in the same pass or by one foreach copy."""
         import kernels
         with contextlib.nullcontext() if self.config.fused_kernels else kernels.use_backend("torch"):
-            for grp, group in zip(self._flat, self.optimizer.param_groups):
+            groups = self.optimizer.param_groups
+            for grp in self._flat:
                 self._adopt_state(grp)
                 grp.step += 1
                 grp.step_t.fill_(grp.step)  # torch's state["step"], for state dicts (host tensor)
+                if grp.grad is not None:  # offloaded: its gradients go down first (overlapped: while
+                    self._host.down(grp, _flat_or_cat([grads[i] for i in grp.idx]))  # the device steps)
+
+            def adamw(grp, main, grad, out=None):
+                group = groups[grp.group_index]
+                beta1, beta2 = group["betas"]
+                kernels.adamw_step(main, grad, grp.exp_avg, grp.exp_avg_sq, step=grp.step, lr=group["lr"],
+                                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                                   model_params=out)
+            for grp in self._flat:
+                if grp.grad is not None:
+                    continue
                 scatter, out, outs = False, None, None
                 if grp.own:  # the model's fp32 tensors: in the buffer unless they are ZeRO pieces
                     main = _flat_view(grp.mains)
@@ -244,14 +278,16 @@ class MixedPrecisionOptimizer:
                 else:
                     main, outs = grp.main, [copies[i] for i in grp.idx]
                     out = _flat_view(outs)
-                beta1, beta2 = group["betas"]
-                kernels.adamw_step(main, _flat_or_cat([grads[i] for i in grp.idx]), grp.exp_avg, grp.exp_avg_sq,
-                                   step=grp.step, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                                   weight_decay=group["weight_decay"], model_params=out)
+                adamw(grp, main, _flat_or_cat([grads[i] for i in grp.idx]), out)
                 if scatter:
                     torch._foreach_copy_([t.view(-1) for t in grp.mains], main.split(grp.sizes))
                 elif outs is not None and out is None:
                     torch._foreach_copy_(outs, grp.mains)
+            if self._host is not None:
+                for grp in self._flat:
+                    if grp.grad is not None:
+                        self._host.step(grp, [copies[i] for i in grp.idx], lambda main, grad: adamw(grp, main, grad))
+                self._host.end()
 
     def _adopt_state(self, grp):
         """Keep optimizer.state's entries on the flat buffers and the step in grp.step. Loading

@@ -1,0 +1,92 @@
+"""The command line of mixed GPUs of different memory: a micro-batch size per data-parallel replica
+(megalite/iteration_plan.py) and optimizer CPU offload (megalite/optimizer/offload.py), with their
+checks, each user error one line."""
+
+from megalite.config import ConfigError
+
+
+def add_mixed_gpu_flags(a):
+    a("--data-parallel-micro-batch-sizes", default=None,
+      help="M0,M1,...: DP replica r runs micro-batches of M_r samples (a smaller GPU smaller ones; replaces "
+           "--micro-batch-size in training); the update stays the single process's on the whole batch")
+    a("--optimizer-cpu-offload", action="store_true",
+      help="keep the fp32 main weights and Adam states of --optimizer-offload-fraction of the optimizer in host "
+           "memory and step them there (Megatron's hybrid-device optimizer)")
+    a("--optimizer-offload-fraction", default=1.0,
+      help="with --optimizer-cpu-offload: the fraction of each rank's optimizer elements on the host, one value "
+           "or one per DP replica (e.g. 0,0.6: only replica 1's GPU is short of memory)")
+    a("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+      help="with --optimizer-cpu-offload: copy gradients down and weights up on a side stream, overlapping the "
+           "device's part of the step")
+    a("--use-torch-optimizer-for-cpu-offload", action="store_true",
+      help="accepted: the host part runs torch's elementwise AdamW either way")
+    a("--no-pin-cpu-grads", dest="pin_cpu_grads", action="store_false",
+      help="accepted: host buffers are pinned on CUDA (needed for asynchronous copies)")
+    a("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false",
+      help="accepted: host buffers are pinned on CUDA (needed for asynchronous copies)")
+
+
+def _per_replica(text, flag, dp, convert, what):
+    """One value for every DP replica, or one per replica (a list of dp), one ConfigError line."""
+    try:
+        values = [convert(v) for v in text.replace(" ", ",").split(",") if v]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give {what}, one value or one per data-parallel replica") from None
+    if len(values) not in (1, dp) or not values:
+        raise ConfigError(f"{flag} {text!r} gives {len(values)} values for data-parallel size {dp}; give one per "
+                          "data-parallel replica")
+    return values
+
+
+def validate_mixed_gpus(args):
+    """Parse the lists (args.data_parallel_micro_batch_sizes: None or one int per DP rank;
+    args.optimizer_offload_fraction: a float or a list of them) and refuse what does not compose."""
+    dp, sizes = args.data_parallel_size, args.data_parallel_micro_batch_sizes
+    if sizes is not None:
+        flag = "--data-parallel-micro-batch-sizes"
+        sizes = _per_replica(sizes, flag, dp, int, "positive integers")
+        if len(sizes) != dp:
+            raise ConfigError(f"{flag} {args.data_parallel_micro_batch_sizes!r} gives {len(sizes)} sizes for "
+                              f"data-parallel size {dp}; give one per data-parallel replica")
+        if any(m < 1 for m in sizes):
+            raise ConfigError(f"{flag} {args.data_parallel_micro_batch_sizes!r}: every size must be a positive "
+                              "integer")
+        args.data_parallel_micro_batch_sizes = sizes
+    fraction = args.optimizer_offload_fraction
+    if isinstance(fraction, (str, float)):  # (a list once parsed)
+        fraction = _per_replica(str(fraction), "--optimizer-offload-fraction", dp, float, "fractions in [0, 1]")
+        if any(not 0.0 <= f <= 1.0 for f in fraction):
+            raise ConfigError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction!r}: every fraction "
+                              "must lie in [0, 1]")
+        args.optimizer_offload_fraction = fraction[0] if len(fraction) == 1 else fraction
+    offload_only = [f for f, on in (("--overlap-cpu-optimizer-d2h-h2d", args.overlap_cpu_optimizer_d2h_h2d),
+                                    ("--use-torch-optimizer-for-cpu-offload", args.use_torch_optimizer_for_cpu_offload),
+                                    ("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0))
+                    if on]
+    if offload_only and not args.optimizer_cpu_offload:
+        raise ConfigError(f"{', '.join(offload_only)} need --optimizer-cpu-offload")
+
+
+def check_uneven_composes(args, schedule):
+    """ZeRO-3's parameter gathers and EP's token dispatches run once per micro-batch on every rank of
+    their groups: with unequal shares or micro-batch sizes they compose only where every DP rank runs
+    the same number of micro-batches in every reachable batch (e.g. shares 4,1 with sizes 4,1)."""
+    from megalite.iteration_plan import training_plan
+    sizes = args.data_parallel_micro_batch_sizes
+    if sizes and args.data_parallel_shares == "auto":
+        raise ConfigError("--data-parallel-shares auto with --data-parallel-micro-batch-sizes is not implemented "
+                          "yet: give the shares")
+    axes = [what for what, on in (("ZeRO-3 (its parameter all-gathers)", args.zero_stage == 3),
+                                  ("--expert-model-parallel-size > 1 (its token dispatches)",
+                                   args.expert_model_parallel_size > 1)) if on]
+    if not axes or args.data_parallel_shares == "auto":
+        return
+    plan = training_plan(args, schedule)
+    for g in schedule.batch_sizes(0):
+        counts = plan.counts_of(g)
+        if len(set(counts)) > 1:
+            given = " ".join(f for f, v in (("--data-parallel-shares", args.data_parallel_shares),
+                                            ("--data-parallel-micro-batch-sizes", sizes)) if v)
+            raise ConfigError(f"{given} give DP ranks {','.join(map(str, counts))} micro-batches of global batch {g}: "
+                              f"with {' and '.join(axes)} every rank must run the same count; choose shares "
+                              "proportional to the sizes, or drop one")

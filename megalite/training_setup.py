@@ -1,0 +1,83 @@
+"""Building what a run trains: the model chunks wrapped for data parallelism, the optimizer, the LR
+schedule, and the state loaded from --load (megalite/training.py runs the loop)."""
+
+import contextlib
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megalite import parallel_state as ps
+from megalite.arguments import model_config, training_config
+from megalite.checkpointing import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
+                                  unwrap_checkpoint_error)
+from megalite.distributed import DistributedDataParallel
+from megalite.logger import print_rank_last
+from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
+from megalite.optimizer.distributed_optimizer import DistributedOptimizer
+from megalite.optimizer.lr_scheduler import schedule_steps
+
+
+def build_model(mcfg, model_provider, args, plan=None):
+    """This rank's model chunks (v of them with interleaving), each wrapped for DP (plan: the
+    IterationPlan, whose shares set how the DP reduction weighs; default equal shares)."""
+    v = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    from megalite.distributed.grad_compression import build_compressor
+    compressor = build_compressor(args.grad_compression, args.grad_compression_ratio, args.grad_compression_start_iter,
+                                  args.seed)
+    for j in range(v):
+        ps.set_virtual_pipeline_model_parallel_rank(j)
+        # ZeRO-3: parameters built on the meta device; each rank makes only its shards (O(shard))
+        with ps.meta_init() if args.use_distributed_optimizer and args.zero_stage == 3 else contextlib.nullcontext():
+            m = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        chunks.append(DistributedDataParallel(m, bucket_size=args.ddp_bucket_size,
+                                              overlap_grad_reduce=args.overlap_grad_reduce,
+                                              use_distributed_optimizer=args.use_distributed_optimizer,
+                                              zero_stage=args.zero_stage or 1,
+                                              overlap_param_gather=args.overlap_param_gather,
+                                              grad_divisor=plan.grad_divisor if plan else None,
+                                              reduce_once=bool(plan and plan.uneven and (
+                                                  args.data_parallel_shares == "auto" or not plan.equal_counts())),
+                                              hierarchical=args.hierarchical_grad_reduce,
+                                              compressor=compressor,
+                                              reshard_after_forward=args.torch_fsdp2_reshard_after_forward))
+    ps.set_virtual_pipeline_model_parallel_rank(0)
+    return chunks
+
+
+def setup(args, model_provider, plan=None):
+    tcfg = training_config(args)
+    mcfg = model_config(args, args.vocab_size)
+    mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
+    chunks = build_model(mcfg, model_provider, args, plan)
+    optimizer = (DistributedOptimizer if args.use_distributed_optimizer else MixedPrecisionOptimizer)(chunks, tcfg)
+    return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)
+
+
+def build_scheduler(optimizer, tcfg):
+    """Megatron's schedule in samples; --skip-train without a length takes the checkpoint's."""
+    if tcfg.train_iters is None and tcfg.train_samples is None:
+        warmup, decay, use_checkpoint = 0, 1, True
+    else:
+        (warmup, decay), use_checkpoint = schedule_steps(tcfg), tcfg.use_checkpoint_opt_param_scheduler
+    return LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, warmup, decay, tcfg.lr_decay_style, tcfg.lr_warmup_init,
+                       use_checkpoint, tcfg.override_opt_param_scheduler, legacy_step=tcfg.global_batch_size,
+                       decoupled=(tcfg.decoupled_lr, tcfg.decoupled_min_lr))
+
+
+def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
+    """Check --save early; load --load. Returns (iteration, consumed train, consumed valid) or None."""
+    if args.save:
+        check_save_dir(args.save)
+        if not args.load and read_tracker(args.save) is not None:
+            args.load = args.save  # a restarted job resumes by itself (torchrun --max-restarts)
+    if not args.load:
+        return None
+    try:
+        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args)
+    except CheckpointException as e:  # DCP wraps every rank's error; ours is one line
+        raise unwrap_checkpoint_error(e) from None
+    if loaded is None and args.exit_on_missing_checkpoint:
+        raise CheckpointError(f"--load {args.load} holds no checkpoint and --exit-on-missing-checkpoint is set")
+    if loaded is not None:
+        print_rank_last(f"megalite: loaded checkpoint from {args.load} at iteration {loaded[0]}")
+    return loaded

@@ -1,0 +1,209 @@
+"""Mixed GPUs of different memory. --data-parallel-micro-batch-sizes: DP replica r runs micro-batches
+of M_r samples, and the update is still the single process's on the whole batch (each sample
+weighs 1/G: a micro-batch loss is divided by the replica's samples / M_r, megalite/iteration_plan.py).
+--optimizer-cpu-offload: a fraction of the optimizer lives and steps in host memory
+(megalite/optimizer/offload.py), bit for bit the update without offload.
+
+Parity with one process (tests/parity.py: losses, step-1 gradients, norms, parameters after 6
+steps, fp32 bound 1e-5): sizes 4,1 at DP2; 1,2,1 at DP3 with shares 1,2,1; TP2 + SP x DP2 with 2,1
+and ZeRO-2; PP2 x DP2 with 2,1 and a per-token loss; CP2 x DP2; EP2 x DP4 with ZeRO-3 where shares
+keep the counts equal. A checkpoint resumes exactly with the same sizes and within the bound with
+others. Offload: fractions 0.5 and per replica 0,1 at DP2 ZeRO-1, 0.5 at ZeRO-3, at TP2 (fp32 and
+bf16) bit for bit equal to no offload; the bytes moved per step equal the formula; resume with and
+without offload is exact; an offloaded shard stepped twice or not copied back is caught. Micro-batches
+weighted equally whatever their size is caught in tests/test_fault_injection.py.
+"""
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from dist_util import rel_err, run_on_ranks
+from megalite.config import ConfigError
+from megalite.iteration_plan import IterationPlan
+from megalite.microbatches import BatchSchedule
+from parity import STEPS, assert_parity, layout, patched, reference, run_layouts, train
+
+# No load-balancing loss: it multiplies two means over a micro-batch's tokens, so it is another function
+# of the weights at another micro-batch size (in Megatron too); the routing and experts are not.
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0",
+       "--moe-z-loss-coeff", "0.001", "--moe-ffn-hidden-size", "48")
+
+
+def sizes(*m):
+    return ("--data-parallel-micro-batch-sizes", ",".join(map(str, m)))
+
+
+def shares(*s):
+    return ("--data-parallel-shares", ",".join(map(str, s)))
+
+
+def offload(fraction):
+    return ("--optimizer-cpu-offload", "--optimizer-offload-fraction", fraction)
+
+
+FOUR = [
+    layout("tp2_sp_dp2_sizes_2_1_zero2", tp=2, sp=True, dp=2, zero=2, flags=sizes(2, 1)),
+    layout("pp2_dp2_sizes_2_1_per_token", pp=2, dp=2, model=("--calculate-per-token-loss",), flags=sizes(2, 1)),
+    layout("cp2_dp2_sizes_1_4", cp=2, dp=2, flags=sizes(1, 4)),
+    # shares 2,2,1,1 of 12 with sizes 2,2,1,1: two micro-batches everywhere, so the expert dispatches and
+    # ZeRO-3's gathers run the same number of times on every rank
+    layout("ep2_dp4_zero3_sizes_2_2_1_1_shares_2_2_1_1", dp=4, zero=3, model=MOE + ("--global-batch-size", "12"),
+           flags=sizes(2, 2, 1, 1) + shares(2, 2, 1, 1) + ("--expert-model-parallel-size", "2")),
+]
+THREE = [layout("dp3_sizes_1_2_1_shares_1_2_1", dp=3, flags=sizes(1, 2, 1) + shares(1, 2, 1))]
+TWO = [layout("dp2_sizes_4_1", dp=2, flags=sizes(4, 1))]
+
+
+def _stats(chunks, optimizer):
+    st = optimizer.offload
+    host = {m.untyped_storage().data_ptr() for g in optimizer._flat if g.grad is not None for m in g.mains}
+    model = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+    return {"host": st.host_elements, "device": st.device_elements, "d2h": st.d2h_bytes, "h2d": st.h2d_bytes,
+            "steps": st.steps, "aliases_model": bool(host & model),
+            "param_bytes": next(chunks[0].parameters()).element_size()}
+
+
+def stepped_twice():
+    from megalite.optimizer.offload import HostSteps
+    original = HostSteps.step
+
+    def step(self, grp, outs, adamw):
+        adamw(grp.main, grp.grad)
+        original(self, grp, outs, adamw)
+    return patched(HostSteps, "step", step)
+
+
+def not_copied_back():
+    from megalite.optimizer.offload import HostSteps
+    return patched(HostSteps, "step", lambda self, grp, outs, adamw: adamw(grp.main, grp.grad))
+
+
+def _offload_runs(directory):
+    """In two ranks: per layout, the run without offload and with fractions; faults; resumes."""
+    out = {}
+    cases = {"dp2_zero1": dict(dp=2, zero=1), "dp2_zero3": dict(dp=2, zero=3), "tp2": dict(tp=2),
+             "tp2_bf16": dict(tp=2, dtype="bf16")}
+    fractions = {"dp2_zero1": ("0.5", "0,1"), "dp2_zero3": ("0.5",), "tp2": ("0.5",), "tp2_bf16": ("1",)}
+    for name, kw in cases.items():
+        out[name] = train(layout(name, **kw), collect=_stats)
+        for f in fractions[name]:
+            out[f"{name}@{f}"] = train(layout(f"{name}@{f}", flags=offload(f), **kw), collect=_stats)
+    for fault in (stepped_twice, not_copied_back):
+        out[fault.__name__] = train(layout(fault.__name__, dp=2, zero=1, flags=offload("0.5"), fault=fault))
+    # saved at step 3 with offload, resumed without; saved without, resumed with
+    for name, first, then in (("off_to_on", (), offload("0.5")), ("on_to_off", offload("0.5"), ())):
+        d = os.path.join(directory, name)
+        train(layout("save", dp=2, zero=1, flags=first + ("--save", d, "--save-interval", "3", "--exit-interval", "3")))
+        out[name] = train(layout("resume", dp=2, zero=1, flags=then + ("--load", d)))
+    # micro-batch sizes: uninterrupted, saved at 3, resumed with the same sizes and with others
+    d = os.path.join(directory, "sizes")
+    out["sizes_full"] = train(layout("full", dp=2, flags=sizes(4, 1)))
+    train(layout("save", dp=2, flags=sizes(4, 1) + ("--save", d, "--save-interval", "3", "--exit-interval", "3")))
+    out["sizes_same"] = train(layout("same", dp=2, flags=sizes(4, 1) + ("--load", d)))
+    out["sizes_other"] = train(layout("other", dp=2, flags=sizes(2, 4) + ("--load", d)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = dict(zip((lay.name for lay in FOUR), run_layouts(FOUR, 4)))
+    out.update(zip((lay.name for lay in THREE), run_layouts(THREE, 3)))
+    out.update(zip((lay.name for lay in TWO), run_layouts(TWO, 2)))
+    with tempfile.TemporaryDirectory() as d:
+        out["offload"] = run_on_ranks(_offload_runs, 2, d, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("lay", FOUR + THREE + TWO, ids=lambda lay: lay.name)
+def test_micro_batch_sizes_per_replica_match_single_process(runs, lay):
+    assert_parity(lay, runs[lay.name])
+
+
+def _identical(a, b):
+    """Where two runs differ: losses, norms, step-1 gradients or final parameters (bit for bit)."""
+    bad = [k for k in ("losses", "norms") if a[k] != b[k]]
+    bad += [f"grad {n}" for n, g in a["grads"].items() if not torch.equal(g, b["grads"][n])]
+    return bad + [f"param {n}" for n, p in a["params"].items() if not torch.equal(p, b["params"][n])]
+
+
+@pytest.mark.parametrize("case", ["dp2_zero1@0.5", "dp2_zero1@0,1", "dp2_zero3@0.5", "tp2@0.5", "tp2_bf16@1"])
+def test_offload_is_bit_for_bit_the_update_without_it(runs, case):
+    base = case.split("@")[0]
+    for dp_rank, rank in enumerate(runs["offload"]):  # (TP2: the TP rank; one fraction there)
+        on, off = rank[case], rank[base]
+        assert not _identical(on, off), f"{case} differs from {base}: {_identical(on, off)[:3]}"
+        st, none = on["collected"], off["collected"]
+        assert none["host"] == 0 and none["d2h"] == 0 and not st["aliases_model"]
+        assert st["steps"] == (STEPS if st["host"] else 0), st
+        total = st["host"] + st["device"]
+        assert total == none["device"], "offload changed what the rank steps"
+        fraction = float(case.split("@")[1].split(",")[dp_rank] if "," in case else case.split("@")[1])
+        # whole parameters: the host holds F of the elements up to one parameter per param group
+        assert (st["host"] > 0) == (fraction > 0) and (st["device"] > 0) == (fraction < 1), st
+        assert abs(st["host"] - fraction * total) <= 0.5 * total, st
+        # the bytes moved: fp32 gradients down, the model's dtype up, per host element and step
+        assert st["d2h"] == STEPS * 4 * st["host"] and st["h2d"] == STEPS * st["param_bytes"] * st["host"], st
+        print(f"\n{case} rank {dp_rank}: {st['host']} of {total} elements on the host, "
+              f"{st['d2h'] // STEPS} B down and {st['h2d'] // STEPS} B up per step")
+
+
+@pytest.mark.parametrize("fault", ["stepped_twice", "not_copied_back"])
+def test_offload_faults_are_caught(runs, fault):
+    for rank in runs["offload"]:
+        assert _identical(rank[fault], rank["dp2_zero1"]), f"{fault}: the comparison did not see it"
+
+
+def test_resume_with_and_without_offload_is_exact(runs):
+    for rank in runs["offload"]:
+        full = rank["dp2_zero1"]
+        for name in ("off_to_on", "on_to_off"):
+            r = rank[name]
+            assert r["losses"] == full["losses"][3:], (name, r["losses"], full["losses"])
+            for n, p in full["params"].items():
+                assert torch.equal(r["params"][n], p), f"{name}: {n}"
+
+
+def test_resume_with_the_same_sizes_is_exact_and_with_other_sizes_within_bound(runs):
+    ref = reference(TWO[0])
+    for rank in runs["offload"]:
+        full, same, other = rank["sizes_full"], rank["sizes_same"], rank["sizes_other"]
+        assert same["losses"] == full["losses"][3:]
+        for n, p in full["params"].items():
+            assert torch.equal(same["params"][n], p), f"same sizes: {n}"
+        for a, b in zip(other["losses"], full["losses"][3:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (other["losses"], full["losses"])
+        for n, p in ref["params"].items():
+            assert rel_err(other["params"][n], p) <= 1e-5, n
+
+
+def test_plan_with_sizes_weighs_each_sample_once():
+    plan = IterationPlan(BatchSchedule(8, 1, 2), None, micros=[4, 1])
+    assert plan.counts(0) == [1, 4] and plan.first_sample(8, 1) == 12 and plan.grad_divisor == 1
+    # each micro-batch's mean over its samples, divided by samples / size: every sample weighs 1/8
+    assert plan.loss_divisor(0, 0) == 2 and plan.loss_divisor(0, 1) == 8
+    both = IterationPlan(BatchSchedule(12, 1, 3), [1, 2, 3], micros=[2, 4, 3])
+    assert both.counts(0) == [1, 1, 2] and [both.first_sample(0, r) for r in range(3)] == [0, 2, 6]
+    with pytest.raises(ConfigError, match="not a positive whole number of micro-batches of 3"):
+        IterationPlan(BatchSchedule(8, 1, 2), None, micros=[4, 3]).check()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (sizes(4, 1, 1), "gives 3 values for data-parallel size 2"),
+    (sizes(4, 0), "every size must be a positive integer"),
+    (sizes(3, 1), "not a positive whole number of micro-batches of 3"),
+    (sizes(4, 1) + ("--use-distributed-optimizer", "--zero-stage", "3"), "every rank must run the same count"),
+    (offload("1.5"), "every fraction must lie in \\[0, 1\\]"),
+    (offload("0.5,0.5,0.5"), "gives 3 values for data-parallel size 2"),
+    (("--optimizer-offload-fraction", "0.5"), "need --optimizer-cpu-offload"),
+    (sizes(4, 1) + ("--data-parallel-shares", "auto"), "not implemented yet"),
+    (sizes(4, 1) + ("--semi-sync-method", "diloco", "--semi-sync-steps", "2"), "untested inside replicas"),
+])
+def test_bad_flags_one_line(flags, message):
+    from megalite.arguments import _parse
+    from parity import BASE
+    with pytest.raises(ConfigError, match=message) as e:
+        _parse(list(BASE) + list(flags), world_size=2)
+    assert "\n" not in str(e.value)
