@@ -75,10 +75,14 @@ class IterationPlan:
         per-micro-batch collectives of ZeRO-2/3 and EP line up even with unequal shares or sizes)."""
         return all(len(set(self.counts_of(g))) == 1 for g in self.schedule.batch_sizes(0))
 
+    def samples_of(self, g):
+        """Samples of every DP rank in an iteration of global batch g (the shares' parts, else equal)."""
+        weights = self.shares or [1] * self.dp
+        return [g * w // sum(weights) for w in weights]
+
     def counts_of(self, g):
         """Micro-batches of every DP rank in an iteration of global batch g."""
-        weights = self.shares or [1] * self.dp
-        return [g * w // (sum(weights) * self.micro_of(r)) for r, w in enumerate(weights)]
+        return [n // self.micro_of(r) for r, n in enumerate(self.samples_of(g))]
 
     @property
     def grad_divisor(self):
@@ -168,8 +172,10 @@ def balanced_counts(seconds, total, unit=1):
 
 def training_plan(args, schedule):
     """The run's IterationPlan: its shares, per-rank micro-batch sizes and replicas."""
-    return IterationPlan(schedule, initial_shares(args), getattr(args, "semi_sync_replicas", None) or 1,
-                         getattr(args, "data_parallel_micro_batch_sizes", None))
+    micros = getattr(args, "data_parallel_micro_batch_sizes", None)
+    if micros == "auto":  # chosen by memory once the model is built (megalite/memory_budget.py)
+        micros = [args.micro_batch_size] * args.data_parallel_size
+    return IterationPlan(schedule, initial_shares(args), getattr(args, "semi_sync_replicas", None) or 1, micros)
 
 
 def initial_shares(args):

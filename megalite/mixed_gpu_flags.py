@@ -8,13 +8,18 @@ from megalite.config import ConfigError
 def add_mixed_gpu_flags(a):
     a("--data-parallel-micro-batch-sizes", default=None,
       help="M0,M1,...: DP replica r runs micro-batches of M_r samples (a smaller GPU smaller ones; replaces "
-           "--micro-batch-size in training); the update stays the single process's on the whole batch")
+           "--micro-batch-size in training); the update stays the single process's on the whole batch. auto: the "
+           "largest that fits each replica's --device-memory-budget, measured before training")
+    a("--device-memory-budget", default=None,
+      help="GiB per GPU for --data-parallel-micro-batch-sizes auto / --optimizer-offload-fraction auto: one value "
+           "or one per DP replica (default on CUDA: 0.9 x the free memory at start; required on CPU)")
     a("--optimizer-cpu-offload", action="store_true",
       help="keep the fp32 main weights and Adam states of --optimizer-offload-fraction of the optimizer in host "
            "memory and step them there (Megatron's hybrid-device optimizer)")
     a("--optimizer-offload-fraction", default=1.0,
       help="with --optimizer-cpu-offload: the fraction of each rank's optimizer elements on the host, one value "
-           "or one per DP replica (e.g. 0,0.6: only replica 1's GPU is short of memory)")
+           "or one per DP replica (e.g. 0,0.6: only replica 1's GPU is short of memory); auto: the smallest that "
+           "fits --device-memory-budget")
     a("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
       help="with --optimizer-cpu-offload: copy gradients down and weights up on a side stream, overlapping the "
            "device's part of the step")
@@ -42,7 +47,10 @@ def validate_mixed_gpus(args):
     """Parse the lists (args.data_parallel_micro_batch_sizes: None or one int per DP rank;
     args.optimizer_offload_fraction: a float or a list of them) and refuse what does not compose."""
     dp, sizes = args.data_parallel_size, args.data_parallel_micro_batch_sizes
-    if sizes is not None:
+    _validate_budget(args)
+    if isinstance(sizes, str) and sizes.strip().lower() == "auto":
+        args.data_parallel_micro_batch_sizes = "auto"
+    elif sizes is not None:
         flag = "--data-parallel-micro-batch-sizes"
         sizes = _per_replica(sizes, flag, dp, int, "positive integers")
         if len(sizes) != dp:
@@ -53,7 +61,9 @@ def validate_mixed_gpus(args):
                               "integer")
         args.data_parallel_micro_batch_sizes = sizes
     fraction = args.optimizer_offload_fraction
-    if isinstance(fraction, (str, float)):  # (a list once parsed)
+    if isinstance(fraction, str) and fraction.strip().lower() == "auto":
+        args.optimizer_offload_fraction = "auto"
+    elif isinstance(fraction, (str, float)):  # (a list once parsed)
         fraction = _per_replica(str(fraction), "--optimizer-offload-fraction", dp, float, "fractions in [0, 1]")
         if any(not 0.0 <= f <= 1.0 for f in fraction):
             raise ConfigError(f"--optimizer-offload-fraction {args.optimizer_offload_fraction!r}: every fraction "
@@ -79,6 +89,9 @@ def check_uneven_composes(args, schedule):
     axes = [what for what, on in (("ZeRO-3 (its parameter all-gathers)", args.zero_stage == 3),
                                   ("--expert-model-parallel-size > 1 (its token dispatches)",
                                    args.expert_model_parallel_size > 1)) if on]
+    if axes and sizes == "auto":
+        raise ConfigError(f"--data-parallel-micro-batch-sizes auto with {' and '.join(axes)}: every rank must run the "
+                          "same micro-batch count, which sizes chosen by memory do not keep; give the sizes")
     if not axes or args.data_parallel_shares == "auto":
         return
     plan = training_plan(args, schedule)
@@ -90,3 +103,33 @@ def check_uneven_composes(args, schedule):
             raise ConfigError(f"{given} give DP ranks {','.join(map(str, counts))} micro-batches of global batch {g}: "
                               f"with {' and '.join(axes)} every rank must run the same count; choose shares "
                               "proportional to the sizes, or drop one")
+
+
+def _validate_budget(args):
+    """--device-memory-budget: GiB, one or one per DP replica; only with an `auto` that reads it."""
+    budget, dp = args.device_memory_budget, args.data_parallel_size
+    autos = [f for f, v in (("--data-parallel-micro-batch-sizes", args.data_parallel_micro_batch_sizes),
+                            ("--optimizer-offload-fraction", args.optimizer_offload_fraction))
+             if isinstance(v, str) and v.strip().lower() == "auto"]
+    if isinstance(budget, str):
+        values = _per_replica(budget, "--device-memory-budget", dp, float, "GiB")
+        if any(v <= 0 for v in values):
+            raise ConfigError(f"--device-memory-budget {budget!r}: every budget must be positive (GiB)")
+        args.device_memory_budget = values * dp if len(values) == 1 else values
+    if budget is not None and not autos:
+        raise ConfigError("--device-memory-budget sizes --data-parallel-micro-batch-sizes auto or "
+                          "--optimizer-offload-fraction auto; add one or drop the budget")
+    if not autos:
+        return
+    import torch
+    if budget is None and not torch.cuda.is_available():
+        raise ConfigError(f"{' and '.join(autos)} auto on CPU ranks need --device-memory-budget GiB (one, or one per "
+                          "replica): there is no device memory to read")
+    refused = [(bool(args.num_experts), "MoE models (profiling would count tokens for the routers)"),
+               (args.data_parallel_shares == "auto", "--data-parallel-shares auto"),
+               (args.rampup_batch_size is not None or getattr(args, "step_batch_size_schedule", None),
+                "a growing batch (--rampup-batch-size / --step-batch-size-schedule)"),
+               (args.semi_sync_method is not None, "semi-synchronous replicas")]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{' and '.join(autos)} auto does not compose with {what} yet; give the values")

@@ -146,7 +146,6 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     initialize_rerun_state_machine(args)
     dp, dp_rank = args.data_parallel_size, ps.get_data_parallel_rank_across_replicas()
     plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)
-    micro = plan.micro_of(dp_rank)
     log = MetricsLogger(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
@@ -156,7 +155,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         _abort(str(e).splitlines()[0] if str(e) else type(e).__name__, owns)
     train_ds, valid_ds, test_ds = report_splits(args, datasets, wanted)  # sizes; an empty split's skip, said once
     try:
-        mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider, plan)
+        sizing = (train_ds, forward_step_func) if train_ds is not None and not args.skip_train else None
+        mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider, plan, sizing)  # sizes by memory too
         semi = semi_sync_for(args, optimizer)  # replicas' outer steps (loaded too); None without
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
         if semi is not None:
@@ -186,7 +186,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     # evaluation (or --skip-train) starts again from its beginning.
     valid_pos = consumed_valid % len(valid_ds) if valid_ds is not None and len(valid_ds) else 0
     valid_iters = data_iterators(valid_ds, valid_pos, args, chunks, eval_mbs, eval_plan)
-    shape, dtype = pipeline_tensor_shape(mcfg, micro), mcfg.params_dtype
+    shape, dtype = pipeline_tensor_shape(mcfg, plan.micro_of(dp_rank)), mcfg.params_dtype
     eval_shape = pipeline_tensor_shape(mcfg, eval_plan.micro_of(dp_rank))
     padded = getattr(chunks[0].module, "padded_vocab_size", None)
     window = TrainingWindow(start_iter)

@@ -2,6 +2,7 @@
 schedule, and the state loaded from --load (megalite/training.py runs the loop)."""
 
 import contextlib
+import dataclasses
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -11,6 +12,7 @@ from megalite.checkpointing import (CheckpointError, check_save_dir, load_checkp
                                   unwrap_checkpoint_error)
 from megalite.distributed import DistributedDataParallel
 from megalite.logger import print_rank_last
+from megalite.memory_budget import fit_to_budget, report_fit
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.lr_scheduler import schedule_steps
@@ -36,7 +38,9 @@ def build_model(mcfg, model_provider, args, plan=None):
                                               overlap_param_gather=args.overlap_param_gather,
                                               grad_divisor=plan.grad_divisor if plan else None,
                                               reduce_once=bool(plan and plan.uneven and (
-                                                  args.data_parallel_shares == "auto" or not plan.equal_counts())),
+                                                  "auto" in (args.data_parallel_shares,
+                                                             args.data_parallel_micro_batch_sizes)
+                                                  or not plan.equal_counts())),
                                               hierarchical=args.hierarchical_grad_reduce,
                                               compressor=compressor,
                                               reshard_after_forward=args.torch_fsdp2_reshard_after_forward))
@@ -44,13 +48,29 @@ def build_model(mcfg, model_provider, args, plan=None):
     return chunks
 
 
-def setup(args, model_provider, plan=None):
+def setup(args, model_provider, plan=None, sizing=None):
+    """The model chunks, optimizer and LR schedule. sizing: (training dataset, forward_step_func), for
+    --data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto (megalite/memory_budget.py):
+    the plan's sizes are chosen, and the optimizer rebuilt with the chosen offload, before training."""
     tcfg = training_config(args)
+    fraction_auto = args.optimizer_offload_fraction == "auto"
+    if fraction_auto:
+        tcfg = dataclasses.replace(tcfg, optimizer_offload_fraction=0.0)  # measured without offload first
     mcfg = model_config(args, args.vocab_size)
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
     chunks = build_model(mcfg, model_provider, args, plan)
-    optimizer = (DistributedOptimizer if args.use_distributed_optimizer else MixedPrecisionOptimizer)(chunks, tcfg)
+    optimizer = build_optimizer(args, chunks, tcfg)
+    if sizing is not None and "auto" in (args.data_parallel_micro_batch_sizes, args.optimizer_offload_fraction):
+        fraction = fit_to_budget(args, plan, mcfg, chunks, optimizer, *sizing)
+        if fraction:
+            tcfg = dataclasses.replace(tcfg, optimizer_offload_fraction=fraction)
+            optimizer = build_optimizer(args, chunks, tcfg)
+        report_fit(args, plan, fraction)
     return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)
+
+
+def build_optimizer(args, chunks, tcfg):
+    return (DistributedOptimizer if args.use_distributed_optimizer else MixedPrecisionOptimizer)(chunks, tcfg)
 
 
 def build_scheduler(optimizer, tcfg):

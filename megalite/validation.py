@@ -148,7 +148,9 @@ def _validate_eval_batch(args):
     if args.eval_global_batch_size is None:
         args.eval_global_batch_size = args.global_batch_size
     # per-replica micro-batch sizes hold for evaluation too, unless it has a size of its own
-    args.eval_micro_batch_sizes = args.data_parallel_micro_batch_sizes if args.eval_micro_batch_size is None else None
+    # (sizes chosen by memory: evaluation runs --eval-micro-batch-size, default --micro-batch-size)
+    args.eval_micro_batch_sizes = args.data_parallel_micro_batch_sizes \
+        if args.eval_micro_batch_size is None and args.data_parallel_micro_batch_sizes != "auto" else None
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
     g, m, dp = args.eval_global_batch_size, args.eval_micro_batch_size, args.data_parallel_size

@@ -104,7 +104,36 @@ def _offload_runs(directory):
     train(layout("save", dp=2, flags=sizes(4, 1) + ("--save", d, "--save-interval", "3", "--exit-interval", "3")))
     out["sizes_same"] = train(layout("same", dp=2, flags=sizes(4, 1) + ("--load", d)))
     out["sizes_other"] = train(layout("other", dp=2, flags=sizes(2, 4) + ("--load", d)))
+    out.update(_auto_runs())
     return out
+
+
+def _state(chunks, optimizer):
+    from megalite.optimizer.memory import state_bytes_by_place
+    return state_bytes_by_place(chunks, optimizer)[0]
+
+
+def _auto_runs():
+    """--data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto: a probe with a large budget
+    measures the rank; budgets from its figures then force replica 0 to 4 samples per micro-batch and
+    replica 1 to 2, and, with less, replica 1 to size 1 with part of its optimizer on the host."""
+    from megalite.memory_budget import GIB, Profile
+
+    def run(name, budgets, flags=()):
+        lay = layout(name, dp=2, flags=("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget",
+                                        ",".join(f"{b / GIB!r}" for b in budgets)) + flags)
+        r = train(lay, collect=_state)
+        p, budget, micros, fraction = Profile.last
+        r.update(budget=budget, micros=micros, fraction=fraction, lay=lay,
+                 profile=dict(states=p.states, fixed=p.fixed, per=p.per_sample, offloadable=p.offloadable))
+        return r
+    probe = run("auto_probe", [GIB, GIB])
+    p = probe["profile"]
+    base = p["states"] + p["fixed"]
+    sized = run("auto_sizes", [base + 4.5 * p["per"], base + 2.5 * p["per"]])
+    short = base + p["per"] - 0.37 * p["offloadable"]  # one sample fits only with about 37% offloaded
+    offloaded = run("auto_offload", [GIB, short], ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "auto"))
+    return {"auto_probe": probe, "auto_sizes": sized, "auto_offload": offloaded}
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +229,13 @@ def test_plan_with_sizes_weighs_each_sample_once():
     (("--optimizer-offload-fraction", "0.5"), "need --optimizer-cpu-offload"),
     (sizes(4, 1) + ("--data-parallel-shares", "auto"), "not implemented yet"),
     (sizes(4, 1) + ("--semi-sync-method", "diloco", "--semi-sync-steps", "2"), "untested inside replicas"),
+    (("--device-memory-budget", "1"), "add one or drop the budget"),
+    (("--data-parallel-micro-batch-sizes", "auto"), "need --device-memory-budget"),
+    (("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "0"), "every budget must be positive"),
+    (("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "1,2,3"), "gives 3 values"),
+    (("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "1", "--use-distributed-optimizer",
+      "--zero-stage", "3"), "sizes chosen by memory do not keep"),
+    (("--optimizer-offload-fraction", "auto", "--device-memory-budget", "1"), "need --optimizer-cpu-offload"),
 ])
 def test_bad_flags_one_line(flags, message):
     from megalite.arguments import _parse
@@ -207,3 +243,40 @@ def test_bad_flags_one_line(flags, message):
     with pytest.raises(ConfigError, match=message) as e:
         _parse(list(BASE) + list(flags), world_size=2)
     assert "\n" not in str(e.value)
+
+
+def test_auto_sizes_are_the_largest_that_fit_and_keep_parity(runs):
+    ranks = runs["offload"]
+    for name, want in (("auto_probe", [4, 4]), ("auto_sizes", [4, 2]), ("auto_offload", [4, 1])):
+        for dp_rank, rank in enumerate(ranks):
+            r = rank[name]
+            p, budget = r["profile"], r["budget"]
+            print(f"\n{name} replica {dp_rank}: budget {budget:.0f} B, states {p['states']} B, activations "
+                  f"{p['fixed']} + {p['per']} B per sample -> sizes {r['micros']}, offload {r['fraction']}")
+            assert p["per"] > 0 and r["micros"] == want, (name, r["micros"], want)
+
+            def need(m, offloaded=0.0):
+                return p["states"] - offloaded + p["fixed"] + p["per"] * m
+            m = r["micros"][dp_rank]
+            if name != "auto_offload" or dp_rank == 0:
+                assert need(m) <= budget and all(need(k) > budget for k in (1, 2, 4) if k > m), (name, dp_rank)
+            else:  # size 1 does not fit; the smallest hundredth of offload that makes it fit was taken
+                f = r["fraction"]
+                assert need(1) > budget and 0 < f < 1, f
+                assert need(1, f * p["offloadable"]) <= budget < need(1, (f - 0.01) * p["offloadable"])
+                # the rebuilt optimizer keeps at most that on the device (whole parameters: at least F moved)
+                assert r["collected"] + p["fixed"] + p["per"] <= budget, (r["collected"], budget)
+        assert_parity(ranks[0][name]["lay"], [rank[name] for rank in ranks])
+
+
+def test_a_budget_nothing_fits_names_the_replica_and_the_cost():
+    from megalite.memory_budget import GIB, Profile, choose
+    p = Profile(states=GIB, at1=GIB // 4, at2=GIB // 2, pp_size=1, pp_rank=0)  # 0.25 GiB per sample
+    assert choose(p, 2 * GIB, 8, None, False, 0, 1, False, 0) == (4, None)  # 1 + 4 x 0.25 GiB
+    stage0 = Profile(states=GIB, at1=GIB // 4, at2=GIB // 2, pp_size=4, pp_rank=0)  # 1F1B: up to 4 in flight
+    assert stage0.need(1, 8) == 2 * GIB and stage0.need(4, 8) == 3 * GIB  # 4 of 1 sample; 2 of 4 samples
+    assert choose(p, 2 * GIB, 8, 2, True, GIB, 1, False, 0) == (2, 0.0)
+    assert choose(p, 1.5 * GIB, 8, 4, True, GIB, 1, False, 0) == (4, 0.5)  # 0.5 GiB of the states moved
+    for fraction_auto, hint in ((False, "add --optimizer-cpu-offload"), (True, "even with the whole optimizer")):
+        with pytest.raises(ConfigError, match=f"replica 1 cannot fit a micro-batch of 1.*{hint}.*0.2500 GiB per sample"):
+            choose(p, 0.5 * GIB, 8, None, fraction_auto, 0.1 * GIB, 1, False, 1)

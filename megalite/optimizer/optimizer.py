@@ -153,6 +153,10 @@ class MixedPrecisionOptimizer:
             return torch.zeros(total, dtype=torch.float32, device=values[0].device)
         grp = _FlatGroup(idx, sizes, own, None if own and not movable else buffer(), buffer(), buffer())
         grp.grad = buffer() if host else None
+        if host and movable:  # a weight left in an earlier optimizer's flat buffer would keep all of it alive
+            for t in values:
+                if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                    t.data = t.detach().clone()
         if host:
             self.offload.host_elements += total
         else:
