@@ -340,4 +340,6 @@ def training_config(args):
         eval_iters=args.eval_iters, seed=args.seed, fused_kernels=not args.no_fused_kernels,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, optimizer_cpu_offload=args.optimizer_cpu_offload,
         optimizer_offload_fraction=args.optimizer_offload_fraction,
-        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d)
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+        loss_scaling=("fp16" in args.data_parallel_precisions) if getattr(args, "data_parallel_precisions", None)
+        else None)

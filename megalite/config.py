@@ -298,6 +298,8 @@ class TrainingConfig:
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: object = 1.0
     overlap_cpu_optimizer_d2h_h2d: bool = False
+    # one dynamic loss scale for every replica when any computes in fp16 (--data-parallel-precisions)
+    loss_scaling: Optional[bool] = None
     train_samples: Optional[int] = None  # sample-based training (train_iters derived from it)
     lr_warmup_fraction: Optional[float] = None
     lr_warmup_samples: int = 0
@@ -312,6 +314,11 @@ class TrainingConfig:
     @property
     def params_dtype(self):
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    @property
+    def scaled(self):
+        """The loss is scaled (and each step checked for overflow): fp16, or a replica of a mixed run."""
+        return self.fp16 if self.loss_scaling is None else self.loss_scaling
 
     def num_microbatches(self, dp):
         g, m = self.global_batch_size, self.micro_batch_size

@@ -13,6 +13,10 @@ def add_mixed_gpu_flags(a):
     a("--device-memory-budget", default=None,
       help="GiB per GPU for --data-parallel-micro-batch-sizes auto / --optimizer-offload-fraction auto: one value "
            "or one per DP replica (default on CUDA: 0.9 x the free memory at start; required on CPU)")
+    a("--data-parallel-precisions", default=None,
+      help="P0,P1,...: DP replica r computes in P_r (bf16, fp16 or fp32; e.g. bf16 on A100s, fp16 on V100s) with "
+           "fp32 gradient reduction and main weights; any fp16 replica puts every replica under one dynamic loss "
+           "scale, so an overflow anywhere skips the step everywhere")
     a("--optimizer-cpu-offload", action="store_true",
       help="keep the fp32 main weights and Adam states of --optimizer-offload-fraction of the optimizer in host "
            "memory and step them there (Megatron's hybrid-device optimizer)")
@@ -133,3 +137,40 @@ def _validate_budget(args):
     for bad, what in refused:
         if bad:
             raise ConfigError(f"{' and '.join(autos)} auto does not compose with {what} yet; give the values")
+
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def validate_precisions(args):
+    """--data-parallel-precisions: one of PRECISIONS per DP replica; refuses what does not compose
+    (run after the ZeRO flags are derived)."""
+    text = args.data_parallel_precisions
+    if text is None or isinstance(text, list):
+        return
+    flag = f"--data-parallel-precisions {text!r}"
+    values = [v.strip().lower() for v in text.replace(" ", ",").split(",") if v.strip()]
+    if len(values) != args.data_parallel_size:
+        raise ConfigError(f"{flag} gives {len(values)} values for data-parallel size {args.data_parallel_size}; give one "
+                          "per data-parallel replica")
+    if any(v not in PRECISIONS for v in values):
+        raise ConfigError(f"{flag}: each must be one of {', '.join(PRECISIONS)}")
+    refused = [(args.bf16 or args.fp16, "--bf16 / --fp16 (the list sets each replica's; drop them)"),
+               (args.use_distributed_optimizer, "the distributed optimizer (ZeRO all-gathers parameters in the "
+                                                "model's dtype, which differs between replicas)"),
+               (args.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1 (tokens cross replicas)"),
+               (args.semi_sync_method is not None, "semi-synchronous replicas (untested)")]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{flag} does not compose with {what}")
+    args.data_parallel_precisions = values
+
+
+def with_rank_precision(args, dp_rank):
+    """A copy of args whose --bf16 / --fp16 are DP replica dp_rank's (--data-parallel-precisions), for
+    building that rank's model and optimizer configs; args itself when there is no list."""
+    if not args.data_parallel_precisions:
+        return args
+    import argparse
+    mine = args.data_parallel_precisions[dp_rank]
+    return argparse.Namespace(**{**vars(args), "bf16": mine == "bf16", "fp16": mine == "fp16"})

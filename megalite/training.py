@@ -34,7 +34,8 @@ from megalite.optimizer.optimizer import NonFiniteGradError
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.rerun import RerunExit, exit_after, get_rerun_state_machine, initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
-from megalite.training_setup import build_model, build_scheduler, checkpoint_setup, setup  # noqa: F401  (tests)
+from megalite.training_setup import (align_main_weights, build_model, build_scheduler,  # noqa: F401  (tests)
+                                     checkpoint_setup, setup)
 
 
 _SIGTERM = {"got": False}
@@ -159,6 +160,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider, plan, sizing)  # sizes by memory too
         semi = semi_sync_for(args, optimizer)  # replicas' outer steps (loaded too); None without
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
+        align_main_weights(args, optimizer)  # replicas of different precisions: one set of fp32 main weights
         if semi is not None:
             semi.begin((start or (0,))[0])
     except (ConfigError, CheckpointError) as e:
@@ -215,6 +217,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     saved_at = start_iter if not start_iter or os.path.realpath(args.save or "") == os.path.realpath(args.load or "") \
         else -1
     timers = {} if args.log_timers_to_tensorboard else None
+    # replicas of different precisions agree in their fp32 main weights, not in their model's
+    compared = dict(zip(optimizer.model_params, optimizer.main_params)) if args.data_parallel_precisions else None
     for c in chunks:
         c.train()
     last = start_iter  # the last iteration run (a replica of fewer inner steps has fewer losses)
@@ -252,7 +256,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
             scheduler.step(batch)
         lr = scheduler.lr  # as Megatron logs it: after the scheduler step (not the decoupled LR)
         hash_every = 1 if args.test_mode else args.check_weight_hash_across_dp_replicas_interval
-        if hash_every and it % hash_every == 0 and (drifted := replicas_differ(chunks, tp_too=args.test_mode)):
+        if hash_every and it % hash_every == 0 and (drifted := replicas_differ(chunks, tp_too=args.test_mode,
+                                                                                 values=compared)):
             _abort(f"iteration {it}: replicas hold different weights ({', '.join(drifted[:3])}"
                    f"{', ...' if len(drifted) > 3 else ''}): a gradient reduction or a device is faulty", owns)
         if not idle:

@@ -13,6 +13,7 @@ from megalite.checkpointing import (CheckpointError, check_save_dir, load_checkp
 from megalite.distributed import DistributedDataParallel
 from megalite.logger import print_rank_last
 from megalite.memory_budget import fit_to_budget, report_fit
+from megalite.mixed_gpu_flags import with_rank_precision
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.lr_scheduler import schedule_steps
@@ -52,11 +53,13 @@ def setup(args, model_provider, plan=None, sizing=None):
     """The model chunks, optimizer and LR schedule. sizing: (training dataset, forward_step_func), for
     --data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto (megalite/memory_budget.py):
     the plan's sizes are chosen, and the optimizer rebuilt with the chosen offload, before training."""
-    tcfg = training_config(args)
+    # --data-parallel-precisions: this replica's dtype builds its model and optimizer
+    rank_args = with_rank_precision(args, ps.get_data_parallel_rank_across_replicas())
+    tcfg = training_config(rank_args)
     fraction_auto = args.optimizer_offload_fraction == "auto"
     if fraction_auto:
         tcfg = dataclasses.replace(tcfg, optimizer_offload_fraction=0.0)  # measured without offload first
-    mcfg = model_config(args, args.vocab_size)
+    mcfg = model_config(rank_args, args.vocab_size)
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
     chunks = build_model(mcfg, model_provider, args, plan)
     optimizer = build_optimizer(args, chunks, tcfg)
@@ -101,3 +104,21 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
     if loaded is not None:
         print_rank_last(f"megalite: loaded checkpoint from {args.load} at iteration {loaded[0]}")
     return loaded
+
+
+def align_main_weights(args, optimizer):
+    """--data-parallel-precisions: every replica's fp32 main weights become those of the first replica of
+    the widest dtype (a bf16 replica's own copy starts from its bf16-rounded weights, an fp32 one's from
+    the exact ones; a checkpoint without optimizer state gives each its own rounding), and each model
+    computes with them rounded to its dtype. Collective over DP; after loading, before training."""
+    if not args.data_parallel_precisions:
+        return
+    import torch
+    import torch.distributed as dist
+    from megalite.checkpoint.state import model_from_main_params
+    p = args.data_parallel_precisions
+    src = min(range(len(p)), key=lambda r: ("fp32", "fp16", "bf16").index(p[r]))
+    with torch.no_grad():
+        for m in optimizer.main_params:
+            dist.broadcast(m, group=ps.get_data_parallel_group(), group_src=src)
+    model_from_main_params(optimizer)

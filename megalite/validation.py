@@ -8,7 +8,7 @@ from megalite.arguments import model_config, training_config
 from megalite.config import ConfigError
 from megalite.megatron_compat import print_notices
 from megalite.mup import validate_args as validate_mup
-from megalite.mixed_gpu_flags import check_uneven_composes, validate_mixed_gpus
+from megalite.mixed_gpu_flags import check_uneven_composes, validate_mixed_gpus, validate_precisions
 from megalite.semi_sync_flags import validate_semi_sync
 from megalite.validation_features import validate_features
 
@@ -53,6 +53,7 @@ def validate_args(args):
         raise ConfigError(f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr (the embedding and "
                           "output layer's peak LR)")
     validate_features(args)
+    validate_precisions(args)
     validate_mup(args)
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")

@@ -201,7 +201,7 @@ def recording(record):
 
     def step(self):
         if "grads" not in record:
-            scale = self.loss_scale if self.config.fp16 else 1.0
+            scale = self.loss_scale if self.config.scaled else 1.0
             local = _full_local_grads(self, self._grads())
             record["grads"] = {k: v / scale for k, v in local.items()}
         stepped, norm = original(self)

@@ -32,12 +32,14 @@ def _weights(chunk):
             yield name, p.detach(), p, True
 
 
-def weight_hashes(chunks):
+def weight_hashes(chunks, values=None):
     """{name: (first 8 bytes of the parameter's SHA-256 as an int64, whether every TP rank holds
-    it whole, whether DP ranks hold it whole, whether it is an expert's)} of this rank's parameters; each is hashed once."""
+    it whole, whether DP ranks hold it whole, whether it is an expert's)} of this rank's parameters; each is hashed once.
+    values: {param: the tensor to hash instead} (replicas of different precisions: the fp32 main weights)."""
     out = {}
     for chunk in chunks:
         for name, t, p, dp_replicated in _weights(chunk):
+            t = (values or {}).get(p, t)
             raw = t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
             digest = int.from_bytes(hashlib.sha256(raw).digest()[:8], "little", signed=True)
             out[name] = (digest, not getattr(p, "tensor_model_parallel", False), dp_replicated, is_expert(p))
@@ -52,15 +54,16 @@ def _differ(hashes, names, group, size):
     return [n for n, d in zip(names, (stacked != stacked[:1]).any(dim=0).tolist()) if d]
 
 
-def replicas_differ(chunks, tp_too=False, across_replicas=False):
+def replicas_differ(chunks, tp_too=False, across_replicas=False, values=None):
     """Names of the parameters whose bits differ between DP replicas ([] when they agree), the
     same list on every rank; tp_too: also the TP-replicated ones between TP ranks. Pending ZeRO
     all-gathers (--overlap-param-gather) finish first. across_replicas (after a semi-synchronous
-    outer step): every weight this rank holds against its counterparts in the other replicas."""
+    outer step): every weight this rank holds against its counterparts in the other replicas. values: see
+    weight_hashes."""
     for chunk in chunks:
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    hashes, out = weight_hashes(chunks), []
+    hashes, out = weight_hashes(chunks, values), []
     if across_replicas:
         r = ps.get_replica_world_size()
         differ = _differ(hashes, list(hashes), ps.get_replica_group(), r) if r > 1 else []

@@ -46,9 +46,9 @@ def no_weight_decay(name, param):
 
 
 def build_loss_scaler(c):
-    if c.fp16 and c.loss_scale:
+    if c.scaled and c.loss_scale:
         return ConstantLossScaler(c.loss_scale)
-    if c.fp16:
+    if c.scaled:
         return DynamicLossScaler(c.initial_loss_scale, c.min_loss_scale,
                                  growth_interval=c.loss_scale_window, hysteresis=c.hysteresis)
     return ConstantLossScaler(1.0)
@@ -233,13 +233,13 @@ class MixedPrecisionOptimizer:
         """Returns (stepped, grad_norm); stepped is False for a skipped fp16 iteration."""
         grads = self._grads()
         c = self.config
-        found_inf = self._unscale_found_inf(grads, 1.0 / self.scaler.scale) if c.fp16 else None
+        found_inf = self._unscale_found_inf(grads, 1.0 / self.scaler.scale) if c.scaled else None
         grad_norm = self._grad_norm(grads)  # a device tensor: clipping needs no host read
-        if c.fp16 or c.check_for_nan_in_grad:
+        if c.scaled or c.check_for_nan_in_grad:
             # The iteration's one host read: fp16's skip decision and the NaN check together.
             inf, norm = torch.cat([found_inf if found_inf is not None else torch.zeros_like(grad_norm.reshape(1)),
                                    grad_norm.reshape(1).float()]).tolist()
-            if c.fp16:
+            if c.scaled:
                 self.scaler.update(bool(inf))
                 if inf:
                     return False, None
