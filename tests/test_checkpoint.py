@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from dist_util import run_on_ranks
+from dist_util import run_on_ranks, start_on_ranks
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.training import pretrain
@@ -69,21 +69,34 @@ RESUME_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """Per layout: (straight losses, first half, resumed half, checkpoint dir). The 4-rank
-    layouts share one spawn for the first halves and one for the resumes (spawns are slow)."""
-    out = {}
-    for world in sorted({w for w, _ in RESUME_LAYOUTS.values()}):
-        names = [n for n, (w, _) in RESUME_LAYOUTS.items() if w == world]
-        dirs = {n: str(tmp_path_factory.mktemp(n) / "ckpt") for n in names}
-        first_runs = []
+    """Per layout: (straight losses, first half, resumed half, checkpoint dir). The 4-rank layouts run
+    in two halves, each one spawn for the first halves and one for the resumes; the halves and the
+    single-process layout side by side (one world alone leaves the cores idle while its ranks wait)."""
+    out, dirs = {}, {n: str(tmp_path_factory.mktemp(n) / "ckpt") for n in RESUME_LAYOUTS}
+
+    def first_runs(names):
+        runs = []
         for n in names:
             flags = RESUME_LAYOUTS[n][1]
             save = ["--save", dirs[n], "--save-interval", "3", "--exit-interval", "5"]
-            first_runs += [flags, flags + save + (["--async-save"] if "async" in n else [])]
-        firsts = _spawn(world, first_runs)
-        seconds = _spawn(world, [RESUME_LAYOUTS[n][1] + ["--load", dirs[n]] for n in names])
+            runs += [flags, flags + save + (["--async-save"] if "async" in n else [])]
+        return runs
+
+    def second_runs(names):
+        return [RESUME_LAYOUTS[n][1] + ["--load", dirs[n]] for n in names]
+
+    def record(names, firsts, seconds):
         for i, n in enumerate(names):
             out[n] = (firsts[2 * i], firsts[2 * i + 1], seconds[i], dirs[n])
+    four = [n for n, (w, _) in RESUME_LAYOUTS.items() if w == 4]
+    halves = [four[0::2], four[1::2]]
+    started = [start_on_ranks(_train_all, 4, first_runs(h), timeout=420) for h in halves]
+    ones = [n for n, (w, _) in RESUME_LAYOUTS.items() if w == 1]
+    record(ones, _spawn(1, first_runs(ones)), _spawn(1, second_runs(ones)))
+    firsts = [w.result()[-1] for w in started]
+    started = [start_on_ranks(_train_all, 4, second_runs(h), timeout=420) for h in halves]
+    for h, f, w in zip(halves, firsts, started):
+        record(h, f, w.result()[-1])
     return out
 
 

@@ -20,11 +20,11 @@ import tempfile
 import pytest
 import torch
 
-from dist_util import rel_err, run_on_ranks
+from dist_util import rel_err, start_on_ranks
 from megalite.config import ConfigError
 from megalite.iteration_plan import IterationPlan
 from megalite.microbatches import BatchSchedule
-from parity import STEPS, assert_parity, layout, patched, reference, run_layouts, train
+from parity import STEPS, assert_parity, layout, patched, reference, start_layouts, train
 
 # No load-balancing loss: it multiplies two means over a micro-batch's tokens, so it is another function
 # of the weights at another micro-batch size (in Megatron too); the routing and experts are not.
@@ -138,11 +138,12 @@ def _auto_runs():
 
 @pytest.fixture(scope="module")
 def runs():
-    out = dict(zip((lay.name for lay in FOUR), run_layouts(FOUR, 4)))
-    out.update(zip((lay.name for lay in THREE), run_layouts(THREE, 3)))
-    out.update(zip((lay.name for lay in TWO), run_layouts(TWO, 2)))
+    # the worlds side by side: one world alone leaves the two cores idle while its ranks wait on each other
     with tempfile.TemporaryDirectory() as d:
-        out["offload"] = run_on_ranks(_offload_runs, 2, d, timeout=300)
+        offload = start_on_ranks(_offload_runs, 2, d, timeout=300)
+        started = [(lays, start_layouts(lays, n)) for lays, n in ((FOUR, 4), (THREE, 3), (TWO, 2))]
+        out = {lay.name: r for lays, world in started for lay, r in zip(lays, world.result())}
+        out["offload"] = offload.result()
     return out
 
 

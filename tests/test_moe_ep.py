@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from dist_util import OTHER_CAPABILITY, run_on_ranks
+from dist_util import OTHER_CAPABILITY, start_on_ranks
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.checkpoint.convert import Reader, find_checkpoint
@@ -160,9 +160,14 @@ EP2 = ("--use-distributed-optimizer", "--zero-stage", "2") + ep(2)  # with MOE +
 STOP = ("--train-iters", "3", "--use-checkpoint-opt_param-scheduler")  # load, train nothing, save here
 
 
-def _world(root, decided):
-    out = {"dispatch": _dispatch_checks()}
-    out.update({lay.name: train(lay, _collect, decided[lay.name]) for lay in LAYOUTS + FAULTS})
+def _world(root, decided, part):
+    """part 0: the dispatchers and every other layout; part 1: the rest and the checkpoints (two worlds
+    side by side keep both cores busy)."""
+    lays = (LAYOUTS + FAULTS)[part::2]
+    out = {lay.name: train(lay, _collect, decided[lay.name]) for lay in lays}
+    if part == 0:
+        out["dispatch"] = _dispatch_checks()
+        return out
     a, b, c, f = (os.path.join(root, n) for n in ("a", "b", "c", "f"))
     out["first"] = _pretrain(list(EP2) + ["--save", a, "--exit-interval", "3"])
     out["resumed"] = _pretrain(list(EP2) + ["--load", a])
@@ -182,7 +187,9 @@ def _world(root, decided):
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe_ep"))
     decided = {lay.name: reference(lay)["decided"] for lay in LAYOUTS + FAULTS}  # (tests/decision_replay.py)
-    ranks = run_on_ranks(_world, 4, root, decided, timeout=480, capability=OTHER_CAPABILITY)
+    parts = [start_on_ranks(_world, 4, root, decided, part, timeout=480, capability=OTHER_CAPABILITY)
+             for part in (0, 1)]
+    ranks = [{**a, **b} for a, b in zip(*(w.result() for w in parts))]
     return root, {k: [r[k] for r in ranks] for k in ranks[0]}
 
 

@@ -131,7 +131,7 @@ SLOWED = semi("zero2_dp4_r2_async_s1_slowed", 2, "1", zero=2, dp=4, fault=slow_r
 
 @pytest.fixture(scope="module")
 def world():
-    return run_layouts([SLOWED] + SYNCHRONOUS_SCHEDULE, 4, collect=collect_async)
+    return run_layouts([SLOWED] + SYNCHRONOUS_SCHEDULE, 4, collect=collect_async, side_by_side=False)  # timed
 
 
 @pytest.mark.parametrize("i", range(len(SYNCHRONOUS_SCHEDULE)), ids=[lay.name for lay in SYNCHRONOUS_SCHEDULE])
