@@ -9,7 +9,9 @@ that fixed cost per micro-batch is emulated by --launch-ms of sleep in each forw
 replicas; 0 shows the CPU's own behaviour). Median tokens per second after
 --warmup iterations (from --log-json): the smallest common micro-batch (1 on both, what one
 --micro-batch-size allows), --data-parallel-micro-batch-sizes BIG,1, and the same with
---data-parallel-shares --shares (the bigger replica also takes more of the batch).
+--data-parallel-shares --shares (the bigger replica also takes more of the batch), and
+--data-parallel-micro-batch-sizes auto with those shares under --device-memory-budget values derived
+from a probe's measured bytes (room for --big samples on replica 0, for 1 on replica 1).
 Part 2 (2 ranks, ZeRO-1, fp32): per rank, the training state's bytes on the device and on the host
 (megalite.optimizer.memory.state_bytes_by_place), the bytes copied per step and the median step
 time, with --optimizer-cpu-offload at fractions 0, 0.5 and 1. On CPU ranks "device" and host are
@@ -51,8 +53,12 @@ def _runs(a, modes, log_dir):
     def launch_bound(it, model):
         time.sleep(a.launch_ms / 1e3)
         return pretrain_gpt.forward_step(it, model)
+    from megalite.memory_budget import GIB, Profile
     out = {}
     for name, flags in modes:
+        if callable(flags):  # budgets from the probe's measured bytes
+            p = Profile.last[0]
+            flags = flags(p.states + p.fixed, p.per_sample, GIB)
         path = os.path.join(log_dir, f"{name}.jsonl")
         args = parse_args(_model_flags(a) + flags + ["--log-json", path], world_size=2)
         _, chunks, opt = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
@@ -64,7 +70,8 @@ def _runs(a, modes, log_dir):
         ms = statistics.median(1e3 * x["iteration-time"] for x in lines if x["iteration"] > a.warmup) \
             if lines else None
         out[name] = {"ms": ms, "device": device, "host": host, "host elements": st.host_elements,
-                     "d2h": st.d2h_bytes / max(st.steps, 1), "h2d": st.h2d_bytes / max(st.steps, 1)}
+                     "d2h": st.d2h_bytes / max(st.steps, 1), "h2d": st.h2d_bytes / max(st.steps, 1),
+                     "chosen": list(Profile.last[2]) if Profile.last and "auto" in name else None}
     return out
 
 
@@ -81,8 +88,13 @@ def main():
     p.add_argument("--launch-ms", type=float, default=80.0, help="emulated fixed cost per micro-batch (forward)")
     a = p.parse_args()
     sizes = ["--data-parallel-micro-batch-sizes", f"{a.big},1"]
+    def budgets(base, per, gib):  # replica 0 holds a.big samples, replica 1 one
+        return ["--data-parallel-micro-batch-sizes", "auto", "--data-parallel-shares", a.shares,
+                "--device-memory-budget", f"{(base + (a.big + 0.5) * per) / gib!r},{(base + 1.5 * per) / gib!r}"]
     part1 = [("common micro-batch 1", []), (f"sizes {a.big},1", sizes),
-             (f"sizes {a.big},1 shares {a.shares}", sizes + ["--data-parallel-shares", a.shares])]
+             (f"sizes {a.big},1 shares {a.shares}", sizes + ["--data-parallel-shares", a.shares]),
+             ("auto probe", ["--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "64"]),
+             (f"auto sizes shares {a.shares}", budgets)]
     zero1 = ["--use-distributed-optimizer"]
     part2 = [(f"offload {f}", zero1 + (["--optimizer-cpu-offload", "--optimizer-offload-fraction", f] if f != "none"
                                        else [])) for f in ("none", "0.5", "1")]
@@ -94,8 +106,11 @@ def main():
           f"after iteration {a.warmup}")
     base = ranks[0][part1[0][0]]["ms"]
     for name, _ in part1:
-        ms = ranks[0][name]["ms"]
-        print(f"  {name:<28} {ms:8.1f} ms/iteration  {tokens / ms * 1e3:9.0f} tokens/s   {base / ms:.2f}x")
+        if name == "auto probe":
+            continue
+        ms, chosen = ranks[0][name]["ms"], ranks[0][name]["chosen"]
+        print(f"  {name:<28} {ms:8.1f} ms/iteration  {tokens / ms * 1e3:9.0f} tokens/s   {base / ms:.2f}x"
+              + (f"   (chose sizes {','.join(map(str, chosen))} under budgets for {a.big} and 1)" if chosen else ""))
     print("\nPart 2: DP2 ZeRO-1 fp32, rank 0: training state on the device / on the host, copies per step, "
           "median step")
     none = ranks[0]["offload none"]
