@@ -19,6 +19,7 @@ the same memory: the split and the bytes are what a GPU would hold and move; the
 copies' and bookkeeping's cost here, not PCIe's (benchmarks/gpu_checks.sh measures that).
 
     python benchmarks/mixed_memory.py [--big 4 --shares 3,1 --iters 10]
+    python benchmarks/mixed_memory.py --gpu --hidden 768 --layers 12 --seq 1024 --batch 8   # on a GPU
 """
 
 import os
@@ -75,6 +76,43 @@ def _runs(a, modes, log_dir):
     return out
 
 
+def _single(a):
+    """--gpu: one process on the device (bf16): what one sample costs (measured as
+    --data-parallel-micro-batch-sizes auto measures it: CUDA's peak allocated) and the step time
+    with the whole optimizer offloaded, with and without --overlap-cpu-optimizer-d2h-h2d."""
+    import pretrain_gpt
+    import torch
+    from megalite import parallel_state as ps
+    from megalite.arguments import parse_args
+    from megalite.memory_budget import GIB, Profile
+    from megalite.training import pretrain
+    cuda = torch.cuda.is_available()
+    budget = [] if cuda else ["--device-memory-budget", "64"]  # (CPU: a dry run of the same path)
+    modes = [("sized", ["--data-parallel-micro-batch-sizes", "auto"] + budget),
+             ("no offload", []), ("offload 1", ["--optimizer-cpu-offload"]),
+             ("offload 1, overlapped", ["--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"])]
+    flags = (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {max(4, a.hidden // 64)} "
+             f"--seq-length {a.seq} --max-position-embeddings {a.seq} --vocab-size 50304 --mock-data "
+             f"--micro-batch-size 1 --global-batch-size {a.batch} --train-iters {a.iters} --lr 1e-4 --bf16 "
+             "--log-interval 1 --eval-iters 0 --num-workers 0").split()
+    with tempfile.TemporaryDirectory() as d:
+        for name, extra in modes:
+            path = os.path.join(d, "log.jsonl")
+            args = parse_args(flags + extra + ["--log-json", path], world_size=1)
+            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+            ps.destroy_model_parallel()
+            if name == "sized":
+                p, budget_bytes, micros, _ = Profile.last
+                print(f"  {'device' if cuda else 'CPU (dry run)'}: states {p.states / GIB:.3f} GiB, activations "
+                      f"{p.fixed / GIB:.3f} GiB + {p.per_sample / GIB:.4f} GiB per sample of {a.seq} tokens; budget "
+                      f"{budget_bytes / GIB:.1f} GiB -> micro-batch {micros[0]}")
+                continue
+            lines = [json.loads(x) for x in open(path)]
+            ms = statistics.median(1e3 * x["iteration-time"] for x in lines if x["iteration"] > a.warmup)
+            print(f"  {name:<24} {ms:8.1f} ms/iteration")
+            os.remove(path)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -86,7 +124,12 @@ def main():
     p.add_argument("--big", type=int, default=4, help="replica 0's micro-batch size")
     p.add_argument("--shares", default="3,1")
     p.add_argument("--launch-ms", type=float, default=80.0, help="emulated fixed cost per micro-batch (forward)")
+    p.add_argument("--gpu", action="store_true", help="one process on the GPU (benchmarks/gpu_checks.sh "
+                   "bench-mixed-memory): per-sample memory, offloaded step time with / without overlap")
     a = p.parse_args()
+    if a.gpu:
+        print(f"GPT h{a.hidden} L{a.layers} seq {a.seq} bf16, global batch {a.batch}, median after iteration {a.warmup}")
+        return _single(a)
     sizes = ["--data-parallel-micro-batch-sizes", f"{a.big},1"]
     def budgets(base, per, gib):  # replica 0 holds a.big samples, replica 1 one
         return ["--data-parallel-micro-batch-sizes", "auto", "--data-parallel-shares", a.shares,
