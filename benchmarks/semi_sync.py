@@ -195,6 +195,8 @@ def main():
     p.add_argument("--slow-ms", type=float, default=100.0, help="node 1's")
     p.add_argument("--link-gbit", type=float, default=1.0)
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--log-dir", default=None, help="write each mode's validation losses against wall-clock seconds "
+                   "as DIR/<mode>.jsonl (plot them: tools/plot_metrics.py DIR/*.jsonl --x seconds)")
     p.add_argument("--only", default=None, help="comma-separated parts of mode names to run (sync DP, equal shares "
                                                 "always runs: it sets the target)")
     a = p.parse_args()
@@ -232,6 +234,13 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "target": target, "rows": rows}, f, indent=1)
+    if a.log_dir:  # megalite's --log-json rows, one file per mode, for tools/plot_metrics.py --x seconds
+        os.makedirs(a.log_dir, exist_ok=True)
+        for name, r in rows.items():
+            slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+            with open(os.path.join(a.log_dir, f"{slug}.jsonl"), "w") as f:
+                for it, t, loss, _ in r["evals"]:
+                    f.write(json.dumps({"iteration": it, "seconds": round(t, 3), "validation lm loss": loss}) + "\n")
 
 
 if __name__ == "__main__":

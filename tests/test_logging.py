@@ -83,6 +83,21 @@ def test_log_json_evaluations_skip_train_and_plot(tmp_path, capsys):
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000
+    # runs overlaid against wall-clock seconds: a row's "seconds", else the logged iteration times summed
+    other = str(tmp_path / "other.jsonl")
+    with open(other, "w") as f:
+        f.write(json.dumps({"iteration": 2, "seconds": 1.5, "validation lm loss": 4.0}) + "\n")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_metrics.py"), log, other, "--x", "seconds",
+                        "-o", png], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot_metrics", os.path.join(ROOT, "tools", "plot_metrics.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rows = [{"iteration": 2, "iteration-time": 0.5, "lm loss": 5.0}, {"iteration": 4, "iteration-time": 1.0,
+                                                                    "lm loss": 4.0}]
+    assert tool.series(rows, "lm loss", "seconds") == ([1.0, 3.0], [5.0, 4.0])
+    assert tool.series(rows, "lm loss") == ([2, 4], [5.0, 4.0])
 
 
 def test_moe_per_layer_logging_goes_to_the_logs_not_the_console(tmp_path, capsys):

@@ -1,7 +1,9 @@
 """Plot a run's metrics from its --log-json file: loss (train and validation), learning rate,
-throughput.
+throughput; several files overlay their runs (labelled by file name), against iterations or
+wall-clock seconds (a row's "seconds", else the sum of the logged iteration times).
 
     python tools/plot_metrics.py run.jsonl -o run.png
+    python tools/plot_metrics.py sync.jsonl local_sgd.jsonl --x seconds -o compare.png
 
 Needs matplotlib (pip install 'megalite[plot]').
 """
@@ -24,15 +26,32 @@ def read(path):
     return rows
 
 
-def series(rows, key):
-    pts = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+def series(rows, key, x="iteration"):
+    pts = [(_x(rows, i, x), r[key]) for i, r in enumerate(rows) if r.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _x(rows, i, x):
+    """Row i's position: its iteration, or its wall-clock seconds ("seconds" where the row has it,
+    else the iteration times logged so far, each standing for the iterations since the row before)."""
+    if x == "iteration":
+        return rows[i]["iteration"]
+    if "seconds" in rows[i]:
+        return rows[i]["seconds"]
+    total, prev = 0.0, 0
+    for r in rows[:i + 1]:
+        if r.get("iteration-time") is not None:
+            total += r["iteration-time"] * (r["iteration"] - prev)
+            prev = r["iteration"]
+    return total
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Plot loss, validation loss, learning rate and throughput of a run")
-    p.add_argument("log_json", help="the file given to pretrain_*.py --log-json")
-    p.add_argument("-o", "--output", default=None, help="image to write (default: LOG_JSON with .png)")
+    p.add_argument("log_json", nargs="+", help="the file(s) given to pretrain_*.py --log-json")
+    p.add_argument("-o", "--output", default=None, help="image to write (default: the first LOG_JSON with .png)")
+    p.add_argument("--x", choices=["iteration", "seconds"], default="iteration",
+                   help="the horizontal axis: iterations, or wall-clock seconds")
     a = p.parse_args(argv)
     try:
         import matplotlib
@@ -41,30 +60,35 @@ def main(argv=None):
     except ImportError:
         print("plot_metrics: error: needs matplotlib: pip install 'megalite[plot]'", file=sys.stderr)
         return 2
-    if not os.path.isfile(a.log_json):
-        print(f"plot_metrics: error: {a.log_json} does not exist", file=sys.stderr)
-        return 2
-    rows = read(a.log_json)
-    losses = sorted({k for r in rows for k in r if k.endswith("loss") and not k.startswith(("validation", "test"))})
-    if not losses:
-        print(f"plot_metrics: error: {a.log_json} holds no logged iteration", file=sys.stderr)
-        return 2
+    runs = []
+    for path in a.log_json:
+        if not os.path.isfile(path):
+            print(f"plot_metrics: error: {path} does not exist", file=sys.stderr)
+            return 2
+        rows = read(path)
+        keys = {k for r in rows for k in r if k.endswith("loss")}
+        if not keys:
+            print(f"plot_metrics: error: {path} holds no logged loss", file=sys.stderr)
+            return 2
+        runs.append((os.path.splitext(os.path.basename(path))[0], rows, keys))
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for k in losses:
-        ax[0].plot(*series(rows, k), label=f"train {k}")
-        x, y = series(rows, f"validation {k}")
-        if x:
-            ax[0].plot(x, y, "o-", label=f"validation {k}")
+    for name, rows, keys in runs:
+        label = f"{name}: " if len(runs) > 1 else ""
+        for k in sorted(k for k in keys if not k.startswith(("validation", "test"))):
+            ax[0].plot(*series(rows, k, a.x), label=f"{label}train {k}")
+        for k in sorted(k for k in keys if k.startswith("validation")):
+            x, y = series(rows, k, a.x)
+            ax[0].plot(x, y, "o-", label=f"{label}{k}")
+        ax[1].plot(*series(rows, "learning-rate", a.x), label=name)
+        ax[2].plot(*series(rows, "throughput", a.x), label=name)
     ax[0].set_title("loss")
-    ax[0].legend()
-    ax[1].plot(*series(rows, "learning-rate"))
+    ax[0].legend(fontsize=7)
     ax[1].set_title("learning rate")
-    ax[2].plot(*series(rows, "throughput"))
     ax[2].set_title("throughput (TFLOP/s per GPU)")
     for x in ax:
-        x.set_xlabel("iteration")
+        x.set_xlabel("wall-clock seconds" if a.x == "seconds" else "iteration")
     fig.tight_layout()
-    out = a.output or os.path.splitext(a.log_json)[0] + ".png"
+    out = a.output or os.path.splitext(a.log_json[0])[0] + ".png"
     fig.savefig(out, dpi=80)
     print(f"plot_metrics: wrote {out}")
     return 0
