@@ -56,10 +56,6 @@ class OffloadStats:
     def __init__(self):
         self.host_elements, self.device_elements, self.d2h_bytes, self.h2d_bytes, self.steps = 0, 0, 0, 0, 0
 
-    def expected_bytes_per_step(self, param_bytes):
-        """The formula: 4 bytes per host element down, the model's dtype's bytes per element up."""
-        return 4 * self.host_elements, param_bytes * self.host_elements
-
 
 class HostSteps:
     """The host groups' part of one optimizer step. down(grp, grad): the gradients into the
@@ -82,6 +78,7 @@ class HostSteps:
         with self._on_side():
             grp.grad.copy_(grad, non_blocking=self.stream is not None)
             if self.stream is not None:
+                grad.record_stream(self.stream)  # (a gathered copy must outlive the side stream's read)
                 self.events[id(grp)] = torch.cuda.Event()
                 self.events[id(grp)].record(self.stream)
             elif grad.is_cuda:
