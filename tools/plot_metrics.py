@@ -71,7 +71,11 @@ def main(argv=None):
             print(f"plot_metrics: error: {path} holds no logged loss", file=sys.stderr)
             return 2
         runs.append((os.path.splitext(os.path.basename(path))[0], rows, keys))
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    extra = [(k, title) for k, title in (("learning-rate", "learning rate"), ("throughput", "throughput (TFLOP/s per GPU)"))
+             if any(r.get(k) is not None for _, rows, _ in runs for r in rows)]  # panels with something to show
+    fig, ax = plt.subplots(1, 1 + len(extra), figsize=(5 * (1 + len(extra)) + (2 if not extra else 0), 4),
+                           squeeze=False)
+    ax = ax[0]
     for name, rows, keys in runs:
         label = f"{name}: " if len(runs) > 1 else ""
         for k in sorted(k for k in keys if not k.startswith(("validation", "test"))):
@@ -79,12 +83,12 @@ def main(argv=None):
         for k in sorted(k for k in keys if k.startswith("validation")):
             x, y = series(rows, k, a.x)
             ax[0].plot(x, y, "o-", label=f"{label}{k}")
-        ax[1].plot(*series(rows, "learning-rate", a.x), label=name)
-        ax[2].plot(*series(rows, "throughput", a.x), label=name)
+        for i, (k, _) in enumerate(extra, 1):
+            ax[i].plot(*series(rows, k, a.x), label=name)
     ax[0].set_title("loss")
     ax[0].legend(fontsize=7)
-    ax[1].set_title("learning rate")
-    ax[2].set_title("throughput (TFLOP/s per GPU)")
+    for i, (_, title) in enumerate(extra, 1):
+        ax[i].set_title(title)
     for x in ax:
         x.set_xlabel("wall-clock seconds" if a.x == "seconds" else "iteration")
     fig.tight_layout()
