@@ -67,6 +67,7 @@ def setup(args, model_provider, plan=None, sizing=None):
         fraction = fit_to_budget(args, plan, mcfg, chunks, optimizer, *sizing)
         if fraction:
             tcfg = dataclasses.replace(tcfg, optimizer_offload_fraction=fraction)
+            optimizer.release_model_params()
             optimizer = build_optimizer(args, chunks, tcfg)
         report_fit(args, plan, fraction)
     return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)

@@ -153,10 +153,6 @@ class MixedPrecisionOptimizer:
             return torch.zeros(total, dtype=torch.float32, device=values[0].device)
         grp = _FlatGroup(idx, sizes, own, None if own and not movable else buffer(), buffer(), buffer())
         grp.grad = buffer() if host else None
-        if host and movable:  # a weight left in an earlier optimizer's flat buffer would keep all of it alive
-            for t in values:
-                if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-                    t.data = t.detach().clone()
         if host:
             self.offload.host_elements += total
         else:
@@ -181,6 +177,16 @@ class MixedPrecisionOptimizer:
         if all(g is not None for g in grads) and len({g.untyped_storage().data_ptr() for g in grads}) == 1:
             return sorted(range(n), key=lambda i: grads[i].data_ptr())
         return list(range(n))
+
+    def release_model_params(self):
+        """The fp32 parameters this optimizer moved into its flat buffers get storages of their own
+        again, before another optimizer is built over the same model (one that keeps some of them on the
+        host would otherwise keep this one's whole buffer alive through them)."""
+        with torch.no_grad():
+            for grp in self._flat:
+                if grp.own and grp.main is not None:
+                    for t in grp.mains:
+                        t.data = t.detach().clone()
 
     @property
     def param_groups(self):  # torch's load_state_dict replaces the list: always read it through
