@@ -1,6 +1,7 @@
-"""The command line of mixed GPUs of different memory: a micro-batch size per data-parallel replica
-(megalite/iteration_plan.py) and optimizer CPU offload (megalite/optimizer/offload.py), with their
-checks, each user error one line."""
+"""The command line of mixed GPUs of different memory and precision: a micro-batch size per
+data-parallel replica (megalite/iteration_plan.py; `auto`: megalite/memory_budget.py), optimizer CPU
+offload (megalite/optimizer/offload.py) and a precision per replica, with their checks, each user
+error one line."""
 
 from megalite.config import ConfigError
 
@@ -35,13 +36,14 @@ def add_mixed_gpu_flags(a):
       help="accepted: host buffers are pinned on CUDA (needed for asynchronous copies)")
 
 
-def _per_replica(text, flag, dp, convert, what):
-    """One value for every DP replica, or one per replica (a list of dp), one ConfigError line."""
+def _per_replica(text, flag, dp, convert, what, exact=False):
+    """One value for every DP replica, or one per replica (exact: one per replica only), as a list;
+    one ConfigError line."""
     try:
-        values = [convert(v) for v in text.replace(" ", ",").split(",") if v]
+        values = [convert(v) for v in text.replace(" ", ",").split(",") if v.strip()]
     except ValueError:
         raise ConfigError(f"{flag} {text!r}: give {what}, one value or one per data-parallel replica") from None
-    if len(values) not in (1, dp) or not values:
+    if len(values) not in ((dp,) if exact else (1, dp)) or not values:
         raise ConfigError(f"{flag} {text!r} gives {len(values)} values for data-parallel size {dp}; give one per "
                           "data-parallel replica")
     return values
@@ -56,10 +58,7 @@ def validate_mixed_gpus(args):
         args.data_parallel_micro_batch_sizes = "auto"
     elif sizes is not None:
         flag = "--data-parallel-micro-batch-sizes"
-        sizes = _per_replica(sizes, flag, dp, int, "positive integers")
-        if len(sizes) != dp:
-            raise ConfigError(f"{flag} {args.data_parallel_micro_batch_sizes!r} gives {len(sizes)} sizes for "
-                              f"data-parallel size {dp}; give one per data-parallel replica")
+        sizes = _per_replica(sizes, flag, dp, int, "positive integers", exact=True)
         if any(m < 1 for m in sizes):
             raise ConfigError(f"{flag} {args.data_parallel_micro_batch_sizes!r}: every size must be a positive "
                               "integer")
@@ -148,11 +147,9 @@ def validate_precisions(args):
     text = args.data_parallel_precisions
     if text is None or isinstance(text, list):
         return
+    values = _per_replica(text, "--data-parallel-precisions", args.data_parallel_size, lambda v: v.strip().lower(),
+                          "precisions", exact=True)
     flag = f"--data-parallel-precisions {text!r}"
-    values = [v.strip().lower() for v in text.replace(" ", ",").split(",") if v.strip()]
-    if len(values) != args.data_parallel_size:
-        raise ConfigError(f"{flag} gives {len(values)} values for data-parallel size {args.data_parallel_size}; give one "
-                          "per data-parallel replica")
     if any(v not in PRECISIONS for v in values):
         raise ConfigError(f"{flag}: each must be one of {', '.join(PRECISIONS)}")
     refused = [(args.bf16 or args.fp16, "--bf16 / --fp16 (the list sets each replica's; drop them)"),

@@ -51,7 +51,6 @@ def expected_bytes_per_param(kind, d, param_bytes):
     raise ValueError(f"unknown optimizer kind {kind!r}; use plain, zero1, zero2 or zero3")
 
 
-
 def state_bytes_by_place(model_chunks, optimizer):
     """(device bytes, host bytes) of the training state: the host part is what
     --optimizer-cpu-offload keeps in host memory (the host groups' fp32 main weights and Adam
