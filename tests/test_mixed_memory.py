@@ -6,10 +6,11 @@ weighs 1/G: a micro-batch loss is divided by the replica's samples / M_r, megali
 
 Parity with one process (tests/parity.py: losses, step-1 gradients, norms, parameters after 6
 steps, fp32 bound 1e-5): sizes 4,1 at DP2; 1,2,1 at DP3 with shares 1,2,1; TP2 + SP x DP2 with 2,1
-and ZeRO-2; PP2 x DP2 with 2,1 and a per-token loss; CP2 x DP2; EP2 x DP4 with ZeRO-3 where shares
-keep the counts equal. A checkpoint resumes exactly with the same sizes and within the bound with
-others. Offload: fractions 0.5 and per replica 0,1 at DP2 ZeRO-1, 0.5 at ZeRO-3, at TP2 (fp32 and
-bf16) bit for bit equal to no offload; the bytes moved per step equal the formula; resume with and
+and ZeRO-2; PP2 x DP2 with 2,1 and a per-token loss; interleaved PP2 x DP2 with ZeRO-1 and full
+recompute; CP2 x DP2; EP2 x DP4 with ZeRO-3 where shares keep the counts equal. A checkpoint resumes
+exactly with the same sizes and within the bound with others. Offload: fractions 0.5 and per replica
+0,1 at DP2 ZeRO-1, 0.5 at ZeRO-2, ZeRO-3 and interleaved PP2, at TP2 (fp32 and bf16) bit for bit
+equal to no offload; the bytes moved per step equal the formula; resume with and
 without offload is exact; an offloaded shard stepped twice or not copied back is caught. Micro-batches
 weighted equally whatever their size is caught in tests/test_fault_injection.py.
 """
@@ -48,6 +49,8 @@ FOUR = [
     layout("tp2_sp_dp2_sizes_2_1_zero2", tp=2, sp=True, dp=2, zero=2, flags=sizes(2, 1)),
     layout("pp2_dp2_sizes_2_1_per_token", pp=2, dp=2, model=("--calculate-per-token-loss",), flags=sizes(2, 1)),
     layout("cp2_dp2_sizes_1_4", cp=2, dp=2, flags=sizes(1, 4)),
+    layout("pp2_dp2_interleaved_zero1_recompute_sizes_2_1", pp=2, vp=1, dp=2, zero=1, recompute="full",
+           flags=sizes(2, 1)),
     # shares 2,2,1,1 of 12 with sizes 2,2,1,1: two micro-batches everywhere, so the expert dispatches and
     # ZeRO-3's gathers run the same number of times on every rank
     layout("ep2_dp4_zero3_sizes_2_2_1_1_shares_2_2_1_1", dp=4, zero=3, model=MOE + ("--global-batch-size", "12"),
@@ -84,9 +87,11 @@ def not_copied_back():
 def _offload_runs(directory):
     """In two ranks: per layout, the run without offload and with fractions; faults; resumes."""
     out = {}
-    cases = {"dp2_zero1": dict(dp=2, zero=1), "dp2_zero3": dict(dp=2, zero=3), "tp2": dict(tp=2),
+    cases = {"dp2_zero1": dict(dp=2, zero=1), "dp2_zero2": dict(dp=2, zero=2), "dp2_zero3": dict(dp=2, zero=3),
+             "pp2_interleaved": dict(pp=2, vp=1), "tp2": dict(tp=2),
              "tp2_bf16": dict(tp=2, dtype="bf16")}
-    fractions = {"dp2_zero1": ("0.5", "0,1"), "dp2_zero3": ("0.5",), "tp2": ("0.5",), "tp2_bf16": ("1",)}
+    fractions = {"dp2_zero1": ("0.5", "0,1"), "dp2_zero2": ("0.5",), "dp2_zero3": ("0.5",), "pp2_interleaved": ("0.5",),
+                 "tp2": ("0.5",), "tp2_bf16": ("1",)}
     for name, kw in cases.items():
         out[name] = train(layout(name, **kw), collect=_stats)
         for f in fractions[name]:
@@ -159,7 +164,8 @@ def _identical(a, b):
     return bad + [f"param {n}" for n, p in a["params"].items() if not torch.equal(p, b["params"][n])]
 
 
-@pytest.mark.parametrize("case", ["dp2_zero1@0.5", "dp2_zero1@0,1", "dp2_zero3@0.5", "tp2@0.5", "tp2_bf16@1"])
+@pytest.mark.parametrize("case", ["dp2_zero1@0.5", "dp2_zero1@0,1", "dp2_zero2@0.5", "dp2_zero3@0.5",
+                                  "pp2_interleaved@0.5", "tp2@0.5", "tp2_bf16@1"])
 def test_offload_is_bit_for_bit_the_update_without_it(runs, case):
     base = case.split("@")[0]
     for dp_rank, rank in enumerate(runs["offload"]):  # (TP2: the TP rank; one fraction there)

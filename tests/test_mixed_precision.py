@@ -9,7 +9,8 @@ process computes on A alone (the same bf16 operations on the same micro-batches)
 one fp32 process computes on B: compared at fp32's 1e-5 (only the order of fp32 sums differs). After
 step 1 the run drifts from the fp32 trajectory by half precision's own chaos on half the samples:
 held to the harness's envelope, ENVELOPE x one bf16 process's distance from its fp32 run (parity.py).
-These worlds run under the test process's own ATen capability, as the harness's bf16 layouts do
+TP2 + SP and interleaved PP2 inside bf16 / fp32 replicas: every quantity within that envelope, one set of
+main weights per (TP, PP) position. These worlds run under the test process's own ATen capability, as the harness's bf16 layouts do
 (half-precision kernels round at other places under another capability).
 """
 
@@ -21,7 +22,7 @@ import torch
 from dist_util import rel_err
 from megalite.config import ConfigError
 from parity import (ENVELOPE, BigramChainDataset, assert_parity, envelope, errors, layout, patched, reference,
-                    run_layouts)
+                    start_layouts)
 
 
 def precisions(*p):
@@ -78,9 +79,44 @@ LAYOUTS = [
 ]
 
 
+# TP + SP and PP (1F1B, interleaved) inside replicas of different precisions
+FOUR = [layout("tp2_sp_dp2_fp32_bf16", tp=2, sp=True, dp=2, flags=precisions("fp32", "bf16")),
+        layout("pp2_interleaved_dp2_bf16_fp32", pp=2, vp=1, dp=2, flags=precisions("bf16", "fp32"))]
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return dict(zip((lay.name for lay in LAYOUTS), run_layouts(LAYOUTS, 2, collect=main_weights, capability=None)))
+    worlds = [(lays, start_layouts(lays, n, collect=main_weights, capability=None))
+              for lays, n in ((FOUR, 4), (LAYOUTS, 2))]
+    return {lay.name: r for lays, world in worlds for lay, r in zip(lays, world.result())}
+
+
+def _within_bf16_envelope(lay, ranks):
+    """Every quantity within ENVELOPE x one bf16 process's distance from its fp32 run (module docstring)."""
+    exact = reference(layout("fp32", dp=2))
+    env = envelope(layout("bf16", dtype="bf16"))
+    for kind, msg, e in errors(dataclasses.replace(lay, flags=()), ranks, exact):
+        if kind in ("losses", "norms", "params", "losses@1", "norms@1", "grads"):
+            assert e <= ENVELOPE * env[kind], f"{msg}: {e:.2e} > {ENVELOPE} x {env[kind]:.2e}"
+    return env
+
+
+def _same_main_weights_over_dp(ranks):
+    by_coords = {}
+    for r in ranks:  # the DP replicas of each (TP, PP) position hold one set of fp32 main weights
+        by_coords.setdefault(r["coords"][:2], []).append(r["collected"]["main"])
+    for coords, mains in by_coords.items():
+        assert len(mains) == 2 and all(torch.equal(x, y) for x, y in zip(*mains)), f"{coords}: main weights differ"
+
+
+@pytest.mark.parametrize("lay", FOUR, ids=lambda lay: lay.name)
+def test_precisions_with_tp_sp_and_pp_inside_the_replicas(runs, lay):
+    ranks = runs[lay.name]
+    want = {"fp32": "torch.float32", "bf16": "torch.bfloat16"}
+    flags = lay.flags[lay.flags.index("--data-parallel-precisions") + 1].split(",")
+    assert all(r["collected"]["dtype"] == want[flags[r["coords"][2]]] for r in ranks)
+    _within_bf16_envelope(lay, ranks)
+    _same_main_weights_over_dp(ranks)
 
 
 def test_all_fp32_replicas_are_the_plain_run_bit_for_bit(runs):
@@ -102,15 +138,9 @@ def test_bf16_and_fp32_replicas_within_the_derived_bound(runs):
         for name, got in r["grads"].items():  # step 1: exactly the two halves' mean, up to fp32 sum order
             want = (g_a[name].double() + g_b[name].double()) / 2
             assert rel_err(got, want) <= 1e-5, (name, rel_err(got, want))
-    exact = reference(layout("fp32", dp=2))
-    env = envelope(layout("bf16", dtype="bf16"))
-    # later steps: within half precision's envelope of the fp32 run (see the module docstring)
-    for kind, msg, e in errors(dataclasses.replace(lay, flags=()), ranks, exact):
-        if kind in ("losses", "norms", "params", "losses@1", "norms@1"):
-            assert e <= ENVELOPE * env[kind], f"{msg}: {e:.2e} > {ENVELOPE} x {env[kind]:.2e}"
+    env = _within_bf16_envelope(lay, ranks)  # later steps: half precision's envelope of the fp32 run
     print(f"\nbf16 envelope {env}")
-    a, b = (r["collected"]["main"] for r in ranks)
-    assert all(torch.equal(x, y) for x, y in zip(a, b)), "the replicas' fp32 main weights differ"
+    _same_main_weights_over_dp(ranks)
 
 
 def test_an_fp16_overflow_skips_the_step_on_every_replica(runs):
