@@ -202,15 +202,27 @@ def auto_shares(args, plan):
     return AutoShares(plan, args.data_parallel_shares_profile_iters, unit)
 
 
+def _lcm(values):
+    import math
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
 class AutoShares:
     """--data-parallel-shares auto: record this rank's forward-backward seconds per micro-batch
     for `iters` iterations, then set the plan's shares from every replica's fastest iteration
-    (a replica is as slow as its slowest rank). `last` keeps the latest choice (for tests and
-    benchmarks)."""
+    (a replica is as slow as its slowest rank). With a micro-batch size per replica the batch is
+    balanced in units of lcm(sizes) samples (x `unit` micro-batches when interleaved): a unit costs
+    replica r (unit / M_r) x its seconds per micro-batch. `last` keeps the latest choice
+    (seconds per micro-batch by replica, micro-batch counts) for tests and benchmarks."""
     last = None
 
     def __init__(self, plan, iters, unit=1):
         self.plan, self.iters, self.unit, self.times = plan, iters, unit, []
+        # (the equal shares it profiles at passed IterationPlan.check: lcm x unit divides each replica's part)
+        self.samples = _lcm([plan.micro_of(r) for r in range(plan.dp)]) * unit
 
     @property
     def done(self):
@@ -224,7 +236,10 @@ class AutoShares:
         if not self.done:
             return None
         per_replica = max_per_data_parallel_rank(min(self.times))
-        counts = balanced_counts(per_replica, sum(self.plan.counts(consumed)), self.unit)
-        self.plan.shares = counts
+        sizes, samples = [self.plan.micro_of(r) for r in range(self.plan.dp)], self.samples
+        per_unit = [t * samples / m for t, m in zip(per_replica, sizes)]  # a unit: whole micro-batches everywhere
+        units = balanced_counts(per_unit, self.plan.global_batch_size(consumed) // samples)
+        self.plan.shares = units  # samples in proportion to the units
+        counts = [u * samples // m for u, m in zip(units, sizes)]
         AutoShares.last = (per_replica, counts)
         return per_replica, counts

@@ -7,7 +7,8 @@ gradient buffers, the optimizer's part not offloaded; megalite.optimizer.memory)
 micro-batch of M samples adds, from one forward-backward at M = 1 and one at M = 2 on the run's own
 first samples (on CUDA the peak allocated above the start; on CPU the bytes autograd saves for
 backward, through saved-tensor hooks, parameters excluded): activations(M) = fixed + per_sample x M.
-A pipeline stage holds up to min(PP - stage, micro-batches) of them at once (1F1B). A replica takes
+A pipeline stage holds up to min(PP - stage, micro-batches) of them at once (1F1B; PP - stage
+with --data-parallel-shares auto, which sets the counts later, by speed at the chosen sizes). A replica takes
 the largest M that divides its samples of each batch and fits every one of its ranks' budgets:
 states + in_flight x activations(M) <= budget. With the fraction `auto`, a replica whose chosen (or
 given) size does not fit moves the smallest fraction of its optimizer (fp32 main weights and Adam
@@ -65,9 +66,10 @@ class Profile:
         self.states, self.per_sample = states, max(at2 - at1, 0)
         self.fixed = max(at1 - self.per_sample, 0)
         self.pp_size, self.pp_rank = pp_size, pp_rank
+        self.any_count = False  # --data-parallel-shares auto: the count is chosen later, so a stage may fill up
 
     def need(self, m, samples, states=None):
-        in_flight = min(self.pp_size - self.pp_rank, samples // m)
+        in_flight = self.pp_size - self.pp_rank if self.any_count else min(self.pp_size - self.pp_rank, samples // m)
         return (self.states if states is None else states) + in_flight * (self.fixed + self.per_sample * m)
 
     def largest_fitting(self, budget, samples, pipeline_size=1, interleaved=False):
@@ -136,6 +138,7 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     profile = Profile(state_bytes_by_place(chunks, optimizer)[0], at[1], at.get(2, 2 * at[1]),
                       ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())
     profile.offloadable = offloadable_bytes(optimizer)
+    profile.any_count = args.data_parallel_shares == "auto"
     budget = args.device_memory_budget[dp_rank] * GIB if args.device_memory_budget else \
         0.9 * (torch.cuda.mem_get_info()[0] + profile.states)  # (CUDA only: validated) free at start
     auto_sizes = args.data_parallel_micro_batch_sizes == "auto"

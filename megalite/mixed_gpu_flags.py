@@ -13,7 +13,11 @@ def add_mixed_gpu_flags(a):
            "largest that fits each replica's --device-memory-budget, measured before training")
     a("--device-memory-budget", default=None,
       help="GiB per GPU for --data-parallel-micro-batch-sizes auto / --optimizer-offload-fraction auto: one value "
-           "or one per DP replica (default on CUDA: 0.9 x the free memory at start; required on CPU)")
+           "or one per DP replica (default on CUDA: 0.9 x the free memory at start; required on CPU); for "
+           "--pipeline-model-parallel-layout auto: one value or one per pipeline stage (on CPU: no cap if left out)")
+    a("--pipeline-layout-profile-iters", type=int, default=2,
+      help="with --pipeline-model-parallel-layout auto: forward-backward passes of one iteration's micro-batches "
+           "timed before the stages are re-cut (the fastest counts)")
     a("--data-parallel-precisions", default=None,
       help="P0,P1,...: DP replica r computes in P_r (bf16, fp16 or fp32; e.g. bf16 on A100s, fp16 on V100s) with "
            "fp32 gradient reduction and main weights; any fp16 replica puts every replica under one dynamic loss "
@@ -36,16 +40,16 @@ def add_mixed_gpu_flags(a):
       help="accepted: host buffers are pinned on CUDA (needed for asynchronous copies)")
 
 
-def _per_replica(text, flag, dp, convert, what, exact=False):
+def _per_replica(text, flag, dp, convert, what, exact=False, unit="data-parallel"):
     """One value for every DP replica, or one per replica (exact: one per replica only), as a list;
-    one ConfigError line."""
+    one ConfigError line. unit "pipeline": one per pipeline stage instead."""
+    each = "data-parallel replica" if unit == "data-parallel" else "pipeline stage"
     try:
         values = [convert(v) for v in text.replace(" ", ",").split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"{flag} {text!r}: give {what}, one value or one per data-parallel replica") from None
+        raise ConfigError(f"{flag} {text!r}: give {what}, one value or one per {each}") from None
     if len(values) not in ((dp,) if exact else (1, dp)) or not values:
-        raise ConfigError(f"{flag} {text!r} gives {len(values)} values for data-parallel size {dp}; give one per "
-                          "data-parallel replica")
+        raise ConfigError(f"{flag} {text!r} gives {len(values)} values for {unit} size {dp}; give one per {each}")
     return values
 
 
@@ -86,9 +90,6 @@ def check_uneven_composes(args, schedule):
     the same number of micro-batches in every reachable batch (e.g. shares 4,1 with sizes 4,1)."""
     from megalite.iteration_plan import training_plan
     sizes = args.data_parallel_micro_batch_sizes
-    if sizes and args.data_parallel_shares == "auto":
-        raise ConfigError("--data-parallel-shares auto with --data-parallel-micro-batch-sizes is not implemented "
-                          "yet: give the shares")
     axes = [what for what, on in (("ZeRO-3 (its parameter all-gathers)", args.zero_stage == 3),
                                   ("--expert-model-parallel-size > 1 (its token dispatches)",
                                    args.expert_model_parallel_size > 1)) if on]
@@ -108,20 +109,33 @@ def check_uneven_composes(args, schedule):
                               "proportional to the sizes, or drop one")
 
 
+def is_auto(value):
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
 def _validate_budget(args):
-    """--device-memory-budget: GiB, one or one per DP replica; only with an `auto` that reads it."""
-    budget, dp = args.device_memory_budget, args.data_parallel_size
+    """--device-memory-budget: GiB, one or one per DP replica (per pipeline stage for an auto layout);
+    only with an `auto` that reads it."""
+    budget, dp, pp = args.device_memory_budget, args.data_parallel_size, args.pipeline_model_parallel_size
     autos = [f for f, v in (("--data-parallel-micro-batch-sizes", args.data_parallel_micro_batch_sizes),
-                            ("--optimizer-offload-fraction", args.optimizer_offload_fraction))
-             if isinstance(v, str) and v.strip().lower() == "auto"]
-    if isinstance(budget, str):
-        values = _per_replica(budget, "--device-memory-budget", dp, float, "GiB")
+                            ("--optimizer-offload-fraction", args.optimizer_offload_fraction)) if is_auto(v)]
+    layout_auto = is_auto(args.pipeline_model_parallel_layout)
+    if layout_auto and autos:
+        raise ConfigError(f"--pipeline-model-parallel-layout auto with {' and '.join(autos)} auto is not implemented "
+                          "yet: choose the layout first, then size the replicas at it")
+    if layout_auto:
+        _validate_auto_layout(args)
+    if isinstance(budget, str):  # one per stage for an auto layout, else one per replica
+        n = pp if layout_auto else dp
+        values = _per_replica(budget, "--device-memory-budget", n, float, "GiB",
+                              unit="pipeline" if layout_auto else "data-parallel")
         if any(v <= 0 for v in values):
             raise ConfigError(f"--device-memory-budget {budget!r}: every budget must be positive (GiB)")
-        args.device_memory_budget = values * dp if len(values) == 1 else values
-    if budget is not None and not autos:
-        raise ConfigError("--device-memory-budget sizes --data-parallel-micro-batch-sizes auto or "
-                          "--optimizer-offload-fraction auto; add one or drop the budget")
+        args.device_memory_budget = values * n if len(values) == 1 else values
+    if budget is not None and not autos and not layout_auto:
+        raise ConfigError("--device-memory-budget sizes --data-parallel-micro-batch-sizes auto, "
+                          "--optimizer-offload-fraction auto or --pipeline-model-parallel-layout auto; add one or "
+                          "drop the budget")
     if not autos:
         return
     import torch
@@ -129,13 +143,41 @@ def _validate_budget(args):
         raise ConfigError(f"{' and '.join(autos)} auto on CPU ranks need --device-memory-budget GiB (one, or one per "
                           "replica): there is no device memory to read")
     refused = [(bool(args.num_experts), "MoE models (profiling would count tokens for the routers)"),
-               (args.data_parallel_shares == "auto", "--data-parallel-shares auto"),
                (args.rampup_batch_size is not None or getattr(args, "step_batch_size_schedule", None),
                 "a growing batch (--rampup-batch-size / --step-batch-size-schedule)"),
                (args.semi_sync_method is not None, "semi-synchronous replicas")]
     for bad, what in refused:
         if bad:
             raise ConfigError(f"{' and '.join(autos)} auto does not compose with {what} yet; give the values")
+
+
+def _validate_auto_layout(args):
+    """--pipeline-model-parallel-layout auto (megalite/pipeline/auto_layout.py): what it balances."""
+    flag = "--pipeline-model-parallel-layout auto"
+    pp, L = args.pipeline_model_parallel_size, args.num_layers
+    if args.pipeline_layout_profile_iters < 1:
+        raise ConfigError(f"--pipeline-layout-profile-iters {args.pipeline_layout_profile_iters}: profile at least "
+                          "one pass")
+    if pp < 2:
+        raise ConfigError(f"{flag} balances pipeline stages: it needs --pipeline-model-parallel-size > 1")
+    if L < pp:
+        raise ConfigError(f"{flag}: --num-layers {L} cannot give each of {pp} pipeline stages a layer")
+    refused = [(args.num_layers_per_virtual_pipeline_stage is not None or
+                (args.num_virtual_stages_per_pipeline_rank or 1) > 1,
+                "interleaved stages (it cuts one contiguous stage per pipeline rank; give an interleaved layout "
+                "by hand)"),
+               (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+                or args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split,
+                "--decoder-first/last-pipeline-num-layers or --account-for-embedding/loss-in-pipeline-split (it "
+                "sets every stage's layers)"),
+               (bool(args.num_experts), "MoE models (profiling would count tokens for the routers)"),
+               (args.recompute_granularity == "full", "--recompute-granularity full (what a stage keeps and "
+                                                      "recomputes depends on the method and its layer count)"),
+               (args.data_parallel_shares == "auto", "--data-parallel-shares auto"),
+               (args.semi_sync_method is not None, "semi-synchronous replicas")]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{flag} does not compose with {what} yet")
 
 
 PRECISIONS = ("bf16", "fp16", "fp32")

@@ -95,7 +95,7 @@ def validate_semi_sync(args):
                               "step")
     refused = [(args.data_parallel_shares == "auto", "--data-parallel-shares auto (it times all DP ranks each step)"),
                (args.hierarchical_grad_reduce, "--hierarchical-grad-reduce"),
-               (args.data_parallel_micro_batch_sizes, "--data-parallel-micro-batch-sizes (untested inside replicas)"),
+               (args.data_parallel_micro_batch_sizes == "auto", "--data-parallel-micro-batch-sizes auto"),
                (args.grad_compression != "none", "--grad-compression"),
                (args.train_samples is not None, "--train-samples (rounds count inner steps: use --train-iters)"),
                (bool(args.num_experts), "MoE models (--num-experts: expert parallelism inside replicas is untested)"),

@@ -51,8 +51,10 @@ def build_model(mcfg, model_provider, args, plan=None):
 
 def setup(args, model_provider, plan=None, sizing=None):
     """The model chunks, optimizer and LR schedule. sizing: (training dataset, forward_step_func), for
-    --data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto (megalite/memory_budget.py):
-    the plan's sizes are chosen, and the optimizer rebuilt with the chosen offload, before training."""
+    --pipeline-model-parallel-layout auto (megalite/pipeline/auto_layout.py: the model rebuilt at the
+    measured cut) and --data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto
+    (megalite/memory_budget.py: the plan's sizes chosen, the optimizer rebuilt with the chosen
+    offload), before training."""
     # --data-parallel-precisions: this replica's dtype builds its model and optimizer
     rank_args = with_rank_precision(args, ps.get_data_parallel_rank_across_replicas())
     tcfg = training_config(rank_args)
@@ -63,6 +65,20 @@ def setup(args, model_provider, plan=None, sizing=None):
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
     chunks = build_model(mcfg, model_provider, args, plan)
     optimizer = build_optimizer(args, chunks, tcfg)
+    from megalite.pipeline import auto_layout
+    if args.pipeline_model_parallel_layout == "auto" and sizing is not None:
+        counts = auto_layout.measure_and_choose(args, plan, mcfg, chunks, optimizer, *sizing)
+        auto_layout.report(*auto_layout.last)
+        auto_layout.rebuilt = tuple(counts) != mcfg.pipeline_layout
+        if auto_layout.rebuilt:  # rebuilt at the cut (initialisation is layout-independent)
+            del chunks, optimizer
+            auto_layout.free_memory()  # (DDP's gradient hooks hold reference cycles: the old model goes now)
+            args.pipeline_layout = mcfg.pipeline_layout = tuple(counts)
+            chunks = build_model(mcfg, model_provider, args, plan)
+            optimizer = build_optimizer(args, chunks, tcfg)
+    elif args.pipeline_model_parallel_layout == "auto":
+        print_rank_last("megalite: --pipeline-model-parallel-layout auto: no training to profile (--skip-train or no "
+                        f"training data): the near-even split '{auto_layout.layout_string(mcfg.pipeline_layout)}' stays")
     if sizing is not None and "auto" in (args.data_parallel_micro_batch_sizes, args.optimizer_offload_fraction):
         fraction = fit_to_budget(args, plan, mcfg, chunks, optimizer, *sizing)
         if fraction:

@@ -242,6 +242,12 @@ def _validate_pipeline(args):
                                                   args.account_for_loss_in_pipeline_split))
         args.virtual_pipeline_model_parallel_size = v if v > 1 else None
         return
+    if args.pipeline_model_parallel_layout is not None and args.pipeline_model_parallel_layout.strip().lower() == \
+            "auto":  # (checked in mixed_gpu_flags) profiled at a near-even split, then re-cut before training
+        from megalite.pipeline.auto_layout import initial_counts
+        args.pipeline_model_parallel_layout = "auto"
+        args.pipeline_layout = tuple(initial_counts(L, pp))
+        return
     if args.pipeline_model_parallel_layout is not None:
         from megalite.transformer.pipeline_layers import parse_pipeline_layout
         if uneven or per_vstage is not None or vstages is not None or account:

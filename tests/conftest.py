@@ -41,6 +41,7 @@ QUICK = (
     "tests/test_semi_sync_async.py::test_bad_combinations",
     "tests/test_mixed_memory.py::test_plan_with_sizes", "tests/test_mixed_memory.py::test_bad_flags",  # sizes, offload
     "tests/test_mixed_memory.py::test_a_budget_nothing_fits", "tests/test_mixed_precision.py",
+    "tests/test_pipeline_auto_layout.py::test_the_cut", "tests/test_pipeline_auto_layout.py::test_bad_flags",
     "tests/test_data_splits.py", "tests/data/test_data_indexed_dataset.py", "tests/data/test_data_gpt_dataset.py",
     "tests/kernels/test_kernel_norms.py", "tests/kernels/test_kernel_activations.py",
     "tests/test_readme.py", "tests/test_user_mlp.py",

@@ -8,9 +8,10 @@ Parity with one process (tests/parity.py: losses, step-1 gradients, norms, param
 steps, fp32 bound 1e-5): sizes 4,1 at DP2; 1,2,1 at DP3 with shares 1,2,1; TP2 + SP x DP2 with 2,1
 and ZeRO-2; PP2 x DP2 with 2,1 and a per-token loss; interleaved PP2 x DP2 with ZeRO-1 and full
 recompute; CP2 x DP2; EP2 x DP4 with ZeRO-3 where shares keep the counts equal. A checkpoint resumes
-exactly with the same sizes and within the bound with others. Offload: fractions 0.5 and per replica
-0,1 at DP2 ZeRO-1, 0.5 at ZeRO-2, ZeRO-3 and interleaved PP2, at TP2 (fp32 and bf16) bit for bit
-equal to no offload; the bytes moved per step equal the formula; resume with and
+exactly with the same sizes and within the bound with others. --data-parallel-shares auto at sizes 2,1
+(and after sizes chosen by memory) balances by speed at the sizes and keeps parity. Offload: fractions
+0.5 and per replica 0,1 at DP2 ZeRO-1, 0.5 at ZeRO-2, ZeRO-3, interleaved PP2 and EP2 x DP2 ZeRO-1, at
+TP2 (fp32 and bf16) bit for bit equal to no offload; the bytes moved per step equal the formula; resume with and
 without offload is exact; an offloaded shard stepped twice or not copied back is caught. Micro-batches
 weighted equally whatever their size is caught in tests/test_fault_injection.py.
 """
@@ -26,6 +27,7 @@ from megalite.config import ConfigError
 from megalite.iteration_plan import IterationPlan
 from megalite.microbatches import BatchSchedule
 from parity import STEPS, assert_parity, layout, patched, reference, start_layouts, train
+from test_mixed_gpus import slow_second_replica
 
 # No load-balancing loss: it multiplies two means over a micro-batch's tokens, so it is another function
 # of the weights at another micro-batch size (in Megatron too); the routing and experts are not.
@@ -58,6 +60,15 @@ FOUR = [
 ]
 THREE = [layout("dp3_sizes_1_2_1_shares_1_2_1", dp=3, flags=sizes(1, 2, 1) + shares(1, 2, 1))]
 TWO = [layout("dp2_sizes_4_1", dp=2, flags=sizes(4, 1))]
+# --data-parallel-shares auto at sizes 2,1, replica 1 sleeping 20 ms per micro-batch: balanced in units of
+# lcm(2, 1) = 2 samples, a unit costing replica 0 one micro-batch and replica 1 two.
+SHARES_AUTO = layout("dp2_sizes_2_1_shares_auto_rank1_slow", dp=2, fault=slow_second_replica,
+                     flags=sizes(2, 1) + ("--data-parallel-shares", "auto", "--data-parallel-shares-profile-iters", "2"))
+
+
+def auto_shares_choice(chunks, optimizer):
+    from megalite.iteration_plan import AutoShares
+    return AutoShares.last
 
 
 def _stats(chunks, optimizer):
@@ -89,13 +100,15 @@ def _offload_runs(directory):
     out = {}
     cases = {"dp2_zero1": dict(dp=2, zero=1), "dp2_zero2": dict(dp=2, zero=2), "dp2_zero3": dict(dp=2, zero=3),
              "pp2_interleaved": dict(pp=2, vp=1), "tp2": dict(tp=2),
-             "tp2_bf16": dict(tp=2, dtype="bf16")}
+             "tp2_bf16": dict(tp=2, dtype="bf16"),
+             "ep2_dp2_zero1": dict(dp=2, zero=1, model=MOE, flags=("--expert-model-parallel-size", "2"))}
     fractions = {"dp2_zero1": ("0.5", "0,1"), "dp2_zero2": ("0.5",), "dp2_zero3": ("0.5",), "pp2_interleaved": ("0.5",),
-                 "tp2": ("0.5",), "tp2_bf16": ("1",)}
+                 "tp2": ("0.5",), "tp2_bf16": ("1",), "ep2_dp2_zero1": ("0.5",)}
     for name, kw in cases.items():
         out[name] = train(layout(name, **kw), collect=_stats)
         for f in fractions[name]:
-            out[f"{name}@{f}"] = train(layout(f"{name}@{f}", flags=offload(f), **kw), collect=_stats)
+            more = dict(kw, flags=kw.get("flags", ()) + offload(f))
+            out[f"{name}@{f}"] = train(layout(f"{name}@{f}", **more), collect=_stats)
     for fault in (stepped_twice, not_copied_back):
         out[fault.__name__] = train(layout(fault.__name__, dp=2, zero=1, flags=offload("0.5"), fault=fault))
     # saved at step 3 with offload, resumed without; saved without, resumed with
@@ -124,12 +137,14 @@ def _auto_runs():
     replica 1 to 2, and, with less, replica 1 to size 1 with part of its optimizer on the host."""
     from megalite.memory_budget import GIB, Profile
 
-    def run(name, budgets, flags=()):
+    from megalite.iteration_plan import AutoShares
+
+    def run(name, budgets, flags=(), **kw):
         lay = layout(name, dp=2, flags=("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget",
-                                        ",".join(f"{b / GIB!r}" for b in budgets)) + flags)
+                                        ",".join(f"{b / GIB!r}" for b in budgets)) + flags, **kw)
         r = train(lay, collect=_state)
         p, budget, micros, fraction = Profile.last
-        r.update(budget=budget, micros=micros, fraction=fraction, lay=lay,
+        r.update(budget=budget, micros=micros, fraction=fraction, lay=lay, shares=AutoShares.last,
                  profile=dict(states=p.states, fixed=p.fixed, per=p.per_sample, offloadable=p.offloadable))
         return r
     probe = run("auto_probe", [GIB, GIB])
@@ -138,7 +153,12 @@ def _auto_runs():
     sized = run("auto_sizes", [base + 4.5 * p["per"], base + 2.5 * p["per"]])
     short = base + p["per"] - 0.37 * p["offloadable"]  # one sample fits only with about 37% offloaded
     offloaded = run("auto_offload", [GIB, short], ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "auto"))
-    return {"auto_probe": probe, "auto_sizes": sized, "auto_offload": offloaded}
+    # sizes by memory (4,2 as above), then shares by speed at those sizes (replica 1 sleeps 20 ms per
+    # micro-batch): 16 samples in units of lcm(4, 2) = 4
+    both = run("auto_sizes_shares_auto", [base + 4.5 * p["per"], base + 2.5 * p["per"]],
+               ("--data-parallel-shares", "auto", "--data-parallel-shares-profile-iters", "2"),
+               model=("--global-batch-size", "16"), fault=slow_second_replica)
+    return {"auto_probe": probe, "auto_sizes": sized, "auto_offload": offloaded, "auto_sizes_shares_auto": both}
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +167,7 @@ def runs():
     with tempfile.TemporaryDirectory() as d:
         offload = start_on_ranks(_offload_runs, 2, d, timeout=300)
         started = [(lays, start_layouts(lays, n)) for lays, n in ((FOUR, 4), (THREE, 3), (TWO, 2))]
+        started.append(([SHARES_AUTO], start_layouts([SHARES_AUTO], 2, collect=auto_shares_choice)))
         out = {lay.name: r for lays, world in started for lay, r in zip(lays, world.result())}
         out["offload"] = offload.result()
     return out
@@ -157,6 +178,19 @@ def test_micro_batch_sizes_per_replica_match_single_process(runs, lay):
     assert_parity(lay, runs[lay.name])
 
 
+def test_auto_shares_follow_the_speeds_at_the_sizes_and_keep_parity(runs):
+    from megalite.iteration_plan import balanced_counts
+    ranks = runs[SHARES_AUTO.name]
+    seconds, counts = ranks[0]["collected"]
+    print(f"\nshares auto at sizes 2,1: seconds per micro-batch by replica {seconds}, micro-batches {counts}")
+    assert all(r["collected"] == (seconds, counts) for r in ranks), "ranks chose different shares"
+    assert seconds[1] >= 0.02, f"the 20 ms sleep of replica 1 was not measured: {seconds}"
+    units = balanced_counts([seconds[0], 2 * seconds[1]], 4)  # 8 samples in units of 2
+    # replica 0's 2 samples cost 2c, replica 1's c + 20 ms: the third unit goes to replica 0 whatever c
+    assert counts == [units[0], 2 * units[1]] and counts[0] * 2 >= counts[1] and units[0] >= 2, counts
+    assert_parity(SHARES_AUTO, ranks)
+
+
 def _identical(a, b):
     """Where two runs differ: losses, norms, step-1 gradients or final parameters (bit for bit)."""
     bad = [k for k in ("losses", "norms") if a[k] != b[k]]
@@ -165,7 +199,7 @@ def _identical(a, b):
 
 
 @pytest.mark.parametrize("case", ["dp2_zero1@0.5", "dp2_zero1@0,1", "dp2_zero2@0.5", "dp2_zero3@0.5",
-                                  "pp2_interleaved@0.5", "tp2@0.5", "tp2_bf16@1"])
+                                  "pp2_interleaved@0.5", "tp2@0.5", "tp2_bf16@1", "ep2_dp2_zero1@0.5"])
 def test_offload_is_bit_for_bit_the_update_without_it(runs, case):
     base = case.split("@")[0]
     for dp_rank, rank in enumerate(runs["offload"]):  # (TP2: the TP rank; one fraction there)
@@ -234,8 +268,8 @@ def test_plan_with_sizes_weighs_each_sample_once():
     (offload("1.5"), "every fraction must lie in \\[0, 1\\]"),
     (offload("0.5,0.5,0.5"), "gives 3 values for data-parallel size 2"),
     (("--optimizer-offload-fraction", "0.5"), "need --optimizer-cpu-offload"),
-    (sizes(4, 1) + ("--data-parallel-shares", "auto"), "not implemented yet"),
-    (sizes(4, 1) + ("--semi-sync-method", "diloco", "--semi-sync-steps", "2"), "untested inside replicas"),
+    (("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "1", "--semi-sync-method", "diloco",
+      "--semi-sync-steps", "2"), "does not compose with (semi-synchronous replicas|--data-parallel-micro-batch-sizes auto)"),
     (("--device-memory-budget", "1"), "add one or drop the budget"),
     (("--data-parallel-micro-batch-sizes", "auto"), "need --device-memory-budget"),
     (("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "0"), "every budget must be positive"),
@@ -274,6 +308,18 @@ def test_auto_sizes_are_the_largest_that_fit_and_keep_parity(runs):
                 # the rebuilt optimizer keeps at most that on the device (whole parameters: at least F moved)
                 assert r["collected"] + p["fixed"] + p["per"] <= budget, (r["collected"], budget)
         assert_parity(ranks[0][name]["lay"], [rank[name] for rank in ranks])
+
+
+def test_auto_sizes_then_auto_shares_at_them_keep_parity(runs):
+    from megalite.iteration_plan import balanced_counts
+    ranks = [rank["auto_sizes_shares_auto"] for rank in runs["offload"]]
+    (seconds, counts), micros = ranks[0]["shares"], ranks[0]["micros"]
+    print(f"\nsizes auto -> {micros}; shares auto: seconds per micro-batch {seconds} -> micro-batches {counts}")
+    assert micros == [4, 2] and all(r["shares"] == (seconds, counts) for r in ranks)
+    units = balanced_counts([seconds[0], 2 * seconds[1]], 4)  # a unit of 4 samples: one micro-batch of 4, two of 2
+    # 4 samples cost replica 0 4c, replica 1 2 x (2c + 20 ms): the third unit goes to replica 0 whatever c
+    assert counts == [units[0], 2 * units[1]] and units[0] >= 2 and seconds[1] >= 0.02, (seconds, counts)
+    assert_parity(ranks[0]["lay"], ranks)
 
 
 def test_a_budget_nothing_fits_names_the_replica_and_the_cost():

@@ -79,6 +79,9 @@ CASES = [
     (semi("dp4_r4_local_sgd_uneven", 4, "3,1,2,3", method=LOCAL_SGD, dp=4), 4, [3, 1, 2, 3], LOCAL_SGD, 4),
     (semi("tp2_sp_r2_diloco_test_mode", 2, "2", tp=2, sp=True, dp=2, flags=("--test-mode",)), 2, [2, 2], DILOCO, 2),
     (semi("pp2_r2_diloco_uneven", 2, "3,2", pp=2, dp=2), 2, [3, 2], DILOCO, 2),
+    # a micro-batch size per DP rank inside the replicas: 2 samples each, as 1 x 2, 2 x 1, 2 x 1, 1 x 2
+    (semi("dp4_r2_diloco_sizes_2_1_1_2", 2, "2", dp=4, flags=("--data-parallel-micro-batch-sizes", "2,1,1,2")), 2,
+     [2, 2], DILOCO, 4),
     (semi("zero2_dp4_r2_diloco", 2, "3", zero=2, dp=4), 2, [3, 3], DILOCO, 4),
     (semi("cp2_r2_diloco", 2, "2", cp=2, dp=2), 2, [2, 2], DILOCO, 2),
     (semi("pp2_interleaved_r2_diloco", 2, "3", pp=2, vp=1, dp=2), 2, [3, 3], DILOCO, 2),

@@ -20,15 +20,20 @@ def average_over_data_parallel(values):
     return sum_over_data_parallel(values) / dp if dp > 1 else values
 
 
-def max_per_data_parallel_rank(value):
-    """[largest `value` over the ranks of DP replica r, for each r], the same list on every rank."""
-    t = torch.tensor([float(value), float(ps.get_data_parallel_rank())], dtype=torch.float64, device=ps.get_device())
+def gather_rows(row):
+    """Every rank's row of floats (float64), in rank order, the same list on every rank."""
+    t = torch.tensor([float(v) for v in row], dtype=torch.float64, device=ps.get_device())
     gathered = [t]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, t)
+    return [g.tolist() for g in gathered]
+
+
+def max_per_data_parallel_rank(value):
+    """[largest `value` over the ranks of DP replica r, for each r], the same list on every rank."""
     out = [0.0] * ps.get_data_parallel_world_size()
-    for v, r in (g.tolist() for g in gathered):
+    for v, r in gather_rows([value, ps.get_data_parallel_rank()]):
         out[int(r)] = max(out[int(r)], v)
     return out
 

@@ -22,6 +22,7 @@ from megalite.moe.router import set_aux_loss_scale
 from megalite.pipeline.p2p import P2P
 
 last_run = {"ops": [], "max_alive": 0}
+stage_timer = None  # while megalite/pipeline/auto_layout.py profiles: kind ("F" | "B") -> a context around the op
 
 
 class _Run:
@@ -53,6 +54,18 @@ class _Run:
                 c.sync_enabled = s
 
     def forward(self, chunk, input_tensor):
+        if stage_timer is None:
+            return self._forward(chunk, input_tensor)
+        with stage_timer("F"):
+            return self._forward(chunk, input_tensor)
+
+    def backward(self, chunk, input_tensor, output_tensor, output_grad):
+        if stage_timer is None:
+            return self._backward(chunk, input_tensor, output_tensor, output_grad)
+        with stage_timer("B"):
+            return self._backward(chunk, input_tensor, output_tensor, output_grad)
+
+    def _forward(self, chunk, input_tensor):
         ps.set_virtual_pipeline_model_parallel_rank(chunk)
         if input_tensor is not None:
             input_tensor.requires_grad_(not self.forward_only)
@@ -72,7 +85,7 @@ class _Run:
             last_run["max_alive"] = max(last_run["max_alive"], self.alive)
         return output
 
-    def backward(self, chunk, input_tensor, output_tensor, output_grad):
+    def _backward(self, chunk, input_tensor, output_tensor, output_grad):
         ps.set_virtual_pipeline_model_parallel_rank(chunk)
         mb = self.bwd_mb[chunk]
         self.bwd_mb[chunk] += 1
