@@ -106,6 +106,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
         raise ValueError(f"expert-model-parallel size {ep} x expert-tensor-parallel size {etp} must divide the ranks "
                          f"of a pipeline stage (tensor x context x data parallel = {tp * cp * dp})")
     grid = _Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
+    grid.created = []  # this rank's groups, released by destroy_model_parallel
     grid.pp_before_dp = bool(use_tp_pp_dp_mapping)
     if ep is not None:
         grid.experts, grid.ep, grid.etp, grid.edp = True, ep, etp, tp * cp * dp // (ep * etp)
@@ -128,7 +129,10 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
 
     def make(ranks):  # every rank creates every group, in the same order (torch requires it)
         g = new_group(ranks)
-        return g if rank in ranks else None
+        if rank not in ranks:
+            return None
+        grid.created.append(g)
+        return g
 
     for r in range(replicas):  # each replica's grid, in replica order
         build_groups(grid, rank, at_replica(r), make, hierarchical_context_parallel_sizes, ranks_per_node)
@@ -142,8 +146,12 @@ def model_parallel_is_initialized():
 
 
 def destroy_model_parallel():
-    """Forget the grid (groups are released with the default group); re-initialisable."""
+    """Forget the grid and release the groups it made (a process that initialises many grids, as the
+    tests and benchmarks do, would otherwise keep every group's sockets); re-initialisable."""
     global _GRID
+    for g in getattr(_GRID, "created", ()):
+        if dist.is_initialized():
+            dist.destroy_process_group(g)
     _GRID = None
 
 
