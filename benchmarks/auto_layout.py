@@ -106,7 +106,7 @@ def main():
     modes = [("even", []), ("auto", ["--pipeline-model-parallel-layout", "auto"])]
     modes += [(cut_string(c), ["--pipeline-model-parallel-layout", cut_string(c)]) for c in cuts]
     times = {}
-    with tempfile.TemporaryDirectory() as d:  # fresh ranks every 40 runs (~90 runs in one world hung, twice)
+    with tempfile.TemporaryDirectory() as d:  # fresh ranks every 40 runs (bounds what one world accumulates)
         for i in range(0, len(modes), 40):
             times.update(spawn(4, _timed, a, modes[i:i + 40], d)[3])
     tried = {c: times[cut_string(c)] for c in cuts}
