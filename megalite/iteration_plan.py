@@ -25,6 +25,8 @@ measured (after a device sync), then the counts that minimise the slowest replic
 rule every rank computes from the same gathered times.
 """
 
+import math
+
 from megalite.config import ConfigError
 from megalite.microbatches import interleaving_problem
 
@@ -202,14 +204,6 @@ def auto_shares(args, plan):
     return AutoShares(plan, args.data_parallel_shares_profile_iters, unit)
 
 
-def _lcm(values):
-    import math
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
-
-
 class AutoShares:
     """--data-parallel-shares auto: record this rank's forward-backward seconds per micro-batch
     for `iters` iterations, then set the plan's shares from every replica's fastest iteration
@@ -222,7 +216,8 @@ class AutoShares:
     def __init__(self, plan, iters, unit=1):
         self.plan, self.iters, self.unit, self.times = plan, iters, unit, []
         # (the equal shares it profiles at passed IterationPlan.check: lcm x unit divides each replica's part)
-        self.samples = _lcm([plan.micro_of(r) for r in range(plan.dp)]) * unit
+        self.sizes = [plan.micro_of(r) for r in range(plan.dp)]
+        self.samples = math.lcm(*self.sizes) * unit
 
     @property
     def done(self):
@@ -236,7 +231,7 @@ class AutoShares:
         if not self.done:
             return None
         per_replica = max_per_data_parallel_rank(min(self.times))
-        sizes, samples = [self.plan.micro_of(r) for r in range(self.plan.dp)], self.samples
+        sizes, samples = self.sizes, self.samples
         per_unit = [t * samples / m for t, m in zip(per_replica, sizes)]  # a unit: whole micro-batches everywhere
         units = balanced_counts(per_unit, self.plan.global_batch_size(consumed) // samples)
         self.plan.shares = units  # samples in proportion to the units

@@ -58,7 +58,7 @@ def validate_mixed_gpus(args):
     args.optimizer_offload_fraction: a float or a list of them) and refuse what does not compose."""
     dp, sizes = args.data_parallel_size, args.data_parallel_micro_batch_sizes
     _validate_budget(args)
-    if isinstance(sizes, str) and sizes.strip().lower() == "auto":
+    if is_auto(sizes):
         args.data_parallel_micro_batch_sizes = "auto"
     elif sizes is not None:
         flag = "--data-parallel-micro-batch-sizes"
@@ -68,7 +68,7 @@ def validate_mixed_gpus(args):
                               "integer")
         args.data_parallel_micro_batch_sizes = sizes
     fraction = args.optimizer_offload_fraction
-    if isinstance(fraction, str) and fraction.strip().lower() == "auto":
+    if is_auto(fraction):
         args.optimizer_offload_fraction = "auto"
     elif isinstance(fraction, (str, float)):  # (a list once parsed)
         fraction = _per_replica(str(fraction), "--optimizer-offload-fraction", dp, float, "fractions in [0, 1]")

@@ -8,7 +8,7 @@ from megalite.arguments import model_config, training_config
 from megalite.config import ConfigError
 from megalite.megatron_compat import print_notices
 from megalite.mup import validate_args as validate_mup
-from megalite.mixed_gpu_flags import check_uneven_composes, validate_mixed_gpus, validate_precisions
+from megalite.mixed_gpu_flags import check_uneven_composes, is_auto, validate_mixed_gpus, validate_precisions
 from megalite.semi_sync_flags import validate_semi_sync
 from megalite.validation_features import validate_features
 
@@ -242,8 +242,7 @@ def _validate_pipeline(args):
                                                   args.account_for_loss_in_pipeline_split))
         args.virtual_pipeline_model_parallel_size = v if v > 1 else None
         return
-    if args.pipeline_model_parallel_layout is not None and args.pipeline_model_parallel_layout.strip().lower() == \
-            "auto":  # (checked in mixed_gpu_flags) profiled at a near-even split, then re-cut before training
+    if is_auto(args.pipeline_model_parallel_layout):  # (checked in mixed_gpu_flags) profiled, then re-cut
         from megalite.pipeline.auto_layout import initial_counts
         args.pipeline_model_parallel_layout = "auto"
         args.pipeline_layout = tuple(initial_counts(L, pp))

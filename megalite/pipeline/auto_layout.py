@@ -179,18 +179,13 @@ class _Probe:
 
 @contextlib.contextmanager
 def _random_state_kept():
-    """Profiling draws (dropout) must not move the run's random streams."""
-    from megalite.tensor_parallel.random import get_rng_tracker
-    tracker = get_rng_tracker()
-    cpu, states = torch.get_rng_state(), tracker.get_states()
-    gpu = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    """Profiling draws (dropout) must not move the run's random streams (rerun's capture: every stream)."""
+    from megalite.rerun import _capture_rng, _restore_rng
+    state = _capture_rng()
     try:
         yield
     finally:
-        torch.set_rng_state(cpu)
-        tracker.set_states(states)
-        if gpu is not None:
-            torch.cuda.set_rng_state(gpu)
+        _restore_rng(state)
 
 
 def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
