@@ -98,7 +98,9 @@ def validate_semi_sync(args):
                (args.data_parallel_micro_batch_sizes == "auto", "--data-parallel-micro-batch-sizes auto"),
                (args.grad_compression != "none", "--grad-compression"),
                (args.train_samples is not None, "--train-samples (rounds count inner steps: use --train-iters)"),
-               (bool(args.num_experts), "MoE models (--num-experts: expert parallelism inside replicas is untested)"),
+               (args.moe_router_enable_expert_bias and (streaming or args.semi_sync_async),
+                "--moe-router-enable-expert-bias with streaming or --semi-sync-async (the bias is averaged over the "
+                "replicas at whole outer steps only)"),
                (getattr(args, "rerun_mode", "disabled") != "disabled", "--rerun-mode (its checks span the world)"),
                (args.exit_signal_handler or args.exit_duration_in_mins, "--exit-signal-handler / "
                                                                         "--exit-duration-in-mins")]

@@ -158,7 +158,7 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
     try:
         sizing = (train_ds, forward_step_func) if train_ds is not None and not args.skip_train else None
         mcfg, tcfg, chunks, optimizer, scheduler = setup(args, model_provider, plan, sizing)  # sizes by memory too
-        semi = semi_sync_for(args, optimizer)  # replicas' outer steps (loaded too); None without
+        semi = semi_sync_for(args, optimizer, chunks)  # replicas' outer steps (loaded too); None without
         start = checkpoint_setup(chunks, optimizer, scheduler, mcfg, args)
         align_main_weights(args, optimizer)  # replicas of different precisions: one set of fp32 main weights
         if semi is not None:

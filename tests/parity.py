@@ -130,6 +130,15 @@ class Layout:
         return list(self.base) + list(DTYPE_FLAGS[self.dtype])
 
 
+# a small MoE (4 experts, top-2, aux and z losses) every MoE parity test shares; EP and the dispatcher are
+# each layout's flags
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",
+       "--moe-z-loss-coeff", "0.001", "--moe-ffn-hidden-size", "48")
+# aux-loss-free balancing (DeepSeek-V3's sigmoid scores and expert bias), at a rate that moves routing in a few steps
+MOE_BIAS = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate", "1e-2")
+
+
 def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dtype="fp32", flags=(),
            model=(), base=BASE, fault=None, entry="pretrain_gpt", datasets=None, cp=1, cp_comm=None):
     """vp: layers per virtual pipeline stage; zero: 0 (plain optimizer), 1 or 2; cp: context-

@@ -17,6 +17,7 @@ from parity import STEPS, learnable_datasets
 
 DILOCO = ("--semi-sync-method", "diloco", "--outer-lr", "0.7", "--outer-momentum", "0.9")
 LOCAL_SGD = ("--semi-sync-method", "local_sgd")
+EP2 = ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall")  # (with parity.MOE)
 
 
 def semi(name, replicas, steps, method=DILOCO, **kw):
@@ -95,6 +96,7 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
     frag = [(i * k // args.num_layers) if i is not None else (0 if "embedding" in n else k - 1)
             for i, n in zip(layer, named)]
     trained = [[0] * replicas for _ in range(k)]  # steps per fragment and replica since its last sync
+    biases = {i for i, n in enumerate(named) if n.endswith("expert_bias")}  # averaged, not stepped
     pending = []
 
     def locals_():
@@ -102,7 +104,14 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
 
     def pseudo_gradient(ids, counts):
         w = [c / sum(counts) for c in counts]
-        return {i: sum(wr * (glob[i] - loc[i]) for wr, loc in zip(w, locals_())) for i in ids}
+        return {i: sum(wr * (glob[i] - loc[i]) for wr, loc in zip(w, locals_())) for i in ids if i not in biases}
+
+    @torch.no_grad()
+    def average_biases(counts):  # MoE expert biases: the replicas' weighted mean, in float64
+        for i in biases:
+            glob[i].copy_(sum(c / sum(counts) * loc[i].double() for c, loc in zip(counts, locals_())))
+            for loc in locals_():
+                loc[i].copy_(glob[i])
 
     @torch.no_grad()
     def apply(grad, mix):
@@ -122,7 +131,8 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
                                             loss_divisor=n_micro)
             losses[r].append(sum(float(x["lm loss"]) for x in reported) / n_micro)
             if grads[r] is None:  # step 1, before clipping
-                grads[r] = {n: rec["grads"][id(p)] for n, p in zip(named, chunks[0].module.parameters())}
+                grads[r] = {n: rec["grads"][id(p)] for n, p in zip(named, chunks[0].module.parameters())
+                            if p.requires_grad}
             for f in range(k):
                 trained[f][r] += 1
         it, last = t + 1, t + 1 == STEPS
@@ -132,12 +142,15 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
         due = range(k) if last else [f for f in range(k) if it % rnd == ((f + 1) * rnd // k) % rnd]
         for f in due:
             grad = pseudo_gradient([i for i in range(len(glob)) if frag[i] == f], trained[f])
+            if biases:  # (streaming refuses the expert bias: here f is the whole model)
+                average_biases(trained[f])
             trained[f] = [0] * replicas
             if last or not delay:
                 apply(grad, 0.0 if last else alpha)
             else:
                 pending.append((it + delay, grad))
-    mom = {n: sgd.state[p]["momentum_buffer"] for n, p in zip(named, glob)} if method != LOCAL_SGD else {}
+    mom = {n: sgd.state[p]["momentum_buffer"] for n, p in zip(named, glob) if sgd.state[p]} \
+        if method != LOCAL_SGD else {}
     ps.destroy_model_parallel()
     return {"losses": losses, "grads": grads, "params": dict(zip(named, glob)), "momentum": mom}
 

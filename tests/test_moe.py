@@ -13,7 +13,7 @@ from megalite.config import ModelConfig
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, sinkhorn, sinkhorn_routing, topk_routing
 from megalite.transformer.mlp import MLP
-from parity import assert_parity, layout, mismatches, patched, reference, run_layouts
+from parity import MOE, assert_parity, layout, mismatches, patched, reference, run_layouts
 
 E, K = 4, 2
 
@@ -136,8 +136,6 @@ def test_moe_layer_is_the_weighted_sum_of_its_experts(grid):
     assert "experts.local_experts.3.linear_fc2.weight" in names and "router.weight" in names
 
 
-MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",
-       "--moe-z-loss-coeff", "0.001", "--moe-ffn-hidden-size", "48")
 def aux_loss_not_divided_by_microbatches():
     """Fault: the auxiliary losses' gradient scale ignores the micro-batch count."""
     import megalite.pipeline.schedules as schedules

@@ -23,15 +23,7 @@ from megalite.distributed import param_facts
 from megalite.moe import experts as experts_module
 from megalite.moe.dispatcher import TokenDispatcher
 from megalite.training import pretrain
-from parity import BASE, assert_parity, layout, learnable_datasets, mismatches, patched, reference, train
-
-MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",
-       "--moe-z-loss-coeff", "0.001", "--moe-ffn-hidden-size", "48")
-
-
-# aux-loss-free balancing; a rate that moves routing within the 6 steps
-BIAS = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
-        "1e-2")
+from parity import BASE, MOE, MOE_BIAS, assert_parity, layout, learnable_datasets, mismatches, patched, reference, train
 
 
 SHARED = ("--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate")
@@ -87,10 +79,10 @@ def record_logged():
 
 LAYOUTS = [
     layout("ep4_alltoall", dp=4, model=MOE, flags=ep(4, "alltoall")),
-    layout("ep2_dp4_zero2_expert_bias", dp=4, zero=2, model=MOE + BIAS, flags=ep(2)),
+    layout("ep2_dp4_zero2_expert_bias", dp=4, zero=2, model=MOE + MOE_BIAS, flags=ep(2)),
     layout("ep2_dp4_replica_check_params_norm", dp=4, model=MOE, flags=ep(2, "alltoall") + (
         "--check-weight-hash-across-dp-replicas-interval", "1", "--log-params-norm")),
-    layout("ep2_pp2_alltoall_expert_bias_recompute", pp=2, dp=2, recompute="full", model=MOE + BIAS,
+    layout("ep2_pp2_alltoall_expert_bias_recompute", pp=2, dp=2, recompute="full", model=MOE + MOE_BIAS,
            flags=ep(2, "alltoall"), fault=record_logged),
     # sequence parallelism: each TP rank routes its own tokens; experts whole (expert-TP 1) or TP-sharded
     layout("ep2_tp2_sp_etp1_alltoall_seq_aux", tp=2, sp=True, dp=2, model=MOE + (
@@ -149,14 +141,14 @@ def _collect(chunks, opt):
 
 
 def _pretrain(argv):
-    args = parse_args(list(BASE) + list(MOE) + list(BIAS) + list(argv), world_size=max(1, ps.world_size()))
+    args = parse_args(list(BASE) + list(MOE) + list(MOE_BIAS) + list(argv), world_size=max(1, ps.world_size()))
     try:
         return pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
     finally:
         ps.destroy_model_parallel()
 
 
-EP2 = ("--use-distributed-optimizer", "--zero-stage", "2") + ep(2)  # with MOE + BIAS: ep2_dp4_zero2_expert_bias
+EP2 = ("--use-distributed-optimizer", "--zero-stage", "2") + ep(2)  # with MOE + MOE_BIAS: ep2_dp4_zero2_expert_bias
 STOP = ("--train-iters", "3", "--use-checkpoint-opt_param-scheduler")  # load, train nothing, save here
 
 

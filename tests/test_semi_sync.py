@@ -15,8 +15,8 @@ from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.distributed.semi_sync import SemiSync
-from parity import BASE, STEPS, check_reference, layout, reference, run_layouts, train
-from semi_sync_reference import DILOCO, LOCAL_SGD, collect, semi, semi_sync_mismatches, serial_reference
+from parity import BASE, MOE, MOE_BIAS, STEPS, check_reference, layout, reference, run_layouts, train
+from semi_sync_reference import DILOCO, EP2, LOCAL_SGD, collect, semi, semi_sync_mismatches, serial_reference
 
 
 # -- one replica is the ordinary run ---------------------------------------------------------
@@ -86,6 +86,10 @@ CASES = [
     (semi("cp2_r2_diloco", 2, "2", cp=2, dp=2), 2, [2, 2], DILOCO, 2),
     (semi("pp2_interleaved_r2_diloco", 2, "3", pp=2, vp=1, dp=2), 2, [3, 3], DILOCO, 2),
     (semi("zero3_dp4_r2_recompute_diloco", 2, "2", zero=3, dp=4, recompute="full"), 2, [2, 2], DILOCO, 4),
+    # MoE with EP2 inside each replica (all-to-all dispatch, ZeRO-1, uneven rounds): the expert biases, moved by
+    # token counts, are set to the replicas' sample-weighted mean at each outer step
+    (semi("ep2_zero1_dp4_r2_diloco_uneven_bias", 2, "3,2", zero=1, dp=4, model=MOE + MOE_BIAS, flags=EP2), 2, [3, 2],
+     DILOCO, 4),
     # Streaming DiLoCo: 2 fragments (layers 0-1 + embeddings, layers 2-3 + final norm) at iterations 2 and 4
     # of each round of 4, applied one iteration later and mixed in with alpha 0.5
     (semi("dp4_r2_streaming_k2_delay1_alpha", 2, "4", dp=4, flags=STREAMING), 2, [4, 4], DILOCO, 4, (2, 1, 0.5)),
@@ -136,7 +140,10 @@ def test_replicas_match_the_serial_reference(world, i):
     (DILOCO + ("--semi-sync-steps", "4", "--eval-interval", "6"), 2, "--eval-interval 6 must be a multiple of"),
     (DILOCO + ("--semi-sync-steps", "auto:1"), 2, "auto or auto:H with H >= 2"),
     (DILOCO + ("--semi-sync-steps", "4", "--save-interval", "6"), 2, "--save-interval 6 must be a multiple of"),
-    (DILOCO + ("--num-experts", "4"), 2, "does not compose with MoE models"),
+    (DILOCO + MOE + MOE_BIAS + ("--semi-sync-steps", "4", "--semi-sync-fragments", "2"), 2,
+     "--moe-router-enable-expert-bias with streaming"),
+    (DILOCO + MOE + MOE_BIAS + ("--semi-sync-async", "--semi-sync-steps", "2", "--train-iters", "6"), 2,
+     "--moe-router-enable-expert-bias with streaming or --semi-sync-async"),
     (LOCAL_SGD + ("--semi-sync-quantize", "fp8"), 2, "local_sgd sends weights"),
     (DILOCO + ("--semi-sync-steps", "4", "--semi-sync-fragments", "5"), 2, "--semi-sync-fragments 5 must be between"),
     (DILOCO + ("--semi-sync-steps", "4", "--semi-sync-fragments", "2", "--semi-sync-fragment-delay", "2"), 2,

@@ -17,8 +17,8 @@ from dist_util import run_on_ranks
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.distributed.semi_sync_async import DelayedNesterov, Slots
-from parity import BASE, check_reference, patched, run_layouts
-from semi_sync_reference import DILOCO, collect, semi, semi_sync_mismatches, serial_reference
+from parity import BASE, MOE, check_reference, patched, run_layouts
+from semi_sync_reference import DILOCO, EP2, collect, semi, semi_sync_mismatches, serial_reference
 
 ASYNC = ("--semi-sync-async",)
 
@@ -120,11 +120,12 @@ def collect_async(chunks, opt):
 
 
 S0 = ASYNC + ("--semi-sync-max-staleness", "0")
-# equal speeds, S = 0: the synchronous schedule, with TP, PP (interleaved), CP and ZeRO-3 + recompute inside
+# equal speeds, S = 0: the synchronous schedule, with TP, PP (interleaved), CP, ZeRO-3 + recompute and EP2 inside
 SYNCHRONOUS_SCHEDULE = [semi("tp2_r2_async_s0", 2, "2", tp=2, dp=2, flags=S0),
                         semi("pp2_interleaved_r2_async_s0", 2, "2", pp=2, vp=1, dp=2, flags=S0),
                         semi("cp2_r2_async_s0", 2, "2", cp=2, dp=2, flags=S0),
-                        semi("zero3_dp4_r2_recompute_async_s0", 2, "2", zero=3, dp=4, recompute="full", flags=S0)]
+                        semi("zero3_dp4_r2_recompute_async_s0", 2, "2", zero=3, dp=4, recompute="full", flags=S0),
+                        semi("ep2_dp4_r2_moe_async_s0", 2, "2", dp=4, model=MOE, flags=S0 + EP2)]
 SLOWED = semi("zero2_dp4_r2_async_s1_slowed", 2, "1", zero=2, dp=4, fault=slow_replica_one,
               flags=ASYNC + ("--semi-sync-max-staleness", "1", "--train-iters", "8"))
 
@@ -137,7 +138,7 @@ def world():
 @pytest.mark.parametrize("i", range(len(SYNCHRONOUS_SCHEDULE)), ids=[lay.name for lay in SYNCHRONOUS_SCHEDULE])
 def test_equal_speeds_and_no_staleness_are_synchronous_diloco(world, i):
     lay, ranks = SYNCHRONOUS_SCHEDULE[i], world[1 + i]
-    dp = 4 if lay.name.startswith("zero3") else 2
+    dp = 4 if "dp4" in lay.name else 2
     ref = serial_reference(lay, 2, [2, 2], DILOCO, dp)
     bad = semi_sync_mismatches(lay, ranks, ref, [2, 2], DILOCO, momentum_from={0})
     assert not bad, "\n".join(bad[:30])

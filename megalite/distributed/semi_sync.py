@@ -38,8 +38,11 @@ BUCKET = 1 << 24  # elements per outer all-reduce
 
 
 class SemiSync:
-    def __init__(self, args, optimizer):
+    def __init__(self, args, optimizer, chunks=()):
         self.method, self.optimizer = args.semi_sync_method, optimizer
+        # MoE routers' expert biases (--moe-router-enable-expert-bias): moved by token counts, not gradients,
+        # so no pseudo-gradient; each outer step sets them to the replicas' sample-weighted mean (Local SGD's rule)
+        self.biases = [m.expert_bias for c in chunks for m in c.modules() if getattr(m, "expert_bias", None) is not None]
         optimizer.semi_sync = self  # the optimizer carries the outer state it belongs to (tests read it there)
         self.replicas, self.replica = ps.get_replica_world_size(), ps.get_replica_rank()
         self.steps = list(args.semi_sync_steps)
@@ -166,7 +169,9 @@ class SemiSync:
 
     @torch.no_grad()
     def outer_step(self):
-        self._finish(self._start(range(len(self.glob)), self.samples), alpha=0.0)
+        started = self._start(range(len(self.glob)), self.samples)
+        self._finish(started, alpha=0.0)
+        self._average_biases(started["frac"])
         self.samples, self.outer_steps = 0, self.outer_steps + 1
 
     @torch.no_grad()
@@ -212,7 +217,7 @@ class SemiSync:
                 works = [comm.all_reduce(total, group=group, async_op=async_op)]  # (counted with the DP collectives)
                 self.bytes_sent += total.numel() * total.element_size()
             parts.append((ids, total, works))
-        return {"parts": parts}
+        return {"parts": parts, "frac": frac}
 
     def _gather_quantized(self, total, group, async_op):
         payload, scale = quantize.quantize(total, self.quantize)
@@ -259,6 +264,16 @@ class SemiSync:
                 self.glob[i].copy_(part.view_as(self.glob[i]))
                 mains[i].copy_(mine.view_as(mains[i]) if alpha else self.glob[i])
         self.optimizer.publish_main_params()
+
+    def _average_biases(self, frac):
+        """The expert biases: sum_r w_r bias_r in float64, one all-reduce over the replicas."""
+        group = ps.get_replica_group()
+        if not self.biases or group is None:
+            return
+        flat = torch.cat([b.detach().reshape(-1).double() for b in self.biases]) * frac
+        dist.all_reduce(flat, group=group)
+        for b, part in zip(self.biases, flat.split([b.numel() for b in self.biases])):
+            b.data.copy_(part.view_as(b))
 
     def _weight(self, group, samples):
         """This replica's weight: its samples since the last outer step over all replicas' (one all-reduce)."""

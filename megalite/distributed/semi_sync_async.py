@@ -102,8 +102,8 @@ class AsyncSemiSync(SemiSync):
 
     asynchronous = True
 
-    def __init__(self, args, optimizer):
-        super().__init__(args, optimizer)
+    def __init__(self, args, optimizer, chunks=()):
+        super().__init__(args, optimizer, chunks)
         self.staleness, self.round = args.semi_sync_max_staleness, self.H
         self.batch, self.sent, self.exchanges, self.slot = args.global_batch_size, 0, [], None
         self.run = next(_RUNS)
@@ -284,8 +284,8 @@ def unflatten(flat, like):
     return [t.view_as(x) for t, x in zip(flat.split([x.numel() for x in like]), like)]
 
 
-def semi_sync_for(args, optimizer):
+def semi_sync_for(args, optimizer, chunks=()):
     """The training loop's semi-synchronous state: None without --semi-sync-method."""
     if not args.semi_sync_method:
         return None
-    return AsyncSemiSync(args, optimizer) if args.semi_sync_async else SemiSync(args, optimizer)
+    return AsyncSemiSync(args, optimizer, chunks) if args.semi_sync_async else SemiSync(args, optimizer, chunks)
