@@ -29,7 +29,11 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _Grid:
+class Grid:
+    """One layout's sizes, this rank's coordinates and its groups (None where a group is not built: a
+    single process, or a layout described for planning with Grid.of). Model code is handed one (its
+    modules' `grid` argument; the training entry point passes the global one, current_grid())."""
+
     def __init__(self, tp, pp, dp, cp, vpp):
         self.tp, self.pp, self.dp, self.cp, self.vpp = tp, pp, dp, cp, vpp
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.emb_group = None
@@ -54,6 +58,25 @@ class _Grid:
         self.replicas, self.replica_rank = 1, 0
         self.replica_group = self.replica_world_group = None
         self.replica_world_ranks, self.replica_counterparts = None, []
+        self.rank = 0  # global
+
+    @classmethod
+    def of(cls, tp=1, pp=1, dp=1, cp=1, vpp=None, ep=None, etp=None, tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0,
+           ep_rank=0, etp_rank=0):
+        """A layout's grid without process groups: sizes and one rank's coordinates, to build that rank's
+        model (on the meta device: a planner builds many layouts in one process)."""
+        g = cls(tp, pp, dp, cp, vpp)
+        g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank = tp_rank, pp_rank, dp_rank, cp_rank
+        g.pp_ranks = list(range(pp))
+        if ep is not None:
+            etp = tp if etp is None else etp
+            g.experts, g.ep, g.etp, g.edp, g.ep_rank, g.etp_rank = True, ep, etp, tp * cp * dp // (ep * etp), ep_rank, \
+                etp_rank
+        return g
+
+    def expert_tp(self):
+        """(size, rank) an MoE expert's weights are sharded over: expert-TP, or TP without an expert grid."""
+        return (self.etp, self.etp_rank) if self.experts else (self.tp, self.tp_rank)
 
 
 def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1, pp=1, pp_before_dp=False):
@@ -105,7 +128,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     if ep is not None and (not isinstance(ep, int) or ep < 1 or (tp * cp * dp) % (ep * etp)):
         raise ValueError(f"expert-model-parallel size {ep} x expert-tensor-parallel size {etp} must divide the ranks "
                          f"of a pipeline stage (tensor x context x data parallel = {tp * cp * dp})")
-    grid = _Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
+    grid = Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
     grid.created = []  # this rank's groups, released by destroy_model_parallel
     grid.pp_before_dp = bool(use_tp_pp_dp_mapping)
     if ep is not None:
@@ -113,7 +136,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     if not dist.is_initialized():
         _GRID = grid
         return
-    rank = dist.get_rank()
+    rank = grid.rank = dist.get_rank()
     grid.tp_rank = rank % tp
     grid.cp_rank = (rank // tp) % cp
     if use_tp_pp_dp_mapping:
@@ -159,6 +182,11 @@ def _grid():
     if _GRID is None:
         raise RuntimeError("megalite.parallel_state is not initialised: call initialize_model_parallel() first")
     return _GRID
+
+
+def current_grid(grid=None):
+    """`grid` if given, else the global grid (initialize_model_parallel's): model code's default."""
+    return _grid() if grid is None else grid
 
 
 def get_tensor_model_parallel_group():

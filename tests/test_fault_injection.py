@@ -120,7 +120,7 @@ def cp_local_positions():
     """Position ids and rope rows from each rank's local 0..s/CP-1 instead of the global ones."""
     import torch
     from megalite.models import gpt
-    return patched(gpt, "global_token_index", lambda n, device=None: torch.arange(n, device=device))
+    return patched(gpt, "global_token_index", lambda n, device=None, grid=None: torch.arange(n, device=device))
 
 
 def shares_weighted_by_rank_means():

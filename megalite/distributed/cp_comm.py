@@ -12,8 +12,11 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 
 
-def cp_size():
-    return ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+def cp_size(grid=None):
+    """The CP size of `grid` (default the global one; 1 before any grid exists)."""
+    if grid is None and not ps.model_parallel_is_initialized():
+        return 1
+    return ps.current_grid(grid).cp
 
 
 def cp_chunks(rank, size):
@@ -28,11 +31,12 @@ def local_token_index(local_len, rank, size, device=None):
     return torch.cat([torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)])
 
 
-def global_token_index(local_len, device=None):
+def global_token_index(local_len, device=None, grid=None):
     """Global token index of this rank's rows: 0..local_len-1 without CP."""
-    if cp_size() == 1:
+    if cp_size(grid) == 1:
         return torch.arange(local_len, device=device)
-    return local_token_index(local_len, ps.get_context_parallel_rank(), cp_size(), device)
+    grid = ps.current_grid(grid)
+    return local_token_index(local_len, grid.cp_rank, grid.cp, device)
 
 
 def slice_for_cp_rank(t, dim, rank=None, size=None):
@@ -90,8 +94,8 @@ class _AllGatherSeq(torch.autograd.Function):
         return out, None, None
 
 
-def all_gather_over_cp(x, dim):
-    return _AllGatherSeq.apply(x, dim, ps.get_context_parallel_group())
+def all_gather_over_cp(x, dim, grid=None):
+    return _AllGatherSeq.apply(x, dim, ps.current_grid(grid).cp_group)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -116,8 +120,8 @@ def _all_to_all(x, split_dim, cat_dim, group):
     return torch.cat(recv.unbind(0), dim=cat_dim)
 
 
-def all_to_all_over_cp(x, split_dim, cat_dim, group=None):
-    return _AllToAll.apply(x, split_dim, cat_dim, ps.get_context_parallel_group() if group is None else group)
+def all_to_all_over_cp(x, split_dim, cat_dim, group=None, grid=None):
+    return _AllToAll.apply(x, split_dim, cat_dim, ps.current_grid(grid).cp_group if group is None else group)
 
 
 def sum_over_cp(t):

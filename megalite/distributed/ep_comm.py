@@ -19,14 +19,13 @@ from megalite import parallel_state as ps
 from megalite.distributed import comm
 
 
-def groups():
+def groups(grid=None):
     """{"ep", "etp", "tp_ep"}: (group, size, rank) of this rank's expert-parallel, expert-tensor-parallel
-    and expert-tensor-and-expert-parallel groups."""
-    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    ep_rank, etp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
-    return {"ep": (ps.get_expert_model_parallel_group(), ep, ep_rank),
-            "etp": (ps.get_expert_tensor_parallel_group(), etp, etp_rank),
-            "tp_ep": (ps.get_expert_tensor_and_model_parallel_group(), ep * etp, etp_rank + etp * ep_rank)}
+    and expert-tensor-and-expert-parallel groups (of `grid`, default the global one)."""
+    g = ps.current_grid(grid)
+    ep, (etp, etp_rank), ep_rank = g.ep, g.expert_tp(), g.ep_rank
+    return {"ep": (g.ep_group, ep, ep_rank), "etp": (g.etp_group if g.experts else g.tp_group, etp, etp_rank),
+            "tp_ep": (g.tp_ep_group, ep * etp, etp_rank + etp * ep_rank)}
 
 
 def _gather(x, g):

@@ -54,10 +54,10 @@ def _replicated_linear(c, n_in, n_out, name):
 class BertEmbedding(GPTEmbedding):
     """Word + position + token-type embeddings (+ LayerNorm when post-norm), then dropout."""
 
-    def __init__(self, config, padded_vocab):
-        super().__init__(config, padded_vocab)
+    def __init__(self, config, padded_vocab, grid=None):
+        super().__init__(config, padded_vocab, grid)
         c = config
-        sp = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        sp = c.sequence_parallel and self.grid.tp > 1
         self.tokentype_embeddings = None
         if c.num_tokentypes > 0:
             shape, seed = (c.num_tokentypes, c.hidden_size), param_seed(c.seed, "embedding.tokentype_embeddings")
@@ -66,7 +66,7 @@ class BertEmbedding(GPTEmbedding):
             with torch.no_grad():
                 with_recipe(self.tokentype_embeddings.weight, recipe).copy_(w)
             self.tokentype_embeddings.weight.sequence_parallel = sp  # partial grads under SP, summed over TP
-        self.layernorm = build_norm(c, c.hidden_size) if c.layernorm_position == "post" else None
+        self.layernorm = build_norm(c, c.hidden_size, grid=self.grid) if c.layernorm_position == "post" else None
 
     def forward(self, input_ids, position_ids=None, tokentype_ids=None):
         x = self.embed(input_ids, position_ids)
@@ -99,10 +99,11 @@ class BertLMHead(nn.Module):
 class BertModel(nn.Module):
     input_on_every_stage = True  # every pipeline stage needs the padding mask: all read the data
 
-    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None):
+    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None, grid=None):
         super().__init__()
         c = config
-        tp = ps.get_tensor_model_parallel_world_size()
+        self.grid = grid = ps.current_grid(grid)
+        tp = grid.tp
         c.check_parallel(tp)
         if c.untie_embeddings_and_output_weights:
             raise ConfigError("BERT's MLM output layer is tied to the word embeddings; remove "
@@ -111,23 +112,23 @@ class BertModel(nn.Module):
             raise ConfigError(f"BERT uses learned absolute positions, not --position-embedding-type "
                               f"{c.position_embedding_type}")
         if num_layers is None:
-            num_layers, layer_offset = chunk_layers(c)
+            num_layers, layer_offset = chunk_layers(c, grid=grid)
         self.config = c
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = True
         self.padded_vocab_size = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, tp)
         self.input_tensor = None
         if pre_process:
-            self.embedding = BertEmbedding(c, self.padded_vocab_size)
+            self.embedding = BertEmbedding(c, self.padded_vocab_size, grid)
         self.encoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset or 0,
-                                        post_process=post_process, prefix="encoder")
+                                        post_process=post_process, prefix="encoder", grid=grid)
         if post_process:
             self.lm_head = BertLMHead(c)
             # The tied projection (x @ E^T) with the head's own bias; input replicated (no SP gather here).
             self.output_layer = ColumnParallelLinear(
                 c.hidden_size, self.padded_vocab_size, bias=True,
                 init_method=init_normal(c.init_method_std, real_rows=c.vocab_size), sequence_parallel=False,
-                init_seed=param_seed(c.seed, "embedding.word_embeddings"), params_dtype=c.params_dtype)
+                init_seed=param_seed(c.seed, "embedding.word_embeddings"), params_dtype=c.params_dtype, grid=grid)
             self.output_layer.weight.real_vocab_size = c.vocab_size
             self.output_layer.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             self.output_layer.bias.real_vocab_size = c.vocab_size
@@ -160,8 +161,8 @@ class BertModel(nn.Module):
         x = self.encoder(x, None, attn_mask)
         if not self.post_process:
             return x
-        if c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+        if c.sequence_parallel and self.grid.tp > 1:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, grid=self.grid)
         x = x.transpose(0, 1)  # [b, s, h], whole on every TP rank
         binary_logits = None
         if c.bert_binary_head:
@@ -172,5 +173,5 @@ class BertModel(nn.Module):
         chosen = (loss_mask != 0) if loss_mask is not None else (lm_labels >= 0)
         logits = self.output_layer(self.lm_head(x[chosen]), weight=weight)  # [n, V/TP]
         loss = vocab_parallel_cross_entropy(logits, lm_labels[chosen], vocab_size=c.vocab_size,
-                                            inplace_backward=logits.is_cuda, fused=c.fused_kernels)
+                                            inplace_backward=logits.is_cuda, fused=c.fused_kernels, grid=self.grid)
         return loss, binary_logits

@@ -31,14 +31,14 @@ from megalite.transformer.yarn import mla_rotary_cos_sin
 
 
 class GPTEmbedding(nn.Module):
-    def __init__(self, config, padded_vocab):
+    def __init__(self, config, padded_vocab, grid=None):
         super().__init__()
         c = config
-        self.config = c
+        self.config, self.grid = c, ps.current_grid(grid)
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab, c.hidden_size, init_method=init_normal(c.init_method_std), real_vocab_size=c.vocab_size,
             init_seed=param_seed(c.seed, "embedding.word_embeddings"), reduce_scatter=c.sequence_parallel,
-            params_dtype=c.params_dtype)
+            params_dtype=c.params_dtype, grid=self.grid)
         self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
         self.word_embeddings.weight.is_embedding_parameter = True  # muP's embedding class (base LR and eps)
         self.position_embeddings = None
@@ -51,14 +51,12 @@ class GPTEmbedding(nn.Module):
                 with_recipe(self.position_embeddings.weight, recipe).copy_(w)
             self.position_embeddings.weight.is_embedding_parameter = True
             # Under SP each rank adds only its sequence slice: partial grads, summed over TP.
-            self.position_embeddings.weight.sequence_parallel = c.sequence_parallel and \
-                ps.get_tensor_model_parallel_world_size() > 1
+            self.position_embeddings.weight.sequence_parallel = c.sequence_parallel and self.grid.tp > 1
 
     def sequence_slice(self, ids):
         """ids [s, ...] -> this rank's sequence slice under SP (the rows its activations hold)."""
         if self.word_embeddings.reduce_scatter:
-            n, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-            return ids.chunk(n, dim=0)[r]
+            return ids.chunk(self.grid.tp, dim=0)[self.grid.tp_rank]
         return ids
 
     def embed(self, input_ids, position_ids=None):
@@ -67,7 +65,7 @@ class GPTEmbedding(nn.Module):
         x = self.word_embeddings(input_ids.t())  # [s(/TP under SP), b, h]
         if self.position_embeddings is not None:
             if position_ids is None:  # under CP: the global positions of this rank's tokens
-                position_ids = global_token_index(input_ids.shape[1], input_ids.device).unsqueeze(0)
+                position_ids = global_token_index(input_ids.shape[1], input_ids.device, self.grid).unsqueeze(0)
             x = x + self.position_embeddings(self.sequence_slice(position_ids.t()))  # [s, b or 1]
         mult = mup.embedding_mult(self.config)
         return x * mult if mult != 1.0 else x
@@ -82,13 +80,16 @@ class GPTEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None):
+    """grid: the layout this rank's model is built for (parallel_state.Grid; default the global one)."""
+
+    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None, grid=None):
         super().__init__()
         c = config
-        tp = ps.get_tensor_model_parallel_world_size()
+        self.grid = grid = ps.current_grid(grid)
+        tp = grid.tp
         c.check_parallel(tp)
         if num_layers is None:  # this pipeline stage's (and virtual chunk's) share
-            num_layers, layer_offset = chunk_layers(c)
+            num_layers, layer_offset = chunk_layers(c, grid=grid)
         self.config = c
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = not c.untie_embeddings_and_output_weights
@@ -96,9 +97,9 @@ class GPTModel(nn.Module):
         self.input_tensor = None
         self.input_on_every_stage = c.reset_attention_mask  # every stage's attention needs the document mask
         if pre_process:
-            self.embedding = GPTEmbedding(c, self.padded_vocab_size)
+            self.embedding = GPTEmbedding(c, self.padded_vocab_size, grid)
         self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset or 0,
-                                        post_process=post_process)
+                                        post_process=post_process, grid=grid)
         if post_process:
             std = c.init_method_std
             self.output_layer = ColumnParallelLinear(
@@ -107,7 +108,7 @@ class GPTModel(nn.Module):
                 sequence_parallel=c.sequence_parallel,
                 init_seed=param_seed(c.seed, "embedding.word_embeddings" if self.share_embeddings_and_output_weights
                                      else "output_layer"),
-                params_dtype=c.params_dtype)
+                params_dtype=c.params_dtype, grid=grid)
             self.output_layer.weight.real_vocab_size = c.vocab_size
             self.output_layer.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             self.output_layer.weight.is_embedding_parameter = True  # muP's embedding class (untied or tied copy)
@@ -157,11 +158,11 @@ class GPTModel(nn.Module):
             x = self.input_tensor
         rotary = None
         if c.position_embedding_type == "rope" or c.multi_latent_attention:  # MLA: its own rotary, whatever the type
-            sp = c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
-            seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if sp else 1)
-            if inference_cache is None and cp_size() > 1:  # the rows of this rank's tokens
-                idx = global_token_index(seq, x.device)
-                rotary = tuple(t[idx] for t in self._rotary_tables(seq * cp_size(), x.device))
+            sp = c.sequence_parallel and self.grid.tp > 1
+            seq = x.shape[0] * (self.grid.tp if sp else 1)
+            if inference_cache is None and cp_size(self.grid) > 1:  # the rows of this rank's tokens
+                idx = global_token_index(seq, x.device, self.grid)
+                rotary = tuple(t[idx] for t in self._rotary_tables(seq * self.grid.cp, x.device))
             elif inference_cache is None:
                 rotary = self._rotary_tables(seq, x.device)
             else:  # one table for the whole generation, sliced at this step's positions
@@ -182,5 +183,5 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1).contiguous()
         # In-place gradient saves a logits-sized buffer; on GPUs that memory matters.
         loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=c.vocab_size,
-                                            inplace_backward=logits.is_cuda, fused=c.fused_kernels)
+                                            inplace_backward=logits.is_cuda, fused=c.fused_kernels, grid=self.grid)
         return loss.transpose(0, 1).contiguous()

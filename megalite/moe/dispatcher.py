@@ -25,13 +25,14 @@ from megalite.distributed.ep_comm import (all_gather_rows, all_to_all_rows, exch
                                           reduce_scatter_uneven_rows)
 
 
-def local_experts(num_experts):
-    """(first global index, count) of this rank's experts."""
-    ep = ps.get_expert_model_parallel_world_size()
+def local_experts(num_experts, grid=None):
+    """(first global index, count) of this rank's experts (in `grid`, default the global one)."""
+    grid = ps.current_grid(grid)
+    ep = grid.ep
     if num_experts % ep:
         raise ValueError(f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {ep}")
     count = num_experts // ep
-    return ps.get_expert_model_parallel_rank() * count, count
+    return grid.ep_rank * count, count
 
 
 def _permute(routing_map):
@@ -54,10 +55,10 @@ def _regroup(chunks, sources, count, device):
 
 
 class TokenDispatcher:
-    def __init__(self, num_experts, kind="allgather"):
+    def __init__(self, num_experts, kind="allgather", grid=None):
         self.num_experts, self.kind = num_experts, kind
-        self.first, self.count = local_experts(num_experts)
-        self.g = groups()
+        self.first, self.count = local_experts(num_experts, grid)
+        self.g = groups(grid)
         self.gathered = self.kind == "allgather" or self.g["ep"][1] == 1
 
     def dispatch(self, tokens, probs, routing_map):

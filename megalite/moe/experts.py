@@ -24,7 +24,7 @@ def expert_key(first, i):
 
 
 class SequentialExperts(nn.Module):
-    def __init__(self, config, prefix, mlp_class, first=0, count=None):
+    def __init__(self, config, prefix, mlp_class, first=0, count=None, grid=None):
         """mlp_class: the transformer's feed-forward block (given by the layer, which owns it);
         first, count: the global indices of this rank's experts."""
         super().__init__()
@@ -33,7 +33,8 @@ class SequentialExperts(nn.Module):
         self.config = c
         self.first = first
         # keyed by global index: the parameters' names (checkpoint names) are the same at every EP size
-        self.local_experts = nn.ModuleDict({expert_key(first, i): mlp_class(c, f"{prefix}.local_experts.{first + i}", expert=True)
+        self.local_experts = nn.ModuleDict({expert_key(first, i): mlp_class(c, f"{prefix}.local_experts.{first + i}",
+                                                                            expert=True, grid=grid)
                                             for i in range(count)})
         for p in self.parameters():
             p.expert_parallel = True

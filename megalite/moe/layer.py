@@ -17,17 +17,18 @@ from megalite.tensor_parallel.init import init_normal, param_seed, replicated_in
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config, prefix, layer_number, mlp_class):
+    def __init__(self, config, prefix, layer_number, mlp_class, grid=None):
         super().__init__()
         self.config = config
-        self.router = TopKRouter(config, prefix + ".router", layer_number)
-        self.dispatcher = TokenDispatcher(config.num_moe_experts, config.moe_token_dispatcher_type)
+        grid = ps.current_grid(grid)
+        self.router = TopKRouter(config, prefix + ".router", layer_number, grid)
+        self.dispatcher = TokenDispatcher(config.num_moe_experts, config.moe_token_dispatcher_type, grid)
         self.experts = SequentialExperts(config, prefix + ".experts", mlp_class, self.dispatcher.first,
-                                         self.dispatcher.count)
+                                         self.dispatcher.count, grid)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size:
             shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
-            self.shared_experts = mlp_class(shared, prefix + ".shared_experts")
+            self.shared_experts = mlp_class(shared, prefix + ".shared_experts", grid=grid)
             if config.moe_shared_expert_gate:
                 w, recipe = replicated_init((1, config.hidden_size), init_normal(mup.hidden_std(config)),
                                             param_seed(config.seed, prefix + ".shared_experts.gate_weight"),

@@ -99,7 +99,7 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
     return dense, routing_map
 
 
-def sinkhorn(cost, tol=1e-4, tp=1):
+def sinkhorn(cost, tol=1e-4, tp=1, grid=None):
     """Megatron's Sinkhorn balancing of exp(cost) [T, E] (no gradient): d0 (per token) and d1 (per
     expert) alternate until d1 moves by less than tol on average; returns d1 · exp(cost) · d0. tp > 1:
     this rank holds 1/tp of the micro-batch's tokens (sequence parallelism): the column sums and the
@@ -113,18 +113,18 @@ def sinkhorn(cost, tol=1e-4, tp=1):
         d0 = (1 / tokens) / (torch.sum(d1 * cost, 1) + eps)
         cols = torch.sum(d0.unsqueeze(1) * cost, 0)
         if tp > 1:
-            cols = all_reduce_sum_tp(cols)
+            cols = all_reduce_sum_tp(cols, grid=grid)
         d1 = (1 / d1.shape[0]) / (cols + eps)
         error = torch.mean(torch.abs(d1_old - d1))
         d1_old = d1
     return d1 * cost * d0.unsqueeze(1)
 
 
-def sinkhorn_routing(logits, topk, training, tp=1):
+def sinkhorn_routing(logits, topk, training, tp=1, grid=None):
     """(probs [T, E], routing map [T, E]) of Megatron's sinkhorn load balancing."""
     scores = torch.sigmoid(logits) if topk == 1 else torch.softmax(logits, dim=-1)
     with torch.no_grad():
-        idx = decisions.topk(sinkhorn(logits.float(), tp=tp) if training else scores, topk, 1,
+        idx = decisions.topk(sinkhorn(logits.float(), tp=tp, grid=grid) if training else scores, topk, 1,
                              "sinkhorn routing").indices
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
     return scores * routing_map, routing_map
@@ -160,16 +160,17 @@ def _scores_for_aux(logits, score_function):
 
 
 class TopKRouter(nn.Module):
-    def __init__(self, config, prefix, layer_number):
+    def __init__(self, config, prefix, layer_number, grid=None):
         super().__init__()
         c = self.config = config
+        self.grid = ps.current_grid(grid)
         self.layer_number = layer_number
         # replicated over TP (its input is whole on every rank); Megatron keeps it in the model's dtype
         w, recipe = replicated_init((c.num_moe_experts, c.hidden_size), init_normal(mup.hidden_std(c)),
                                     param_seed(c.seed, prefix + ".weight"), ps.get_device())
         self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=c.params_dtype)), recipe)
         # under sequence parallelism each TP rank routes its own tokens: partial gradients, summed over TP
-        self.tp = ps.get_tensor_model_parallel_world_size() if c.sequence_parallel else 1
+        self.tp = self.grid.tp if c.sequence_parallel else 1
         self.weight.sequence_parallel = self.tp > 1
         self.dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
         self.expert_bias, self.local_tokens_per_expert = None, None
@@ -208,7 +209,7 @@ class TopKRouter(nn.Module):
             logits = AuxLossScaler.apply(logits, zl)
         kind = c.moe_router_load_balancing_type
         if kind == "sinkhorn":
-            probs, routing_map = sinkhorn_routing(logits, c.moe_router_topk, self.training, tp)
+            probs, routing_map = sinkhorn_routing(logits, c.moe_router_topk, self.training, tp, self.grid)
         else:
             probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
                                               c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor,
@@ -220,14 +221,14 @@ class TopKRouter(nn.Module):
             if kind == "aux_loss":
                 counts = routing_map.sum(dim=0).to(scores.dtype)
                 if tp > 1:
-                    counts = all_reduce_sum_tp(counts)
+                    counts = all_reduce_sum_tp(counts, grid=self.grid)
                 aux = switch_aux_loss(scores, counts, x.shape[0] * tp, c.moe_router_topk, c.moe_aux_loss_coeff)
             else:  # per sequence: tokens are [s, b] flattened, so sequence j is every b-th row from j
                 b = x.shape[0] // seq_length
                 seq_scores = scores.view(seq_length, b, -1).transpose(0, 1)
                 counts = routing_map.view(seq_length, b, -1).sum(dim=0).to(scores.dtype)  # [b, E]
                 if tp > 1:
-                    counts = all_reduce_sum_tp(counts)
+                    counts = all_reduce_sum_tp(counts, grid=self.grid)
                 aux = sum(switch_aux_loss(seq_scores[j], counts[j], seq_length * tp, c.moe_router_topk,
                                           c.moe_aux_loss_coeff) for j in range(b)) / b
             _record("load_balancing_loss", self.layer_number, aux / c.moe_aux_loss_coeff)

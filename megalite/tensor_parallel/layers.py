@@ -50,11 +50,9 @@ def _set_tp_attrs(param, is_parallel, dim):
     param.partition_dim = dim
 
 
-def _tp(expert):
+def _tp(grid, expert):
     """(size, rank) a layer's weight is sharded over: the expert-TP group for MoE experts."""
-    if expert:
-        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
-    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    return grid.expert_tp() if expert else (grid.tp, grid.tp_rank)
 
 
 def _divide(n, d, what):
@@ -76,9 +74,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size, output_size, bias=True, gather_output=False, init_method=None,
                  skip_bias_add=False, sequence_parallel=False, init_seed=None, shard_chunks=1,
-                 params_dtype=torch.float32, device=None, expert=False):
+                 params_dtype=torch.float32, device=None, expert=False, grid=None):
         super().__init__()
-        tp, rank = _tp(expert)
+        self.grid = grid = ps.current_grid(grid)
+        tp, rank = _tp(grid, expert)
         self.expert = expert
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(output_size, tp * shard_chunks, "output size / chunks") * shard_chunks
@@ -108,13 +107,13 @@ class ColumnParallelLinear(nn.Module):
         if self.expert:
             return (F.linear(x, weight), None) if self.skip_bias_add else F.linear(x, weight)
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, grid=self.grid)
         else:
-            x = copy_to_tensor_model_parallel_region(x)
+            x = copy_to_tensor_model_parallel_region(x, grid=self.grid)
         bias = None if self.skip_bias_add else self.bias
         y = F.linear(x, weight, bias)
         if self.gather_output:
-            y = gather_from_tensor_model_parallel_region(y)
+            y = gather_from_tensor_model_parallel_region(y, grid=self.grid)
         if self.skip_bias_add:
             return y, self.bias
         return y
@@ -130,9 +129,10 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, init_method=None,
                  skip_bias_add=False, sequence_parallel=False, init_seed=None,
-                 params_dtype=torch.float32, device=None, expert=False):
+                 params_dtype=torch.float32, device=None, expert=False, grid=None):
         super().__init__()
-        tp, rank = _tp(expert)
+        self.grid = grid = ps.current_grid(grid)
+        tp, rank = _tp(grid, expert)
         self.expert = expert
         if bias and expert:
             raise ValueError("MoE experts have no linear biases (--disable-bias-linear)")
@@ -164,12 +164,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         if not self.input_is_parallel:
-            x = scatter_to_tensor_model_parallel_region(x)
+            x = scatter_to_tensor_model_parallel_region(x, grid=self.grid)
         y = F.linear(x, self.weight)
         if self.sequence_parallel and not self.expert:
-            y = reduce_scatter_to_sequence_parallel_region(y)
+            y = reduce_scatter_to_sequence_parallel_region(y, grid=self.grid)
         elif not self.expert:
-            y = reduce_from_tensor_model_parallel_region(y, inplace=True)  # fresh GEMM output
+            y = reduce_from_tensor_model_parallel_region(y, inplace=True, grid=self.grid)  # fresh GEMM output
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias
@@ -202,9 +202,10 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings, embedding_dim, init_method=None, real_vocab_size=None,
-                 init_seed=None, reduce_scatter=False, params_dtype=torch.float32, device=None):
+                 init_seed=None, reduce_scatter=False, params_dtype=torch.float32, device=None, grid=None):
         super().__init__()
-        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        self.grid = grid = ps.current_grid(grid)
+        tp, rank = grid.tp, grid.tp_rank
         per = _divide(num_embeddings, tp, "padded vocabulary size")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start_index, self.vocab_end_index = rank * per, (rank + 1) * per
@@ -230,15 +231,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.real_vocab_size = real  # rows past it are padding (checkpoints store only real rows)
 
     def forward(self, ids):
-        if ps.get_tensor_model_parallel_world_size() > 1:
+        if self.grid.tp > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
             out = F.embedding(ids, self.weight)
         if self.reduce_scatter:
-            return reduce_scatter_to_sequence_parallel_region(out)
-        return reduce_from_tensor_model_parallel_region(out, inplace=True)  # fresh lookup
+            return reduce_scatter_to_sequence_parallel_region(out, grid=self.grid)
+        return reduce_from_tensor_model_parallel_region(out, inplace=True, grid=self.grid)  # fresh lookup
 
 
 def padded_vocab_size(vocab_size, divisible_by, tp):

@@ -3,6 +3,7 @@
 Activations inside the transformer are laid out [sequence, batch, hidden] (Megatron's
 layout), so the sequence-parallel split is along dim 0 and contiguous; the tensor-parallel
 split of features is along the last dim. Each primitive's backward is its forward's adjoint.
+Each takes the grid whose TP group it spans (default: the global one, parallel_state.current_grid).
 """
 
 import torch
@@ -13,14 +14,14 @@ from megalite import parallel_state as ps
 _all_gather_tensor, _reduce_scatter_tensor = ps.all_gather_tensor, ps.reduce_scatter_tensor
 
 
-def _tp():
-    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+def _tp(grid):
+    return grid.tp, grid.tp_group
 
 
-def _reduce(x):
+def _reduce(x, grid):
     """Sum over TP into a new tensor: the input may be shared (autograd hands the same
     gradient tensor to both branches of an add), so it is never modified in place."""
-    n, group = _tp()
+    n, group = _tp(grid)
     if n == 1:
         return x
     x = x.clone(memory_format=torch.contiguous_format)
@@ -28,17 +29,17 @@ def _reduce(x):
     return x
 
 
-def _split_last(x):
-    n, _ = _tp()
+def _split_last(x, grid):
+    n, _ = _tp(grid)
     if n == 1:
         return x
     if x.shape[-1] % n:
         raise ValueError(f"last dimension {x.shape[-1]} is not divisible by tensor-parallel size {n}")
-    return x.chunk(n, dim=-1)[ps.get_tensor_model_parallel_rank()].contiguous()
+    return x.chunk(n, dim=-1)[grid.tp_rank].contiguous()
 
 
-def _gather_last(x):
-    n, group = _tp()
+def _gather_last(x, grid):
+    n, group = _tp(grid)
     if n == 1:
         return x
     x = x.contiguous()
@@ -47,18 +48,18 @@ def _gather_last(x):
     return torch.cat(parts, dim=-1)
 
 
-def _split_first(x):
-    n, _ = _tp()
+def _split_first(x, grid):
+    n, _ = _tp(grid)
     if n == 1:
         return x
     if x.shape[0] % n:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {n} "
                          "(needed by --sequence-parallel)")
-    return x.chunk(n, dim=0)[ps.get_tensor_model_parallel_rank()].contiguous()
+    return x.chunk(n, dim=0)[grid.tp_rank].contiguous()
 
 
-def _gather_first(x):
-    n, group = _tp()
+def _gather_first(x, grid):
+    n, group = _tp(grid)
     if n == 1:
         return x
     x = x.contiguous()
@@ -67,8 +68,8 @@ def _gather_first(x):
     return out
 
 
-def _reduce_scatter_first(x):
-    n, group = _tp()
+def _reduce_scatter_first(x, grid):
+    n, group = _tp(grid)
     if n == 1:
         return x
     if x.shape[0] % n:
@@ -82,131 +83,136 @@ def _reduce_scatter_first(x):
 
 class _Copy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, grid):
+        ctx.grid = grid
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce(g)
+        return _reduce(g, ctx.grid), None
 
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, inplace):
-        n, group = _tp()
+    def forward(ctx, x, inplace, grid):
+        n, group = _tp(grid)
         if inplace and n > 1 and x.is_contiguous():  # a fresh GEMM output: no copy
             ctx.mark_dirty(x)
             dist.all_reduce(x, group=group)
             return x
-        return _reduce(x)
+        return _reduce(x, grid)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return g, None, None
 
 
 class _ScatterLast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _split_last(x)
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _split_last(x, grid)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_last(g)
+        return _gather_last(g, ctx.grid), None
 
 
 class _GatherLast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _gather_last(x)
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _gather_last(x, grid)
 
     @staticmethod
     def backward(ctx, g):
-        return _split_last(g)
+        return _split_last(g, ctx.grid), None
 
 
 class _ScatterFirst(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _split_first(x)
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _split_first(x, grid)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_first(g)
+        return _gather_first(g, ctx.grid), None
 
 
 class _GatherFirst(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tensor_parallel_output_grad):
-        ctx.tp_out_grad = tensor_parallel_output_grad
-        return _gather_first(x)
+    def forward(ctx, x, tensor_parallel_output_grad, grid):
+        ctx.tp_out_grad, ctx.grid = tensor_parallel_output_grad, grid
+        return _gather_first(x, grid)
 
     @staticmethod
     def backward(ctx, g):
         # If the consumer of the gathered tensor is itself tensor-parallel (e.g. a column
         # layer), each rank holds only a partial gradient: sum them while scattering.
         if ctx.tp_out_grad:
-            return _reduce_scatter_first(g), None
-        return _split_first(g), None
+            return _reduce_scatter_first(g, ctx.grid), None, None
+        return _split_first(g, ctx.grid), None, None
 
 
 class _ReduceScatterFirst(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter_first(x)
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _reduce_scatter_first(x, grid)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_first(g)
+        return _gather_first(g, ctx.grid), None
 
 
-def copy_to_tensor_model_parallel_region(x):
+def copy_to_tensor_model_parallel_region(x, grid=None):
     """Identity forward; all-reduce of the gradient over TP backward."""
-    return _Copy.apply(x)
+    return _Copy.apply(x, ps.current_grid(grid))
 
 
-def reduce_from_tensor_model_parallel_region(x, inplace=False):
+def reduce_from_tensor_model_parallel_region(x, inplace=False, grid=None):
     """All-reduce over TP forward; identity backward. inplace=True: x is a fresh tensor nobody
     else reads (a GEMM's output) and is reduced in its own storage instead of a copy."""
-    return _Reduce.apply(x, inplace)
+    return _Reduce.apply(x, inplace, ps.current_grid(grid))
 
 
-def scatter_to_tensor_model_parallel_region(x):
+def scatter_to_tensor_model_parallel_region(x, grid=None):
     """Keep this rank's slice of the last dim forward; all-gather backward."""
-    return _ScatterLast.apply(x)
+    return _ScatterLast.apply(x, ps.current_grid(grid))
 
 
-def gather_from_tensor_model_parallel_region(x):
+def gather_from_tensor_model_parallel_region(x, grid=None):
     """All-gather along the last dim forward; keep this rank's slice backward."""
-    return _GatherLast.apply(x)
+    return _GatherLast.apply(x, ps.current_grid(grid))
 
 
-def scatter_to_sequence_parallel_region(x):
+def scatter_to_sequence_parallel_region(x, grid=None):
     """Keep this rank's slice of the sequence (dim 0) forward; all-gather backward."""
-    return _ScatterFirst.apply(x)
+    return _ScatterFirst.apply(x, ps.current_grid(grid))
 
 
-def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True):
+def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, grid=None):
     """All-gather along the sequence (dim 0) forward; reduce-scatter (or split) backward."""
-    return _GatherFirst.apply(x, tensor_parallel_output_grad)
+    return _GatherFirst.apply(x, tensor_parallel_output_grad, ps.current_grid(grid))
 
 
-def reduce_scatter_to_sequence_parallel_region(x):
+def reduce_scatter_to_sequence_parallel_region(x, grid=None):
     """Reduce-scatter along the sequence (dim 0) forward; all-gather backward."""
-    return _ReduceScatterFirst.apply(x)
+    return _ReduceScatterFirst.apply(x, ps.current_grid(grid))
 
 
-def all_reduce_max_tp(x):
+def all_reduce_max_tp(x, grid=None):
     """In-place max over the TP group (no autograd; used by the vocab-parallel loss)."""
-    n, group = _tp()
+    n, group = _tp(ps.current_grid(grid))
     if n > 1:
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
 
-def all_reduce_sum_tp(x):
+def all_reduce_sum_tp(x, grid=None):
     """In-place sum over the TP group (no autograd)."""
-    n, group = _tp()
+    n, group = _tp(ps.current_grid(grid))
     if n > 1:
         dist.all_reduce(x, group=group)
     return x

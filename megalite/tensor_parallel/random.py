@@ -80,16 +80,16 @@ def get_rng_tracker():
     return _TRACKER
 
 
-def model_parallel_manual_seed(seed):
+def model_parallel_manual_seed(seed, grid=None):
     """Seed both streams: default identical across TP (and CP), tracked one distinct per TP
-    (and CP) rank.
+    (and CP) rank of `grid` (default the global one).
 
     Pipeline stages get distinct default seeds (their layers differ anyway).
     """
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
+    g = ps.current_grid(grid)
+    tp_rank, pp_rank = g.tp_rank, g.pp_rank
     # CP ranks attend to different tokens: each draws its own attention-dropout stream
-    tracked_rank = tp_rank + ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_rank()
+    tracked_rank = tp_rank + g.tp * g.cp_rank
     default_seed = seed + 100 * pp_rank
     torch.manual_seed(default_seed)
     if torch.cuda.is_available():

@@ -85,11 +85,12 @@ class SelfAttention(nn.Module):
     """QKV rows are laid out per query group: [q heads of group g | k_g | v_g] for each g,
     so a contiguous TP shard holds whole groups with their queries."""
 
-    def __init__(self, config, prefix, layer_number=1):
+    def __init__(self, config, prefix, layer_number=1, grid=None):
         super().__init__()
         c = config
         self.layer_number = layer_number  # global, 1-based: --apply-query-key-layer-scaling divides by it
-        tp = ps.get_tensor_model_parallel_world_size()
+        self.grid = grid = ps.current_grid(grid)
+        tp = grid.tp
         self.config = c
         self.d = c.kv_channels
         self.groups_local = c.num_query_groups // tp
@@ -98,16 +99,16 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(
             c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias,
             init_method=init_normal(mup.hidden_std(c)), sequence_parallel=c.sequence_parallel,
-            init_seed=param_seed(c.seed, prefix + ".linear_qkv"), params_dtype=c.params_dtype)
+            init_seed=param_seed(c.seed, prefix + ".linear_qkv"), params_dtype=c.params_dtype, grid=grid)
         self.linear_proj = RowParallelLinear(
             c.num_attention_heads * self.d, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
             init_method=init_normal(output_init_std(c)), skip_bias_add=True,
             sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_proj"),
-            params_dtype=c.params_dtype)
+            params_dtype=c.params_dtype, grid=grid)
         self.query_scale = mup.query_scale(c)  # muP's softmax scale (megalite/mup.py); None: 1/sqrt(d)
         if c.qk_layernorm:  # per head, weights shared by the heads; a TP rank sees only its heads
-            self.q_layernorm = build_norm(c, self.d, partial_grads=True)
-            self.k_layernorm = build_norm(c, self.d, partial_grads=True)
+            self.q_layernorm = build_norm(c, self.d, partial_grads=True, grid=grid)
+            self.k_layernorm = build_norm(c, self.d, partial_grads=True, grid=grid)
 
     def forward(self, x, rotary=None, attn_mask=None, inference_cache=None):
         """x [s, b, h] (sequence-sharded under SP) -> (out [s, b, h], bias or None).
@@ -128,11 +129,11 @@ class SelfAttention(nn.Module):
             q = q * self.query_scale
         if inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
-        if inference_cache is None and cp_size() > 1:  # this rank's part of every sequence
+        if inference_cache is None and cp_size(self.grid) > 1:  # this rank's part of every sequence
             kinds = c.cp_comm_type or ["p2p"]
             fn = context_parallel_attention
             args = (q, k, v, kinds[0] if len(kinds) == 1 else kinds[self.layer_number - 1], c.attention_dropout,
-                    self.training, core_attention, c.fused_kernels, attn_mask)
+                    self.training, core_attention, c.fused_kernels, attn_mask, self.grid)
         else:
             fn = core_attention
             args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,

@@ -12,17 +12,18 @@ class TransformerBlock(nn.Module):
     keep the global layer index (`decoder.layers.<global i>.…`), so a state dict means the
     same thing whatever the pipeline split."""
 
-    def __init__(self, config, num_layers=None, layer_offset=0, post_process=True, prefix="decoder"):
+    def __init__(self, config, num_layers=None, layer_offset=0, post_process=True, prefix="decoder", grid=None):
         super().__init__()
         self.config = config
         n = config.num_layers if num_layers is None else num_layers
         self.layer_offset = layer_offset
         self.layers = nn.ModuleDict(
-            (str(layer_offset + i), TransformerLayer(config, layer_offset + i + 1, f"{prefix}.layers.{layer_offset + i}"))
+            (str(layer_offset + i),
+             TransformerLayer(config, layer_offset + i + 1, f"{prefix}.layers.{layer_offset + i}", grid))
             for i in range(n))
         self._stack = list(self.layers.values())  # in order, for slicing
         # Post-norm layers end normalised: no final norm then.
-        self.final_layernorm = build_norm(config, config.hidden_size) \
+        self.final_layernorm = build_norm(config, config.hidden_size, grid=grid) \
             if post_process and config.layernorm_position == "pre" else None
 
     def _run(self, start, end):

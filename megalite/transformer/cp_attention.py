@@ -306,27 +306,29 @@ def _mask(qi, ki, doc_mask):
     return doc_mask[:, :, qi][:, :, :, ki]
 
 
-def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attention, fused=False, doc_mask=None):
+def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attention, fused=False, doc_mask=None,
+                               grid=None):
     """This CP rank's attention output [b, s, hq, d] for q [b, s, hq, d], k, v [b, s, hkv, d].
     core_attention: the local attention (megalite.transformer.attention.core_attention) that
     a2a and allgather run with an explicit mask by global index. doc_mask: the whole
     sequence's [b, 1, S, S] (--reset-attention-mask), or its key-padding mask [b, 1, 1, S]
-    (BERT: non-causal); default causal."""
+    (BERT: non-causal); default causal. grid: whose CP groups (default the global one)."""
     with contextlib.nullcontext() if fused else kernels.use_backend("torch"):  # --no-fused-kernels: no Triton
-        return _cp_attention(q, k, v, kind, dropout_p if training else 0.0, core_attention, fused, doc_mask)
+        return _cp_attention(q, k, v, kind, dropout_p if training else 0.0, core_attention, fused, doc_mask,
+                             ps.current_grid(grid))
 
 
-def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask):
-    n, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask, grid):
+    n, r = grid.cp, grid.cp_rank
     s = q.shape[1]
     if kind == "p2p":
-        return ring_attention(q, k, v, p, doc_mask=doc_mask)
+        return ring_attention(q, k, v, p, ring=Ring(grid.cp_group, grid.cp_ranks), doc_mask=doc_mask)
     if kind == "allgather":  # the gathered K/V as one block (kept for the backward only as inputs)
-        kg, vg = all_gather_over_cp(k, 1), all_gather_over_cp(v, 1)  # [b, n*s, hkv, d] in rank order
+        kg, vg = all_gather_over_cp(k, 1, grid), all_gather_over_cp(v, 1, grid)  # [b, n*s, hkv, d] in rank order
         qi, ki = local_token_index(s, r, n), _global_index(s, n)  # host: the ring plans there
         return ring_attention(q, kg, vg, p, ring=_OneBlock(), doc_mask=doc_mask, index_of=lambda j: ki, q_index=qi)
     if kind == "a2a":
-        qa, ka, va = (all_to_all_over_cp(t, 2, 1) for t in (q, k, v))  # heads out, sequence in
+        qa, ka, va = (all_to_all_over_cp(t, 2, 1, grid=grid) for t in (q, k, v))  # heads out, sequence in
         gi = _global_index(s, n, q.device)
         if doc_mask is not None:
             out = core_attention(qa, ka, va, p, fused, True, attn_mask=_mask(gi, gi, doc_mask))
@@ -334,16 +336,16 @@ def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask):
             order = torch.argsort(gi)
             out = core_attention(*(t.index_select(1, order) for t in (qa, ka, va)), p, fused, True)
             out = out.index_select(1, gi)  # back to the gathered order (gi inverts the sort)
-        return all_to_all_over_cp(out, 1, 2)
+        return all_to_all_over_cp(out, 1, 2, grid=grid)
     if kind == "a2a+p2p":
-        (inner, inner_ranks), (outer, outer_ranks) = ps.get_hierarchical_context_parallel_groups()
-        a, cp_ranks = len(inner_ranks), ps.get_context_parallel_global_ranks()
+        (inner, inner_ranks), (outer, outer_ranks) = grid.hcp
+        a, cp_ranks = len(inner_ranks), list(grid.cp_ranks)
         qa, ka, va = (all_to_all_over_cp(t, 2, 1, inner) for t in (q, k, v))  # 1/A of the heads, A x s rows
 
         def index_of(j):  # the rows of ring rank j: its inner group's CP ranks j*A .. j*A+A-1, in order
             return torch.cat([local_token_index(s, j * a + i, n) for i in range(a)])
         ring = Ring(outer, outer_ranks)
-        assert ring.rank == cp_ranks.index(ps.global_rank()) // a
+        assert ring.rank == cp_ranks.index(grid.rank) // a
         out = ring_attention(qa, ka, va, p, ring=ring, doc_mask=doc_mask, index_of=index_of)
         return all_to_all_over_cp(out, 1, 2, inner)
     raise ValueError(f"--cp-comm-type {kind!r} is not one of {', '.join(COMM_TYPES)}")

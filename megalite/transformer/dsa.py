@@ -58,15 +58,16 @@ def select_topk(scores, masked, topk):
     return torch.zeros_like(masked).scatter_(-1, idx, vals != float("-inf"))
 
 
-def indexer_loss(scores, q, k, softmax_scale, masked, selected, coeff, sparse=False, per_token=False):
+def indexer_loss(scores, q, k, softmax_scale, masked, selected, coeff, sparse=False, per_token=False, grid=None):
     """KL(MLA's head-summed attention || the indexer's softmax) * coeff. scores [b, s, t] (with grad);
     q, k [b, s, heads, dq] (this TP rank's heads, detached here); masked / selected bool [b, s, t]."""
     invalid = masked | ~selected if sparse else masked
     with torch.no_grad():
         att = torch.einsum("bshd,bthd->bhst", q.detach().float(), k.detach().float()) * softmax_scale
         att = att.masked_fill(invalid.unsqueeze(1), float("-inf")).softmax(dim=-1).sum(dim=1)
-        if ps.get_tensor_model_parallel_world_size() > 1:  # every TP rank's heads
-            att = reduce_from_tensor_model_parallel_region(att.contiguous())
+        grid = ps.current_grid(grid)
+        if grid.tp > 1:  # every TP rank's heads
+            att = reduce_from_tensor_model_parallel_region(att.contiguous(), grid=grid)
         target = att / att.sum(dim=-1, keepdim=True).clamp_min(EPS)
     logp = scores.masked_fill(invalid, float("-inf")).log_softmax(dim=-1)
     kl = (target * (target.clamp_min(EPS).log() - logp)).masked_fill(invalid, 0.0).sum(dim=-1)
@@ -81,9 +82,10 @@ def _replicated(config, inp, out, name):
 
 
 class DSAIndexer(nn.Module):
-    def __init__(self, config, prefix):
+    def __init__(self, config, prefix, grid=None):
         super().__init__()
         c = self.config = config
+        self.grid = ps.current_grid(grid)
         self.heads, self.dim = c.dsa_indexer_n_heads, c.dsa_indexer_head_dim
         self.linear_wq_b = _replicated(c, c.q_lora_rank or c.hidden_size, self.heads * self.dim,
                                        prefix + ".linear_wq_b")
@@ -105,8 +107,9 @@ class DSAIndexer(nn.Module):
     def forward(self, x, qr, rotary):
         """x [s(/TP), b, h], qr [s(/TP), b, q latent] (both detached) -> q [b, s, H, d], k [b, s, d], w [b, s, H]."""
         c = self.config
-        if c.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
-            x, qr = (gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False) for t in (x, qr))
+        if c.sequence_parallel and self.grid.tp > 1:
+            x, qr = (gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=False, grid=self.grid)
+                     for t in (x, qr))
         x, qr = x.transpose(0, 1), qr.transpose(0, 1)
         b, s = x.shape[:2]
         q = self._rope(self.linear_wq_b(qr).view(b, s, self.heads, self.dim), rotary)
@@ -125,10 +128,11 @@ class DSAIndexer(nn.Module):
 class DSAttention(nn.Module):
     """The indexer of one MLA layer and what it gives MLA's core attention: a mask and the indexer loss."""
 
-    def __init__(self, config, prefix, layer_number, softmax_scale):
+    def __init__(self, config, prefix, layer_number, softmax_scale, grid=None):
         super().__init__()
         self.config, self.layer_number, self.softmax_scale = config, layer_number, softmax_scale
-        self.indexer = DSAIndexer(config, prefix + ".indexer")
+        self.indexer = DSAIndexer(config, prefix + ".indexer", grid)
+        self.grid = self.indexer.grid
 
     def forward(self, x, qr, q, k, rotary, attn_mask=None):
         """x, qr: the layer's input and query latent [s(/TP), b, .]; q, k: MLA's [b, s, heads, dq];
@@ -149,7 +153,7 @@ class DSAttention(nn.Module):
         loss = None
         if with_loss:
             loss = indexer_loss(scores, q, k, self.softmax_scale, masked, selected, coeff,
-                                c.dsa_indexer_use_sparse_loss, c.calculate_per_token_loss)
+                                c.dsa_indexer_use_sparse_loss, c.calculate_per_token_loss, self.grid)
             _record("indexer loss", self.layer_number, loss)
         return (~selected).unsqueeze(1), loss
 

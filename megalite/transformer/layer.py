@@ -16,23 +16,24 @@ from megalite.transformer.norm import build_norm
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config, layer_number, prefix):
+    def __init__(self, config, layer_number, prefix, grid=None):
         super().__init__()
-        self.config = config
+        self.config, self.grid = config, ps.current_grid(grid)
+        grid = self.grid
         self.layer_number = layer_number  # global, 1-based (as Megatron), whatever the stage
         self.post_norm = config.layernorm_position == "post"
         if not self.post_norm:
-            self.input_layernorm = build_norm(config, config.hidden_size)
+            self.input_layernorm = build_norm(config, config.hidden_size, grid=grid)
         attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
-        self.self_attention = attention(config, prefix + ".self_attention", layer_number)
+        self.self_attention = attention(config, prefix + ".self_attention", layer_number, grid=grid)
         if self.post_norm:
-            self.post_attention_layernorm = build_norm(config, config.hidden_size)
+            self.post_attention_layernorm = build_norm(config, config.hidden_size, grid=grid)
         else:
-            self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MoELayer(config, prefix + ".mlp", layer_number, MLP) if config.is_moe_layer(layer_number) else \
-            MLP(config, prefix + ".mlp")
+            self.pre_mlp_layernorm = build_norm(config, config.hidden_size, grid=grid)
+        self.mlp = MoELayer(config, prefix + ".mlp", layer_number, MLP, grid=grid) \
+            if config.is_moe_layer(layer_number) else MLP(config, prefix + ".mlp", grid=grid)
         if self.post_norm:
-            self.post_mlp_layernorm = build_norm(config, config.hidden_size)
+            self.post_mlp_layernorm = build_norm(config, config.hidden_size, grid=grid)
 
     def _bias_dropout_add(self, out_bias, residual):
         out, bias = out_bias
@@ -40,7 +41,7 @@ class TransformerLayer(nn.Module):
             out = out + bias
         # Replicated activations drop identically on all TP ranks (default stream);
         # sequence-parallel slices are distinct data, so they take the per-rank stream.
-        sp = self.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        sp = self.config.sequence_parallel and self.grid.tp > 1
         rng = get_rng_tracker().fork() if sp else contextlib.nullcontext()
         with rng:
             out = F.dropout(out, p=self.config.hidden_dropout, training=self.training)

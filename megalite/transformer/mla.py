@@ -42,11 +42,12 @@ from megalite.transformer.yarn import mla_softmax_scale
 
 
 class MLASelfAttention(nn.Module):
-    def __init__(self, config, prefix, layer_number=1):
+    def __init__(self, config, prefix, layer_number=1, grid=None):
         super().__init__()
         c = self.config = config
         self.layer_number = layer_number
-        tp = ps.get_tensor_model_parallel_world_size()
+        self.grid = grid = ps.current_grid(grid)
+        tp = grid.tp
         self.heads = c.num_attention_heads // tp
         self.dq = c.qk_head_dim + c.qk_pos_emb_head_dim
         self.softmax_scale = mla_softmax_scale(c)
@@ -54,7 +55,8 @@ class MLASelfAttention(nn.Module):
         def column(inp, out, name):
             return ColumnParallelLinear(inp, out, bias=False, init_method=init_normal(c.init_method_std),
                                         sequence_parallel=c.sequence_parallel,
-                                        init_seed=param_seed(c.seed, f"{prefix}.{name}"), params_dtype=c.params_dtype)
+                                        init_seed=param_seed(c.seed, f"{prefix}.{name}"), params_dtype=c.params_dtype,
+                                        grid=grid)
         def duplicated(inp, out, name):  # under SP it projects this rank's tokens: partial gradients
             return DuplicatedLinear(inp, out, init_normal(c.init_method_std), param_seed(c.seed, f"{prefix}.{name}"),
                                     c.params_dtype, partial_grads=c.sequence_parallel and tp > 1)
@@ -68,22 +70,22 @@ class MLASelfAttention(nn.Module):
                                               "linear_kv_down_proj")
         self.linear_kv_up_proj = column(c.kv_lora_rank, n * (c.qk_head_dim + c.v_head_dim), "linear_kv_up_proj")
         if c.qk_layernorm:  # on the latents (this rank's sequence slice under SP: partial grads, summed over TP)
-            self.q_layernorm = build_norm(c, c.q_lora_rank)
-            self.kv_layernorm = build_norm(c, c.kv_lora_rank)
+            self.q_layernorm = build_norm(c, c.q_lora_rank, grid=grid)
+            self.kv_layernorm = build_norm(c, c.kv_lora_rank, grid=grid)
         self.linear_proj = RowParallelLinear(
             n * c.v_head_dim, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
             init_method=init_normal(output_init_std(c)), skip_bias_add=True, sequence_parallel=c.sequence_parallel,
-            init_seed=param_seed(c.seed, prefix + ".linear_proj"), params_dtype=c.params_dtype)
+            init_seed=param_seed(c.seed, prefix + ".linear_proj"), params_dtype=c.params_dtype, grid=grid)
         if c.experimental_attention_variant == "dsa":
-            self.core_attention = DSAttention(c, prefix + ".core_attention", layer_number, self.softmax_scale)
+            self.core_attention = DSAttention(c, prefix + ".core_attention", layer_number, self.softmax_scale, grid)
 
     def _shared_rotary_key(self, k_pe):
         """k_pe [s(/TP under SP), b, dr] -> [s, b, dr], every head of this rank reading it."""
-        if ps.get_tensor_model_parallel_world_size() == 1:
+        if self.grid.tp == 1:
             return k_pe
         if self.config.sequence_parallel:
-            return gather_from_sequence_parallel_region(k_pe, tensor_parallel_output_grad=True)
-        return copy_to_tensor_model_parallel_region(k_pe)
+            return gather_from_sequence_parallel_region(k_pe, tensor_parallel_output_grad=True, grid=self.grid)
+        return copy_to_tensor_model_parallel_region(k_pe, grid=self.grid)
 
     def qkv(self, x, rotary, latent=False):
         """x [s(/TP), b, h] -> q, k [b, s, heads, dn + dr], v [b, s, heads, dv] (this rank's heads)
@@ -118,7 +120,7 @@ class MLASelfAttention(nn.Module):
         """x [s, b, h] (sequence-sharded under SP); rotary: MLA's (cos, sin) tables (yarn.py) at this
         micro-batch's positions -> (out [s, b, h], bias or None)."""
         c = self.config
-        if cp_size() > 1:
+        if cp_size(self.grid) > 1:
             raise NotImplementedError("multi-latent attention with context parallelism")  # refused by ModelConfig
         q, k, v, q_latent = self.qkv(x, rotary, latent=True)
         b, s = q.shape[:2]

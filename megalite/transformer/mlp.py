@@ -27,7 +27,7 @@ def swiglu(x, bias, fused):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, prefix, expert=False):
+    def __init__(self, config, prefix, expert=False, grid=None):
         """expert: an MoE expert (sharded over expert-TP; the token dispatcher communicates)."""
         super().__init__()
         c = config
@@ -37,12 +37,12 @@ class MLP(nn.Module):
             c.hidden_size, fc1_out, bias=c.add_bias_linear, init_method=init_normal(mup.hidden_std(c)),
             skip_bias_add=True, sequence_parallel=c.sequence_parallel,
             init_seed=param_seed(c.seed, prefix + ".linear_fc1"), shard_chunks=2 if c.swiglu else 1,
-            params_dtype=c.params_dtype, expert=expert)
+            params_dtype=c.params_dtype, expert=expert, grid=grid)
         self.linear_fc2 = RowParallelLinear(
             c.ffn_hidden_size, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
             init_method=init_normal(output_init_std(c)), skip_bias_add=True,
             sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_fc2"),
-            params_dtype=c.params_dtype, expert=expert)
+            params_dtype=c.params_dtype, expert=expert, grid=grid)
 
     def forward(self, x):
         h, b = self.linear_fc1(x)

@@ -45,13 +45,13 @@ def _gamma(norm):
     return norm.weight + 1 if norm.zero_centered else norm.weight
 
 
-def build_norm(config, hidden_size, device=None, partial_grads=None):
+def build_norm(config, hidden_size, device=None, partial_grads=None, grid=None):
     """partial_grads: the norm sees only part of what its gradient sums over on each TP rank
-    (default: the sequence slice under SP; q/k norms see this rank's heads): summed over TP."""
+    (default: the sequence slice under SP; q/k norms see this rank's heads): summed over TP of `grid`."""
     from megalite import parallel_state as ps
     device = device or ps.get_device()
     cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
-    tp = ps.get_tensor_model_parallel_world_size() > 1
+    tp = ps.current_grid(grid).tp > 1
     partial = (config.sequence_parallel if partial_grads is None else partial_grads) and tp
     return cls(hidden_size, eps=config.layernorm_epsilon, sequence_parallel=partial,
                fused=config.fused_kernels, dtype=config.params_dtype, device=device,

@@ -94,20 +94,19 @@ def split_layers(num_layers, pp, v=1, first=None, last=None, embedding=False, lo
     return counts
 
 
-def chunk_layers(config, pp_rank=None, vrank=None):
-    """(num_layers, layer_offset) of this rank's model chunk."""
-    pp = ps.get_pipeline_model_parallel_world_size()
-    pp_rank = ps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-    v = ps.get_virtual_pipeline_model_parallel_world_size()
+def chunk_layers(config, pp_rank=None, vrank=None, grid=None):
+    """(num_layers, layer_offset) of this rank's model chunk (of `grid`, default the global one)."""
+    grid = ps.current_grid(grid)
+    pp, v = grid.pp, grid.vpp
+    pp_rank = grid.pp_rank if pp_rank is None else pp_rank
+    vrank = grid.virtual_rank if vrank is None else vrank
     if config.pipeline_layout is not None:
-        s = (0 if v is None else (ps.get_virtual_pipeline_model_parallel_rank() if vrank is None else vrank)) * pp + \
-            pp_rank
+        s = (0 if v is None else vrank) * pp + pp_rank
         return config.pipeline_layout[s], sum(config.pipeline_layout[:s])
     if v is None:
         counts = stage_layer_counts(config.num_layers, pp, config.decoder_first_pipeline_num_layers,
                                     config.decoder_last_pipeline_num_layers)
         return counts[pp_rank], sum(counts[:pp_rank])
-    vrank = ps.get_virtual_pipeline_model_parallel_rank() if vrank is None else vrank
     if config.num_layers % (pp * v):
         raise ConfigError(f"--num-layers {config.num_layers} is not divisible by pipeline size {pp} x virtual "
                           f"stages {v} = {pp * v}")
