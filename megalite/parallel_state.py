@@ -61,17 +61,18 @@ class Grid:
         self.rank = 0  # global
 
     @classmethod
-    def of(cls, tp=1, pp=1, dp=1, cp=1, vpp=None, ep=None, etp=None, tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0,
-           ep_rank=0, etp_rank=0):
-        """A layout's grid without process groups: sizes and one rank's coordinates, to build that rank's
-        model (on the meta device: a planner builds many layouts in one process)."""
+    def of(cls, tp=1, pp=1, dp=1, cp=1, vpp=None, ep=None, etp=None, tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0):
+        """A layout's grid without process groups: sizes and one rank's coordinates (the expert ones follow
+        from them as in process_groups), to build that rank's model (on the meta device: a planner builds
+        many layouts in one process)."""
         g = cls(tp, pp, dp, cp, vpp)
         g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank = tp_rank, pp_rank, dp_rank, cp_rank
         g.pp_ranks = list(range(pp))
         if ep is not None:
             etp = tp if etp is None else etp
-            g.experts, g.ep, g.etp, g.edp, g.ep_rank, g.etp_rank = True, ep, etp, tp * cp * dp // (ep * etp), ep_rank, \
-                etp_rank
+            g.experts, g.ep, g.etp, g.edp = True, ep, etp, tp * cp * dp // (ep * etp)
+            j = tp_rank + tp * (cp_rank + cp * dp_rank)  # the stage's dense order, re-read as ETP x EP x EDP
+            g.etp_rank, g.ep_rank, g.edp_rank = j % etp, (j // etp) % ep, j // (etp * ep)
         return g
 
     def expert_tp(self):

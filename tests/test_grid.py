@@ -45,9 +45,9 @@ def shapes(model):
 
 
 def test_two_layouts_side_by_side_have_their_shapes(no_global_grid):
-    """A TP2 x PP2 last stage and a TP4 x EP2 MoE model (expert rank 1) in one process, on meta."""
+    """A TP2 x PP2 last stage and a TP4 x EP2 MoE model (TP rank 3: expert rank 1) in one process, on meta."""
     dense = build(config(), ps.Grid.of(tp=2, pp=2, dp=2, pp_rank=1, tp_rank=1), pre=False)
-    moe = build(config(*MOE), ps.Grid.of(tp=4, dp=2, ep=2, etp=1, ep_rank=1, tp_rank=3))
+    moe = build(config(*MOE), ps.Grid.of(tp=4, dp=2, ep=2, etp=1, tp_rank=3))
     a, b = shapes(dense), shapes(moe)
     assert sorted({n.split(".")[2] for n in a if n.startswith("decoder.layers.")}) == ["2", "3"]  # PP2 stage 1
     assert "embedding.word_embeddings.weight" not in a and a["output_layer.weight"] == (128, 64)  # 256 / TP2

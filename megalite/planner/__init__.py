@@ -1,0 +1,1 @@
+"""Predicting a run before running it: memory and step time of a layout on a cluster (tools/plan.py)."""

@@ -1,0 +1,114 @@
+"""Bytes one rank keeps for its training state, predicted from the model built on the meta device at that
+rank's grid (parallel_state.Grid.of) and megalite's own bucket and unit plans, so that the prediction is
+what `optimizer/memory.py`'s training_state_bytes measures after a step, to the byte:
+
+  weights    the model's parameters (ZeRO-1/2: the flat parameter buffer of the padded buckets; ZeRO-3:
+             each bucket's 1/d shard, plus the one-element stand-in the released parameters point at);
+             parameters without gradients (the experts' routing bias) whole
+  gradients  fp32: the padded buckets (plain and ZeRO-1), each bucket's 1/d shard accumulator (ZeRO-2/3;
+             their full-size buffers live only while a reduction needs them)
+  optimizer  Adam's m and v in fp32 for the elements this rank steps (all, or its ZeRO shard), fp32 main
+             parameters for them in bf16 / fp16 models, and each flat group's step counter
+
+Dense parameters shard over DP x CP, experts over expert-DP (param_facts); the word embedding tied across
+pipeline stages sits alone in a bucket, as grad_buffer does it."""
+
+import dataclasses
+
+from megalite import parallel_state as ps
+from megalite.distributed.grad_buffer import plan_buckets
+from megalite.distributed.param_units import plan_units
+from megalite.optimizer.optimizer import no_weight_decay
+from megalite.transformer.pipeline_layers import chunk_layers
+
+FP32 = 4
+
+
+@dataclasses.dataclass
+class StateBytes:
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self):
+        return self.weights + self.gradients + self.optimizer
+
+
+def build_chunks(mcfg, grid, model_class=None):
+    """This rank's model chunks (one per virtual stage) on the meta device."""
+    from megalite.models.gpt import GPTModel
+    model_class = model_class or GPTModel
+    v, chunks = grid.vpp or 1, []
+    with ps.meta_init():
+        for j in range(v):
+            n, offset = chunk_layers(mcfg, grid.pp_rank, j, grid)
+            pre, post = grid.pp_rank == 0 and j == 0, grid.pp_rank == grid.pp - 1 and j == v - 1
+            chunks.append(model_class(mcfg, pre_process=pre, post_process=post, num_layers=n, layer_offset=offset,
+                                      grid=grid))
+    return chunks
+
+
+def _tied(model, grid):
+    if grid.pp > 1 and getattr(model, "share_embeddings_and_output_weights", False):
+        return model.shared_embedding_or_output_weight()
+    return None
+
+
+def _buckets(model, grid, zero, bucket_size):
+    """[(params, padded numel, shard group size, this rank's index in it)] as DistributedDataParallel plans them."""
+    def groups(params, size):
+        out = []
+        for expert in (False, True):
+            mine = [p for p in params if (bool(getattr(p, "expert_parallel", False)) and grid.experts) == expert]
+            if not mine:
+                continue
+            d, r = (grid.edp, grid.edp_rank) if expert else (grid.dp * grid.cp, grid.dp_rank * grid.cp + grid.cp_rank)
+            out += [(b, n, d, r) for b, n in plan_buckets(mine, size, d if zero else 1, _tied(model, grid)
+                                                          if zero else None)]
+        return out
+    if zero == 3:
+        plan = []
+        for _, _, own, _ in reversed(plan_units(model)):
+            plan += groups(own, float("inf"))
+        return plan
+    return groups([p for p in model.parameters() if p.requires_grad], bucket_size)
+
+
+def training_state(args, mcfg, grid):
+    """StateBytes of the rank at `grid`'s coordinates for the run `args` describes."""
+    zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
+    low = bool(args.bf16 or args.fp16)
+    dtype_bytes = 2 if low else FP32
+    out, kinds = StateBytes(), set()
+    for model in build_chunks(mcfg, grid):
+        names = {p: n for n, p in model.named_parameters()}
+        out.weights += sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+        plan = _buckets(model, grid, zero, args.ddp_bucket_size)
+        total = sum(n for _, n, _, _ in plan)
+        if not zero:
+            out.weights += sum(p.numel() for b, _, _, _ in plan for p in b) * dtype_bytes
+            out.gradients += total * FP32
+            owned = [(p, p.numel()) for b, _, _, _ in plan for p in b]
+        else:
+            owned = []
+            for params, n, d, r in plan:
+                lo, hi, offset = r * (n // d), (r + 1) * (n // d), 0
+                for p in params:
+                    a, b = max(offset, lo), min(offset + p.numel(), hi)
+                    if b > a:
+                        owned.append((p, b - a))
+                    offset += p.numel()
+            out.gradients += (total if zero == 1 else sum(n // d for _, n, d, _ in plan)) * FP32
+            out.weights += (total if zero < 3 else sum(n // d for _, n, d, _ in plan)) * dtype_bytes
+            if zero == 3:
+                out.weights += len(plan) * dtype_bytes  # each bucket's released parameters share one element
+        elements = sum(k for _, k in owned)
+        out.optimizer += elements * 2 * FP32 + (elements * FP32 if low else 0)
+        kinds |= {(not no_weight_decay(names[p], p), _decoupled(args, p)) for p, _ in owned}
+    out.optimizer += len(kinds) * FP32  # one step counter per flat group
+    return out
+
+
+def _decoupled(args, p):
+    return args.decoupled_lr is not None and bool(getattr(p, "is_embedding_or_output_parameter", False))

@@ -1,0 +1,62 @@
+"""The planner's memory model (megalite/planner/memory.py) against what ranks keep: for layouts over TP,
+PP (interleaved too), CP, EP, ZeRO-1/2/3, fp32 and bf16, every rank's predicted weights + gradients +
+optimizer bytes equal, to the byte, what optimizer/memory.py's training_state_bytes measures after a step.
+One spawn of 4 gloo ranks runs them all."""
+
+import pytest
+
+from dist_util import run_on_ranks
+from parity import BASE, MOE, MOE_BIAS
+
+ZERO = ("--use-distributed-optimizer", "--zero-stage")
+LAYOUTS = {
+    "dp4_fp32": (),
+    "dp4_bf16": ("--bf16",),
+    "tp2_sp_dp2_zero1_bf16": ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16") + ZERO + ("1",),
+    "pp2_dp2_zero2_tied": ("--pipeline-model-parallel-size", "2") + ZERO + ("2",),
+    "pp2_interleaved_zero1_bf16": ("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                   "1", "--bf16") + ZERO + ("1",),
+    "dp4_zero3_bf16": ("--bf16",) + ZERO + ("3",),
+    "pp2_dp2_zero3_untied": ("--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights")
+    + ZERO + ("3",),
+    "cp2_dp2_zero1": ("--context-parallel-size", "2") + ZERO + ("1",),
+    "ep2_dp4_zero1_moe_bias": MOE + MOE_BIAS + ("--expert-model-parallel-size", "2") + ZERO + ("1",),
+    "tp2_sp_ep2_zero2_moe_bf16": MOE + ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                        "--expert-model-parallel-size", "2",
+                                     "--expert-tensor-parallel-size", "1", "--bf16") + ZERO + ("2",),
+    "dp4_decoupled_lr_odd_bucket": ("--decoupled-lr", "1e-3", "--ddp-bucket-size", "1000") + ZERO + ("1",),
+}
+
+
+def _measure_and_predict(layouts):
+    import pretrain_gpt
+    from megalite import parallel_state as ps
+    from megalite.arguments import model_config, parse_args
+    from megalite.optimizer.memory import training_state_bytes
+    from megalite.planner.memory import training_state
+    from megalite.training import pretrain
+    from parity import learnable_datasets
+    out = []
+    for flags in layouts:
+        args = parse_args(list(BASE) + list(flags) + ["--train-iters", "1"], world_size=ps.world_size())
+        _, chunks, opt = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
+                                  return_state=True)
+        g = ps._grid()  # this rank's coordinates, described without groups
+        grid = ps.Grid.of(g.tp, g.pp, g.dp, g.cp, g.vpp, g.ep if g.experts else None, g.etp if g.experts else None,
+                          g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank)
+        predicted = training_state(args, model_config(args, args.vocab_size), grid)
+        out.append((training_state_bytes(chunks, opt), predicted.total, vars(predicted)))
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_on_ranks(_measure_and_predict, 4, list(LAYOUTS.values()), timeout=400)
+
+
+@pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=list(LAYOUTS))
+def test_predicted_state_bytes_equal_the_measured(world, i):
+    for rank, results in enumerate(world):
+        measured, predicted, parts = results[i]
+        assert predicted == measured, f"rank {rank}: predicted {predicted} ({parts}) != measured {measured}"
