@@ -237,8 +237,18 @@ def parse_args(argv=None, world_size=None, defaults=None):
         fail(str(e))
 
 
-def _parse(argv, world_size, defaults=None):
-    parser = build_parser()
+_PARSER = []
+
+
+def check_args(argv, world_size, defaults=None):
+    """parse_args that raises the ConfigError instead of exiting (a planner tries many layouts: one parser)."""
+    if not _PARSER:
+        _PARSER.append(build_parser())
+    return _parse(argv, world_size, defaults, _PARSER[0])
+
+
+def _parse(argv, world_size, defaults=None, parser=None):
+    parser = parser or build_parser()
     parser.set_defaults(**{"model_type": "gpt", **(defaults or {})})
     args, unknown = parser.parse_known_args(argv)
     known = [s for act in parser._actions for s in act.option_strings]

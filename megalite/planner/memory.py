@@ -35,10 +35,27 @@ class StateBytes:
         return self.weights + self.gradients + self.optimizer
 
 
+_BUILT = {}  # (model, layout, coordinates) -> chunks: a search prices many layouts of the same shapes
+_STATES = {}  # (chunks, ZeRO, precision, data-parallel coordinates ...) -> StateBytes
+
+
 def build_chunks(mcfg, grid, model_class=None):
-    """This rank's model chunks (one per virtual stage) on the meta device."""
+    """This rank's model chunks (one per virtual stage) on the meta device (cached by what sets their shapes:
+    not recomputation, not the data-parallel or context-parallel sizes)."""
     from megalite.models.gpt import GPTModel
     model_class = model_class or GPTModel
+    shapes = dataclasses.replace(mcfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    key = (repr(shapes), model_class, grid.tp, grid.pp, grid.vpp, grid.experts, grid.ep, grid.etp, grid.tp_rank,
+           grid.pp_rank, grid.ep_rank, grid.etp_rank)
+    if key not in _BUILT:
+        if len(_BUILT) > 256:
+            _BUILT.clear()
+            _STATES.clear()  # (keyed by the built chunks' identity)
+        _BUILT[key] = _build(mcfg, grid, model_class)
+    return _BUILT[key]
+
+
+def _build(mcfg, grid, model_class):
     v, chunks = grid.vpp or 1, []
     with ps.meta_init():
         for j in range(v):
@@ -79,9 +96,20 @@ def training_state(args, mcfg, grid):
     """StateBytes of the rank at `grid`'s coordinates for the run `args` describes."""
     zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
     low = bool(args.bf16 or args.fp16)
+    chunks = build_chunks(mcfg, grid)
+    key = (id(chunks), zero, low, args.ddp_bucket_size, args.decoupled_lr is not None, grid.dp, grid.cp, grid.dp_rank,
+           grid.cp_rank, grid.edp, grid.edp_rank)
+    if key not in _STATES:
+        if len(_STATES) > 4096:
+            _STATES.clear()
+        _STATES[key] = _state(args, chunks, grid, zero, low)
+    return dataclasses.replace(_STATES[key])
+
+
+def _state(args, chunks, grid, zero, low):
     dtype_bytes = 2 if low else FP32
     out, kinds = StateBytes(), set()
-    for model in build_chunks(mcfg, grid):
+    for model in chunks:
         names = {p: n for n, p in model.named_parameters()}
         out.weights += sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
         plan = _buckets(model, grid, zero, args.ddp_bucket_size)

@@ -1,0 +1,194 @@
+"""Memory per GPU and step time of one layout on one cluster, from megalite's own model of the run.
+
+Memory: the exact training-state bytes of each pipeline stage's rank (memory.py), activations of the micro-
+batches the schedule keeps in flight there (activations.py; 1F1B: p - i on stage i, interleaved: Megatron's
+warm-up count of chunks, each 1/v of the layers), a full-recompute chunk's transient, communication buffers
+(ZeRO-2: two buckets' full fp32 gradients; ZeRO-3: two gathered units, the prefetch) and RESERVED for the
+CUDA context and NCCL.
+
+Time per micro-batch on stage i (its slowest GPU): GEMM FLOPs of its layers (forward, backward 2x, a
+recompute pass) at peak x gemm_efficiency; causal attention (half the s^2 FLOPs of the convention) at peak x
+ATTENTION_EFFICIENCY; element-wise passes (norms, residuals, activation, rope) at memory bandwidth; the TP
+collectives ((t-1)/t of [s, b, h] per gather / scatter, four each way per layer, not overlapped, as
+megalite runs them); the CP ring's k/v blocks beyond what attention hides; the p2p sends. The pipeline
+takes (m - 1) max_i t_i + sum_i t_i (1F1B) or m max_i t_i + (p - 1) max_i t_i / v (interleaved); the
+bubble is what exceeds m max_i t_i. Data parallelism: ring all-reduce / reduce-scatter of the fp32
+gradients, hidden behind the last micro-batch's backward (ZeRO-2: every micro-batch's; ZeRO-3: also the
+gathers, each micro-batch's behind its compute) but for one bucket, then the parameters' all-gather
+(ZeRO-1/2) and Adam over this rank's shard at memory bandwidth. Links: a group inside a node uses the
+node's link, else the inter-node one."""
+
+import dataclasses
+
+from megalite import parallel_state as ps
+from megalite.arguments import model_config
+from megalite.config import ConfigError
+from megalite.flops import num_floating_point_operations
+from megalite.planner import activations, memory
+from megalite.tensor_parallel.layers import padded_vocab_size
+from megalite.transformer.pipeline_layers import chunk_layers
+
+GiB = 1 << 30
+RESERVED = 1.5 * GiB  # CUDA context, NCCL buffers, allocator slack (not modelled in detail)
+ATTENTION_EFFICIENCY = 0.5  # flash attention's fraction of peak (forward and backward together)
+ELEMENTWISE_EFFICIENCY = 0.8  # fraction of memory bandwidth an element-wise kernel reaches
+
+
+@dataclasses.dataclass
+class Prediction:
+    layout: object
+    flags: list
+    memory: dict  # the largest GPU's bytes by kind, its GPU, headroom
+    time: dict  # seconds: compute, tp, cp, pp, dp, optimizer, bubble
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    fits: bool
+
+    @property
+    def memory_gib_per_gpu(self):
+        return self.memory["total"] / GiB
+
+    def row(self):
+        return {"layout": self.layout.describe(), "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "memory_gib_per_gpu": self.memory_gib_per_gpu,
+                "fits": self.fits, "memory": {k: (v / GiB if isinstance(v, (int, float)) else v)
+                                              for k, v in self.memory.items()},
+                "time": self.time, "flags": self.flags}
+
+
+def _ring(bytes_, n, gbps, factor=1):
+    """Seconds of a ring collective moving factor x (n-1)/n x bytes per rank at gbps GB/s."""
+    return 0.0 if n <= 1 else factor * (n - 1) / n * bytes_ / (gbps * 1e9)
+
+
+def _ranks(layout, cluster, pp_rank, axis):
+    """Global ranks of one group along `axis` (tp, cp, dp) at stage pp_rank (Megatron's order)."""
+    t, c, d = layout.tp, layout.cp, layout.dp
+    base = pp_rank * t * c * d
+    if axis == "tp":
+        return [base + i for i in range(t)]
+    if axis == "cp":
+        return [base + i * t for i in range(c)]
+    if axis == "dp":
+        return [base + i * t * c for i in range(d)]
+    return [p * t * c * d for p in range(layout.pp)]
+
+
+def predict(args, layout, cluster):
+    """Prediction for `args` (megalite's validated arguments at this layout) on `cluster`."""
+    if cluster.size != layout.world:
+        raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
+    c = model_config(args, args.vocab_size)
+    e = 2 if (args.bf16 or args.fp16) else 4
+    vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
+    m = args.global_batch_size // (layout.micro * layout.dp)
+    v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
+    stage_times, worst, dp_bytes, shard = [], None, 0.0, 0
+    for i in range(layout.pp):
+        grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
+                          1 if layout.ep else None, pp_rank=i)
+        gpus = [cluster.gpus[r] for r in range(i * layout.world // layout.pp, (i + 1) * layout.world // layout.pp)]
+        slow = min(gpus, key=lambda g: g.peak_tflops)
+        state = memory.training_state(args, c, grid)
+        layers = [chunk_layers(c, i, j, grid)[0] for j in range(v)]
+        per_chunk = [activations.chunk_bytes(c, grid, layout.micro, e, n, i == 0 and j == 0,
+                                             i == layout.pp - 1 and j == v - 1, vocab) for j, n in enumerate(layers)]
+        in_flight = _in_flight(layout, i, m, v)
+        act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
+        buffers = _buffers(layout, state, c, e)
+        total = state.total + act + activations.transient_bytes(c, grid, layout.micro, e) + buffers + RESERVED
+        tightest = min(gpus, key=lambda g: g.memory_gib)
+        mem = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
+               "activations": act, "buffers": buffers, "reserved": RESERVED, "total": total,
+               "gpu": tightest.name, "headroom": tightest.memory_gib * GiB - total, "stage": i}
+        if worst is None or mem["headroom"] < worst["headroom"]:
+            worst = mem
+        stage_times.append(_stage_time(c, layout, cluster, i, slow, e, sum(layers), i == layout.pp - 1, vocab))
+        full = state.gradients if layout.zero < 2 else state.gradients * layout.dp * layout.cp  # fp32, whole stage
+        dp_bytes = max(dp_bytes, full)
+        shard = max(shard, state.optimizer // (12 if e == 2 else 8))
+    per_micro = [sum(t.values()) for t in stage_times]
+    slowest = max(per_micro)
+    if v > 1:
+        pipe = m * slowest + (layout.pp - 1) * slowest / v
+    else:
+        pipe = (m - 1) * slowest + sum(per_micro)
+    busy = {k: m * stage_times[per_micro.index(slowest)][k] for k in stage_times[0]}
+    slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
+    dp_time = _dp_time(layout, cluster, dp_bytes, e, slowest, m)
+    opt = shard * 30 / (slow_gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
+    step = pipe + dp_time + opt
+    time = {**busy, "bubble": pipe - m * slowest, "dp": dp_time, "optimizer": opt}
+    flops = num_floating_point_operations(c, args.global_batch_size, vocab)
+    if c.recompute_granularity == "full":
+        flops *= 4 / 3  # Narayanan et al.'s convention counts the recomputed forward
+    tflops = flops / step / cluster.size / 1e12
+    peak = sum(g.peak_tflops for g in cluster.gpus) / cluster.size
+    return Prediction(layout, layout.flags(), worst, time, step, args.global_batch_size * c.seq_length / step, tflops,
+                      tflops / peak, worst["headroom"] >= 0)
+
+
+def _in_flight(layout, i, m, v):
+    """Micro-batches (interleaved: chunks) whose activations stage i holds at its peak."""
+    if v == 1:
+        return min(layout.pp - i, m)
+    return min((layout.pp - i - 1) * 2 + (v - 1) * layout.pp + 1, m * v)
+
+
+def _buffers(layout, state, c, e):
+    if layout.zero == 2:
+        return 2 * min(state.gradients * layout.dp * layout.cp, 40_000_000 * 4)  # two buckets' full fp32 grads
+    if layout.zero == 3:
+        per_layer = state.weights * layout.dp * layout.cp / max(1, c.num_layers // layout.pp)
+        return 2 * per_layer  # two gathered units (the one running, the prefetched one)
+    return 0
+
+
+def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
+    """Seconds of one micro-batch's forward and backward on stage i, by kind."""
+    t, cp, b = layout.tp, layout.cp, layout.micro
+    s, h = c.seq_length // cp, c.hidden_size
+    q = c.kv_channels * c.num_attention_heads / h
+    ffn = c.ffn_hidden_size * (1.5 if c.swiglu else 1.0)
+    gemm = 4 * b * s * h * h * ((1 + c.num_query_groups / c.num_attention_heads) * q + ffn / h) * layers / t
+    attn = 4 * b * s * c.seq_length * h * q * layers / t * 0.5  # causal: half of the convention's s^2 term
+    if last:
+        gemm += 2 * b * s * h * vocab / t
+    passes = 3 + (1 if c.recompute_granularity == "full" else 0)
+    attn_passes = passes + (1 if c.recompute_granularity == "selective" else 0)
+    rate = gpu.peak_tflops * 1e12
+    compute = passes * gemm / (rate * gpu.gemm_efficiency) + attn_passes * attn / (rate * ATTENTION_EFFICIENCY)
+    rows = s // t if c.sequence_parallel and t > 1 else s
+    elementwise = 3 * layers * b * e * (10 * rows * h + 4 * s * c.ffn_hidden_size / t + 4 * s * h / t)
+    compute += elementwise / (gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
+    act = s * b * h * e
+    tp = _ring(act, t, cluster.link_gbps(_ranks(layout, cluster, i, "tp")), 8) * layers
+    kv = s * b * 2 * (c.num_query_groups // t) * c.kv_channels * e
+    ring = 3 * (cp - 1) * kv / (cluster.link_gbps(_ranks(layout, cluster, i, "cp")) * 1e9) * layers if cp > 1 else 0
+    cp_time = max(0.0, ring - attn_passes * attn / (rate * ATTENTION_EFFICIENCY))
+    pp_time = 0.0
+    if layout.pp > 1:
+        stages = _ranks(layout, cluster, 0, "pp")
+        pp_time = 2 * rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 1]) * 1e9)
+    return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
+
+
+def _dp_time(layout, cluster, grad_bytes, e, slowest, m):
+    """Exposed seconds of the DP collectives per step."""
+    d = layout.dp * layout.cp
+    if d <= 1:
+        return 0.0
+    gbps = cluster.link_gbps(_ranks(layout, cluster, 0, "dp"))
+    bucket = min(grad_bytes, 40_000_000 * 4)
+    hide = slowest * 2 / 3  # the last micro-batch's backward
+    if layout.zero == 0:
+        return max(_ring(grad_bytes, d, gbps, 2) - hide, _ring(bucket, d, gbps, 2))
+    gather = _ring(grad_bytes / 4 * e, d, gbps)
+    if layout.zero == 1:
+        return max(_ring(grad_bytes, d, gbps) - hide, _ring(bucket, d, gbps)) + gather
+    if layout.zero == 2:
+        return m * max(_ring(grad_bytes, d, gbps) - hide, _ring(bucket, d, gbps)) + gather
+    per_micro = _ring(grad_bytes, d, gbps) + 2 * gather
+    return m * max(0.0, per_micro - slowest)

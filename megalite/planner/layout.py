@@ -1,0 +1,92 @@
+"""One candidate layout: the parallel sizes, ZeRO stage, recompute and micro-batch a plan chooses, the
+pretrain_gpt.py flags that launch it, and megalite's own validation of it (arguments.check_args)."""
+
+import dataclasses
+
+from megalite.arguments import check_args
+from megalite.config import ConfigError
+
+# flags a layout sets: stripped from the user's own before the layout's are added
+LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1,
+                "--num-layers-per-virtual-pipeline-stage": 1, "--context-parallel-size": 1,
+                "--expert-model-parallel-size": 1, "--expert-tensor-parallel-size": 1, "--zero-stage": 1,
+                "--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
+                "--micro-batch-size": 1, "--sequence-parallel": 0, "--use-distributed-optimizer": 0,
+                "--recompute-activations": 0, "--num-virtual-stages-per-pipeline-rank": 1,
+                "--decoder-first-pipeline-num-layers": 1, "--decoder-last-pipeline-num-layers": 1,
+                "--pipeline-model-parallel-layout": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    vp: int = None  # layers per virtual stage (interleaved 1F1B), None: plain 1F1B
+    ep: int = None  # MoE only
+    zero: int = 0  # 0: plain optimizer; 1, 2, 3: --use-distributed-optimizer --zero-stage
+    recompute: str = None  # None, "selective" or "full" (uniform, one layer per checkpoint)
+    micro: int = 1
+    sp: bool = True  # sequence parallelism whenever TP > 1
+
+    @property
+    def world(self):
+        return self.tp * self.pp * self.cp * self.dp
+
+    def flags(self):
+        f = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        if self.tp > 1 and self.sp:
+            f.append("--sequence-parallel")
+        if self.vp:
+            f += ["--num-layers-per-virtual-pipeline-stage", str(self.vp)]
+        if self.cp > 1:
+            f += ["--context-parallel-size", str(self.cp)]
+        if self.ep:
+            f += ["--expert-model-parallel-size", str(self.ep)]
+        if self.zero:
+            f += ["--use-distributed-optimizer", "--zero-stage", str(self.zero)]
+        if self.recompute == "full":
+            f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        elif self.recompute:
+            f += ["--recompute-granularity", self.recompute]
+        return f + ["--micro-batch-size", str(self.micro)]
+
+    def describe(self):
+        parts = [f"TP{self.tp}" + ("+SP" if self.tp > 1 and self.sp else ""), f"PP{self.pp}"
+                 + (f"(v{self.vp})" if self.vp else ""), f"CP{self.cp}", f"DP{self.dp}"]
+        parts += [f"EP{self.ep}"] if self.ep else []
+        parts += [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", self.recompute or "no recompute", f"mbs {self.micro}"]
+        return " ".join(parts)
+
+
+def strip_layout_flags(argv):
+    """The user's flags without those a layout sets (their values too)."""
+    out, i = [], 0
+    while i < len(argv):
+        n = LAYOUT_FLAGS.get(argv[i])
+        if n is None:
+            out.append(argv[i])
+            i += 1
+        else:
+            i += 1 + n
+    return out
+
+
+def layout_from_args(args):
+    """The layout a parsed pretrain_gpt.py command line asks for."""
+    full = args.recompute_granularity == "full"
+    return Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
+                  args.data_parallel_size, args.num_layers_per_virtual_pipeline_stage,
+                  args.expert_model_parallel_size if args.num_experts else None,
+                  (args.zero_stage or 1) if args.use_distributed_optimizer else 0,
+                  "full" if full else args.recompute_granularity, args.micro_batch_size, args.sequence_parallel)
+
+
+def validated(model_argv, layout, world_size):
+    """megalite's parsed arguments for the user's model flags at this layout; ConfigError where megalite
+    would refuse to launch it."""
+    args = check_args(strip_layout_flags(model_argv) + layout.flags(), world_size)
+    if args.data_parallel_size != layout.dp:
+        raise ConfigError(f"{layout.describe()}: {world_size} GPUs give DP {args.data_parallel_size}")
+    return args

@@ -1,0 +1,57 @@
+"""The layouts worth trying on a cluster, each checked by megalite's own validation, predicted, and ranked by
+predicted step time among those that fit.
+
+Candidates: TP over the divisors of the GPUs per node (a TP group stays in a node), CP 1 (or powers of two
+up to 8 for sequences of 8k tokens and more), PP over the divisors of the layer count, plain or interleaved
+with 1 or 2 layers per virtual stage (only where that gives at least 2 chunks per stage), DP the rest, EP over
+the divisors of the experts that divide DP x CP x TP (MoE), ZeRO 0-3, recompute none / selective / full and
+micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank."""
+
+from megalite.config import ConfigError
+from megalite.planner.cost import predict
+from megalite.planner.layout import Layout, validated
+
+
+def _divisors(n, limit=None):
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def candidates(args, world, gpus_per_node):
+    L, gbs = args.num_layers, args.global_batch_size
+    cps = [1] + ([2, 4, 8] if args.seq_length >= 8192 else [])
+    experts = args.num_experts or 0
+    for tp in _divisors(min(world, gpus_per_node)):
+        for cp in cps:
+            for pp in _divisors(L):
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                vps = [None] + [k for k in (1, 2) if pp > 1 and L % (pp * k) == 0 and L // (pp * k) >= 2]
+                eps = [None] if not experts else [e for e in _divisors(experts) if (tp * cp * dp) % e == 0]
+                for vp in vps:
+                    for ep in eps:
+                        for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                            for rc in (None, "selective", "full"):
+                                for micro in (1, 2, 4, 8):
+                                    if gbs % (micro * dp) == 0:
+                                        yield Layout(tp, pp, cp, dp, vp, ep, zero, rc, micro, tp > 1)
+
+
+def search(model_argv, cluster, top=5, limit=None):
+    """[(Prediction)] of the `top` fastest layouts that fit (or, if none fits, the `top` tightest), and the
+    count of layouts megalite would launch."""
+    args0 = validated(model_argv, Layout(dp=cluster.size), cluster.size)
+    fits, tight, n = [], [], 0
+    for lay in candidates(args0, cluster.size, cluster.gpus_per_node):
+        try:
+            args = validated(model_argv, lay, cluster.size)
+        except ConfigError:
+            continue
+        n += 1
+        p = predict(args, lay, cluster)
+        (fits if p.fits else tight).append(p)
+        if limit and n >= limit:
+            break
+    if fits:
+        return sorted(fits, key=lambda p: p.step_time_s)[:top], n
+    return sorted(tight, key=lambda p: -p.memory["headroom"])[:top], n

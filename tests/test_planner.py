@@ -1,0 +1,86 @@
+"""tools/plan.py and megalite/planner: clusters, layouts and their flags, the pipeline's bubble, the search.
+(The memory model against measured bytes: test_planner_memory.py, test_planner_activations.py.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalite.config import ConfigError
+from megalite.planner import cost
+from megalite.planner.gpus import GPUS, parse_cluster
+from megalite.planner.layout import Layout, layout_from_args, validated
+from megalite.planner.search import search
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+       "--max-position-embeddings", "1024", "--global-batch-size", "64", "--micro-batch-size", "1",
+       "--vocab-size", "50257", "--lr", "1e-4", "--train-iters", "10", "--bf16"]
+
+
+def test_clusters_parse_and_bad_ones_are_one_line():
+    c = parse_cluster("4xA100-80GB,4xRTX3090-24GB", gpus_per_node=4)
+    assert c.size == 8 and c.types == ["A100-80GB", "RTX3090-24GB"] and c.describe() == "4xA100-80GB,4xRTX3090-24GB"
+    assert c.link_gbps([0, 1]) == 300.0 and c.link_gbps([4, 5]) == 32.0 and c.link_gbps([0, 4]) == 25.0
+    assert parse_cluster("16xh100", intra_node_bandwidth=400).link_gbps([0, 7]) == 400.0
+    for need in ("V100-32GB", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "RTX2080Ti-11GB", "RTX3090-24GB",
+                 "RTX4090-24GB", "L40S"):
+        assert need in GPUS
+    for text, message in (("8xB300", "unknown GPU 'B300'"), ("eight H100", "COUNTxGPU"),
+                          ("4xA100-80GB,2xL40S", "fill whole nodes")):
+        with pytest.raises(ConfigError) as e:
+            parse_cluster(text, gpus_per_node=4)
+        assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("lay", [Layout(2, 2, 1, 2, None, None, 1, "selective", 2, True),
+                                 Layout(1, 4, 1, 2, 1, None, 0, "full", 1, False),
+                                 Layout(4, 1, 2, 1, None, None, 3, None, 4, True),
+                                 Layout(1, 2, 1, 4, 2, None, 2, None, 1, False)], ids=lambda lay: lay.describe())
+def test_a_layouts_flags_launch_that_layout(lay):
+    """The flags the plan prints parse in megalite to the same layout (and the user's own parallel flags give
+    way to them)."""
+    args = validated(GPT + ["--tensor-model-parallel-size", "8", "--recompute-activations"], lay, 8)
+    assert layout_from_args(args) == lay
+
+
+def test_a_layout_megalite_refuses_is_refused():
+    with pytest.raises(ConfigError, match="not divisible"):
+        validated(GPT, Layout(tp=3, dp=1), 3)
+
+
+def test_the_bubble_is_the_schedules():
+    """Equal stages (a vocabulary too small for the output layer to count), communication free: 1F1B idles
+    (p-1)/(m+p-1) of the step, interleaving (p-1)/(v m+p-1)."""
+    c = parse_cluster("8xH100-80GB", intra_node_bandwidth=1e9)
+    for pp, vp, m in ((4, None, 4), (4, None, 16), (4, 1, 8), (2, 2, 8)):
+        lay = Layout(1, pp, 1, 8 // pp, vp, None, 0, None, 1, False)
+        args = validated(GPT[:-1] + ["--global-batch-size", str(m * 8 // pp), "--fp16", "--vocab-size", "128"], lay, 8)
+        p = cost.predict(args, lay, c)
+        v = 8 // (pp * vp) if vp else 1
+        busy = p.step_time_s - p.time["dp"] - p.time["optimizer"]
+        assert p.time["bubble"] / busy == pytest.approx((pp - 1) / (v * m + pp - 1), rel=0.02), (pp, vp, m)
+
+
+def test_search_ranks_launchable_layouts_that_fit():
+    found, tried = search(GPT, parse_cluster("8xRTX3090-24GB"), top=4)
+    assert tried > 50 and len(found) == 4 and all(p.fits for p in found)
+    assert [p.step_time_s for p in found] == sorted(p.step_time_s for p in found)
+    for p in found:  # each one launches that layout
+        assert layout_from_args(validated(GPT, p.layout, 8)) == p.layout
+
+
+def test_plan_prints_json_rows():
+    out = subprocess.run([sys.executable, "tools/plan.py", "--cluster", "8xA100-80GB", "--predict", "--json",
+                          "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",
+                          "2", *GPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    row = json.loads(out.stdout.strip().splitlines()[0])
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu", "flags"):
+        assert key in row
+    assert "--tensor-model-parallel-size 2" in " ".join(row["flags"]) and 0 < row["mfu"] < 1
+    bad = subprocess.run([sys.executable, "tools/plan.py", "--cluster", "8xB300", *GPT], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown GPU" in bad.stderr

@@ -1,0 +1,79 @@
+"""Predict memory per GPU and step time of a layout before running it, or find the best layouts.
+
+    # the best layouts of a Llama-3-70B-shaped model on 64 H100s (pretrain_gpt.py's model flags)
+    python tools/plan.py --cluster 64xH100-80GB --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 \\
+        --num-attention-heads 64 --group-query-attention --num-query-groups 8 --seq-length 8192 \\
+        --max-position-embeddings 8192 --position-embedding-type rope --normalization RMSNorm --swiglu \\
+        --untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 128256 \\
+        --global-batch-size 512 --bf16 --lr 1e-4 --train-iters 1
+    # one layout: give its parallel flags (--tensor-model-parallel-size ...) and --predict
+    # mixed GPUs: --cluster 4xA100-80GB,4xRTX3090-24GB (a node holds one type)
+
+Every other flag is pretrain_gpt.py's; a layout megalite would refuse is never printed. --json prints one
+JSON object per layout. The model behind the figures: megalite/planner/ (docs/planner.md)."""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.config import ConfigError  # noqa: E402
+from megalite.planner.cost import GiB, predict  # noqa: E402
+from megalite.planner.gpus import parse_cluster  # noqa: E402
+from megalite.planner.layout import layout_from_args, validated  # noqa: E402
+from megalite.planner.search import search  # noqa: E402
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--cluster", required=True, help="COUNTxGPU[,COUNTxGPU...], e.g. 64xH100-80GB")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--intra-node-bandwidth", type=float, default=None, help="GB/s per GPU, one direction")
+    p.add_argument("--inter-node-bandwidth", type=float, default=None, help="GB/s per GPU, one direction")
+    p.add_argument("--predict", action="store_true", help="predict the layout the parallel flags give; no search")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def report(p):
+    m, t = p.memory, p.time
+    lines = [f"{p.layout.describe()}: {p.step_time_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, "
+             f"{p.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU {100 * p.mfu:.1f}%" + ("" if p.fits else "  DOES NOT FIT"),
+             f"  memory (stage {m['stage']}, {m['gpu']}): " + ", ".join(
+                 f"{k} {m[k] / GiB:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "buffers",
+                                                   "reserved", "total")) + f" GiB, headroom {m['headroom'] / GiB:.1f}",
+             "  time: " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()) + " s",
+             "  flags: " + " ".join(p.flags)]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ours, model_argv = build_parser().parse_known_args(argv)
+    try:
+        cluster = parse_cluster(ours.cluster, ours.gpus_per_node, ours.intra_node_bandwidth, ours.inter_node_bandwidth)
+        if ours.predict:
+            from megalite.arguments import check_args
+            lay = layout_from_args(check_args(model_argv, cluster.size))
+            found = [predict(validated(model_argv, lay, cluster.size), lay, cluster)]
+            tried = 1
+        else:
+            found, tried = search(model_argv, cluster, ours.top)
+    except ConfigError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    if ours.json:
+        for p in found:
+            print(json.dumps(p.row()))
+        return 0
+    if not ours.predict:
+        print(f"{tried} layouts megalite can launch on {cluster.describe()}; the best {len(found)} predicted:")
+    for p in found:
+        print(report(p))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
