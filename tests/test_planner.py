@@ -10,7 +10,7 @@ import pytest
 
 from megalite.config import ConfigError
 from megalite.planner import cost
-from megalite.planner.gpus import GPUS, parse_cluster
+from megalite.planner.gpus import GPUS, LINK_EFFICIENCY, parse_cluster
 from megalite.planner.layout import Layout, layout_from_args, validated
 from megalite.planner.search import search
 
@@ -23,8 +23,10 @@ GPT = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "1
 def test_clusters_parse_and_bad_ones_are_one_line():
     c = parse_cluster("4xA100-80GB,4xRTX3090-24GB", gpus_per_node=4)
     assert c.size == 8 and c.types == ["A100-80GB", "RTX3090-24GB"] and c.describe() == "4xA100-80GB,4xRTX3090-24GB"
-    assert c.link_gbps([0, 1]) == 300.0 and c.link_gbps([4, 5]) == 32.0 and c.link_gbps([0, 4]) == 25.0
-    assert parse_cluster("16xh100", intra_node_bandwidth=400).link_gbps([0, 7]) == 400.0
+    reach = LINK_EFFICIENCY["intra"]  # what NCCL's rings reach of a link
+    assert c.link_gbps([0, 1]) == 300.0 * reach and c.link_gbps([4, 5]) == 32.0 * reach
+    assert c.link_gbps([0, 4]) == 25.0 * LINK_EFFICIENCY["inter"]
+    assert parse_cluster("16xh100", intra_node_bandwidth=400).link_gbps([0, 7]) == 400.0 * reach
     for need in ("V100-32GB", "A100-40GB", "A100-80GB", "H100-80GB", "H200", "RTX2080Ti-11GB", "RTX3090-24GB",
                  "RTX4090-24GB", "L40S"):
         assert need in GPUS

@@ -1,7 +1,8 @@
-"""The planner's memory model (megalite/planner/memory.py) against what ranks keep: for layouts over TP,
-PP (interleaved too), CP, EP, ZeRO-1/2/3, fp32 and bf16, every rank's predicted weights + gradients +
-optimizer bytes equal, to the byte, what optimizer/memory.py's training_state_bytes measures after a step.
-One spawn of 4 gloo ranks runs them all."""
+"""The planner's memory and traffic models (megalite/planner/memory.py, traffic.py) against what ranks keep
+and send: for layouts over TP, PP (interleaved too), CP, EP, ZeRO-1/2/3, fp32 and bf16, every rank's
+predicted weights + gradients + optimizer bytes equal, to the byte, what optimizer/memory.py's
+training_state_bytes measures after a step, and its predicted data-parallel wire bytes per collective what
+distributed/comm.py counted during that step. One spawn of 4 gloo ranks runs them all."""
 
 import pytest
 
@@ -33,19 +34,26 @@ def _measure_and_predict(layouts):
     from megalite import parallel_state as ps
     from megalite.arguments import model_config, parse_args
     from megalite.optimizer.memory import training_state_bytes
+    from megalite.distributed import comm
     from megalite.planner.memory import training_state
+    from megalite.planner.traffic import dp_wire_bytes
     from megalite.training import pretrain
     from parity import learnable_datasets
     out = []
     for flags in layouts:
         args = parse_args(list(BASE) + list(flags) + ["--train-iters", "1"], world_size=ps.world_size())
+        comm.reset()
         _, chunks, opt = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
                                   return_state=True)
         g = ps._grid()  # this rank's coordinates, described without groups
         grid = ps.Grid.of(g.tp, g.pp, g.dp, g.cp, g.vpp, g.ep if g.experts else None, g.etp if g.experts else None,
                           g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank)
-        predicted = training_state(args, model_config(args, args.vocab_size), grid)
-        out.append((training_state_bytes(chunks, opt), predicted.total, vars(predicted)))
+        mcfg = model_config(args, args.vocab_size)
+        predicted = training_state(args, mcfg, grid)
+        m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        sent = {op: c["wire_bytes"] for op, c in comm.counts().items()}
+        out.append((training_state_bytes(chunks, opt), predicted.total, vars(predicted), sent,
+                    dp_wire_bytes(args, mcfg, grid, m)))
         ps.destroy_model_parallel()
     return out
 
@@ -58,5 +66,14 @@ def world():
 @pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=list(LAYOUTS))
 def test_predicted_state_bytes_equal_the_measured(world, i):
     for rank, results in enumerate(world):
-        measured, predicted, parts = results[i]
+        measured, predicted, parts = results[i][:3]
         assert predicted == measured, f"rank {rank}: predicted {predicted} ({parts}) != measured {measured}"
+
+
+@pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=list(LAYOUTS))
+def test_predicted_data_parallel_bytes_equal_the_counted(world, i):
+    for rank, results in enumerate(world):
+        sent, predicted = results[i][3:]
+        for op in set(sent) | {k for k, v in predicted.items() if v}:
+            assert abs(sent.get(op, 0.0) - predicted.get(op, 0.0)) < 1e-6 * max(1.0, sent.get(op, 0.0)), \
+                f"rank {rank} {op}: predicted {predicted.get(op, 0.0):.0f} wire bytes, counted {sent.get(op, 0.0):.0f}"

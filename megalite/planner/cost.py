@@ -24,7 +24,7 @@ from megalite import parallel_state as ps
 from megalite.arguments import model_config
 from megalite.config import ConfigError
 from megalite.flops import num_floating_point_operations
-from megalite.planner import activations, memory
+from megalite.planner import activations, memory, traffic
 from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
 
@@ -64,7 +64,8 @@ def _ring(bytes_, n, gbps, factor=1):
 
 
 def _ranks(layout, cluster, pp_rank, axis):
-    """Global ranks of one group along `axis` (tp, cp, dp) at stage pp_rank (Megatron's order)."""
+    """Global ranks of one group along `axis` (tp, cp, dp, ep; else the stages) at stage pp_rank (Megatron's
+    order)."""
     t, c, d = layout.tp, layout.cp, layout.dp
     base = pp_rank * t * c * d
     if axis == "tp":
@@ -73,6 +74,8 @@ def _ranks(layout, cluster, pp_rank, axis):
         return [base + i * t for i in range(c)]
     if axis == "dp":
         return [base + i * t * c for i in range(d)]
+    if axis == "ep":  # expert-TP x EP: consecutive positions of the stage (process_groups' expert grid)
+        return [base + j for j in range(layout.ep)]
     return [p * t * c * d for p in range(layout.pp)]
 
 
@@ -85,7 +88,7 @@ def predict(args, layout, cluster):
     vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
     m = args.global_batch_size // (layout.micro * layout.dp)
     v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
-    stage_times, worst, dp_bytes, shard = [], None, 0.0, 0
+    stage_times, worst, dp_bytes, shard = [], None, {}, 0
     for i in range(layout.pp):
         grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
                           1 if layout.ep else None, pp_rank=i)
@@ -105,9 +108,12 @@ def predict(args, layout, cluster):
                "gpu": tightest.name, "headroom": tightest.memory_gib * GiB - total, "stage": i}
         if worst is None or mem["headroom"] < worst["headroom"]:
             worst = mem
-        stage_times.append(_stage_time(c, layout, cluster, i, slow, e, sum(layers), i == layout.pp - 1, vocab))
-        full = state.gradients if layout.zero < 2 else state.gradients * layout.dp * layout.cp  # fp32, whole stage
-        dp_bytes = max(dp_bytes, full)
+        st = _stage_time(c, layout, cluster, i, slow, e, sum(layers), i == layout.pp - 1, vocab)
+        if layout.ep:  # the MoE token dispatch, on the stage's critical path
+            st["ep"] = sum(traffic.dispatch_bytes(args, c, grid).values()) / (
+                cluster.link_gbps(_ranks(layout, cluster, i, "ep")) * 1e9)
+        stage_times.append(st)
+        dp_bytes = max(dp_bytes, traffic.data_parallel_bytes(args, c, grid, m), key=lambda d: sum(d.values()))
         shard = max(shard, state.optimizer // (12 if e == 2 else 8))
     per_micro = [sum(t.values()) for t in stage_times]
     slowest = max(per_micro)
@@ -117,7 +123,7 @@ def predict(args, layout, cluster):
         pipe = (m - 1) * slowest + sum(per_micro)
     busy = {k: m * stage_times[per_micro.index(slowest)][k] for k in stage_times[0]}
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
-    dp_time = _dp_time(layout, cluster, dp_bytes, e, slowest, m)
+    dp_time = _dp_time(layout, cluster, dp_bytes, slowest, m)
     opt = shard * 30 / (slow_gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
     step = pipe + dp_time + opt
     time = {**busy, "bubble": pipe - m * slowest, "dp": dp_time, "optimizer": opt}
@@ -146,6 +152,14 @@ def _buffers(layout, state, c, e):
     return 0
 
 
+def _explicit_scores(c):
+    """megalite's attention path (transformer/attention.py): fp16 with --apply-query-key-layer-scaling
+    computes the scores in fp16 and softmaxes them explicitly (as Megatron did before flash attention);
+    everything else runs flash attention."""
+    import torch
+    return c.apply_query_key_layer_scaling and c.params_dtype == torch.float16
+
+
 def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     """Seconds of one micro-batch's forward and backward on stage i, by kind."""
     t, cp, b = layout.tp, layout.cp, layout.micro
@@ -159,9 +173,16 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     passes = 3 + (1 if c.recompute_granularity == "full" else 0)
     attn_passes = passes + (1 if c.recompute_granularity == "selective" else 0)
     rate = gpu.peak_tflops * 1e12
-    compute = passes * gemm / (rate * gpu.gemm_efficiency) + attn_passes * attn / (rate * ATTENTION_EFFICIENCY)
     rows = s // t if c.sequence_parallel and t > 1 else s
     elementwise = 3 * layers * b * e * (10 * rows * h + 4 * s * c.ffn_hidden_size / t + 4 * s * h / t)
+    if _explicit_scores(c):  # fp16 with query-key layer scaling: the scores materialised, all of them
+        scores = b * (c.num_attention_heads // t) * s * c.seq_length * layers
+        compute = (passes * gemm + attn_passes * 2 * attn) / (rate * gpu.gemm_efficiency)
+        dropout = 2 * e + 1 if c.attention_dropout > 0 else 0  # read, write, the mask
+        per_pass = 3 * e + dropout  # the scores written, read and written by the softmax, read by probs @ v
+        elementwise += scores * (attn_passes / 3 * per_pass + 2 * (4 * e + dropout))  # backward: about twice
+    else:
+        compute = passes * gemm / (rate * gpu.gemm_efficiency) + attn_passes * attn / (rate * ATTENTION_EFFICIENCY)
     compute += elementwise / (gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
     act = s * b * h * e
     tp = _ring(act, t, cluster.link_gbps(_ranks(layout, cluster, i, "tp")), 8) * layers
@@ -175,20 +196,20 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
 
 
-def _dp_time(layout, cluster, grad_bytes, e, slowest, m):
-    """Exposed seconds of the DP collectives per step."""
-    d = layout.dp * layout.cp
-    if d <= 1:
+def _dp_time(layout, cluster, wire, slowest, m):
+    """Exposed seconds of the DP collectives per step (wire: data-parallel bytes by op, traffic.py): the
+    gradient reduction hides behind backward (the last micro-batch's, or each one's with ZeRO-2/3) but for
+    one bucket; ZeRO-1/2's parameter all-gather follows the step; ZeRO-3's gathers hide behind compute."""
+    if layout.dp * layout.cp <= 1 or not wire:
         return 0.0
-    gbps = cluster.link_gbps(_ranks(layout, cluster, 0, "dp"))
-    bucket = min(grad_bytes, 40_000_000 * 4)
-    hide = slowest * 2 / 3  # the last micro-batch's backward
+    gbps = cluster.link_gbps(_ranks(layout, cluster, 0, "dp")) * 1e9
+    reduce = (wire["all_reduce"] + wire["reduce_scatter"]) / gbps
+    gather = wire["all_gather"] / gbps
+    backward = slowest * 2 / 3
     if layout.zero == 0:
-        return max(_ring(grad_bytes, d, gbps, 2) - hide, _ring(bucket, d, gbps, 2))
-    gather = _ring(grad_bytes / 4 * e, d, gbps)
+        return max(reduce - backward, min(reduce, 40_000_000 * 8 / gbps))
     if layout.zero == 1:
-        return max(_ring(grad_bytes, d, gbps) - hide, _ring(bucket, d, gbps)) + gather
+        return max(reduce - backward, min(reduce, 40_000_000 * 4 / gbps)) + gather
     if layout.zero == 2:
-        return m * max(_ring(grad_bytes, d, gbps) - hide, _ring(bucket, d, gbps)) + gather
-    per_micro = _ring(grad_bytes, d, gbps) + 2 * gather
-    return m * max(0.0, per_micro - slowest)
+        return max(reduce - m * backward, min(reduce / m, 40_000_000 * 4 / gbps)) + gather
+    return max(0.0, reduce + gather - m * slowest)

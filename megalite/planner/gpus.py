@@ -15,6 +15,9 @@ from megalite.config import ConfigError
 
 PCIE3, PCIE4, PCIE5 = 16.0, 32.0, 64.0  # GB/s per direction, x16
 INTER_NODE = 25.0  # GB/s per GPU across nodes (a 200 Gbit/s NIC per GPU)
+# the fraction of a link's nominal bandwidth NCCL's ring collectives reach (nccl-tests' bus bandwidth: about
+# 230 of NVLink3's 300 GB/s on A100 NVSwitch systems, 20 of 25 GB/s over 200 Gbit/s InfiniBand)
+LINK_EFFICIENCY = {"intra": 0.77, "inter": 0.8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +66,11 @@ class Cluster:
         return rank // self.gpus_per_node
 
     def link_gbps(self, ranks):
-        """The slowest link a ring over these ranks crosses, GB/s per direction."""
+        """The slowest link a ring over these ranks crosses, GB/s per direction that a collective reaches."""
+        intra = min(self.intra_node_gbps[self.gpus[r].name] for r in ranks) * LINK_EFFICIENCY["intra"]
         if len({self.node_of(r) for r in ranks}) > 1:
-            return min([self.inter_node_gbps] + [self.intra_node_gbps[self.gpus[r].name] for r in ranks])
-        return min(self.intra_node_gbps[self.gpus[r].name] for r in ranks)
+            return min(intra, self.inter_node_gbps * LINK_EFFICIENCY["inter"])
+        return intra
 
     def describe(self):
         parts = []
