@@ -86,3 +86,20 @@ def test_plan_prints_json_rows():
     bad = subprocess.run([sys.executable, "tools/plan.py", "--cluster", "8xB300", *GPT], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown GPU" in bad.stderr
+
+
+def test_mixed_clusters_give_the_faster_stage_more_layers():
+    """A100 node then RTX 3090 node, PP2: the A100 stage (4.4x the peak) takes most layers, by the model's own
+    min-max cut; the cut's flags launch it; an even split predicts slower."""
+    from megalite.planner.cost import balanced_layout
+    cluster = parse_cluster("4xA100-80GB,4xRTX3090-24GB", gpus_per_node=4)
+    even = Layout(1, 2, 1, 4, None, None, 1, None, 1, False)
+    args = validated(GPT, even, 8)
+    cut = balanced_layout(args, even, cluster)
+    assert cut.stage_layers and cut.stage_layers[0] > 2 * cut.stage_layers[1] and sum(cut.stage_layers) == 8
+    cut_args = validated(GPT, cut, 8)
+    assert layout_from_args(cut_args) == cut
+    assert cost.predict(cut_args, cut, cluster).step_time_s < cost.predict(args, even, cluster).step_time_s
+    found, _ = search(GPT, cluster, top=3)
+    assert all(p.layout.pp == 1 or p.layout.stage_layers is None or p.layout.stage_layers[0] > p.layout.stage_layers[1]
+               for p in found)

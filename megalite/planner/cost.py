@@ -24,7 +24,7 @@ from megalite import parallel_state as ps
 from megalite.arguments import model_config
 from megalite.config import ConfigError
 from megalite.flops import num_floating_point_operations
-from megalite.planner import activations, memory, traffic
+from megalite.planner import activations, memory, stages, traffic
 from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
 
@@ -92,7 +92,7 @@ def predict(args, layout, cluster):
     for i in range(layout.pp):
         grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
                           1 if layout.ep else None, pp_rank=i)
-        gpus = [cluster.gpus[r] for r in range(i * layout.world // layout.pp, (i + 1) * layout.world // layout.pp)]
+        gpus = stages.stage_gpus(layout, cluster, i)
         slow = min(gpus, key=lambda g: g.peak_tflops)
         state = memory.training_state(args, c, grid)
         layers = [chunk_layers(c, i, j, grid)[0] for j in range(v)]
@@ -134,6 +134,25 @@ def predict(args, layout, cluster):
     peak = sum(g.peak_tflops for g in cluster.gpus) / cluster.size
     return Prediction(layout, layout.flags(), worst, time, step, args.global_batch_size * c.seq_length / step, tflops,
                       tflops / peak, worst["headroom"] >= 0)
+
+
+def balanced_layout(args, layout, cluster):
+    """The layout with its layers cut across the pipeline stages by their GPUs' predicted speed and memory
+    (stages.py); the layout itself where it is not a plain pipeline or the cut is the even one."""
+    from megalite.transformer.pipeline_layers import stage_layer_counts
+    if layout.pp == 1 or layout.vp:
+        return layout
+    c = model_config(args, args.vocab_size)
+    e = 2 if (args.bf16 or args.fp16) else 4
+    vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
+    m = args.global_batch_size // (layout.micro * layout.dp)
+
+    def seconds(i, gpu, layers, last):
+        return sum(_stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab).values())
+    counts = stages.balance(args, c, layout, cluster, seconds, lambda i: _in_flight(layout, i, m, 1), RESERVED)
+    if tuple(counts) == tuple(stage_layer_counts(c.num_layers, layout.pp, None, None)):
+        return layout
+    return dataclasses.replace(layout, stage_layers=tuple(counts))
 
 
 def _in_flight(layout, i, m, v):

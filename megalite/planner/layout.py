@@ -29,6 +29,7 @@ class Layout:
     recompute: str = None  # None, "selective" or "full" (uniform, one layer per checkpoint)
     micro: int = 1
     sp: bool = True  # sequence parallelism whenever TP > 1
+    stage_layers: tuple = None  # layers per pipeline stage where not an even split (--pipeline-model-parallel-layout)
 
     @property
     def world(self):
@@ -50,6 +51,9 @@ class Layout:
             f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
         elif self.recompute:
             f += ["--recompute-granularity", self.recompute]
+        if self.stage_layers:
+            from megalite.pipeline.auto_layout import layout_string
+            f += ["--pipeline-model-parallel-layout", layout_string(self.stage_layers)]
         return f + ["--micro-batch-size", str(self.micro)]
 
     def describe(self):
@@ -57,6 +61,7 @@ class Layout:
                  + (f"(v{self.vp})" if self.vp else ""), f"CP{self.cp}", f"DP{self.dp}"]
         parts += [f"EP{self.ep}"] if self.ep else []
         parts += [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", self.recompute or "no recompute", f"mbs {self.micro}"]
+        parts += [f"layers {'/'.join(map(str, self.stage_layers))}"] if self.stage_layers else []
         return " ".join(parts)
 
 
@@ -76,11 +81,14 @@ def strip_layout_flags(argv):
 def layout_from_args(args):
     """The layout a parsed pretrain_gpt.py command line asks for."""
     full = args.recompute_granularity == "full"
+    counts = tuple(args.pipeline_layout) if args.pipeline_model_parallel_layout and not \
+        args.num_layers_per_virtual_pipeline_stage else None
     return Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
                   args.data_parallel_size, args.num_layers_per_virtual_pipeline_stage,
                   args.expert_model_parallel_size if args.num_experts else None,
                   (args.zero_stage or 1) if args.use_distributed_optimizer else 0,
-                  "full" if full else args.recompute_granularity, args.micro_batch_size, args.sequence_parallel)
+                  "full" if full else args.recompute_granularity, args.micro_batch_size, args.sequence_parallel,
+                  counts)
 
 
 def validated(model_argv, layout, world_size):

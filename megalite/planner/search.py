@@ -8,7 +8,7 @@ the divisors of the experts that divide DP x CP x TP (MoE), ZeRO 0-3, recompute 
 micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank."""
 
 from megalite.config import ConfigError
-from megalite.planner.cost import predict
+from megalite.planner.cost import balanced_layout, predict
 from megalite.planner.layout import Layout, validated
 
 
@@ -45,6 +45,9 @@ def search(model_argv, cluster, top=5, limit=None):
     for lay in candidates(args0, cluster.size, cluster.gpus_per_node):
         try:
             args = validated(model_argv, lay, cluster.size)
+            cut = balanced_layout(args, lay, cluster)  # layers by the stages' GPUs (and the embedding, loss)
+            if cut is not lay:
+                lay, args = cut, validated(model_argv, cut, cluster.size)
         except ConfigError:
             continue
         n += 1
