@@ -103,3 +103,18 @@ def test_mixed_clusters_give_the_faster_stage_more_layers():
     found, _ = search(GPT, cluster, top=3)
     assert all(p.layout.pp == 1 or p.layout.stage_layers is None or p.layout.stage_layers[0] > p.layout.stage_layers[1]
                for p in found)
+
+
+def test_the_readme_mixed_cluster_plan_prints_what_the_readme_shows():
+    import re
+    import shlex
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Plan a run"):readme.index("## Benchmarks")]
+    blocks = re.findall(r"```(bash)?\n(.*?)```", section, re.S)
+    command = [b for kind, b in blocks if kind and "4xA100-80GB,4xRTX3090-24GB" in b][0]
+    shown = [b for kind, b in blocks if not kind and "4xA100-80GB,4xRTX3090-24GB" in b][0].splitlines()
+    argv = shlex.split(" ".join(ln for ln in command.replace("\\\n", " ").splitlines() if not ln.startswith("#")))
+    out = subprocess.run([sys.executable] + argv[1:], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:3] == shown[:3] and lines[-1] == shown[-1], (lines, shown)

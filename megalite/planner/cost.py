@@ -4,7 +4,7 @@ Memory: the exact training-state bytes of each pipeline stage's rank (memory.py)
 batches the schedule keeps in flight there (activations.py; 1F1B: p - i on stage i, interleaved: Megatron's
 warm-up count of chunks, each 1/v of the layers), a full-recompute chunk's transient, communication buffers
 (ZeRO-2: two buckets' full fp32 gradients; ZeRO-3: two gathered units, the prefetch) and RESERVED for the
-CUDA context and NCCL.
+CUDA context and NCCL; a layout fits where that leaves FRAGMENTATION of the GPU free (headroom >= 0).
 
 Time per micro-batch on stage i (its slowest GPU): GEMM FLOPs of its layers (forward, backward 2x, a
 recompute pass) at peak x gemm_efficiency; causal attention (half the s^2 FLOPs of the convention) at peak x
@@ -29,7 +29,8 @@ from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
 
 GiB = 1 << 30
-RESERVED = 1.5 * GiB  # CUDA context, NCCL buffers, allocator slack (not modelled in detail)
+RESERVED = 1.5 * GiB  # CUDA context, NCCL buffers (not modelled in detail)
+FRAGMENTATION = 0.05  # of a GPU's memory kept free for the caching allocator's fragmentation
 ATTENTION_EFFICIENCY = 0.5  # flash attention's fraction of peak (forward and backward together)
 ELEMENTWISE_EFFICIENCY = 0.8  # fraction of memory bandwidth an element-wise kernel reaches
 
@@ -105,7 +106,7 @@ def predict(args, layout, cluster):
         tightest = min(gpus, key=lambda g: g.memory_gib)
         mem = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
                "activations": act, "buffers": buffers, "reserved": RESERVED, "total": total,
-               "gpu": tightest.name, "headroom": tightest.memory_gib * GiB - total, "stage": i}
+               "gpu": tightest.name, "headroom": (1 - FRAGMENTATION) * tightest.memory_gib * GiB - total, "stage": i}
         if worst is None or mem["headroom"] < worst["headroom"]:
             worst = mem
         st = _stage_time(c, layout, cluster, i, slow, e, sum(layers), i == layout.pp - 1, vocab)
@@ -149,7 +150,8 @@ def balanced_layout(args, layout, cluster):
 
     def seconds(i, gpu, layers, last):
         return sum(_stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab).values())
-    counts = stages.balance(args, c, layout, cluster, seconds, lambda i: _in_flight(layout, i, m, 1), RESERVED)
+    counts = stages.balance(args, c, layout, cluster, seconds, lambda i: _in_flight(layout, i, m, 1), RESERVED,
+                            FRAGMENTATION)
     if tuple(counts) == tuple(stage_layer_counts(c.num_layers, layout.pp, None, None)):
         return layout
     return dataclasses.replace(layout, stage_layers=tuple(counts))

@@ -17,7 +17,7 @@ def stage_gpus(layout, cluster, i):
     return [cluster.gpus[r] for r in range(i * per, (i + 1) * per)]
 
 
-def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved):
+def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved, fragmentation):
     """Layers per stage (ConfigError where no cut fits). stage_seconds(i, gpu, layers, last) -> seconds of
     one micro-batch's forward and backward; in_flight(i) -> micro-batches stage i holds."""
     e = 2 if (args.bf16 or args.fp16) else 4
@@ -41,7 +41,7 @@ def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved):
         act_fixed = activations.chunk_bytes(mcfg, grid, layout.micro, e, 0, i == 0, last,
                                             _padded_vocab(mcfg, layout.tp))
         stages.append(Stage(per_layer, fixed, (everything - inside) * per_param, inside / layers * per_param,
-                            act_fixed, act_layer, in_flight(i), small.memory_gib * GiB - reserved))
+                            act_fixed, act_layer, in_flight(i), (1 - fragmentation) * small.memory_gib * GiB - reserved))
     return balanced_counts(stages, mcfg.num_layers)
 
 
