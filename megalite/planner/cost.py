@@ -8,9 +8,10 @@ CUDA context and NCCL; a layout fits where that leaves FRAGMENTATION of the GPU 
 
 Time per micro-batch on stage i (its slowest GPU): GEMM FLOPs of its layers (forward, backward 2x, a
 recompute pass) at peak x gemm_efficiency; causal attention (half the s^2 FLOPs of the convention) at peak x
-ATTENTION_EFFICIENCY; element-wise passes (norms, residuals, activation, rope) at memory bandwidth; the TP
+ATTENTION_EFFICIENCY; element-wise passes (norms, residuals, activation, rope) at memory bandwidth; at least
+the host's time to launch the operators (the device runs ahead of the host only while it has more work); the TP
 collectives ((t-1)/t of [s, b, h] per gather / scatter, four each way per layer, not overlapped, as
-megalite runs them); the CP ring's k/v blocks beyond what attention hides; the p2p sends. The pipeline
+megalite runs them, each with the cluster's start-up latency); the CP ring's k/v blocks beyond what attention hides; the p2p sends. The pipeline
 takes (m - 1) max_i t_i + sum_i t_i (1F1B) or m max_i t_i + (p - 1) max_i t_i / v (interleaved); the
 bubble is what exceeds m max_i t_i. Data parallelism: ring all-reduce / reduce-scatter of the fp32
 gradients, hidden behind the last micro-batch's backward (ZeRO-2: every micro-batch's; ZeRO-3: also the
@@ -33,6 +34,7 @@ RESERVED = 1.5 * GiB  # CUDA context, NCCL buffers (not modelled in detail)
 FRAGMENTATION = 0.05  # of a GPU's memory kept free for the caching allocator's fragmentation
 ATTENTION_EFFICIENCY = 0.5  # flash attention's fraction of peak (forward and backward together)
 ELEMENTWISE_EFFICIENCY = 0.8  # fraction of memory bandwidth an element-wise kernel reaches
+OPS_PER_LAYER = 30  # operators in a transformer layer's forward (norms, GEMMs, rope, attention, residuals)
 
 
 @dataclasses.dataclass
@@ -205,15 +207,20 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     else:
         compute = passes * gemm / (rate * gpu.gemm_efficiency) + attn_passes * attn / (rate * ATTENTION_EFFICIENCY)
     compute += elementwise / (gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
+    # the host launches each operator: a layer's forward is about OPS_PER_LAYER of them, backward twice that
+    host = (passes + (attn_passes > passes)) * OPS_PER_LAYER * layers * gpu.op_overhead_us * 1e-6
+    compute = max(compute, host) if gpu.asynchronous else compute + host  # (a CPU runs its ops itself)
     act = s * b * h * e
-    tp = _ring(act, t, cluster.link_gbps(_ranks(layout, cluster, i, "tp")), 8) * layers
+    alpha = cluster.latency_us * 1e-6  # each collective's start-up, whatever its size
+    tp = (_ring(act, t, cluster.link_gbps(_ranks(layout, cluster, i, "tp")), 8) + 8 * alpha) * layers if t > 1 else 0
     kv = s * b * 2 * (c.num_query_groups // t) * c.kv_channels * e
-    ring = 3 * (cp - 1) * kv / (cluster.link_gbps(_ranks(layout, cluster, i, "cp")) * 1e9) * layers if cp > 1 else 0
+    ring = 3 * (cp - 1) * (kv / (cluster.link_gbps(_ranks(layout, cluster, i, "cp")) * 1e9) + alpha) * layers \
+        if cp > 1 else 0
     cp_time = max(0.0, ring - attn_passes * attn / (rate * ATTENTION_EFFICIENCY))
     pp_time = 0.0
     if layout.pp > 1:
         stages = _ranks(layout, cluster, 0, "pp")
-        pp_time = 2 * rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 1]) * 1e9)
+        pp_time = 2 * (rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 1]) * 1e9) + alpha)
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
 
 

@@ -6,6 +6,7 @@ cards run fp32 accumulation at half their fp16-accumulate rate), and the link in
 direction (NVLink generation, else PCIe x16). `gemm_efficiency` is the fraction of that peak a large
 GEMM reaches in cuBLAS, from public measurements; megalite has not measured it on these GPUs yet
 (benchmarks/gpu_checks.sh will, on the GPU it is lent), so it is one number per GPU type, never per run.
+`op_overhead_us`: the host's time to launch one operator from PyTorch's eager mode (a few microseconds).
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ INTER_NODE = 25.0  # GB/s per GPU across nodes (a 200 Gbit/s NIC per GPU)
 # the fraction of a link's nominal bandwidth NCCL's ring collectives reach (nccl-tests' bus bandwidth: about
 # 230 of NVLink3's 300 GB/s on A100 NVSwitch systems, 20 of 25 GB/s over 200 Gbit/s InfiniBand)
 LINK_EFFICIENCY = {"intra": 0.77, "inter": 0.8}
+LATENCY_US = 15.0  # an NCCL collective's start-up inside a node (nccl-tests: ~10-20 us for small messages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,8 @@ class GPU:
     link: str
     gemm_efficiency: float  # achievable fraction of peak_tflops for large GEMMs (public figures)
     memory_gbps: float  # HBM / GDDR bandwidth, GB/s (element-wise kernels are bound by it)
+    op_overhead_us: float = 8.0  # host time per operator (PyTorch eager launch); a small model is bound by it
+    asynchronous: bool = True  # the device runs behind the host's launches (a CPU "device" does not)
 
 
 GPUS = {g.name: g for g in (
@@ -53,6 +57,8 @@ class Cluster:
     gpus_per_node: int
     intra_node_gbps: dict  # per type name (a --intra-node-bandwidth overrides every type)
     inter_node_gbps: float
+    reach: dict = None  # what collectives reach of the links (default LINK_EFFICIENCY: NCCL's)
+    latency_us: float = LATENCY_US  # a collective's start-up time, whatever its size
 
     @property
     def size(self):
@@ -67,9 +73,10 @@ class Cluster:
 
     def link_gbps(self, ranks):
         """The slowest link a ring over these ranks crosses, GB/s per direction that a collective reaches."""
-        intra = min(self.intra_node_gbps[self.gpus[r].name] for r in ranks) * LINK_EFFICIENCY["intra"]
+        reach = self.reach or LINK_EFFICIENCY
+        intra = min(self.intra_node_gbps[self.gpus[r].name] for r in ranks) * reach["intra"]
         if len({self.node_of(r) for r in ranks}) > 1:
-            return min(intra, self.inter_node_gbps * LINK_EFFICIENCY["inter"])
+            return min(intra, self.inter_node_gbps * reach["inter"])
         return intra
 
     def describe(self):
