@@ -9,7 +9,7 @@ For each row the planner predicts the published TP / PP / DP with full recomputa
 it prefers (1, 2, 4, 8; the paper does not list it), and prints the relative error of the predicted TFLOP/s
 per GPU. One efficiency table per GPU type (megalite/planner/gpus.py), never a constant per row.
 
-    python benchmarks/plan_published.py [--rows 6]
+    python benchmarks/plan_published.py [--rows 6] [--search]
 """
 
 import os
@@ -23,6 +23,7 @@ from megalite.config import ConfigError  # noqa: E402
 from megalite.planner.cost import predict  # noqa: E402
 from megalite.planner.gpus import parse_cluster  # noqa: E402
 from megalite.planner.layout import Layout, validated  # noqa: E402
+from megalite.planner.search import search  # noqa: E402
 
 # params (B), heads, hidden, layers, TP, PP, GPUs, batch, published TFLOP/s per GPU
 NARAYANAN_2021 = [
@@ -59,9 +60,17 @@ def best_prediction(argv, tp, pp, gpus, cluster):
     return best
 
 
+def first_choice(argv, published, cluster):
+    """The planner's first layout among those with the paper's own choices (full recompute, no distributed
+    optimizer), and its predicted time relative to the published layout's."""
+    found, _ = search(argv, cluster, top=1, recomputes=("full",), zeros=(0,))
+    return found[0], found[0].step_time_s / published.step_time_s
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=len(NARAYANAN_2021))
+    ap.add_argument("--search", action="store_true", help="also search each row's cluster (minutes per row)")
     a = ap.parse_args()
     print("Narayanan et al. 2021, Table 1 (A100-80GB, full recompute; TFLOP/s per GPU in the paper's convention)")
     print(f"{'model':>8} {'TP':>3} {'PP':>3} {'GPUs':>5} {'batch':>5} {'mbs':>4} {'published':>9} {'predicted':>9} "
@@ -77,7 +86,13 @@ def main():
         errors.append(abs(err))
         parts = ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in p.time.items() if v / p.step_time_s > 0.01)
         print(f"{size:>7}B {tp:>3} {pp:>3} {gpus:>5} {batch:>5} {p.layout.micro:>4} {published:>9} "
-              f"{p.tflops_per_gpu:>9.0f} {100 * err:>+6.1f}%  {p.memory_gib_per_gpu:>10.1f}  {parts}")
+              f"{p.tflops_per_gpu:>9.0f} {100 * err:>+6.1f}%  {p.memory_gib_per_gpu:>10.1f}  {parts}", flush=True)
+        if a.search:
+            first, ratio = first_choice(model_argv(heads, hidden, layers, batch), p, cluster)
+            same = (first.layout.tp, first.layout.pp) == (tp, pp)
+            print(f"{'':>9}planner's first: {first.layout.describe()} "
+                  f"{'(the published TP/PP)' if same else f'predicted {ratio:.3f}x the published layout'}",
+                  flush=True)
     print(f"largest |error| {100 * max(errors):.1f}%, mean {100 * sum(errors) / len(errors):.1f}% over {len(errors)} rows")
 
 

@@ -220,7 +220,8 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     pp_time = 0.0
     if layout.pp > 1:
         stages = _ranks(layout, cluster, 0, "pp")
-        pp_time = 2 * (rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 1]) * 1e9) + alpha)
+        chunks = c.num_layers // (layout.pp * layout.vp) if layout.vp else 1  # interleaved: a send per chunk
+        pp_time = 2 * chunks * (rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 1]) * 1e9) + alpha)
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
 
 

@@ -16,7 +16,7 @@ def _divisors(n, limit=None):
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 
 
-def candidates(args, world, gpus_per_node):
+def candidates(args, world, gpus_per_node, recomputes=(None, "selective", "full"), zeros=(0, 1, 2, 3)):
     L, gbs = args.num_layers, args.global_batch_size
     cps = [1] + ([2, 4, 8] if args.seq_length >= 8192 else [])
     experts = args.num_experts or 0
@@ -30,19 +30,19 @@ def candidates(args, world, gpus_per_node):
                 eps = [None] if not experts else [e for e in _divisors(experts) if (tp * cp * dp) % e == 0]
                 for vp in vps:
                     for ep in eps:
-                        for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                            for rc in (None, "selective", "full"):
+                        for zero in [z for z in zeros if z == 0 or dp * cp > 1]:
+                            for rc in recomputes:
                                 for micro in (1, 2, 4, 8):
                                     if gbs % (micro * dp) == 0:
                                         yield Layout(tp, pp, cp, dp, vp, ep, zero, rc, micro, tp > 1)
 
 
-def search(model_argv, cluster, top=5, limit=None):
+def search(model_argv, cluster, top=5, limit=None, **choices):
     """[(Prediction)] of the `top` fastest layouts that fit (or, if none fits, the `top` tightest), and the
-    count of layouts megalite would launch."""
-    args0 = validated(model_argv, Layout(dp=cluster.size), cluster.size)
+    count of layouts megalite would launch. choices: candidates' recomputes= and zeros= (default: all)."""
+    args0 = validated(model_argv, Layout(), 1)  # the model's and batch's own figures (one GPU's view)
     fits, tight, n = [], [], 0
-    for lay in candidates(args0, cluster.size, cluster.gpus_per_node):
+    for lay in candidates(args0, cluster.size, cluster.gpus_per_node, **choices):
         try:
             args = validated(model_argv, lay, cluster.size)
             cut = balanced_layout(args, lay, cluster)  # layers by the stages' GPUs (and the embedding, loss)
