@@ -118,3 +118,14 @@ def test_the_readme_mixed_cluster_plan_prints_what_the_readme_shows():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[:3] == shown[:3] and lines[-1] == shown[-1], (lines, shown)
+
+
+@pytest.mark.parametrize("extra", [(), ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "4096",
+                                        "--disable-bias-linear")], ids=["dense", "moe"])
+def test_no_layout_beats_the_gemm_ceiling(extra):
+    """Every predicted step does at least megalite's FLOP count at the GPU's GEMM ceiling: MFU <= efficiency
+    (an MoE layer's k experts counted, as flops.py counts them: k x 4096 here, twice the dense FFN)."""
+    argv = GPT + list(extra) + (["--sequence-parallel"] if extra else [])
+    found, _ = search(argv, parse_cluster("8xH100-80GB"), top=20)
+    assert found and all(0 < p.mfu <= GPUS["H100-80GB"].gemm_efficiency for p in found), \
+        [(p.layout.describe(), p.mfu) for p in found]

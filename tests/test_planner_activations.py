@@ -1,7 +1,9 @@
 """The planner's activation model (megalite/planner/activations.py) against the bytes autograd saves on
 megalite's CPU path (the "torch" backend): saved-tensor hooks count every distinct storage a forward of one
 micro-batch keeps for backward (parameters excluded), on 4 gloo ranks for TP with and without SP, CP, GQA +
-rope + SwiGLU + RMSNorm in bf16, and selective and full recomputation; within 10% (the issue's bound)."""
+rope + SwiGLU + RMSNorm in bf16, selective and full recomputation, and MoE layers (routing as it falls,
+the model assuming it even; with EP2 over TP2 + SP, a shared expert and SwiGLU); within 10% (the issue's
+bound)."""
 
 import pytest
 
@@ -11,6 +13,8 @@ MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "8
          "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--vocab-size", "250", "--train-iters", "1", "--lr", "1e-3", "--hidden-dropout", "0",
          "--attention-dropout", "0"]
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "96",
+       "--moe-aux-loss-coeff", "0.01"]
 CASES = {
     "tp1_dp4_fp32": ((1, 1), []),
     "tp2_sp_dp2": ((2, 1), ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -23,6 +27,12 @@ CASES = {
     "full_recompute_uniform_2": ((2, 1), ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                           "--recompute-granularity", "full", "--recompute-method", "uniform",
                                           "--recompute-num-layers", "2"]),
+    # MoE (routing as it falls: the model assumes even routing): 8 experts, top-2, every other layer MoE
+    "moe_ep1_freq2": ((1, 1), MOE + ["--moe-layer-freq", "2"]),
+    "moe_tp2_sp_ep2_etp1_shared_swiglu": ((2, 1), MOE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                         "--expert-model-parallel-size", "2",
+                                                         "--expert-tensor-parallel-size", "1", "--swiglu",
+                                                         "--moe-shared-expert-intermediate-size", "64"]),
 }
 
 
@@ -36,7 +46,9 @@ def _saved_bytes(cases):
     out = []
     for (tp, cp), flags in cases:
         args = parse_args(MODEL + flags, world_size=4)
-        ps.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+        ps.initialize_model_parallel(tp, 1, context_parallel_size=cp, expert_model_parallel_size=(
+            args.expert_model_parallel_size if args.num_experts else None), expert_tensor_parallel_size=(
+            args.expert_tensor_parallel_size if args.num_experts else None))
         model_parallel_manual_seed(1)
         c = model_config(args, args.vocab_size)
         model = GPTModel(c)

@@ -11,7 +11,7 @@ sequence parallelism (else S) and e the activation dtype's bytes:
                      --recompute-granularity selective keeps a copy of the
                      output instead of the two (attention runs again in backward)
   MLP                fc1's input [S, b, h], fc1's output [S, b, ffn (x2 SwiGLU) / t], the activation's
-                     output [S, b, ffn / t]
+                     output [S, b, ffn / t] (and SwiGLU's silu(gate) on the torch path)
 and nothing else (no dropout masks with dropout 0; attention dropout draws its masks again in backward on
 the flash path). Full recompute keeps only each recomputed chunk's input [S_n, b, h]. Outside the layers:
 token and position ids (int64), the final norm, the output layer's input and the loss's logits (fp32
@@ -19,7 +19,8 @@ token and position ids (int64), the final norm, the output layer's input and the
 
 backend "torch" is the path without Triton (CPU): its norms compute in fp32, so RMSNorm keeps x and x / rms
 in fp32; "triton" (CUDA, fused kernels) keeps the norm's input in its dtype and fp32 statistics.
-MoE layers, MLA and DSA are not modelled yet (predict() refuses them in one line)."""
+MoE layers: the router's, dispatch's and experts' tensors for evenly routed tokens (_moe). MLA and DSA are not
+modelled yet (refused in one line)."""
 
 from megalite.config import ConfigError
 
@@ -31,10 +32,35 @@ def _norm(c, rows, b, h, e, backend):
     return rows * b * h * e + stats * rows * b * (e if backend == "torch" else 4)
 
 
-def layer_bytes(c, grid, micro, e, backend="triton"):
-    """One transformer layer's saved bytes for one micro-batch (no recompute)."""
-    if c.num_moe_experts or c.multi_latent_attention:
-        raise ConfigError("the planner's activation model covers dense GPT layers; MoE and MLA come next")
+def _ffn_factor(c, backend):
+    """Saved [rows, ffn] tensors of an MLP's activation: GeLU keeps fc1's output and fc2 its input; SwiGLU's
+    fc1 output is [rows, 2 ffn], and on the torch path silu(gate) is kept too (the Triton kernel recomputes it)."""
+    if not c.swiglu:
+        return 2
+    return 4 if backend == "torch" else 3
+
+
+def _moe(c, grid, tokens, rows_all, e, backend):
+    """An MoE block's saved bytes (moe/: router, allgather / alltoall dispatch, experts, combine) for `tokens`
+    rows on this rank, routed evenly: each of the R = ETP x tokens x k rows its experts take (the dispatch
+    gathers over ETP x EP, and 1/EP of the routes are this rank's) keeps its dispatched input, the expert's
+    fc1 output and activation, its output and its weighted output, with the routes' indices."""
+    k, experts = c.moe_router_topk, c.num_moe_experts
+    r = grid.expert_tp()[0] * tokens * k if grid.experts else tokens * k
+    ffn = c.moe_ffn_hidden_size // (grid.expert_tp()[0] if grid.experts else grid.tp)
+    out = tokens * c.hidden_size * 4 + tokens * experts * 4 + 12 * tokens * k  # router input (fp32), scores, top-k
+    out += 28 * r + 3 * r * c.hidden_size * e + r * ffn * _ffn_factor(c, backend) * e
+    if c.moe_shared_expert_intermediate_size:  # a TP-sharded MLP on every token (gathered under SP)
+        shared = c.moe_shared_expert_intermediate_size // grid.tp
+        out += rows_all * c.hidden_size * e + rows_all * shared * _ffn_factor(c, backend) * e
+    return out
+
+
+def layer_bytes(c, grid, micro, e, backend="triton", layer_number=1):
+    """One transformer layer's saved bytes for one micro-batch (no recompute); layer_number (global, 1-based)
+    says whether it is an MoE layer."""
+    if c.multi_latent_attention:
+        raise ConfigError("the planner's activation model covers GPT layers with standard attention; MLA comes next")
     t, S, b, h = grid.tp, c.seq_length // grid.cp, micro, c.hidden_size
     rows = S // t if c.sequence_parallel and t > 1 else S
     d, hq, hkv = c.kv_channels, c.num_attention_heads // t, c.num_query_groups // t
@@ -46,13 +72,17 @@ def layer_bytes(c, grid, micro, e, backend="triton"):
     out += S * b * hq * d * e + (0 if c.recompute_granularity == "selective" else b * hq * S * 4)
     if grid.cp > 1 and (c.cp_comm_type or ["p2p"])[0] == "p2p":
         out += 2 * S * b * hkv * d * 4  # ring attention's contiguous fp32 k and v (the blocks it passes on)
-    out += S * b * h * e + S * b * ffn * (2 if c.swiglu else 1) * e + S * b * ffn * e
+    if c.is_moe_layer(layer_number):
+        return out + _moe(c, grid, rows * b, S * b, e, backend)
+    out += S * b * h * e + S * b * ffn * _ffn_factor(c, backend) * e
     return out
 
 
-def chunk_bytes(c, grid, micro, e, num_layers, pre, post, padded_vocab, backend="triton"):
-    """A model chunk's saved bytes for one micro-batch: its layers under the recompute policy, plus the
-    embedding's ids on the first chunk and the final norm, output layer and loss on the last."""
+def chunk_bytes(c, grid, micro, e, num_layers, pre, post, padded_vocab, backend="triton", first_layer=0):
+    """A model chunk's saved bytes for one micro-batch: its layers (first_layer: the global index of its
+    first) under the recompute policy, plus the embedding's ids on the first chunk and the final norm,
+    output layer and loss on the last."""
+    layers = [layer_bytes(c, grid, micro, e, backend, first_layer + j + 1) for j in range(num_layers)]
     t, S, b, h = grid.tp, c.seq_length // grid.cp, micro, c.hidden_size
     rows = S // t if c.sequence_parallel and t > 1 else S
     if c.recompute_granularity == "full":
@@ -60,9 +90,9 @@ def chunk_bytes(c, grid, micro, e, num_layers, pre, post, padded_vocab, backend=
         kept = -(-num_layers // k) if c.recompute_method == "uniform" else min(k, num_layers)
         out = kept * rows * b * h * e
         if c.recompute_method != "uniform":  # "block": the first k recomputed, the rest kept whole
-            out += (num_layers - kept) * layer_bytes(c, grid, micro, e, backend)
+            out += sum(layers[kept:])
     else:
-        out = num_layers * layer_bytes(c, grid, micro, e, backend)
+        out = sum(layers)
     if pre:
         out += S * b * 8 + (S * 8 if c.position_embedding_type == "learned_absolute" else 0)
     if c.position_embedding_type == "rope" and num_layers:
@@ -79,4 +109,4 @@ def transient_bytes(c, grid, micro, e, backend="triton"):
     if c.recompute_granularity != "full":
         return 0
     k = (c.recompute_num_layers or 1) if c.recompute_method == "uniform" else 1
-    return k * layer_bytes(c, grid, micro, e, backend)
+    return k * max(layer_bytes(c, grid, micro, e, backend, n) for n in range(1, c.num_layers + 1))

@@ -98,9 +98,11 @@ def predict(args, layout, cluster):
         gpus = stages.stage_gpus(layout, cluster, i)
         slow = min(gpus, key=lambda g: g.peak_tflops)
         state = memory.training_state(args, c, grid)
-        layers = [chunk_layers(c, i, j, grid)[0] for j in range(v)]
+        cuts = [chunk_layers(c, i, j, grid) for j in range(v)]
+        layers = [n for n, _ in cuts]
         per_chunk = [activations.chunk_bytes(c, grid, layout.micro, e, n, i == 0 and j == 0,
-                                             i == layout.pp - 1 and j == v - 1, vocab) for j, n in enumerate(layers)]
+                                             i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
+                     for j, (n, first) in enumerate(cuts)]
         in_flight = _in_flight(layout, i, m, v)
         act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
         buffers = _buffers(layout, state, c, e)
@@ -188,7 +190,9 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     t, cp, b = layout.tp, layout.cp, layout.micro
     s, h = c.seq_length // cp, c.hidden_size
     q = c.kv_channels * c.num_attention_heads / h
-    ffn = c.ffn_hidden_size * (1.5 if c.swiglu else 1.0)
+    moe = sum(c.is_moe_layer(n) for n in range(1, c.num_layers + 1)) if c.num_moe_experts else 0
+    ffn = ((c.num_layers - moe) * c.ffn_hidden_size + moe * c.moe_router_topk * (c.moe_ffn_hidden_size or 0)) \
+        / c.num_layers * (1.5 if c.swiglu else 1.0)  # a token's FFN width, MoE layers' k experts (as flops.py)
     gemm = 4 * b * s * h * h * ((1 + c.num_query_groups / c.num_attention_heads) * q + ffn / h) * layers / t
     attn = 4 * b * s * c.seq_length * h * q * layers / t * 0.5  # causal: half of the convention's s^2 term
     if last:

@@ -36,8 +36,9 @@ def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved, fra
         everything = sum(p.numel() for p in chunk.parameters())
         layers = max(1, len(chunk.decoder.layers))
         per_param = state.total / max(1, everything)
-        act_layer = activations.layer_bytes(mcfg, grid, layout.micro, e) if mcfg.recompute_granularity != "full" \
-            else (layout.micro * mcfg.seq_length // layout.cp * mcfg.hidden_size * e)
+        act_layer = sum(activations.layer_bytes(mcfg, grid, layout.micro, e, layer_number=n)
+                        for n in range(1, mcfg.num_layers + 1)) / mcfg.num_layers \
+            if mcfg.recompute_granularity != "full" else layout.micro * mcfg.seq_length // layout.cp * mcfg.hidden_size * e
         act_fixed = activations.chunk_bytes(mcfg, grid, layout.micro, e, 0, i == 0, last,
                                             _padded_vocab(mcfg, layout.tp))
         stages.append(Stage(per_layer, fixed, (everything - inside) * per_param, inside / layers * per_param,
