@@ -129,3 +129,20 @@ def test_no_layout_beats_the_gemm_ceiling(extra):
     found, _ = search(argv, parse_cluster("8xH100-80GB"), top=20)
     assert found and all(0 < p.mfu <= GPUS["H100-80GB"].gemm_efficiency for p in found), \
         [(p.layout.describe(), p.mfu) for p in found]
+
+
+def test_mixed_replicas_get_shares_by_their_speed():
+    """DP8 over an A100 node and an RTX 3090 node: the A100 replicas take more micro-batches
+    (--data-parallel-shares), which megalite launches, and the step is predicted faster than at equal shares."""
+    from megalite.planner.cost import balanced_shares
+    cluster = parse_cluster("4xA100-80GB,4xRTX3090-24GB", gpus_per_node=4)
+    equal = Layout(1, 1, 1, 8, None, None, 1, None, 1, False)
+    args = validated(GPT, equal, 8)
+    shared = balanced_shares(args, equal, cluster)
+    assert shared.shares and sum(shared.shares) == 64 and min(shared.shares[:4]) > 2 * max(shared.shares[4:])
+    shared_args = validated(GPT, shared, 8)
+    assert layout_from_args(shared_args) == shared
+    assert cost.predict(shared_args, shared, cluster).step_time_s < 0.75 * cost.predict(args, equal,
+                                                                                       cluster).step_time_s
+    alike = parse_cluster("8xA100-80GB")
+    assert balanced_shares(args, equal, alike) is equal

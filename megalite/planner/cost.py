@@ -25,7 +25,7 @@ from megalite import parallel_state as ps
 from megalite.arguments import model_config
 from megalite.config import ConfigError
 from megalite.flops import num_floating_point_operations
-from megalite.planner import activations, memory, stages, traffic
+from megalite.planner import activations, memory, shares, stages, traffic
 from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
 
@@ -91,19 +91,22 @@ def predict(args, layout, cluster):
     vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
     m = args.global_batch_size // (layout.micro * layout.dp)
     v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
+    replicas = range(layout.dp) if shares.mixed(layout, cluster) else range(1)  # (alike: one stands for all)
+    counts = list(layout.shares) if layout.shares else [m] * len(replicas)
+    if layout.shares and len(replicas) == 1:  # shares on alike replicas: the largest share decides
+        counts = [max(layout.shares)]
     stage_times, worst, dp_bytes, shard = [], None, {}, 0
     for i in range(layout.pp):
         grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
                           1 if layout.ep else None, pp_rank=i)
         gpus = stages.stage_gpus(layout, cluster, i)
-        slow = min(gpus, key=lambda g: g.peak_tflops)
         state = memory.training_state(args, c, grid)
         cuts = [chunk_layers(c, i, j, grid) for j in range(v)]
         layers = [n for n, _ in cuts]
         per_chunk = [activations.chunk_bytes(c, grid, layout.micro, e, n, i == 0 and j == 0,
                                              i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
                      for j, (n, first) in enumerate(cuts)]
-        in_flight = _in_flight(layout, i, m, v)
+        in_flight = _in_flight(layout, i, max(counts), v)
         act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
         buffers = _buffers(layout, state, c, e)
         total = state.total + act + activations.transient_bytes(c, grid, layout.micro, e) + buffers + RESERVED
@@ -113,25 +116,30 @@ def predict(args, layout, cluster):
                "gpu": tightest.name, "headroom": (1 - FRAGMENTATION) * tightest.memory_gib * GiB - total, "stage": i}
         if worst is None or mem["headroom"] < worst["headroom"]:
             worst = mem
-        st = _stage_time(c, layout, cluster, i, slow, e, sum(layers), i == layout.pp - 1, vocab)
-        if layout.ep:  # the MoE token dispatch, on the stage's critical path
-            st["ep"] = sum(traffic.dispatch_bytes(args, c, grid).values()) / (
-                cluster.link_gbps(_ranks(layout, cluster, i, "ep")) * 1e9)
-        stage_times.append(st)
+        per_replica = []
+        for d in replicas:  # a stage of a replica is as fast as its slowest GPU
+            gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)
+            st = _stage_time(c, layout, cluster, i, gpu, e, sum(layers), i == layout.pp - 1, vocab)
+            if layout.ep:  # the MoE token dispatch, on the stage's critical path
+                st["ep"] = sum(traffic.dispatch_bytes(args, c, grid).values()) / (
+                    cluster.link_gbps(_ranks(layout, cluster, i, "ep")) * 1e9)
+            per_replica.append(st)
+        stage_times.append(per_replica)
         dp_bytes = max(dp_bytes, traffic.data_parallel_bytes(args, c, grid, m), key=lambda d: sum(d.values()))
         shard = max(shard, state.optimizer // (12 if e == 2 else 8))
-    per_micro = [sum(t.values()) for t in stage_times]
-    slowest = max(per_micro)
-    if v > 1:
-        pipe = m * slowest + (layout.pp - 1) * slowest / v
-    else:
-        pipe = (m - 1) * slowest + sum(per_micro)
-    busy = {k: m * stage_times[per_micro.index(slowest)][k] for k in stage_times[0]}
+    pipes = []
+    for r, n in enumerate(counts):  # each replica's pipeline over its own micro-batches
+        per_micro = [sum(stage_times[i][r].values()) for i in range(layout.pp)]
+        top = max(per_micro)
+        pipes.append((n * top + (layout.pp - 1) * top / v if v > 1 else (n - 1) * top + sum(per_micro), top, r, n,
+                      per_micro.index(top)))
+    pipe, slowest, r, n, i = max(pipes)
+    busy = {k: n * t for k, t in stage_times[i][r].items()}
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
-    dp_time = _dp_time(layout, cluster, dp_bytes, slowest, m)
+    dp_time = _dp_time(layout, cluster, dp_bytes, slowest, n)
     opt = shard * 30 / (slow_gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
     step = pipe + dp_time + opt
-    time = {**busy, "bubble": pipe - m * slowest, "dp": dp_time, "optimizer": opt}
+    time = {**busy, "bubble": pipe - n * slowest, "dp": dp_time, "optimizer": opt}
     flops = num_floating_point_operations(c, args.global_batch_size, vocab)
     if c.recompute_granularity == "full":
         flops *= 4 / 3  # Narayanan et al.'s convention counts the recomputed forward
@@ -159,6 +167,29 @@ def balanced_layout(args, layout, cluster):
     if tuple(counts) == tuple(stage_layer_counts(c.num_layers, layout.pp, None, None)):
         return layout
     return dataclasses.replace(layout, stage_layers=tuple(counts))
+
+
+def balanced_shares(args, layout, cluster):
+    """The layout with --data-parallel-shares giving each replica micro-batches by its predicted speed, where
+    the replicas hold different GPUs (the layout itself where they do not, or the shares come out equal)."""
+    if layout.dp == 1 or not shares.mixed(layout, cluster):
+        return layout
+    c = model_config(args, args.vocab_size)
+    e = 2 if (args.bf16 or args.fp16) else 4
+    vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
+    seconds = []
+    for d in range(layout.dp):  # a replica's pace: its slowest stage per micro-batch
+        per_stage = []
+        for i in range(layout.pp):
+            grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, None, layout.ep, 1 if layout.ep else None,
+                              pp_rank=i)
+            n = sum(chunk_layers(c, i, j, grid)[0] for j in range(grid.vpp or 1))
+            gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)
+            per_stage.append(sum(_stage_time(c, layout, cluster, i, gpu, e, n, i == layout.pp - 1, vocab).values()))
+        seconds.append(max(per_stage))
+    total = args.global_batch_size // layout.micro
+    n = shares.counts(total, seconds)
+    return layout if len(set(n)) == 1 else dataclasses.replace(layout, shares=tuple(n))
 
 
 def _in_flight(layout, i, m, v):

@@ -14,7 +14,7 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-si
                 "--micro-batch-size": 1, "--sequence-parallel": 0, "--use-distributed-optimizer": 0,
                 "--recompute-activations": 0, "--num-virtual-stages-per-pipeline-rank": 1,
                 "--decoder-first-pipeline-num-layers": 1, "--decoder-last-pipeline-num-layers": 1,
-                "--pipeline-model-parallel-layout": 1}
+                "--pipeline-model-parallel-layout": 1, "--data-parallel-shares": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Layout:
     micro: int = 1
     sp: bool = True  # sequence parallelism whenever TP > 1
     stage_layers: tuple = None  # layers per pipeline stage where not an even split (--pipeline-model-parallel-layout)
+    shares: tuple = None  # micro-batches per DP rank where not equal (--data-parallel-shares: GPUs of other speeds)
 
     @property
     def world(self):
@@ -54,6 +55,8 @@ class Layout:
         if self.stage_layers:
             from megalite.pipeline.auto_layout import layout_string
             f += ["--pipeline-model-parallel-layout", layout_string(self.stage_layers)]
+        if self.shares:
+            f += ["--data-parallel-shares", ",".join(map(str, self.shares))]
         return f + ["--micro-batch-size", str(self.micro)]
 
     def describe(self):
@@ -62,6 +65,7 @@ class Layout:
         parts += [f"EP{self.ep}"] if self.ep else []
         parts += [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", self.recompute or "no recompute", f"mbs {self.micro}"]
         parts += [f"layers {'/'.join(map(str, self.stage_layers))}"] if self.stage_layers else []
+        parts += [f"shares {','.join(map(str, self.shares))}"] if self.shares else []
         return " ".join(parts)
 
 
@@ -88,7 +92,14 @@ def layout_from_args(args):
                   args.expert_model_parallel_size if args.num_experts else None,
                   (args.zero_stage or 1) if args.use_distributed_optimizer else 0,
                   "full" if full else args.recompute_granularity, args.micro_batch_size, args.sequence_parallel,
-                  counts)
+                  counts, _shares(args))
+
+
+def _shares(args):
+    s = args.data_parallel_shares
+    if not s or s == "auto":
+        return None
+    return tuple(int(x) for x in str(s).split(",")) if not isinstance(s, (list, tuple)) else tuple(s)
 
 
 def validated(model_argv, layout, world_size):

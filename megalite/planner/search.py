@@ -8,7 +8,7 @@ the divisors of the experts that divide DP x CP x TP (MoE), ZeRO 0-3, recompute 
 micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank."""
 
 from megalite.config import ConfigError
-from megalite.planner.cost import balanced_layout, predict
+from megalite.planner.cost import balanced_layout, balanced_shares, predict
 from megalite.planner.layout import Layout, validated
 
 
@@ -48,6 +48,12 @@ def search(model_argv, cluster, top=5, limit=None, **choices):
             cut = balanced_layout(args, lay, cluster)  # layers by the stages' GPUs (and the embedding, loss)
             if cut is not lay:
                 lay, args = cut, validated(model_argv, cut, cluster.size)
+            shared = balanced_shares(args, lay, cluster)  # micro-batches by the replicas' GPUs
+            if shared is not lay:
+                try:
+                    lay, args = shared, validated(model_argv, shared, cluster.size)
+                except ConfigError:  # a combination megalite does not run with shares: equal ones
+                    pass
         except ConfigError:
             continue
         n += 1
