@@ -146,3 +146,11 @@ def test_mixed_replicas_get_shares_by_their_speed():
                                                                                        cluster).step_time_s
     alike = parse_cluster("8xA100-80GB")
     assert balanced_shares(args, equal, alike) is equal
+
+
+def test_a_precision_the_gpus_lack_is_one_line():
+    lay = Layout(1, 1, 1, 8, None, None, 1, None, 1, False)
+    with pytest.raises(ConfigError) as e:
+        cost.predict(validated(GPT[:-1] + ["--bf16"], lay, 8), lay, parse_cluster("8xV100-32GB"))
+    assert "V100-32GB cannot compute in bf16" in str(e.value) and "\n" not in str(e.value)
+    assert cost.predict(validated(GPT[:-1] + ["--fp16"], lay, 8), lay, parse_cluster("8xV100-32GB")).fits

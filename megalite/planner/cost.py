@@ -86,6 +86,10 @@ def predict(args, layout, cluster):
     """Prediction for `args` (megalite's validated arguments at this layout) on `cluster`."""
     if cluster.size != layout.world:
         raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
+    no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
+    if args.bf16 and no_bf16:
+        raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
+                          "fp16 with --data-parallel-precisions)")
     c = model_config(args, args.vocab_size)
     e = 2 if (args.bf16 or args.fp16) else 4
     vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
@@ -155,6 +159,10 @@ def balanced_layout(args, layout, cluster):
     from megalite.transformer.pipeline_layers import stage_layer_counts
     if layout.pp == 1 or layout.vp:
         return layout
+    no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
+    if args.bf16 and no_bf16:
+        raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
+                          "fp16 with --data-parallel-precisions)")
     c = model_config(args, args.vocab_size)
     e = 2 if (args.bf16 or args.fp16) else 4
     vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
