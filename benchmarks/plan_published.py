@@ -5,9 +5,11 @@ A100-80GB, 8 per node with NVLink/NVSwitch, 8 x 200 Gbit/s HDR InfiniBand per no
 attention; megalite runs that path for these flags), full activation recomputation; TFLOP/s per GPU in their convention, which counts the
 recomputed forward: 96 B s l h^2 (1 + s/6h + V/16lh)).
 
-For each row the planner predicts the published TP / PP / DP with full recomputation at the micro-batch size
-it prefers (1, 2, 4, 8; the paper does not list it), and prints the relative error of the predicted TFLOP/s
-per GPU. One efficiency table per GPU type (megalite/planner/gpus.py), never a constant per row.
+For each row the planner predicts the published TP / PP / DP as run then (full recomputation, no sequence
+parallelism, no distributed optimizer) at the micro-batch size it prefers (1, 2, 4, 8; the paper does not
+list it), and prints the relative error of the predicted TFLOP/s per GPU. One efficiency table per GPU type
+(megalite/planner/gpus.py), never a constant per row. --search: the planner's first layout on each row's
+cluster beside the published one as megalite would run it (with SP).
 
     python benchmarks/plan_published.py [--rows 6] [--search]
 """
@@ -47,10 +49,12 @@ def model_argv(heads, hidden, layers, batch):
             "--train-iters", "1", "--fp16", "--apply-query-key-layer-scaling"]  # Megatron's fp16 default then
 
 
-def best_prediction(argv, tp, pp, gpus, cluster):
+def best_prediction(argv, tp, pp, gpus, cluster, sp=False):
+    """The published layout as run then (sp=False: 2021's Megatron had no sequence parallelism, and no ZeRO),
+    or as megalite would run it (sp=True, its default with TP)."""
     best = None
     for micro in (1, 2, 4, 8):
-        lay = Layout(tp, pp, 1, gpus // (tp * pp), None, None, 1, "full", micro, tp > 1)
+        lay = Layout(tp, pp, 1, gpus // (tp * pp), None, None, 0, "full", micro, sp and tp > 1)
         try:
             p = predict(validated(argv, lay, gpus), lay, cluster)
         except ConfigError:
@@ -87,8 +91,9 @@ def main():
         parts = ", ".join(f"{k} {100 * v / p.step_time_s:.0f}%" for k, v in p.time.items() if v / p.step_time_s > 0.01)
         print(f"{size:>7}B {tp:>3} {pp:>3} {gpus:>5} {batch:>5} {p.layout.micro:>4} {published:>9} "
               f"{p.tflops_per_gpu:>9.0f} {100 * err:>+6.1f}%  {p.memory_gib_per_gpu:>10.1f}  {parts}", flush=True)
-        if a.search:
-            first, ratio = first_choice(model_argv(heads, hidden, layers, batch), p, cluster)
+        if a.search:  # against the published layout as megalite runs it (with SP), the planner's other choices
+            argv = model_argv(heads, hidden, layers, batch)
+            first, ratio = first_choice(argv, best_prediction(argv, tp, pp, gpus, cluster, sp=True), cluster)
             same = (first.layout.tp, first.layout.pp) == (tp, pp)
             print(f"{'':>9}planner's first: {first.layout.describe()} "
                   f"{'(the published TP/PP)' if same else f'predicted {ratio:.3f}x the published layout'}",
