@@ -154,3 +154,22 @@ def test_a_precision_the_gpus_lack_is_one_line():
         cost.predict(validated(GPT[:-1] + ["--bf16"], lay, 8), lay, parse_cluster("8xV100-32GB"))
     assert "V100-32GB cannot compute in bf16" in str(e.value) and "\n" not in str(e.value)
     assert cost.predict(validated(GPT[:-1] + ["--fp16"], lay, 8), lay, parse_cluster("8xV100-32GB")).fits
+
+
+MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--position-embedding-type", "rope", "--rope-type", "rope"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--group-query-attention", "--num-query-groups", "4", "--swiglu"], MLA],
+                         ids=["mha", "gqa_swiglu", "mla"])
+def test_the_time_models_flops_are_megalites(extra):
+    """The step-time model's split of a layer's FLOPs (projections, scores, FFN) adds up to megalite/flops.py."""
+    from megalite.arguments import model_config
+    from megalite.flops import num_floating_point_operations
+    args = validated(GPT + extra, Layout(), 1)
+    c = model_config(args, args.vocab_size)
+    proj, score = cost._attention_terms(c)
+    h, L, s, v = c.hidden_size, c.num_layers, c.seq_length, 50304
+    ffn = c.ffn_hidden_size * (1.5 if c.swiglu else 1.0)
+    ours = 12 * s * L * h * h * (proj + score * s / h + ffn / h + v / (2 * L * h))
+    assert ours == pytest.approx(num_floating_point_operations(c, 1, v), rel=1e-12)

@@ -1,9 +1,9 @@
 """The planner's activation model (megalite/planner/activations.py) against the bytes autograd saves on
 megalite's CPU path (the "torch" backend): saved-tensor hooks count every distinct storage a forward of one
 micro-batch keeps for backward (parameters excluded), on 4 gloo ranks for TP with and without SP, CP, GQA +
-rope + SwiGLU + RMSNorm in bf16, selective and full recomputation, and MoE layers (routing as it falls,
-the model assuming it even; with EP2 over TP2 + SP, a shared expert and SwiGLU); within 10% (the issue's
-bound)."""
+rope + SwiGLU + RMSNorm in bf16, selective and full recomputation, MoE layers (routing as it falls, the
+model assuming it even; with EP2 over TP2 + SP, a shared expert and SwiGLU) and multi-latent attention;
+within 10% (the issue's bound)."""
 
 import pytest
 
@@ -15,6 +15,8 @@ MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "8
          "--attention-dropout", "0"]
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-ffn-hidden-size", "96",
        "--moe-aux-loss-coeff", "0.01"]
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "12", "--position-embedding-type", "rope", "--rope-type", "rope"]
 CASES = {
     "tp1_dp4_fp32": ((1, 1), []),
     "tp2_sp_dp2": ((2, 1), ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -33,6 +35,9 @@ CASES = {
                                                          "--expert-model-parallel-size", "2",
                                                          "--expert-tensor-parallel-size", "1", "--swiglu",
                                                          "--moe-shared-expert-intermediate-size", "64"]),
+    # multi-latent attention: query latent and latent norms (RMSNorm); and without them under TP2 + SP
+    "mla_q_lora_qk_norm_rms": ((1, 1), MLA + ["--q-lora-rank", "24", "--qk-layernorm", "--normalization", "RMSNorm"]),
+    "mla_tp2_sp": ((2, 1), MLA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
 }
 
 

@@ -19,8 +19,8 @@ token and position ids (int64), the final norm, the output layer's input and the
 
 backend "torch" is the path without Triton (CPU): its norms compute in fp32, so RMSNorm keeps x and x / rms
 in fp32; "triton" (CUDA, fused kernels) keeps the norm's input in its dtype and fp32 statistics.
-MoE layers: the router's, dispatch's and experts' tensors for evenly routed tokens (_moe). MLA and DSA are not
-modelled yet (refused in one line)."""
+MoE layers: the router's, dispatch's and experts' tensors for evenly routed tokens (_moe); multi-latent
+attention: its latents, norms and projections (_mla). DSA is not modelled yet (refused in one line)."""
 
 from megalite.config import ConfigError
 
@@ -56,22 +56,46 @@ def _moe(c, grid, tokens, rows_all, e, backend):
     return out
 
 
+def _mla(c, grid, rows, S, b, e, backend):
+    """Multi-latent attention's saved bytes (transformer/mla.py): the layer input its duplicated down-projections
+    read (this rank's rows), the latents and their norms, the up-projections' inputs (gathered under SP), the
+    k/v up-projection's output, the assembled q and k, and attention's output, LSE and the projection's input."""
+    h, n = c.hidden_size, c.num_attention_heads // grid.tp
+    dq, dv, sp = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim, c.sequence_parallel and grid.tp > 1
+    out = rows * b * h * e + (S * b * h * e if c.q_lora_rank is None and sp else 0)
+    for latent, extra in ((c.q_lora_rank, 0), (c.kv_lora_rank, c.qk_pos_emb_head_dim)):
+        if latent is None:
+            continue
+        out += rows * b * (latent + extra) * e  # the down-projection's output
+        if c.qk_layernorm:
+            out += _norm(c, rows, b, latent, e, backend) - rows * b * latent * e  # (its input: the output above)
+        if sp or c.qk_layernorm:  # the up-projection's input: gathered, or the norm's output
+            out += S * b * latent * e
+    out += S * b * n * (c.qk_head_dim + dv) * e + 2 * S * b * n * dq * e  # kv up-projection; q and k
+    out += 2 * S * b * n * dv * e + (0 if c.recompute_granularity == "selective" else b * n * S * 4)
+    return out
+
+
 def layer_bytes(c, grid, micro, e, backend="triton", layer_number=1):
     """One transformer layer's saved bytes for one micro-batch (no recompute); layer_number (global, 1-based)
     says whether it is an MoE layer."""
-    if c.multi_latent_attention:
-        raise ConfigError("the planner's activation model covers GPT layers with standard attention; MLA comes next")
+    if c.experimental_attention_variant:
+        raise ConfigError(f"the planner's activation model has no --experimental-attention-variant "
+                          f"{c.experimental_attention_variant} (DSA) yet")
     t, S, b, h = grid.tp, c.seq_length // grid.cp, micro, c.hidden_size
     rows = S // t if c.sequence_parallel and t > 1 else S
     d, hq, hkv = c.kv_channels, c.num_attention_heads // t, c.num_query_groups // t
     ffn = c.ffn_hidden_size // t
     out = 2 * _norm(c, rows, b, h, e, backend)
-    out += S * b * h * e + S * b * (hq + 2 * hkv) * d * e  # qkv's input and output
-    if c.position_embedding_type == "rope":
-        out += S * b * (hq + hkv) * d * e
-    out += S * b * hq * d * e + (0 if c.recompute_granularity == "selective" else b * hq * S * 4)
-    if grid.cp > 1 and (c.cp_comm_type or ["p2p"])[0] == "p2p":
-        out += 2 * S * b * hkv * d * 4  # ring attention's contiguous fp32 k and v (the blocks it passes on)
+    if c.multi_latent_attention:
+        out += _mla(c, grid, rows, S, b, e, backend)
+    else:
+        out += S * b * h * e + S * b * (hq + 2 * hkv) * d * e  # qkv's input and output
+        if c.position_embedding_type == "rope":
+            out += S * b * (hq + hkv) * d * e
+        out += S * b * hq * d * e + (0 if c.recompute_granularity == "selective" else b * hq * S * 4)
+        if grid.cp > 1 and (c.cp_comm_type or ["p2p"])[0] == "p2p":
+            out += 2 * S * b * hkv * d * 4  # ring attention's contiguous fp32 k and v (the blocks it passes on)
     if c.is_moe_layer(layer_number):
         return out + _moe(c, grid, rows * b, S * b, e, backend)
     out += S * b * h * e + S * b * ffn * _ffn_factor(c, backend) * e

@@ -216,6 +216,20 @@ def _buffers(layout, state, c, e):
     return 0
 
 
+def _attention_terms(c):
+    """(projections, scores) of a layer's attention in flops.py's units (x 12 B s L h^2 per step; the scores'
+    term per token of the sequence): QKV and the output projection, then q.k and p.v."""
+    h = c.hidden_size
+    if c.multi_latent_attention:
+        n, dq = c.num_attention_heads, c.qk_head_dim + c.qk_pos_emb_head_dim
+        q_term = h * n * dq if c.q_lora_rank is None else c.q_lora_rank * (h + n * dq + 1)
+        weights = q_term + c.kv_lora_rank * (h + n * (c.qk_head_dim + c.v_head_dim) + 1) \
+            + h * c.qk_pos_emb_head_dim + n * c.v_head_dim * h
+        return weights / (2 * h * h), n * (dq + c.v_head_dim) / (2 * h * h) * h
+    q = c.kv_channels * c.num_attention_heads / h
+    return (1 + c.num_query_groups / c.num_attention_heads) * q, q
+
+
 def _explicit_scores(c):
     """megalite's attention path (transformer/attention.py): fp16 with --apply-query-key-layer-scaling
     computes the scores in fp16 and softmaxes them explicitly (as Megatron did before flash attention);
@@ -228,12 +242,12 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     """Seconds of one micro-batch's forward and backward on stage i, by kind."""
     t, cp, b = layout.tp, layout.cp, layout.micro
     s, h = c.seq_length // cp, c.hidden_size
-    q = c.kv_channels * c.num_attention_heads / h
     moe = sum(c.is_moe_layer(n) for n in range(1, c.num_layers + 1)) if c.num_moe_experts else 0
     ffn = ((c.num_layers - moe) * c.ffn_hidden_size + moe * c.moe_router_topk * (c.moe_ffn_hidden_size or 0)) \
         / c.num_layers * (1.5 if c.swiglu else 1.0)  # a token's FFN width, MoE layers' k experts (as flops.py)
-    gemm = 4 * b * s * h * h * ((1 + c.num_query_groups / c.num_attention_heads) * q + ffn / h) * layers / t
-    attn = 4 * b * s * c.seq_length * h * q * layers / t * 0.5  # causal: half of the convention's s^2 term
+    proj, score = _attention_terms(c)
+    gemm = 4 * b * s * h * h * (proj + ffn / h) * layers / t
+    attn = 4 * b * s * c.seq_length * h * score * layers / t * 0.5  # causal: half of the convention's s^2 term
     if last:
         gemm += 2 * b * s * h * vocab / t
     passes = 3 + (1 if c.recompute_granularity == "full" else 0)
