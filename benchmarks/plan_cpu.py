@@ -95,7 +95,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()
     gemm, bandwidth, overhead, link, latency = [statistics.median(v) for v in zip(*spawn(WORLD, _calibrate))]
-    rank = GPU("CPU-rank", 8, gemm, False, link, "gloo", 1.0, bandwidth, overhead, asynchronous=False)
+    rank = GPU("CPU-rank", 8, gemm, False, link, "gloo", 1.0, bandwidth, gemm, overhead, asynchronous=False)
     cluster = Cluster((rank,) * WORLD, WORLD, {"CPU-rank": link}, link, {"intra": 1.0, "inter": 1.0}, latency)
     print(f"a CPU rank (4 at once): {gemm * 1e3:.1f} GFLOP/s fp32 matmul, {bandwidth:.1f} GB/s add, "
           f"{overhead:.1f} us per small op; gloo all-reduce {link:.2f} GB/s, {latency:.0f} us for one element")

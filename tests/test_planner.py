@@ -173,3 +173,47 @@ def test_the_time_models_flops_are_megalites(extra):
     ffn = c.ffn_hidden_size * (1.5 if c.swiglu else 1.0)
     ours = 12 * s * L * h * h * (proj + score * s / h + ffn / h + v / (2 * L * h))
     assert ours == pytest.approx(num_floating_point_operations(c, 1, v), rel=1e-12)
+
+
+def test_review_findings_stay_fixed():
+    """Shares are proportions; --flag=value is a layout flag too; MoE layouts carry the experts' TP; fp32 is
+    priced at the fp32 peak; what the CLI cannot plan is one line and exit 2."""
+    c8, lay = parse_cluster("8xA100-80GB"), Layout(1, 1, 1, 8, None, None, 1, None, 1, False)
+    args = validated(GPT, lay, 8)
+    same = Layout(1, 1, 1, 8, None, None, 1, None, 1, False, shares=(1,) * 8)
+    assert cost.predict(validated(GPT, same, 8), same, c8).step_time_s == pytest.approx(
+        cost.predict(args, lay, c8).step_time_s)
+    from megalite.planner.layout import strip_layout_flags
+    assert strip_layout_flags(["--recompute-granularity=full", "--lr", "1", "--micro-batch-size", "2"]) == ["--lr", "1"]
+    moe = GPT + ["--num-experts", "8", "--disable-bias-linear", "--sequence-parallel"]
+    states = []
+    for etp in (1, 2):
+        m = Layout(2, 1, 1, 4, None, 4, 1, None, 1, True, etp=etp)
+        margs = validated(moe, m, 8)
+        assert layout_from_args(margs) == m and f"--expert-tensor-parallel-size {etp}" in " ".join(m.flags())
+        states.append(cost.predict(margs, m, c8).memory["weights"])
+    assert states[0] > states[1]  # ETP 1 keeps whole experts on each rank
+    fp32 = cost.predict(validated(GPT[:-1], lay, 8), lay, c8)
+    assert fp32.tflops_per_gpu < GPUS["A100-80GB"].fp32_tflops
+    for argv, message in ((["--cluster", "7xA100-80GB", *GPT], "no layout of this model can launch"),
+                          (["--cluster", "8xA100", *GPT], "ambiguous GPU 'A100'"),
+                          (["--cluster", "8xA100-80GB", "--top", "0", *GPT], "--top 0 must be >= 1"),
+                          (["--cluster", "8xA100-80GB", "--intra-node-bandwidth", "nan", *GPT], "must be > 0"),
+                          (["--cluster", "8xA100-80GB", *[a for a in GPT if a not in ("--vocab-size", "50257")],
+                            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v", "--merge-file", "m"],
+                           "give --vocab-size")):
+        out = subprocess.run([sys.executable, "tools/plan.py", *argv], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (argv, out.stderr)
+
+
+def test_predict_keeps_the_users_layout_or_says_why_not():
+    from megalite.arguments import check_args
+    args = check_args(GPT + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 8)
+    assert layout_from_args(args).vp == 2  # 8 layers, PP2, 2 chunks each: 2 layers per virtual stage
+    args = check_args(GPT + ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"], 8)
+    assert layout_from_args(args).stage_layers == (3, 5)
+    args = check_args(GPT + ["--recompute-granularity", "full", "--recompute-method", "block",
+                             "--recompute-num-layers", "2"], 8)
+    with pytest.raises(ConfigError, match="models full recompute as --recompute-method uniform"):
+        layout_from_args(args)

@@ -7,7 +7,7 @@
         --untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 128256 \\
         --global-batch-size 512 --bf16 --lr 1e-4 --train-iters 1
     # one layout: give its parallel flags (--tensor-model-parallel-size ...) and --predict
-    # mixed GPUs: --cluster 4xA100-80GB,4xRTX3090-24GB (a node holds one type)
+    # mixed GPUs: --cluster 4xA100-80GB,4xRTX3090-24GB --gpus-per-node 4 (a node holds one type)
 
 Every other flag is pretrain_gpt.py's; a layout megalite would refuse is never printed. --json prints one
 JSON object per layout. The model behind the figures: megalite/planner/ (docs/planner.md)."""
@@ -52,6 +52,9 @@ def report(p):
 
 def main(argv=None):
     ours, model_argv = build_parser().parse_known_args(argv)
+    if ours.top < 1:
+        print(f"plan: --top {ours.top} must be >= 1", file=sys.stderr)
+        return 2
     try:
         cluster = parse_cluster(ours.cluster, ours.gpus_per_node, ours.intra_node_bandwidth, ours.inter_node_bandwidth)
         if ours.predict:
@@ -64,14 +67,23 @@ def main(argv=None):
     except ConfigError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
+    if not found:
+        print(f"plan: no layout of this model can launch on {cluster.describe()} (the parallel sizes must divide "
+              f"{cluster.size} GPUs and megalite's rules hold)", file=sys.stderr)
+        return 2
     if ours.json:
         for p in found:
             print(json.dumps(p.row()))
-        return 0
-    if not ours.predict:
-        print(f"{tried} layouts megalite can launch on {cluster.describe()}; the best {len(found)} predicted:")
-    for p in found:
-        print(report(p))
+    else:
+        if not ours.predict:
+            print(f"{tried} layouts megalite can launch on {cluster.describe()}; the best {len(found)} predicted"
+                  + (":" if found[0].fits else " (none fits: the ones closest to fitting):"))
+        for p in found:
+            print(report(p))
+    if not found[0].fits:
+        print(f"plan: {'no layout' if not ours.predict else 'this layout'} fits the GPUs' memory "
+              f"(short by {-found[0].memory['headroom'] / GiB:.1f} GiB on {found[0].memory['gpu']})", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -56,7 +56,7 @@ class Prediction:
     def row(self):
         return {"layout": self.layout.describe(), "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "memory_gib_per_gpu": self.memory_gib_per_gpu,
-                "fits": self.fits, "memory": {k: (v / GiB if isinstance(v, (int, float)) else v)
+                "fits": self.fits, "memory": {k: (v / GiB if k not in ("gpu", "stage") else v)
                                               for k, v in self.memory.items()},
                 "time": self.time, "flags": self.flags}
 
@@ -86,6 +86,8 @@ def predict(args, layout, cluster):
     """Prediction for `args` (megalite's validated arguments at this layout) on `cluster`."""
     if cluster.size != layout.world:
         raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
+    if args.vocab_size is None:
+        raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
     if args.bf16 and no_bf16:
         raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
@@ -96,13 +98,14 @@ def predict(args, layout, cluster):
     m = args.global_batch_size // (layout.micro * layout.dp)
     v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
     replicas = range(layout.dp) if shares.mixed(layout, cluster) else range(1)  # (alike: one stands for all)
-    counts = list(layout.shares) if layout.shares else [m] * len(replicas)
-    if layout.shares and len(replicas) == 1:  # shares on alike replicas: the largest share decides
-        counts = [max(layout.shares)]
+    counts = [m] * len(replicas)
+    if layout.shares:  # proportions: DP rank r takes G x S_r / sum(S) samples (iteration_plan.py)
+        counts = [args.global_batch_size * x // (sum(layout.shares) * layout.micro) for x in layout.shares]
+        counts = counts if len(replicas) > 1 else [max(counts)]  # alike replicas: the largest share decides
     stage_times, worst, dp_bytes, shard = [], None, {}, 0
     for i in range(layout.pp):
         grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
-                          1 if layout.ep else None, pp_rank=i)
+                          layout.expert_tp if layout.ep else None, pp_rank=i)
         gpus = stages.stage_gpus(layout, cluster, i)
         state = memory.training_state(args, c, grid)
         cuts = [chunk_layers(c, i, j, grid) for j in range(v)]
@@ -148,7 +151,7 @@ def predict(args, layout, cluster):
     if c.recompute_granularity == "full":
         flops *= 4 / 3  # Narayanan et al.'s convention counts the recomputed forward
     tflops = flops / step / cluster.size / 1e12
-    peak = sum(g.peak_tflops for g in cluster.gpus) / cluster.size
+    peak = sum(g.peak_tflops if e < 4 else g.fp32_tflops for g in cluster.gpus) / cluster.size
     return Prediction(layout, layout.flags(), worst, time, step, args.global_batch_size * c.seq_length / step, tflops,
                       tflops / peak, worst["headroom"] >= 0)
 
@@ -159,6 +162,8 @@ def balanced_layout(args, layout, cluster):
     from megalite.transformer.pipeline_layers import stage_layer_counts
     if layout.pp == 1 or layout.vp:
         return layout
+    if args.vocab_size is None:
+        raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
     if args.bf16 and no_bf16:
         raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
@@ -189,8 +194,8 @@ def balanced_shares(args, layout, cluster):
     for d in range(layout.dp):  # a replica's pace: its slowest stage per micro-batch
         per_stage = []
         for i in range(layout.pp):
-            grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, None, layout.ep, 1 if layout.ep else None,
-                              pp_rank=i)
+            grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, None, layout.ep,
+                              layout.expert_tp if layout.ep else None, pp_rank=i)
             n = sum(chunk_layers(c, i, j, grid)[0] for j in range(grid.vpp or 1))
             gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)
             per_stage.append(sum(_stage_time(c, layout, cluster, i, gpu, e, n, i == layout.pp - 1, vocab).values()))
@@ -252,7 +257,7 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
         gemm += 2 * b * s * h * vocab / t
     passes = 3 + (1 if c.recompute_granularity == "full" else 0)
     attn_passes = passes + (1 if c.recompute_granularity == "selective" else 0)
-    rate = gpu.peak_tflops * 1e12
+    rate = (gpu.peak_tflops if e < 4 else gpu.fp32_tflops) * 1e12  # fp32: no tensor cores (TF32 is off)
     rows = s // t if c.sequence_parallel and t > 1 else s
     elementwise = 3 * layers * b * e * (10 * rows * h + 4 * s * c.ffn_hidden_size / t + 4 * s * h / t)
     if _explicit_scores(c):  # fp16 with query-key layer scaling: the scores materialised, all of them
@@ -278,7 +283,7 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     if layout.pp > 1:
         stages = _ranks(layout, cluster, 0, "pp")
         chunks = c.num_layers // (layout.pp * layout.vp) if layout.vp else 1  # interleaved: a send per chunk
-        pp_time = 2 * chunks * (rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 1]) * 1e9) + alpha)
+        pp_time = 2 * chunks * (rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 2]) * 1e9) + alpha)
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
 
 
@@ -298,4 +303,4 @@ def _dp_time(layout, cluster, wire, slowest, m):
         return max(reduce - backward, min(reduce, 40_000_000 * 4 / gbps)) + gather
     if layout.zero == 2:
         return max(reduce - m * backward, min(reduce / m, 40_000_000 * 4 / gbps)) + gather
-    return max(0.0, reduce + gather - m * slowest)
+    return max(reduce + gather - m * slowest, min(reduce / m, 40_000_000 * 4 / gbps))  # (the last unit's reduction)

@@ -31,6 +31,11 @@ class Layout:
     sp: bool = True  # sequence parallelism whenever TP > 1
     stage_layers: tuple = None  # layers per pipeline stage where not an even split (--pipeline-model-parallel-layout)
     shares: tuple = None  # micro-batches per DP rank where not equal (--data-parallel-shares: GPUs of other speeds)
+    etp: int = None  # MoE: the experts' TP size (megalite's default: the TP size)
+
+    @property
+    def expert_tp(self):
+        return self.tp if self.etp is None else self.etp
 
     @property
     def world(self):
@@ -45,7 +50,7 @@ class Layout:
         if self.cp > 1:
             f += ["--context-parallel-size", str(self.cp)]
         if self.ep:
-            f += ["--expert-model-parallel-size", str(self.ep)]
+            f += ["--expert-model-parallel-size", str(self.ep), "--expert-tensor-parallel-size", str(self.expert_tp)]
         if self.zero:
             f += ["--use-distributed-optimizer", "--zero-stage", str(self.zero)]
         if self.recompute == "full":
@@ -62,7 +67,7 @@ class Layout:
     def describe(self):
         parts = [f"TP{self.tp}" + ("+SP" if self.tp > 1 and self.sp else ""), f"PP{self.pp}"
                  + (f"(v{self.vp})" if self.vp else ""), f"CP{self.cp}", f"DP{self.dp}"]
-        parts += [f"EP{self.ep}"] if self.ep else []
+        parts += [f"EP{self.ep}" + (f"(ETP{self.expert_tp})" if self.expert_tp != 1 else "")] if self.ep else []
         parts += [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", self.recompute or "no recompute", f"mbs {self.micro}"]
         parts += [f"layers {'/'.join(map(str, self.stage_layers))}"] if self.stage_layers else []
         parts += [f"shares {','.join(map(str, self.shares))}"] if self.shares else []
@@ -73,26 +78,42 @@ def strip_layout_flags(argv):
     """The user's flags without those a layout sets (their values too)."""
     out, i = [], 0
     while i < len(argv):
-        n = LAYOUT_FLAGS.get(argv[i])
+        flag, joined = argv[i].split("=", 1)[0], "=" in argv[i]  # --flag value, or --flag=value
+        n = LAYOUT_FLAGS.get(flag)
         if n is None:
             out.append(argv[i])
             i += 1
         else:
-            i += 1 + n
+            i += 1 + (0 if joined else n)
     return out
 
 
 def layout_from_args(args):
-    """The layout a parsed pretrain_gpt.py command line asks for."""
+    """The layout a parsed pretrain_gpt.py command line asks for (one ConfigError line for what a Layout cannot
+    describe: interleaving with unequal chunks, full recompute other than one layer per checkpoint)."""
+    from megalite.transformer.pipeline_layers import stage_layer_counts
     full = args.recompute_granularity == "full"
-    counts = tuple(args.pipeline_layout) if args.pipeline_model_parallel_layout and not \
-        args.num_layers_per_virtual_pipeline_stage else None
-    return Layout(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
-                  args.data_parallel_size, args.num_layers_per_virtual_pipeline_stage,
-                  args.expert_model_parallel_size if args.num_experts else None,
+    if full and (args.recompute_method != "uniform" or (args.recompute_num_layers or 1) != 1):
+        raise ConfigError("the planner models full recompute as --recompute-method uniform --recompute-num-layers 1; "
+                          f"not --recompute-method {args.recompute_method} --recompute-num-layers "
+                          f"{args.recompute_num_layers}")
+    pp, L, v = args.pipeline_model_parallel_size, args.num_layers, args.virtual_pipeline_model_parallel_size
+    counts, vp = None, None
+    if v:
+        cut = args.pipeline_layout or [L // (pp * v)] * (pp * v)
+        if len(set(cut)) > 1 or L % (pp * v):
+            raise ConfigError(f"the planner models interleaving with equal chunks; this layout cuts {list(cut)}")
+        vp = L // (pp * v)
+    else:
+        cut = tuple(args.pipeline_layout or stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers,
+                                                                args.decoder_last_pipeline_num_layers))
+        counts = cut if cut != tuple(stage_layer_counts(L, pp, None, None)) else None
+    ep = args.expert_model_parallel_size if args.num_experts else None
+    etp = (args.expert_tensor_parallel_size or args.tensor_model_parallel_size) if ep else None
+    return Layout(args.tensor_model_parallel_size, pp, args.context_parallel_size, args.data_parallel_size, vp, ep,
                   (args.zero_stage or 1) if args.use_distributed_optimizer else 0,
                   "full" if full else args.recompute_granularity, args.micro_batch_size, args.sequence_parallel,
-                  counts, _shares(args))
+                  counts, _shares(args), etp)
 
 
 def _shares(args):

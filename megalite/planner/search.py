@@ -4,8 +4,8 @@ predicted step time among those that fit.
 Candidates: TP over the divisors of the GPUs per node (a TP group stays in a node), CP 1 (or powers of two
 up to 8 for sequences of 8k tokens and more), PP over the divisors of the layer count, plain or interleaved
 with 1 or 2 layers per virtual stage (only where that gives at least 2 chunks per stage), DP the rest, EP over
-the divisors of the experts that divide DP x CP x TP (MoE), ZeRO 0-3, recompute none / selective / full and
-micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank."""
+the divisors of the experts that divide DP x CP x TP (MoE) with the experts' TP 1 or TP, ZeRO 0-3, recompute
+none / selective / full and micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank."""
 
 from megalite.config import ConfigError
 from megalite.planner.cost import balanced_layout, balanced_shares, predict
@@ -34,7 +34,8 @@ def candidates(args, world, gpus_per_node, recomputes=(None, "selective", "full"
                             for rc in recomputes:
                                 for micro in (1, 2, 4, 8):
                                     if gbs % (micro * dp) == 0:
-                                        yield Layout(tp, pp, cp, dp, vp, ep, zero, rc, micro, tp > 1)
+                                        for etp in sorted({1, tp}) if ep else [None]:  # experts' TP: 1 or TP
+                                            yield Layout(tp, pp, cp, dp, vp, ep, zero, rc, micro, tp > 1, etp=etp)
 
 
 def search(model_argv, cluster, top=5, limit=None, **choices):
@@ -45,7 +46,10 @@ def search(model_argv, cluster, top=5, limit=None, **choices):
     for lay in candidates(args0, cluster.size, cluster.gpus_per_node, **choices):
         try:
             args = validated(model_argv, lay, cluster.size)
-            cut = balanced_layout(args, lay, cluster)  # layers by the stages' GPUs (and the embedding, loss)
+            try:
+                cut = balanced_layout(args, lay, cluster)  # layers by the stages' GPUs (and the embedding, loss)
+            except ConfigError:  # no cut fits every stage: the even split, priced as it is (it will not fit)
+                cut = lay
             if cut is not lay:
                 lay, args = cut, validated(model_argv, cut, cluster.size)
             shared = balanced_shares(args, lay, cluster)  # micro-batches by the replicas' GPUs

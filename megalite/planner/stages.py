@@ -28,8 +28,8 @@ def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved, fra
         last = i == layout.pp - 1
         fixed = stage_seconds(i, slow, 0, last)
         per_layer = stage_seconds(i, slow, 1, last) - fixed
-        grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, None, layout.ep, 1 if layout.ep else None,
-                          pp_rank=i)
+        grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, None, layout.ep,
+                          layout.expert_tp if layout.ep else None, pp_rank=i)
         state = memory.training_state(args, mcfg, grid)
         chunk = memory.build_chunks(mcfg, grid)[0]
         inside = sum(p.numel() for n, p in chunk.named_parameters() if ".layers." in n)
