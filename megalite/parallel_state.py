@@ -79,6 +79,10 @@ class Grid:
         """(size, rank) an MoE expert's weights are sharded over: expert-TP, or TP without an expert grid."""
         return (self.etp, self.etp_rank) if self.experts else (self.tp, self.tp_rank)
 
+    def __deepcopy__(self, memo):
+        """Modules hold their grid: a copied model shares it (a handle on process groups, not model state)."""
+        return self
+
 
 def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1, pp=1, pp_before_dp=False):
     """Global rank of a grid coordinate (Megatron's order: TP, CP, DP, PP; or TP, CP, PP, DP)."""

@@ -94,3 +94,15 @@ def test_model_code_does_not_read_the_global_grid():
     reads = [f"{f.relative_to(root)}:{i}: {line.strip()}" for d in MODEL_CODE for f in sorted((root / d).rglob("*.py"))
              for i, line in enumerate(f.read_text().splitlines(), 1) if GLOBAL_READ.search(line)]
     assert not reads, "model code reads the global grid:\n" + "\n".join(reads)
+
+
+def test_a_copied_model_shares_its_grid(no_global_grid):
+    """deepcopy (an EMA copy, a reference model) shares the grid, whose process groups cannot be copied (a
+    stand-in plays one here)."""
+    import copy
+    grid = ps.Grid.of(tp=1)
+    grid.tp_group = torch.distributed.ProcessGroup.__new__(torch.distributed.ProcessGroup)
+    with ps.meta_init():
+        model = GPTModel(config(), grid=grid)
+    twin = copy.deepcopy(model)
+    assert twin.grid is grid and twin.decoder.layers["0"].self_attention.linear_qkv.grid is grid
