@@ -85,6 +85,8 @@ class ModelConfig:
     moe_router_score_function: str = "softmax"  # or sigmoid
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None  # group-limited routing (DeepSeek-V3): experts in groups,
+    moe_router_group_topk: Optional[int] = None  # each token's top-k chosen within its best group-topk groups
     moe_router_dtype: Optional[str] = None  # fp32 (default) or fp64 routing
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless
     moe_token_drop_policy: str = "probs"  # or position

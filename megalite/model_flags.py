@@ -46,6 +46,10 @@ def add_model_flags(a):
     a("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
     a("--moe-router-pre-softmax", action="store_true", help="softmax over all experts before the top-k")
     a("--moe-router-topk-scaling-factor", type=float, default=None)
+    a("--moe-router-num-groups", type=int, default=None, help="experts in this many groups (DeepSeek-V3's "
+      "group-limited routing, with --moe-router-group-topk)")
+    a("--moe-router-group-topk", type=int, default=None, help="each token's experts come from its best this many "
+      "groups (a group's score: the sum of its top topk / group-topk expert scores)")
     a("--moe-router-enable-expert-bias", action="store_true",
       help="aux-loss-free balancing: a per-expert bias (sigmoid scores) moved towards equal loads each step")
     a("--moe-router-bias-update-rate", type=float, default=1e-3)

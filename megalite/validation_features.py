@@ -16,6 +16,24 @@ def validate_features(args):
     _validate_moe(args)
 
 
+def _group_routing_problems(args, experts, k):
+    """--moe-router-num-groups G / --moe-router-group-topk K (both or neither, as Megatron's asserts)."""
+    g, gk = args.moe_router_num_groups, args.moe_router_group_topk
+    if g is None and gk is None:
+        return []
+    return [(g is None or gk is None, "--moe-router-num-groups and --moe-router-group-topk go together"),
+            (g is not None and (g < 1 or experts % g), f"--moe-router-num-groups {g} must divide --num-experts "
+                                                       f"{experts}"),
+            (g is not None and gk is not None and not 1 <= gk <= g,
+             f"--moe-router-group-topk {gk} must be between 1 and --moe-router-num-groups {g}"),
+            (gk is not None and g and k < gk, f"--moe-router-topk {k} must be >= --moe-router-group-topk {gk} (a "
+                                              "group's score sums its top topk / group-topk experts)"),
+            (gk is not None and g and not experts % g and k > gk * (experts // g),
+             f"--moe-router-topk {k} exceeds the {gk} x {experts // (g or 1)} experts of the chosen groups"),
+            (args.moe_router_load_balancing_type == "sinkhorn", "group-limited routing with sinkhorn balancing is "
+                                                                "not Megatron's; pick one")]
+
+
 def _validate_moe(args):
     """Megatron's MoE checks, and what megalite's MoE does not do yet, each in one line."""
     e = args.num_experts
@@ -73,7 +91,8 @@ def _validate_moe(args):
             (args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None,
              "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (as Megatron)"),
             (args.moe_shared_expert_gate and not args.moe_shared_expert_intermediate_size,
-             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")):
+             "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
+            *_group_routing_problems(args, e, k)):
         if cond:
             raise ConfigError(msg)
     notices = []

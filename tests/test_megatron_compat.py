@@ -136,10 +136,10 @@ def test_no_position_embedding_only_with_rope(capsys):
 
 
 def test_unknown_and_not_implemented_are_told_apart(capsys):
-    line = _error(SMALL + ["--num-layerz", "3", "--moe-router-num-groups", "2", "--fp8-format", "hybrid",
+    line = _error(SMALL + ["--num-layerz", "3", "--moe-input-jitter-eps", "0.01", "--fp8-format", "hybrid",
                            "--cuda-graph-scope", "p", "--batch-size", "4"], capsys)
     assert "--num-layerz: unrecognized (did you mean --num-layers?)" in line
-    assert "--moe-router-num-groups: this Mixture of Experts option is not implemented in megalite" in line
+    assert "--moe-input-jitter-eps: this Mixture of Experts option is not implemented in megalite" in line
     assert "--fp8-format: FP8/FP4 training (Transformer Engine) is not implemented" in line
     assert "--cuda-graph-scope: CUDA graphs are not implemented" in line
     assert "--batch-size: renamed in Megatron-LM: use --micro-batch-size" in line

@@ -193,7 +193,7 @@ def test_moe_flags_refused_in_one_line(capsys):
                                                                                      "sigmoid"),
                      (["--disable-bias-linear", "--moe-router-load-balancing-type", "sinkhorn",
                        "--moe-aux-loss-coeff", "0.01"], "sinkhorn has no auxiliary loss"),
-                     (["--disable-bias-linear", "--moe-router-num-groups", "2"], "Mixture of Experts option")):
+                     (["--disable-bias-linear", "--moe-input-jitter-eps", "0.01"], "Mixture of Experts option")):
         with pytest.raises(SystemExit):
             parse_args(req + bad, world_size=2)
         assert msg in capsys.readouterr().err, bad
@@ -262,3 +262,56 @@ def test_shared_expert_with_gate_adds_to_the_routed_output(grid):
     shared = layer.shared_experts(tokens)[0] * torch.sigmoid(tokens @ layer.shared_experts.gate_weight.t())
     assert torch.allclose(out, routed + shared, rtol=1e-12, atol=1e-14)
     assert "shared_experts.gate_weight" in dict(layer.named_parameters())
+
+
+# -- group-limited routing (DeepSeek-V3's: --moe-router-num-groups / --moe-router-group-topk) -------------
+def _group_limited_reference(scores, k, groups, group_topk):
+    """The definition, token by token in float64: a group's score is the sum of its best k // group_topk
+    expert scores; the token keeps its best group_topk groups and takes its k best experts among theirs."""
+    out = []
+    per = scores.shape[1] // groups
+    for row in scores.double().tolist():
+        group_score = [sum(sorted(row[g * per:(g + 1) * per], reverse=True)[:k // group_topk]) for g in range(groups)]
+        best = sorted(range(groups), key=lambda g: -group_score[g])[:group_topk]
+        allowed = [i for g in best for i in range(g * per, (g + 1) * per)]
+        out.append(sorted(sorted(allowed, key=lambda i: -row[i])[:k]))
+    return out
+
+
+@pytest.mark.parametrize("score, bias", [("sigmoid", True), ("sigmoid", False), ("softmax", False)])
+def test_group_limited_routing_is_its_definition(score, bias):
+    from megalite.moe.router import topk_routing
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    expert_bias = torch.randn(16, generator=g, dtype=torch.float64) * 0.5 if bias else None
+    probs, routing_map = topk_routing(logits, 4, score, expert_bias=expert_bias, groups=4, group_topk=2)
+    chosen_by = torch.sigmoid(logits) + (expert_bias if bias else 0) if score == "sigmoid" else logits
+    want = _group_limited_reference(chosen_by, 4, 4, 2)
+    got = [sorted(torch.nonzero(r).flatten().tolist()) for r in routing_map]
+    assert got == want
+    plain = topk_routing(logits, 4, score, expert_bias=expert_bias)[1]
+    assert (plain != routing_map).any()  # the groups do change the choice here
+    # the probabilities are the chosen experts' (normalised) scores, as without groups
+    if score == "sigmoid":
+        s = torch.sigmoid(logits) * routing_map
+        assert torch.allclose(probs, s / s.sum(dim=-1, keepdim=True), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--moe-router-num-groups", "4"], "go together"),
+    (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], "must divide --num-experts 8"),
+    (["--moe-router-num-groups", "4", "--moe-router-group-topk", "5"], "must be between 1 and"),
+    (["--moe-router-num-groups", "4", "--moe-router-group-topk", "3"], "must be >= --moe-router-group-topk 3"),
+])
+def test_group_limited_routing_flags_are_checked(extra, message):
+    from megalite.arguments import _parse
+    from megalite.config import ConfigError
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--vocab-size",
+            "64", "--lr", "1e-3", "--train-iters", "1", "--num-experts", "8", "--moe-router-topk", "2",
+            "--disable-bias-linear"]
+    with pytest.raises(ConfigError) as e:
+        _parse(argv + extra, world_size=1)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    ok = _parse(argv + ["--moe-router-num-groups", "4", "--moe-router-group-topk", "2"], world_size=1)
+    assert (ok.moe_router_num_groups, ok.moe_router_group_topk) == (4, 2)

@@ -75,22 +75,42 @@ def z_loss(logits, coeff, total_tokens=None):
     return torch.logsumexp(logits, dim=-1).square().sum() * (coeff / total)
 
 
-def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scaling_factor=None, expert_bias=None):
+def choose_experts(scores, topk, groups=None, group_topk=None):
+    """torch.topk(scores, topk, 1) -> (values, indices); group-limited (DeepSeek-V3, Megatron's
+    group_limited_topk): the E experts form `groups` groups of consecutive indices, a group scores the sum of
+    its best topk // group_topk experts, each token keeps its best `group_topk` groups and takes its top-k
+    among their experts."""
+    if not groups:
+        return decisions.topk(scores, topk, 1, "routing")
+    t, e = scores.shape
+    per_group = scores.view(t, groups, e // groups)
+    group_scores = per_group.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    chosen = decisions.topk(group_scores, group_topk, 1, "routing groups").indices
+    keep = torch.zeros(t, groups, dtype=torch.bool, device=scores.device).scatter(1, chosen, True)
+    masked = scores.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
+    return decisions.topk(masked, topk, 1, "routing")
+
+
+def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scaling_factor=None, expert_bias=None,
+                 groups=None, group_topk=None):
     """(probs [T, E], zero outside each token's k experts; routing map [T, E] bool). expert_bias
-    (sigmoid): the k experts are chosen by score + bias, their probabilities are the scores."""
+    (sigmoid): the k experts are chosen by score + bias, their probabilities are the scores. groups,
+    group_topk: group-limited routing (choose_experts), on whatever the k experts are chosen by."""
+    def choose(values):
+        return choose_experts(values, topk, groups, group_topk)
     if expert_bias is not None:
         scores = torch.sigmoid(logits)
-        idx = decisions.topk(scores + expert_bias.to(scores.dtype), topk, 1, "routing").indices
+        idx = choose(scores + expert_bias.to(scores.dtype)).indices
         top = scores.gather(1, idx)
         probs = top / (top.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else top
     elif score_function == "softmax":
         if pre_softmax:
-            probs, idx = decisions.topk(torch.softmax(logits, dim=-1), topk, 1, "routing")
+            probs, idx = choose(torch.softmax(logits, dim=-1))
         else:
-            top, idx = decisions.topk(logits, topk, 1, "routing")
+            top, idx = choose(logits)
             probs = torch.softmax(top, dim=-1)
     else:
-        top, idx = decisions.topk(torch.sigmoid(logits), topk, 1, "routing")
+        top, idx = choose(torch.sigmoid(logits))
         probs = top / (top.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else top
     if scaling_factor:
         probs = probs * scaling_factor
@@ -213,7 +233,7 @@ class TopKRouter(nn.Module):
         else:
             probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
                                               c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor,
-                                              self.expert_bias)
+                                              self.expert_bias, c.moe_router_num_groups, c.moe_router_group_topk)
         if kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
             scores = _scores_for_aux(logits, c.moe_router_score_function)
             # token counts of the whole micro-batch (summed over TP under SP); the probabilities stay
