@@ -80,6 +80,9 @@ def record_logged():
 LAYOUTS = [
     layout("ep4_alltoall", dp=4, model=MOE, flags=ep(4, "alltoall")),
     layout("ep2_dp4_zero2_expert_bias", dp=4, zero=2, model=MOE + MOE_BIAS, flags=ep(2)),
+    # DeepSeek-V3's router: sigmoid, expert bias, group-limited (2 groups of 2; each token's 2 from its best group)
+    layout("ep2_dp4_alltoall_expert_bias_groups", dp=4, model=MOE + MOE_BIAS + (
+        "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"), flags=ep(2, "alltoall")),
     layout("ep2_dp4_replica_check_params_norm", dp=4, model=MOE, flags=ep(2, "alltoall") + (
         "--check-weight-hash-across-dp-replicas-interval", "1", "--log-params-norm")),
     layout("ep2_pp2_alltoall_expert_bias_recompute", pp=2, dp=2, recompute="full", model=MOE + MOE_BIAS,
