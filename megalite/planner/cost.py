@@ -88,6 +88,14 @@ def predict(args, layout, cluster):
         raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
     if args.vocab_size is None:
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
+    unmodelled = [flag for flag, given in (
+        ("--data-parallel-micro-batch-sizes", args.data_parallel_micro_batch_sizes),
+        ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
+        ("--optimizer-cpu-offload", args.optimizer_cpu_offload), ("--semi-sync-method", args.semi_sync_method),
+        ("--grad-compression", args.grad_compression != "none"),
+        ("--hierarchical-grad-reduce", args.hierarchical_grad_reduce)) if given]
+    if unmodelled:
+        raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
     no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
     if args.bf16 and no_bf16:
         raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
@@ -164,6 +172,14 @@ def balanced_layout(args, layout, cluster):
         return layout
     if args.vocab_size is None:
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
+    unmodelled = [flag for flag, given in (
+        ("--data-parallel-micro-batch-sizes", args.data_parallel_micro_batch_sizes),
+        ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
+        ("--optimizer-cpu-offload", args.optimizer_cpu_offload), ("--semi-sync-method", args.semi_sync_method),
+        ("--grad-compression", args.grad_compression != "none"),
+        ("--hierarchical-grad-reduce", args.hierarchical_grad_reduce)) if given]
+    if unmodelled:
+        raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
     no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
     if args.bf16 and no_bf16:
         raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
