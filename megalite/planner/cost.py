@@ -82,10 +82,9 @@ def _ranks(layout, cluster, pp_rank, axis):
     return [p * t * c * d for p in range(layout.pp)]
 
 
-def predict(args, layout, cluster):
-    """Prediction for `args` (megalite's validated arguments at this layout) on `cluster`."""
-    if cluster.size != layout.world:
-        raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
+def check_plannable(args, cluster):
+    """One ConfigError line for what the planner cannot price: no vocabulary size, flags it does not model,
+    bf16 on GPUs without it."""
     if args.vocab_size is None:
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     unmodelled = [flag for flag, given in (
@@ -100,9 +99,21 @@ def predict(args, layout, cluster):
     if args.bf16 and no_bf16:
         raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
                           "fp16 with --data-parallel-precisions)")
+
+
+def _figures(args, layout):
+    """(model config, activation bytes per element, padded vocabulary) of the run."""
     c = model_config(args, args.vocab_size)
     e = 2 if (args.bf16 or args.fp16) else 4
-    vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
+    return c, e, padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
+
+
+def predict(args, layout, cluster):
+    """Prediction for `args` (megalite's validated arguments at this layout) on `cluster`."""
+    if cluster.size != layout.world:
+        raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
+    check_plannable(args, cluster)
+    c, e, vocab = _figures(args, layout)
     m = args.global_batch_size // (layout.micro * layout.dp)
     v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
     replicas = range(layout.dp) if shares.mixed(layout, cluster) else range(1)  # (alike: one stands for all)
@@ -170,23 +181,7 @@ def balanced_layout(args, layout, cluster):
     from megalite.transformer.pipeline_layers import stage_layer_counts
     if layout.pp == 1 or layout.vp:
         return layout
-    if args.vocab_size is None:
-        raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
-    unmodelled = [flag for flag, given in (
-        ("--data-parallel-micro-batch-sizes", args.data_parallel_micro_batch_sizes),
-        ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
-        ("--optimizer-cpu-offload", args.optimizer_cpu_offload), ("--semi-sync-method", args.semi_sync_method),
-        ("--grad-compression", args.grad_compression != "none"),
-        ("--hierarchical-grad-reduce", args.hierarchical_grad_reduce)) if given]
-    if unmodelled:
-        raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
-    no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
-    if args.bf16 and no_bf16:
-        raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
-                          "fp16 with --data-parallel-precisions)")
-    c = model_config(args, args.vocab_size)
-    e = 2 if (args.bf16 or args.fp16) else 4
-    vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
+    c, e, vocab = _figures(args, layout)
     m = args.global_batch_size // (layout.micro * layout.dp)
 
     def seconds(i, gpu, layers, last):
@@ -203,9 +198,7 @@ def balanced_shares(args, layout, cluster):
     the replicas hold different GPUs (the layout itself where they do not, or the shares come out equal)."""
     if layout.dp == 1 or not shares.mixed(layout, cluster):
         return layout
-    c = model_config(args, args.vocab_size)
-    e = 2 if (args.bf16 or args.fp16) else 4
-    vocab = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
+    c, e, vocab = _figures(args, layout)
     seconds = []
     for d in range(layout.dp):  # a replica's pace: its slowest stage per micro-batch
         per_stage = []

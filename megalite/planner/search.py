@@ -8,7 +8,7 @@ the divisors of the experts that divide DP x CP x TP (MoE) with the experts' TP 
 none / selective / full and micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank."""
 
 from megalite.config import ConfigError
-from megalite.planner.cost import balanced_layout, balanced_shares, predict
+from megalite.planner.cost import balanced_layout, balanced_shares, check_plannable, predict
 from megalite.planner.layout import Layout, validated
 
 
@@ -42,6 +42,7 @@ def search(model_argv, cluster, top=5, limit=None, **choices):
     """[(Prediction)] of the `top` fastest layouts that fit (or, if none fits, the `top` tightest), and the
     count of layouts megalite would launch. choices: candidates' recomputes= and zeros= (default: all)."""
     args0 = validated(model_argv, Layout(), 1)  # the model's and batch's own figures (one GPU's view)
+    check_plannable(args0, cluster)
     fits, tight, n = [], [], 0
     for lay in candidates(args0, cluster.size, cluster.gpus_per_node, **choices):
         try:
