@@ -46,6 +46,7 @@ def _saved_bytes(cases):
     from megalite import parallel_state as ps
     from megalite.arguments import model_config, parse_args
     from megalite.models.gpt import GPTModel
+    from megalite.memory_budget import saved_activation_bytes
     from megalite.planner.activations import chunk_bytes
     from megalite.tensor_parallel import model_parallel_manual_seed
     out = []
@@ -58,23 +59,13 @@ def _saved_bytes(cases):
         c = model_config(args, args.vocab_size)
         model = GPTModel(c)
         model.train()
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen, total = set(), [0]
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total[0] += s.nbytes()
-            return t
         g = torch.Generator().manual_seed(ps.global_rank())
         ids = torch.randint(0, 250, (2, 64 // cp), generator=g)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(ids, labels=ids).sum()
+        # a forward's distinct saved storages, weights left out (the auto sizing's own measure)
+        saved = saved_activation_bytes(lambda: model(ids, labels=ids).sum(), model.parameters())
         e = 2 if args.bf16 else 4
         predicted = chunk_bytes(c, ps._grid(), 2, e, 3, True, True, model.padded_vocab_size, backend="torch")
-        out.append((total[0], predicted))
-        del loss
+        out.append((saved, predicted))
         ps.destroy_model_parallel()
     return out
 
