@@ -18,6 +18,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megalite.grid import Grid, rank_of  # noqa: F401  (re-exported: ps.Grid, ps.rank_of)
 from megalite.launch import initialize_distributed, new_group  # noqa: F401  (re-exported: ps.initialize_distributed)
 from megalite.process_groups import build_groups, build_replica_groups
 
@@ -27,68 +28,6 @@ _GRID = None
 # only have the original names.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class Grid:
-    """One layout's sizes, this rank's coordinates and its groups (None where a group is not built: a
-    single process, or a layout described for planning with Grid.of). Model code is handed one (its
-    modules' `grid` argument; the training entry point passes the global one, current_grid())."""
-
-    def __init__(self, tp, pp, dp, cp, vpp):
-        self.tp, self.pp, self.dp, self.cp, self.vpp = tp, pp, dp, cp, vpp
-        self.tp_group = self.pp_group = self.dp_group = self.mp_group = self.emb_group = None
-        self.cp_group = self.dp_cp_group = self.tp_cp_group = None
-        self.hcp = []  # --hierarchical-context-parallel-sizes: [(group, global ranks)] per level
-        self.grad_nodes = None  # --hierarchical-grad-reduce: (this node's group, ranks; cross-node group, ranks)
-        self.pp_before_dp = False  # --use-tp-pp-dp-mapping
-        self.tp_rank = self.pp_rank = self.dp_rank = self.cp_rank = 0
-        self.pp_ranks = [0]
-        self.emb_ranks = [0]
-        self.cp_ranks = [0]
-        self.virtual_rank = 0
-        self.ep = 1  # expert grid (MoE): None until initialize_model_parallel gets an expert-parallel size
-        self.experts = False
-        self.ep_group = self.edp_group = self.emp_group = self.stage_group = self.etp_group = self.tp_ep_group = None
-        self.ep_rank = self.etp_rank = 0
-        self.etp = 1
-        self.edp, self.edp_rank = dp * cp, 0
-        # semi-synchronous replicas (--semi-sync-replicas): R model copies, each its own grid of `dp`
-        # inner DP ranks; the replica group joins this rank's counterparts in the other replicas (the
-        # outer step), the replica-world group all ranks of this replica (None where R = 1: the world)
-        self.replicas, self.replica_rank = 1, 0
-        self.replica_group = self.replica_world_group = None
-        self.replica_world_ranks, self.replica_counterparts = None, []
-        self.rank = 0  # global
-
-    @classmethod
-    def of(cls, tp=1, pp=1, dp=1, cp=1, vpp=None, ep=None, etp=None, tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0):
-        """A layout's grid without process groups: sizes and one rank's coordinates (the expert ones follow
-        from them as in process_groups), to build that rank's model (on the meta device: a planner builds
-        many layouts in one process)."""
-        g = cls(tp, pp, dp, cp, vpp)
-        g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank = tp_rank, pp_rank, dp_rank, cp_rank
-        g.pp_ranks = list(range(pp))
-        if ep is not None:
-            etp = tp if etp is None else etp
-            g.experts, g.ep, g.etp, g.edp = True, ep, etp, tp * cp * dp // (ep * etp)
-            j = tp_rank + tp * (cp_rank + cp * dp_rank)  # the stage's dense order, re-read as ETP x EP x EDP
-            g.etp_rank, g.ep_rank, g.edp_rank = j % etp, (j // etp) % ep, j // (etp * ep)
-        return g
-
-    def expert_tp(self):
-        """(size, rank) an MoE expert's weights are sharded over: expert-TP, or TP without an expert grid."""
-        return (self.etp, self.etp_rank) if self.experts else (self.tp, self.tp_rank)
-
-    def __deepcopy__(self, memo):
-        """Modules hold their grid: a copied model shares it (a handle on process groups, not model state)."""
-        return self
-
-
-def rank_of(tp_rank, dp_rank, pp_rank, tp, dp, cp_rank=0, cp=1, pp=1, pp_before_dp=False):
-    """Global rank of a grid coordinate (Megatron's order: TP, CP, DP, PP; or TP, CP, PP, DP)."""
-    if pp_before_dp:
-        return tp_rank + tp * (cp_rank + cp * (pp_rank + pp * dp_rank))
-    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 
 def shutdown_distributed(barrier=True):
