@@ -100,12 +100,35 @@ def plan_buckets(params, bucket_size, pad_to=1, isolate=None):
     return [(ps_, -(-n // pad_to) * pad_to) for ps_, n in plan]
 
 
-def _tied_weight(module):
+def tied_weight(module, pp):
     """Tied word embeddings are summed over the first and last pipeline stages; alone in
     a bucket they get the same shard ranges on both stages, so owned shards can be summed."""
-    if ps.get_pipeline_model_parallel_world_size() > 1 and getattr(module, "share_embeddings_and_output_weights", False):
+    if pp > 1 and getattr(module, "share_embeddings_and_output_weights", False):
         return module.shared_embedding_or_output_weight()
     return None
+
+
+def plan_reduction(module, params, bucket_size, zero_stage, group_of, expert, nodes=None, tied=None, units=None):
+    """[(bucket params, padded numel, (group, size, rank))]: the buckets per reduce group (dense, expert:
+    group_of(p)), padded to the group size for ZeRO (to the node size for --hierarchical-grad-reduce's dense
+    ones); ZeRO-3 one bucket per unit (units: plan_units(module)) and group, in backward order. A pure plan:
+    the planner (megalite/planner/memory.py) prices the same buckets a rank builds."""
+    def groups(ps_, size):
+        out = []
+        for is_expert_ in (False, True):
+            mine = [p for p in ps_ if expert(p) == is_expert_]
+            if not mine:
+                continue
+            group = group_of(mine[0])
+            pad = group[1] if zero_stage else len(nodes[1]) if nodes and not is_expert_ else 1
+            out += [(b, n, group) for b, n in plan_buckets(mine, size, pad, tied)]
+        return out
+    if zero_stage == 3:
+        plan = []
+        for _, _, own, _ in reversed(units or plan_units(module)):
+            plan += groups(own, float("inf"))
+        return plan
+    return groups(params, bucket_size)
 
 
 class _WaitFor:
@@ -155,25 +178,10 @@ class DistributedDataParallel(nn.Module):
             if not (use_distributed_optimizer and zero_stage == 3):
                 raise ValueError("a model built on the meta device needs ZeRO-3 (--zero-stage 3)")
         nodes = ps.get_gradient_node_groups() if hierarchical and not self.zero_stage and self.dp > 1 else None
-        tied = _tied_weight(module) if self.zero_stage else None
-
-        def plan_groups(ps_, size):
-            """Buckets per reduce group (dense, expert: param_facts.data_parallel), with the group."""
-            out = []
-            for expert in (False, True):
-                mine = [p for p in ps_ if is_expert(p) == expert]
-                if not mine:
-                    continue
-                group = data_parallel(mine[0])
-                pad = group[1] if self.zero_stage else len(nodes[1]) if nodes and not expert else 1
-                out += [(b, n, group) for b, n in plan_buckets(mine, size, pad, tied)]
-            return out
-        if self.zero_stage == 3:
-            units, plan = plan_units(module), []
-            for _, _, own, _ in reversed(units):  # one bucket per unit and group (+ a tied copy), backward order
-                plan += plan_groups(own, float("inf"))
-        else:
-            plan = plan_groups(params, bucket_size)
+        tied = tied_weight(module, ps.get_pipeline_model_parallel_world_size()) if self.zero_stage else None
+        units = plan_units(module) if self.zero_stage == 3 else None
+        plan = plan_reduction(module, params, bucket_size, self.zero_stage, data_parallel, is_expert, nodes, tied,
+                              units)
         total = sum(n for _, n, _ in plan)
         # (ZeRO-2/3 buckets allocate their full-size gradients only while a reduction needs them)
         self.grad_data = torch.zeros(total, dtype=torch.float32, device=device) if self.zero_stage < 2 else None

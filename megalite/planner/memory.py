@@ -16,8 +16,7 @@ pipeline stages sits alone in a bucket, as grad_buffer does it."""
 import dataclasses
 
 from megalite import parallel_state as ps
-from megalite.distributed.grad_buffer import plan_buckets
-from megalite.distributed.param_units import plan_units
+from megalite.distributed.grad_buffer import plan_reduction, tied_weight
 from megalite.optimizer.optimizer import no_weight_decay
 from megalite.transformer.pipeline_layers import chunk_layers
 
@@ -67,29 +66,22 @@ def _build(mcfg, grid, model_class):
 
 
 def _tied(model, grid):
-    if grid.pp > 1 and getattr(model, "share_embeddings_and_output_weights", False):
-        return model.shared_embedding_or_output_weight()
-    return None
+    return tied_weight(model, grid.pp)
 
 
 def _buckets(model, grid, zero, bucket_size):
-    """[(params, padded numel, shard group size, this rank's index in it)] as DistributedDataParallel plans them."""
-    def groups(params, size):
-        out = []
-        for expert in (False, True):
-            mine = [p for p in params if (bool(getattr(p, "expert_parallel", False)) and grid.experts) == expert]
-            if not mine:
-                continue
-            d, r = (grid.edp, grid.edp_rank) if expert else (grid.dp * grid.cp, grid.dp_rank * grid.cp + grid.cp_rank)
-            out += [(b, n, d, r) for b, n in plan_buckets(mine, size, d if zero else 1, _tied(model, grid)
-                                                          if zero else None)]
-        return out
-    if zero == 3:
-        plan = []
-        for _, _, own, _ in reversed(plan_units(model)):
-            plan += groups(own, float("inf"))
-        return plan
-    return groups([p for p in model.parameters() if p.requires_grad], bucket_size)
+    """[(params, padded numel, shard group size, this rank's index in it)]: DistributedDataParallel's own plan
+    (grad_buffer.plan_reduction) with the groups' sizes and this rank's place from the grid."""
+    def group_of(p):
+        if expert(p):
+            return None, grid.edp, grid.edp_rank
+        return None, grid.dp * grid.cp, grid.dp_rank * grid.cp + grid.cp_rank
+
+    def expert(p):
+        return bool(getattr(p, "expert_parallel", False)) and grid.experts
+    plan = plan_reduction(model, [p for p in model.parameters() if p.requires_grad], bucket_size, zero, group_of,
+                          expert, None, _tied(model, grid) if zero else None)
+    return [(b, n, d, r) for b, n, (_, d, r) in plan]
 
 
 def training_state(args, mcfg, grid):
