@@ -72,7 +72,7 @@ def variants(layers, hidden, dtype, dev):
     for _, p in named:
         p.main_grad.normal_()
     grads = [p.main_grad for _, p in named]
-    out = {"megalite flat": lambda: opt._adam_update(opt._grads(), opt._copies())}
+    out = {"megalite flat": lambda: opt._update(opt._grads(), opt._copies())}
 
     def torch_opt(**kw):
         mains = [p.detach().float().clone().requires_grad_() for _, p in named]

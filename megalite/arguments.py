@@ -18,6 +18,7 @@ from megalite.model_flags import add_model_flags
 from megalite.mup import MUP_FLAGS
 from megalite.mixed_gpu_flags import add_mixed_gpu_flags
 from megalite.semi_sync_flags import add_semi_sync_flags
+from megalite.optimizer_flags import OPTIMIZER_FIELDS, add_optimizer_flags
 
 TOKENIZER_CHOICES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                      "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
@@ -127,6 +128,7 @@ def build_parser():
     a("--adam-beta1", type=float, default=0.9)
     a("--adam-beta2", type=float, default=0.999)
     a("--adam-eps", type=float, default=1e-8)
+    add_optimizer_flags(a)  # --optimizer sgd|muon|lion and their flags (megalite/optimizer_flags.py)
     a("--bf16", action="store_true")
     a("--fp16", action="store_true")
     a("--loss-scale", type=float, default=None, help="constant fp16 loss scale (default: dynamic)")
@@ -344,6 +346,7 @@ def training_config(args):
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        optimizer=args.optimizer, **{k: getattr(args, k) for k in OPTIMIZER_FIELDS},
         bf16=args.bf16, fp16=args.fp16,
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window,

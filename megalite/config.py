@@ -283,6 +283,20 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    optimizer: str = "adam"  # adam, sgd, lion, muon (megalite/optimizer_flags.py has the flags' meaning)
+    sgd_momentum: float = 0.9
+    lion_beta1: float = 0.95
+    lion_beta2: float = 0.98
+    muon_momentum: float = 0.9
+    muon_split_qkv: bool = True
+    muon_nesterov: bool = False
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "duplicated"
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"
     bf16: bool = False
     fp16: bool = False
     loss_scale: Optional[float] = None  # constant fp16 scale; None = dynamic

@@ -54,7 +54,7 @@ def offloadable_bytes(optimizer):
     """Device bytes an offload of everything would move: the optimizer's own fp32 buffers (main
     weights where they are copies, Adam's m and v)."""
     return sum(t.untyped_storage().nbytes() for g in optimizer._flat if g.grad is None
-               for t in (None if g.own else g.main, g.exp_avg, g.exp_avg_sq) if t is not None)
+               for t in (None if g.own else g.main, *g.states.values()) if t is not None)
 
 
 class Profile:

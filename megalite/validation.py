@@ -10,6 +10,7 @@ from megalite.megatron_compat import print_notices
 from megalite.mup import validate_args as validate_mup
 from megalite.mixed_gpu_flags import check_uneven_composes, is_auto, validate_mixed_gpus, validate_precisions
 from megalite.semi_sync_flags import validate_semi_sync
+from megalite.optimizer_flags import validate_optimizer
 from megalite.validation_features import validate_features
 
 # Flags Megatron has no default for: a launch script always passes them.
@@ -55,6 +56,7 @@ def validate_args(args):
     validate_features(args)
     validate_precisions(args)
     validate_mup(args)
+    validate_optimizer(args)
     if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
         raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
     if args.hierarchical_grad_reduce and args.use_distributed_optimizer:

@@ -69,12 +69,12 @@ def zero_shard_update_skipped():
     """DP rank 1 never applies Adam to the slice it owns (its all-gather publishes stale values)."""
     from megalite import parallel_state as ps
     from megalite.optimizer.distributed_optimizer import DistributedOptimizer
-    original = DistributedOptimizer._adam_update
+    original = DistributedOptimizer._update
 
     def update(self, grads, copies):
         if ps.get_data_parallel_rank() != 1:
             original(self, grads, copies)
-    return patched(DistributedOptimizer, "_adam_update", update)
+    return patched(DistributedOptimizer, "_update", update)
 
 
 def cp_lse_merge_dropped():

@@ -181,7 +181,7 @@ def _assert_views_of_flat_buffers(opt):
     own parameters) views of one storage."""
     for grp, g in zip(opt._flat, opt.param_groups):
         for k in ("exp_avg", "exp_avg_sq"):
-            flat = getattr(grp, k).untyped_storage().data_ptr()
+            flat = grp.states[k].untyped_storage().data_ptr()
             assert {opt.optimizer.state[p][k].untyped_storage().data_ptr() for p in g["params"]} == {flat}, k
         assert len({p.untyped_storage().data_ptr() for p in g["params"]}) == 1
 

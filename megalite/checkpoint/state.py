@@ -1,7 +1,8 @@
 """This rank's training state as checkpoint entries (tensors) and JSON (everything else).
 
 Tensors: the model's parameters under their global names, and the optimizer's fp32 state
-under "optimizer.<exp_avg|exp_avg_sq|main_param>.<name>", both as chunks of the global
+under "optimizer.<state>.<name>" (<state>: torch's names, exp_avg and exp_avg_sq for AdamW,
+momentum_buffer for SGD and Muon, exp_avg for Lion; main_param), both as chunks of the global
 tensors (layout.py), whether the optimizer is plain (every DP rank holds all of it, DP
 rank 0 writes) or ZeRO (each DP rank writes the slices it owns). main_param is stored only
 when the model computes in bf16/fp16 (an fp32 model steps its own parameters).
@@ -17,8 +18,6 @@ from megalite import parallel_state as ps
 from megalite.checkpoint.layout import ParamLayout
 from megalite.checkpoint.planner import Entry
 from megalite.tensor_parallel import get_rng_tracker
-
-OPT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def _module(chunk):
@@ -61,12 +60,12 @@ def model_entries(chunks, for_save):
     return entries
 
 
-def adam_state(optimizer, main):
-    """The AdamW state of a main parameter, created (zeros, step 0) if it has none yet."""
+def opt_state(optimizer, main):
+    """The optimizer state of a main parameter, created (zeros, step 0) if it has none yet."""
     st = optimizer.optimizer.state[main]
     if not st:
         st["step"] = torch.tensor(0.0, dtype=torch.float32)
-        for k in OPT_KEYS:
+        for k in optimizer.state_keys(main):
             st[k] = torch.zeros_like(main, memory_format=torch.contiguous_format)
     return st
 
@@ -87,8 +86,8 @@ def optimizer_entries(optimizer, chunks, for_save, prefix=""):
     for lay, mp, start, end, separate in _optimizer_slots(optimizer, chunks):
         if for_save and not (lay.owner and (sharded or lay.first_replica)):
             continue
-        st = adam_state(optimizer, mp)
-        tensors = {k: st[k] for k in OPT_KEYS}
+        st = opt_state(optimizer, mp)
+        tensors = {k: st[k] for k in optimizer.state_keys(mp)}
         if separate:
             tensors["main_param"] = mp
         for k, t in tensors.items():
@@ -147,7 +146,7 @@ def optimizer_step(optimizer):
 
 def set_optimizer_step(optimizer, chunks, step):
     for _, mp, _, _, _ in _optimizer_slots(optimizer, chunks):
-        adam_state(optimizer, mp)["step"] = torch.tensor(float(step), dtype=torch.float32)
+        opt_state(optimizer, mp)["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
 # -- RNG: per rank, as JSON ----------------------------------------------------------------

@@ -189,6 +189,7 @@ class TopKRouter(nn.Module):
         w, recipe = replicated_init((c.num_moe_experts, c.hidden_size), init_normal(mup.hidden_std(c)),
                                     param_seed(c.seed, prefix + ".weight"), ps.get_device())
         self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=c.params_dtype)), recipe)
+        self.weight.use_muon = False  # --optimizer muon: the router goes to the scalar optimizer
         # under sequence parallelism each TP rank routes its own tokens: partial gradients, summed over TP
         self.tp = self.grid.tp if c.sequence_parallel else 1
         self.weight.sequence_parallel = self.tp > 1

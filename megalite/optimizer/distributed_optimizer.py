@@ -33,9 +33,8 @@ import torch.distributed as dist
 from megalite import mup, parallel_state as ps
 from megalite.config import ConfigError
 from megalite.optimizer.clip_grads import grad_norm_tensor
+from megalite.optimizer.muon import Holding, is_muon_matrix
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -73,7 +72,26 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # fp32 models step their own slices of the parameter buffer in place (no copy); the
         # flat buffers then hold exp_avg / exp_avg_sq of this rank's pieces, main params too otherwise.
         own = not low_precision and self.pieces[0].data.dtype == torch.float32
-        self._build_adamw([(n, pc.param, pc.data) for n, pc in zip(self.names, self.pieces)], own, movable=False)
+        self._build_groups([(n, pc.param, pc.data) for n, pc in zip(self.names, self.pieces)], own, movable=False)
+
+    def _holdings(self):
+        """Muon's view: every Muon matrix of this rank's buckets with the range each rank of its bucket's
+        sharding group holds (pieces lie back to back in rank order; the same on every rank)."""
+        out = []
+        for m in self.model_chunks:
+            for b in m.buckets:
+                offset, rank = 0, b.lo // b.shard
+                for p in b.params:
+                    n = p.numel()
+                    if is_muon_matrix(p):
+                        ranges = [(min(max(offset, r * b.shard), offset + n) - offset,
+                                   min(max(offset, (r + 1) * b.shard), offset + n) - offset) for r in range(b.dp)]
+                        out.append(Holding(p, ranges, b.group, rank))
+                    offset += n
+        return out
+
+    def _held(self):
+        return [pc.param for pc in self.pieces]
 
     def _grads(self):
         return [pc.grad for pc in self.pieces]
@@ -105,8 +123,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             st = self.optimizer.state.get(mp, {})
             entry = {"name": name, "index": pc.index, "shape": tuple(pc.param.shape), "start": pc.start,
                      "end": pc.end, "main_param": mp.detach().clone(),
-                     "step": float(st["step"]) if "step" in st else 0.0}
-            for k in STATE_KEYS:
+                     "step": float(st["step"]) if "step" in st else 0.0, "keys": self.state_keys(mp)}
+            for k in entry["keys"]:
                 entry[k] = st[k].detach().clone() if k in st else torch.zeros_like(entry["main_param"])
             shards.append(entry)
         return {"format": "megalite-zero-shard", "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
@@ -137,7 +155,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for pc, name in zip(self.pieces, self.names):
             f = params[name]
             sources.append({"step": f["step"], **{k: f[k].reshape(-1)[pc.start:pc.end]
-                                                  for k in ("main_param",) + STATE_KEYS}})
+                                                  for k in ("main_param",) + tuple(f["keys"])}})
         self._load_entries(sources, full)
 
     @torch.no_grad()
@@ -147,13 +165,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             if mp is not pc.data:
                 pc.data.copy_(mp)  # the owned slice of the model takes the loaded weights
             self.optimizer.state[mp] = {"step": torch.tensor(float(src["step"]), dtype=torch.float32),
-                                        **{k: src[k] for k in STATE_KEYS}}
+                                        **{k: src[k] for k in self.state_keys(mp)}}
         for grp in self._flat:
             self._adopt_state(grp)  # copied into the flat buffers
         self.scaler.load_state_dict(sd["scaler"])
         # Groups by kind: a rank's slices may lack a kind another rank (whose groups were saved) has.
         def kind(g):
-            return g.get("decay", g["weight_decay"] > 0), g.get("decoupled", False), g.get("mup_lr_mult", 1.0)
+            return (g.get("optimizer", "adam"), g.get("decay", g["weight_decay"] > 0), g.get("decoupled", False),
+                    g.get("mup_lr_mult", 1.0))
         saved = {kind(s): s for s in sd["param_groups"]}
         for g in self.param_groups:
             if kind(g) in saved:
@@ -173,18 +192,19 @@ def reassemble_full_state(shard_state_dicts):
         for e in sd["shards"]:
             n = e["name"]
             numel = int(torch.Size(e["shape"]).numel())
+            keys = ("main_param",) + tuple(e.get("keys", ("exp_avg", "exp_avg_sq")))
             if n not in params:
-                params[n] = {"shape": e["shape"], "step": e["step"], "index": e["index"],
-                             **{k: torch.zeros(numel, dtype=torch.float32) for k in ("main_param",) + STATE_KEYS}}
+                params[n] = {"shape": e["shape"], "step": e["step"], "index": e["index"], "keys": keys[1:],
+                             **{k: torch.zeros(numel, dtype=torch.float32) for k in keys}}
                 covered[n] = torch.zeros(numel, dtype=torch.int32)
-            for k in ("main_param",) + STATE_KEYS:
+            for k in keys:
                 params[n][k][e["start"]:e["end"]] = e[k].float().cpu()
             covered[n][e["start"]:e["end"]] += 1
     for n, cov in covered.items():
         if not bool((cov == 1).all()):
             raise ValueError(f"optimizer shards cover parameter {n!r} {int(cov.min())} to {int(cov.max())} times; "
                              "pass every DP rank's shard exactly once")
-        for k in ("main_param",) + STATE_KEYS:
+        for k in ("main_param",) + params[n]["keys"]:
             params[n][k] = params[n][k].view(params[n]["shape"])
     first = shard_state_dicts[0]
     return {"params": params, "scaler": first["scaler"], "param_groups": first["param_groups"]}

@@ -56,6 +56,6 @@ def state_bytes_by_place(model_chunks, optimizer):
     --optimizer-cpu-offload keeps in host memory (the host groups' fp32 main weights and Adam
     states, which training_state_bytes counts, and their gradient buffer), the device part the rest."""
     host_groups = [g for g in getattr(optimizer, "_flat", []) if g.grad is not None]
-    stepped = sum(t.untyped_storage().nbytes() for g in host_groups for t in (g.main, g.exp_avg, g.exp_avg_sq))
+    stepped = sum(t.untyped_storage().nbytes() for g in host_groups for t in (g.main, *g.states.values()))
     grads = sum(g.grad.untyped_storage().nbytes() for g in host_groups)
     return training_state_bytes(model_chunks, optimizer) - stepped, stepped + grads

@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from megalite import mup, parallel_state as ps
 from megalite.optimizer import offload
+from megalite.optimizer import updates
 from megalite.optimizer.clip_grads import clip_grads, grad_norm_tensor
+from megalite.optimizer.muon import Holding, MuonMatrices, is_muon_matrix
 from megalite.optimizer.param_groups import AdamWState
 from megalite.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_and_find_inf_
 
@@ -45,6 +47,17 @@ def no_weight_decay(name, param):
     return param.ndim < 2 or name.endswith(".bias")
 
 
+def _hyper(c, opt):
+    """A param group's hyper-parameters of its optimizer (AdamW's are the container's defaults)."""
+    if opt == "sgd":
+        return {"momentum": c.sgd_momentum}
+    if opt == "lion":
+        return {"betas": (c.lion_beta1, c.lion_beta2)}
+    if opt == "muon":
+        return {"momentum": c.muon_momentum, "nesterov": c.muon_nesterov}
+    return {}
+
+
 def build_loss_scaler(c):
     if c.scaled and c.loss_scale:
         return ConstantLossScaler(c.loss_scale)
@@ -56,13 +69,13 @@ def build_loss_scaler(c):
 
 class _FlatGroup:
     """One param group on flat fp32 buffers. idx: positions in main_params / grads / copies, in
-    buffer order; mains, m_views, v_views: per position, views of main / exp_avg / exp_avg_sq
-    (mains are the model's own tensors when `own`; `main` is None for ZeRO's fp32 pieces)."""
+    buffer order; kind: its optimizer (adam, sgd, lion, muon); states: {torch's state name: flat
+    buffer}; mains, views[name]: per position, views of main / of each state (mains are the model's
+    own tensors when `own`; `main` is None for ZeRO's fp32 pieces)."""
 
-    def __init__(self, idx, sizes, own, main, exp_avg, exp_avg_sq):
-        self.idx, self.sizes, self.own, self.main = idx, sizes, own, main
-        self.exp_avg, self.exp_avg_sq = exp_avg, exp_avg_sq
-        self.mains, self.m_views, self.v_views = [], [], []
+    def __init__(self, idx, sizes, own, main, kind, states):
+        self.idx, self.sizes, self.own, self.main, self.kind, self.states = idx, sizes, own, main, kind, states
+        self.mains, self.views = [], {k: [] for k in states}
         self.step = 0  # a Python int: bias correction needs no host read
         self.step_t = torch.zeros((), dtype=torch.float32)  # torch's state["step"], shared by the group
         self.grad, self.group_index = None, 0  # a host group's gradient buffer (offload); its param group
@@ -94,10 +107,23 @@ class MixedPrecisionOptimizer:
         self.model_params = [p for _, p in named]
         self.names = [n for n, _ in named]  # aligned with _grads(), for error messages
         own = not (c.bf16 or c.fp16) and all(p.dtype == torch.float32 for p in self.model_params)
-        self._build_adamw(list(zip(self.names, self.model_params, self.model_params)), own, movable=True)
+        self._build_groups(list(zip(self.names, self.model_params, self.model_params)), own, movable=True)
 
-    def _build_adamw(self, triples, own, movable):
-        """Megatron's decay / no-decay groups over flat fp32 buffers, AdamWState (torch.optim's
+    def _holdings(self):
+        """Muon's view of this rank's parameters: each whole."""
+        return [Holding(p, [(0, p.numel())]) for p in self.model_params if is_muon_matrix(p)]
+
+    def _held(self):
+        """The model parameter behind each main param (ZeRO: behind each piece)."""
+        return self.model_params
+
+    def state_keys(self, main):
+        """torch's state names of a main parameter's optimizer (besides "step")."""
+        return updates.STATE_KEYS[self._kind_of[id(main)]]
+
+    def _build_groups(self, triples, own, movable):
+        """Megatron's decay / no-decay groups (per optimizer: --optimizer muon puts the hidden matrices
+        in Muon's, the rest in --muon-scalar-optimizer's) over flat fp32 buffers, AdamWState (torch.optim's
         layout) as the container of groups and state, the loss scaler.
         triples: (name, model param (picks the group), tensor holding the values).
         own: the values are fp32 and are stepped in place (fp32 models); movable: they are whole
@@ -112,36 +138,42 @@ class MixedPrecisionOptimizer:
         width = self._mup_width
         mults = sorted({mup.lr_mult(*triples[i][:2], width) for i in order}, reverse=True)
 
+        muon = c.optimizer == "muon"
+        kinds = ("muon", c.muon_scalar_optimizer) if muon else (c.optimizer,)
+
         def kind(name, param):
             decoupled = split and getattr(param, "is_embedding_or_output_parameter", False)
-            return not no_weight_decay(name, param), decoupled, mup.lr_mult(name, param, width)
+            opt = kinds[0] if not muon or is_muon_matrix(param) else kinds[1]
+            return opt, not no_weight_decay(name, param), decoupled, mup.lr_mult(name, param, width)
         fraction, device = offload.fraction_for_rank(c), triples[0][2].device if triples else ps.get_device()
         self.offload, self._host = offload.OffloadStats(), None
         with torch.no_grad():
-            for key in itertools.product((True, False), (False, True) if split else (False,), mults):
+            for key in itertools.product(kinds, (True, False), (False, True) if split else (False,), mults):
                 idx = [i for i in order if kind(*triples[i][:2]) == key]
                 if idx:
-                    decay, decoupled, mult = key
+                    opt, decay, decoupled, mult = key
                     on_host, on_device = offload.host_split(idx, [triples[i][2].numel() for i in idx], fraction)
                     for part, host in ((on_device, False), (on_host, True)):  # --optimizer-cpu-offload: F on the host
                         if part:
                             grp = self._flat_group(part, [triples[i][2] for i in part], own and not host, movable,
-                                                   host)
+                                                   opt, host)
                             grp.group_index = len(groups)
                             self._flat.append(grp)
                     groups.append({"params": [self.main_params[i] for i in sorted(idx)],
                                    "weight_decay": c.weight_decay if decay else 0.0, "decay": decay,
-                                   "decoupled": decoupled, **({"mup_lr_mult": mult, "eps": c.adam_eps * mult}
-                                                              if mult != 1.0 else {})})
+                                   "decoupled": decoupled, "optimizer": opt, **_hyper(c, opt),
+                                   **({"mup_lr_mult": mult, "eps": c.adam_eps * mult} if mult != 1.0 else {})})
         self.optimizer = AdamWState(groups, lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+        self._kind_of = {id(mp): grp.kind for grp in self._flat for mp in grp.mains}
         for grp in self._flat:  # torch's state entries, as views: state dicts and checkpoints read them
-            for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):
-                self.optimizer.state[mp] = {"step": grp.step_t, "exp_avg": m, "exp_avg_sq": v}
+            for j, mp in enumerate(grp.mains):
+                self.optimizer.state[mp] = {"step": grp.step_t, **{k: v[j] for k, v in grp.views.items()}}
         self.scaler = build_loss_scaler(c)
+        self._muon = MuonMatrices(self._holdings(), c) if muon else None
         self._host = offload.HostSteps(self.offload, c.overlap_cpu_optimizer_d2h_h2d, device) \
             if self.offload.host_elements else None
 
-    def _flat_group(self, idx, values, own, movable, host=False):
+    def _flat_group(self, idx, values, own, movable, kind="adam", host=False):
         """host: the group lives in host memory (--optimizer-cpu-offload): its main values are
         copies there (never the model's tensors), with a host buffer for its gradients."""
         sizes = [t.numel() for t in values]
@@ -151,15 +183,16 @@ class MixedPrecisionOptimizer:
             if host:
                 return offload.host_buffer(total, values[0].device)
             return torch.zeros(total, dtype=torch.float32, device=values[0].device)
-        grp = _FlatGroup(idx, sizes, own, None if own and not movable else buffer(), buffer(), buffer())
+        grp = _FlatGroup(idx, sizes, own, None if own and not movable else buffer(), kind,
+                         {k: buffer() for k in updates.STATE_KEYS[kind]})
         grp.grad = buffer() if host else None
         if host:
             self.offload.host_elements += total
         else:
             self.offload.device_elements += total
         for i, t, off, n in zip(idx, values, itertools.accumulate([0] + sizes), sizes):
-            grp.m_views.append(grp.exp_avg[off:off + n].view(t.shape))
-            grp.v_views.append(grp.exp_avg_sq[off:off + n].view(t.shape))
+            for k, buf in grp.states.items():
+                grp.views[k].append(buf[off:off + n].view(t.shape))
             mp = t
             if grp.main is not None:
                 mp = grp.main[off:off + n].view(t.shape)
@@ -254,13 +287,14 @@ class MixedPrecisionOptimizer:
                 bad = next((n for n, g in zip(self.names, grads) if not torch.isfinite(g).all()), None)
                 raise NonFiniteGradError(norm, bad)
         clip_grads(grads, c.clip_grad, grad_norm)
-        self._adam_update(grads, self._copies())
+        self._update(grads, self._copies())
         self._after_step()
         return True, grad_norm
 
-    def _adam_update(self, grads, copies):
-        """One kernels.adamw_step per param group over its flat buffers (Triton on CUDA, torch
-        ops on CPU), model copies written in the same pass or by one foreach copy."""
+    def _update(self, grads, copies):
+        """One update per param group over its flat buffers (AdamW: one kernels.adamw_step, Triton on
+        CUDA, torch ops on CPU), model copies written in the same pass or by one foreach copy. Muon's
+        matrices are orthogonalised first, all at once (a collective under ZeRO and TP)."""
         import kernels
         with contextlib.nullcontext() if self.config.fused_kernels else kernels.use_backend("torch"):
             groups = self.optimizer.param_groups
@@ -270,13 +304,15 @@ class MixedPrecisionOptimizer:
                 grp.step_t.fill_(grp.step)  # torch's state["step"], for state dicts (host tensor)
                 if grp.grad is not None:  # offloaded: its gradients go down first (overlapped: while
                     self._host.down(grp, _flat_or_cat([grads[i] for i in grp.idx]))  # the device steps)
+            flat_grads = {id(grp): _flat_or_cat([grads[i] for i in grp.idx]) for grp in self._flat if grp.grad is None}
+            orthogonal = self._muon_updates(groups, flat_grads)
 
             def adamw(grp, main, grad, out=None):
                 group = groups[grp.group_index]
                 beta1, beta2 = group["betas"]
-                kernels.adamw_step(main, grad, grp.exp_avg, grp.exp_avg_sq, step=grp.step, lr=group["lr"],
-                                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                                   model_params=out)
+                kernels.adamw_step(main, grad, grp.states["exp_avg"], grp.states["exp_avg_sq"], step=grp.step,
+                                   lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                   weight_decay=group["weight_decay"], model_params=out)
             for grp in self._flat:
                 if grp.grad is not None:
                     continue
@@ -288,7 +324,12 @@ class MixedPrecisionOptimizer:
                 else:
                     main, outs = grp.main, [copies[i] for i in grp.idx]
                     out = _flat_view(outs)
-                adamw(grp, main, _flat_or_cat([grads[i] for i in grp.idx]), out)
+                if grp.kind == "adam":
+                    adamw(grp, main, flat_grads[id(grp)], out)
+                else:
+                    self._elementwise(grp, groups[grp.group_index], main, flat_grads[id(grp)], orthogonal)
+                    if out is not None:
+                        out.copy_(main)
                 if scatter:
                     torch._foreach_copy_([t.view(-1) for t in grp.mains], main.split(grp.sizes))
                 elif outs is not None and out is None:
@@ -299,24 +340,48 @@ class MixedPrecisionOptimizer:
                         self._host.step(grp, [copies[i] for i in grp.idx], lambda main, grad: adamw(grp, main, grad))
                 self._host.end()
 
+    def _muon_updates(self, groups, flat_grads):
+        """{muon group id: its flat orthogonalised update}: the momenta first, then every matrix."""
+        if self._muon is None:
+            return {}
+        held, momenta = self._held(), {}
+        for grp in self._flat:
+            if grp.kind == "muon":
+                group = groups[grp.group_index]
+                u = updates.muon_momentum_(flat_grads[id(grp)], grp.states["momentum_buffer"], group["momentum"],
+                                           group["nesterov"])
+                momenta.update({held[i]: t for i, t in zip(grp.idx, u.split(grp.sizes))})
+        orth = self._muon.updates(momenta)
+        return {id(grp): torch.cat([orth[held[i]] for i in grp.idx]) for grp in self._flat if grp.kind == "muon"}
+
+    @staticmethod
+    def _elementwise(grp, group, main, grad, orthogonal):
+        lr, wd = group["lr"], group["weight_decay"]
+        if grp.kind == "sgd":
+            updates.sgd_(main, grad, grp.states["momentum_buffer"], lr, wd, group["momentum"])
+        elif grp.kind == "lion":
+            updates.lion_(main, grad, grp.states["exp_avg"], lr, wd, *group["betas"])
+        else:
+            updates.muon_apply_(main, orthogonal[id(grp)], lr, wd)
+
     def _adopt_state(self, grp):
         """Keep optimizer.state's entries on the flat buffers and the step in grp.step. Loading
         replaces them (checkpoint loading sets new "step" tensors, torch's load_state_dict whole
         entries): their values are copied in, once; otherwise this reads nothing."""
         state = self.optimizer.state
-        if all(st.get("step") is grp.step_t and st.get("exp_avg") is m and st.get("exp_avg_sq") is v
-               for st, m, v in zip(map(state.__getitem__, grp.mains), grp.m_views, grp.v_views)):
+        if all(state[mp].get("step") is grp.step_t and all(state[mp].get(k) is v[j] for k, v in grp.views.items())
+               for j, mp in enumerate(grp.mains)):
             return
         steps = []
-        for mp, m, v in zip(grp.mains, grp.m_views, grp.v_views):
+        for j, mp in enumerate(grp.mains):
             st = state[mp]
-            for k, view in (("exp_avg", m), ("exp_avg_sq", v)):
+            for k, views in grp.views.items():
                 if k not in st:
-                    view.zero_()
-                elif st[k] is not view:
-                    view.copy_(st[k])
+                    views[j].zero_()
+                elif st[k] is not views[j]:
+                    views[j].copy_(st[k])
             steps.append(float(st["step"]) if "step" in st else 0.0)  # a host tensor, as torch keeps it
-            state[mp] = {"step": grp.step_t, "exp_avg": m, "exp_avg_sq": v}
+            state[mp] = {"step": grp.step_t, **{k: v[j] for k, v in grp.views.items()}}
         grp.step = int(max(steps))  # one count per group: its tensors are always stepped together
         grp.step_t.fill_(grp.step)
 

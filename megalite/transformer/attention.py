@@ -100,6 +100,8 @@ class SelfAttention(nn.Module):
             c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias,
             init_method=init_normal(mup.hidden_std(c)), sequence_parallel=c.sequence_parallel,
             init_seed=param_seed(c.seed, prefix + ".linear_qkv"), params_dtype=c.params_dtype, grid=grid)
+        # rows per query group [q heads; k; v]: Muon orthogonalises q, k and v as three matrices
+        self.linear_qkv.weight.qkv_split_shapes = [self.q_per_group * self.d, self.d, self.d]
         self.linear_proj = RowParallelLinear(
             c.num_attention_heads * self.d, c.hidden_size, bias=c.add_bias_linear, input_is_parallel=True,
             init_method=init_normal(output_init_std(c)), skip_bias_add=True,
