@@ -66,6 +66,12 @@ _pending = {"future": None, "executor": None, "group": None}
 os.register_at_fork(after_in_child=lambda: _pending.update(future=None, executor=None, group=None))
 
 
+def optimizer_kind(args):
+    """What the saved optimizer state is (Muon's scalar parameters have their own optimizer's state)."""
+    kind = getattr(args, "optimizer", "adam")
+    return f"muon+{args.muon_scalar_optimizer}" if kind == "muon" else kind
+
+
 def iteration_dir(root, iteration):
     return os.path.join(root, "release" if iteration == "release" else f"iter_{iteration:07d}")
 
@@ -196,7 +202,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
                              "use_distributed_optimizer": bool(args.use_distributed_optimizer),
                              "zero_stage": args.zero_stage, "world_size": ps.world_size()},
                 "has_optimizer": not args.no_save_optim, "has_rng": not args.no_save_rng,
-                "optimizer": {"step": optimizer_step(optimizer)},
+                "optimizer": {"step": optimizer_step(optimizer), "kind": optimizer_kind(args)},
                 "semi_sync": semi.state() if (semi := getattr(optimizer, "semi_sync", None)) else None,
                 "scheduler": scheduler.state_dict(), "loss_scaler": optimizer.scaler.state_dict(),
                 "tokenizer": {"type": getattr(args, "tokenizer_type", None),
@@ -270,6 +276,11 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     release = it == "release"
     weights_only = release or args.finetune
     load_optim = not (weights_only or args.no_load_optim) and meta.get("has_optimizer", False)
+    saved_kind = (meta.get("optimizer") or {}).get("kind", "adam")
+    if load_optim and saved_kind != optimizer_kind(args):
+        raise CheckpointError(f"{path} holds the optimizer state of --optimizer {saved_kind}, this run uses "
+                              f"--optimizer {optimizer_kind(args)}: add --no-load-optim to load the weights only "
+                              "(the optimizer starts fresh)")
     entries = model_entries(chunks, for_save=False)
     optional = set()
     if load_optim:  # a replica the checkpoint has not (another count, or a synchronous run) takes the first's

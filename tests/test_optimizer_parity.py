@@ -16,10 +16,19 @@ shape_scaling. The scale itself is a constant factor per matrix, checked on one 
 DP2 with ZeRO-1/2/3, CP2, EP2) and four (TP2 x DP2 with ZeRO-1: Muon, SGD, Lion).
 """
 
+import os
+
 import pytest
 
+import pretrain_gpt
+from dist_util import start_on_ranks
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.optimizer.newton_schulz import flops
-from parity import LLAMA, MOE, assert_parity, layout, mismatches, patched, reference, start_layouts
+from megalite.training import pretrain
+from parity import (BASE, LLAMA, MOE, assert_parity, layout, learnable_datasets, mismatches, patched, reference,
+                    start_layouts)
 
 MUON_FLAGS = ("--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-nesterov", "--muon-scale-mode",
               "shape_scaling")
@@ -61,12 +70,36 @@ def collect(chunks, optimizer):
     return None if m is None else dict(m.stats)
 
 
+def _pretrain(argv):
+    args = parse_args(list(BASE) + list(MUON) + list(argv), world_size=max(1, ps.world_size()))
+    try:
+        return pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+    finally:
+        ps.destroy_model_parallel()
+
+
+Z3 = ("--use-distributed-optimizer", "--zero-stage", "3")
+TP2_DP2 = ("--tensor-model-parallel-size", "2", "--use-distributed-optimizer")
+
+
+def _checkpoints(root):
+    """Muon at ZeRO-3 DP4: straight, then stopped at 3 and resumed; at TP2 x DP2 ZeRO-1: saved at 3."""
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    return {"straight": _pretrain(Z3), "first": _pretrain(Z3 + ("--save", a, "--exit-interval", "3")),
+            "resumed": _pretrain(Z3 + ("--load", a)),
+            "tp2_dp2": _pretrain(TP2_DP2 + ("--save", b, "--exit-interval", "3"))}
+
+
 @pytest.fixture(scope="module")
-def worlds():
+def worlds(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("muon_ckpt"))
+    ckpt = start_on_ranks(_checkpoints, 4, root, timeout=420)
     two = start_layouts(TWO + FAULTS, 2, collect)
     four = start_layouts(FOUR, 4, collect)
     lays = TWO + FAULTS + FOUR
-    return dict(zip([lay.name for lay in lays], two.result() + four.result()))
+    out = dict(zip([lay.name for lay in lays], two.result() + four.result()))
+    ranks = ckpt.result()
+    return {**out, "root": root, **{k: [r[k] for r in ranks] for k in ranks[0]}}
 
 
 @pytest.mark.parametrize("lay", TWO + FOUR, ids=lambda lay: lay.name)
@@ -95,3 +128,41 @@ def test_zero_orthogonalises_each_matrix_once_balanced(worlds):
         assert max(per_step) <= 1.1 * sum(per_step) / 2, (name, per_step)
     plain = [r["collected"] for r in worlds["muon_tp2_dp2_zero1"]]
     assert sum(s["matrices"] for s in plain) == 2 * ref  # over 2 DP ranks, on each of 2 TP ranks (duplicated)
+
+
+def test_muon_resumes_exactly_at_zero3_dp4(worlds):
+    straight, first, resumed = worlds["straight"][-1], worlds["first"][-1], worlds["resumed"][-1]
+    assert first == straight[:3] and resumed == straight[3:], (straight, first, resumed)
+
+
+def test_muon_state_saved_at_tp2_dp2_continues_at_one_process(worlds):
+    """The momenta are saved under global names (momentum_buffer for Muon's matrices, Adam's exp_avg and
+    exp_avg_sq for the rest) and a single process continues from them: its 3 further steps' losses are
+    the straight single-process run's (within DESIGN's bound: the first 3 ran at another layout)."""
+    b = os.path.join(worlds["root"], "b")
+    names = Reader(find_checkpoint(b)[0]).names()
+    assert "optimizer.momentum_buffer.decoder.layers.0.self_attention.linear_qkv.weight" in names
+    assert "optimizer.exp_avg_sq.embedding.word_embeddings.weight" in names
+    assert not any(n.startswith("optimizer.exp_avg.decoder.layers.0.mlp.linear_fc1") for n in names)
+    continued = _pretrain(("--load", b))
+    straight = reference(layout("muon", model=MUON))["losses"]
+    assert len(continued) == 3
+    for x, y in zip(continued, straight[3:]):
+        assert abs(x - y) <= 1e-5 * abs(y), (continued, straight)
+
+
+def test_switching_optimizers_needs_no_load_optim(worlds, capsys):
+    b = os.path.join(worlds["root"], "b")
+    args = parse_args(list(BASE) + list(LLAMA) + ["--load", b], world_size=1)
+    with pytest.raises(SystemExit):
+        try:
+            pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+        finally:
+            ps.destroy_model_parallel()
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and "--optimizer muon+adam" in err[0] and "--no-load-optim" in err[0], err
+    args = parse_args(list(BASE) + list(LLAMA) + ["--load", b, "--no-load-optim"], world_size=1)
+    try:  # AdamW from the Muon run's weights
+        assert len(pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)) == 3
+    finally:
+        ps.destroy_model_parallel()

@@ -194,7 +194,6 @@ def test_qkv_is_three_matrices_unless_asked_otherwise(grid):
 
 
 def test_muon_takes_hidden_matrices_only(grid):
-    from megalite.config import ModelConfig  # noqa: F401
     model = GPTModel(tiny_config("llama", num_moe_experts=2, moe_router_topk=1))
     taken = {n for n, p in model.named_parameters() if is_muon_matrix(p)}
     assert taken and all(n.endswith(".weight") for n in taken)
