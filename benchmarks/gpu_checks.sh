@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu bench-ring bench-moe bench-mixed-memory)
+PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu bench-ring bench-moe bench-mixed-memory bench-muon)
 
 describe() {
     case "$1" in
@@ -26,6 +26,7 @@ describe() {
         bench-ring) echo "python benchmarks/context_parallel.py --gpu-blocks --seq 32768 (ring blocks on Triton vs CP=1)" ;;
         bench-moe) echo "python benchmarks/moe.py --gpu (grouped GEMM vs a per-expert loop, bf16)" ;;
         bench-mixed-memory) echo "python benchmarks/mixed_memory.py --gpu (per-sample memory; offloaded step with / without overlap)" ;;
+        bench-muon) echo "python benchmarks/muon.py --gpu-ns (Newton-Schulz of a 4096x4096 matrix, bf16 and fp32)" ;;
         *) return 1 ;;
     esac
 }
@@ -46,6 +47,7 @@ else 'NO GPU')" && (nvidia-smi || true) && python -c "import torch, sys; sys.exi
         bench-ring) python benchmarks/context_parallel.py --gpu-blocks --seq 32768 ;;
         bench-moe) python benchmarks/moe.py --gpu ;;
         bench-mixed-memory) python benchmarks/mixed_memory.py --gpu --hidden 768 --layers 12 --seq 1024 --batch 8 ;;
+        bench-muon) python benchmarks/muon.py --gpu-ns --size 4096 ;;
     esac
 }
 
