@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megalite.distributed import comm
 from megalite.distributed.param_facts import tensor_parallel
+from megalite.optimizer import updates
 from megalite.optimizer.newton_schulz import flops, newton_schulz, scale_factor
 
 
@@ -105,6 +106,19 @@ class MuonMatrices:
         return _take(newton_schulz(whole, steps, kind, prec), dim, chunks, tp, rank) * scale
 
     # -- the step ---------------------------------------------------------------------------------------
+    def group_updates(self, flat_groups, groups, held, flat_grads):
+        """{id(muon flat group): its flat orthogonalised update}: each group's momentum (updates.py), then
+        every matrix of the rank. held[i]: the model parameter behind main param i."""
+        momenta = {}
+        for grp in flat_groups:
+            if grp.kind == "muon":
+                group = groups[grp.group_index]
+                u = updates.muon_momentum_(flat_grads[id(grp)], grp.states["momentum_buffer"], group["momentum"],
+                                           group["nesterov"])
+                momenta.update({held[i]: t for i, t in zip(grp.idx, u.split(grp.sizes))})
+        orth = self.updates(momenta)
+        return {id(grp): torch.cat([orth[held[i]] for i in grp.idx]) for grp in flat_groups if grp.kind == "muon"}
+
     def updates(self, u):
         """u: {param: this rank's momentum pieces (flat, its holding)} -> {param: the update's same
         pieces}. Collective over every sharding group, in the same order on every rank."""

@@ -305,7 +305,8 @@ class MixedPrecisionOptimizer:
                 if grp.grad is not None:  # offloaded: its gradients go down first (overlapped: while
                     self._host.down(grp, _flat_or_cat([grads[i] for i in grp.idx]))  # the device steps)
             flat_grads = {id(grp): _flat_or_cat([grads[i] for i in grp.idx]) for grp in self._flat if grp.grad is None}
-            orthogonal = self._muon_updates(groups, flat_grads)
+            # Muon's matrices: every momentum first, then all orthogonalised at once (collectives under ZeRO, TP)
+            orthogonal = self._muon.group_updates(self._flat, groups, self._held(), flat_grads) if self._muon else {}
 
             def adamw(grp, main, grad, out=None):
                 group = groups[grp.group_index]
@@ -327,7 +328,8 @@ class MixedPrecisionOptimizer:
                 if grp.kind == "adam":
                     adamw(grp, main, flat_grads[id(grp)], out)
                 else:
-                    self._elementwise(grp, groups[grp.group_index], main, flat_grads[id(grp)], orthogonal)
+                    updates.step_(grp.kind, groups[grp.group_index], main, flat_grads[id(grp)], grp.states,
+                                  orthogonal.get(id(grp)))
                     if out is not None:
                         out.copy_(main)
                 if scatter:
@@ -339,30 +341,6 @@ class MixedPrecisionOptimizer:
                     if grp.grad is not None:
                         self._host.step(grp, [copies[i] for i in grp.idx], lambda main, grad: adamw(grp, main, grad))
                 self._host.end()
-
-    def _muon_updates(self, groups, flat_grads):
-        """{muon group id: its flat orthogonalised update}: the momenta first, then every matrix."""
-        if self._muon is None:
-            return {}
-        held, momenta = self._held(), {}
-        for grp in self._flat:
-            if grp.kind == "muon":
-                group = groups[grp.group_index]
-                u = updates.muon_momentum_(flat_grads[id(grp)], grp.states["momentum_buffer"], group["momentum"],
-                                           group["nesterov"])
-                momenta.update({held[i]: t for i, t in zip(grp.idx, u.split(grp.sizes))})
-        orth = self._muon.updates(momenta)
-        return {id(grp): torch.cat([orth[held[i]] for i in grp.idx]) for grp in self._flat if grp.kind == "muon"}
-
-    @staticmethod
-    def _elementwise(grp, group, main, grad, orthogonal):
-        lr, wd = group["lr"], group["weight_decay"]
-        if grp.kind == "sgd":
-            updates.sgd_(main, grad, grp.states["momentum_buffer"], lr, wd, group["momentum"])
-        elif grp.kind == "lion":
-            updates.lion_(main, grad, grp.states["exp_avg"], lr, wd, *group["betas"])
-        else:
-            updates.muon_apply_(main, orthogonal[id(grp)], lr, wd)
 
     def _adopt_state(self, grp):
         """Keep optimizer.state's entries on the flat buffers and the step in grp.step. Loading

@@ -39,3 +39,15 @@ def muon_apply_(main, update, lr, weight_decay):
     if weight_decay:
         main.add_(main, alpha=-weight_decay * lr)
     main.add_(update, alpha=-lr)
+
+
+def step_(kind, group, main, grad, states, orthogonal=None):
+    """One param group's update by its optimizer's rule (not AdamW's); Muon's `orthogonal`: its matrices'
+    orthogonalised update, flat as main."""
+    lr, wd = group["lr"], group["weight_decay"]
+    if kind == "sgd":
+        sgd_(main, grad, states["momentum_buffer"], lr, wd, group["momentum"])
+    elif kind == "lion":
+        lion_(main, grad, states["exp_avg"], lr, wd, *group["betas"])
+    else:
+        muon_apply_(main, orthogonal, lr, wd)
