@@ -13,7 +13,7 @@ sqrt(max(out, in)) is 5.7-11 on these matrices, shape_scaling's 1-2: measured af
 largest parameter error is 1.2-1.3e-5 with spectral (beyond DESIGN's 1e-5) and 5.4-6.2e-6 with
 shape_scaling. The scale itself is a constant factor per matrix, checked on one process
 (tests/test_optimizers.py). Two spawned worlds: two ranks (TP2 + SP with each TP mode, PP2,
-DP2 with ZeRO-1/2/3, CP2, EP2) and four (TP2 x DP2 with ZeRO-1: Muon, SGD, Lion).
+DP2 with ZeRO-1/2/3, CP2, EP2, MLA at TP2 + SP) and four (TP2 x DP2 with ZeRO-1: Muon, SGD, Lion).
 """
 
 import os
@@ -34,6 +34,8 @@ MUON_FLAGS = ("--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-
               "shape_scaling")
 MUON = LLAMA + MUON_FLAGS
 MUON_MOE = MUON_FLAGS + MOE  # (the GPT-2-shaped MoE every MoE parity test shares)
+MLA = ("--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--normalization", "RMSNorm", "--disable-bias-linear")
 
 
 def shard_only():
@@ -57,6 +59,7 @@ TWO = [layout("muon_tp2_sp", tp=2, sp=True, model=MUON),
        layout("muon_dp2_zero3", dp=2, zero=3, model=MUON),
        layout("muon_cp2", cp=2, model=MUON),
        layout("muon_ep2_zero1", dp=2, zero=1, model=MUON_MOE, flags=("--expert-model-parallel-size", "2")),
+       layout("muon_mla_tp2_sp", tp=2, sp=True, model=MUON_FLAGS + MLA),  # MLA's projections: a matrix each
        ]
 FAULTS = [layout("muon_tp2_sp_fault_shard_only", tp=2, sp=True, model=MUON, fault=shard_only),
           layout("muon_dp2_zero1_fault_twice", dp=2, zero=1, model=MUON, fault=twice)]
