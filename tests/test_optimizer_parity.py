@@ -13,7 +13,8 @@ sqrt(max(out, in)) is 5.7-11 on these matrices, shape_scaling's 1-2: measured af
 largest parameter error is 1.2-1.3e-5 with spectral (beyond DESIGN's 1e-5) and 5.4-6.2e-6 with
 shape_scaling. The scale itself is a constant factor per matrix, checked on one process
 (tests/test_optimizers.py). Two spawned worlds: two ranks (TP2 + SP with each TP mode, PP2,
-DP2 with ZeRO-1/2/3, CP2, EP2, MLA at TP2 + SP) and four (TP2 x DP2 with ZeRO-1: Muon, SGD, Lion).
+DP2 with ZeRO-1/2/3, CP2, EP2, MLA at TP2 + SP) and four (TP2 x DP2 with ZeRO-1: Muon, SGD, Lion;
+Muon with the TP-distributed Newton-Schulz under ZeRO-2 and Lion for the scalar parameters).
 """
 
 import os
@@ -64,6 +65,8 @@ TWO = [layout("muon_tp2_sp", tp=2, sp=True, model=MUON),
 FAULTS = [layout("muon_tp2_sp_fault_shard_only", tp=2, sp=True, model=MUON, fault=shard_only),
           layout("muon_dp2_zero1_fault_twice", dp=2, zero=1, model=MUON, fault=twice)]
 FOUR = [layout("muon_tp2_dp2_zero1", tp=2, dp=2, zero=1, model=MUON),
+        layout("muon_tp2_dp2_zero2_distributed_lion", tp=2, dp=2, zero=2, sp=True,
+               model=MUON + ("--muon-scalar-optimizer", "lion"), flags=("--muon-tp-mode", "distributed")),
         layout("sgd_tp2_dp2_zero1", tp=2, dp=2, zero=1, model=LLAMA + ("--optimizer", "sgd", "--lr", "0.3")),
         layout("lion_tp2_dp2_zero1", tp=2, dp=2, zero=1, model=LLAMA + ("--optimizer", "lion", "--lr", "3e-3"))]
 
