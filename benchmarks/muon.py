@@ -132,7 +132,8 @@ def main():
               f"{r['work']['ns_flops'] / 1e9:>9.3f} {r['work']['ns_flops'] / mean:>8.3f} {r['work']['matrices']:>8} "
               f"{r['sent'] / 1024:>9.1f} {r['formula'] / 1024:>8.1f}")
     total = sum(r["work"]["ns_flops"] for r in ranks)
-    print(f"Newton-Schulz FLOPs over the ranks {total / 1e9:.3f} G = one process's {ranks[0]['total_flops'] / 1e9:.3f} G "
+    one = ranks[0]["total_flops"]
+    print(f"Newton-Schulz FLOPs over the ranks {total / 1e9:.3f} G = one process's {one / 1e9:.3f} G "
           f"(each matrix once); largest rank {max(r['work']['ns_flops'] for r in ranks) / mean:.3f} x the mean; "
           f"bytes sent / formula {sum(r['sent'] for r in ranks) / max(1, sum(r['formula'] for r in ranks)):.3f}")
 
