@@ -67,6 +67,7 @@ class ModelConfig:
     rotary_interleaved: bool = False  # rotate adjacent pairs (2i, 2i+1), not the two halves (GPT-J / Megatron)
     apply_layernorm_1p: bool = False  # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
     qk_layernorm: bool = False  # normalize queries and keys per head before attention
+    qk_clip: bool = False  # MuonClip: attention records its largest logit per head (optimizer/qk_clip.py)
     # fp16 attention scores computed / layer_number, multiplied back inside the fp32 softmax (Megatron)
     apply_query_key_layer_scaling: bool = False
     use_flash_attn: bool = False  # flash attention even with fused_kernels off
@@ -297,6 +298,8 @@ class TrainingConfig:
     muon_tp_mode: str = "duplicated"
     muon_extra_scale_factor: float = 1.0
     muon_scalar_optimizer: str = "adam"
+    qk_clip_threshold: float = 100.0  # --qk-clip (megalite/optimizer/qk_clip.py)
+    qk_clip_alpha: float = 0.5
     bf16: bool = False
     fp16: bool = False
     loss_scale: Optional[float] = None  # constant fp16 scale; None = dynamic

@@ -21,7 +21,8 @@ _OWN = {"--sgd-momentum": ("sgd_momentum", 0.9, ("sgd",)),
         "--muon-scalar-optimizer": ("muon_scalar_optimizer", "adam", ("muon",)),
         "--muon-use-syrk": ("muon_use_syrk", False, ("muon",))}
 # TrainingConfig's fields of the same names
-OPTIMIZER_FIELDS = tuple(dest for dest, _, _ in _OWN.values() if dest != "muon_use_syrk")
+OPTIMIZER_FIELDS = tuple(dest for dest, _, _ in _OWN.values() if dest != "muon_use_syrk") + ("qk_clip_threshold",
+                                                                                             "qk_clip_alpha")
 
 
 def add_optimizer_flags(a):
@@ -49,6 +50,11 @@ def add_optimizer_flags(a):
     a("--muon-extra-scale-factor", type=float, default=1.0, help="Muon: a further factor on the update")
     a("--muon-scalar-optimizer", default="adam", help="Muon: adam or lion for the parameters Muon does not take")
     a("--muon-use-syrk", action="store_true", help="accepted: the Gram matrix is a plain matmul")
+    a("--qk-clip", action="store_true",
+      help="MuonClip (Kimi K2, any optimizer): after each step, a query group whose largest attention logit "
+           "passed --qk-clip-threshold gets its q rows x eta^alpha and k rows x eta^(1-alpha), eta = threshold / max")
+    a("--qk-clip-threshold", type=float, default=100.0)
+    a("--qk-clip-alpha", type=float, default=0.5)
 
 
 def _given(args):
@@ -77,6 +83,7 @@ def validate_optimizer(args):
                                  ("--muon-scalar-optimizer", args.muon_scalar_optimizer, ("adam", "lion"))):
         if value not in allowed:
             raise ConfigError(f"{flag} {value} does not exist in megalite (choose from {', '.join(allowed)})")
+    _validate_qk_clip(args)
     if args.muon_num_ns_steps < 1:
         raise ConfigError(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be >= 1")
     if kind == "adam":
@@ -88,3 +95,23 @@ def validate_optimizer(args):
                      ("--use-mup", getattr(args, "use_mup", False))):
         if on:
             raise ConfigError(f"--optimizer {kind} with {flag} is not built in megalite (AdamW only)")
+
+
+def _validate_qk_clip(args):
+    if not args.qk_clip:
+        given = [f for f, v, d in (("--qk-clip-threshold", args.qk_clip_threshold, 100.0),
+                                   ("--qk-clip-alpha", args.qk_clip_alpha, 0.5)) if v != d]
+        if given:
+            raise ConfigError(f"{', '.join(given)} need --qk-clip")
+        return
+    if not 0.0 < args.qk_clip_alpha < 1.0 or args.qk_clip_threshold <= 0:
+        raise ConfigError(f"--qk-clip-alpha {args.qk_clip_alpha} must be in (0, 1) and --qk-clip-threshold "
+                          f"{args.qk_clip_threshold} > 0 (as Megatron)")
+    for flag, on in (("--multi-latent-attention", args.multi_latent_attention),
+                     ("--qk-layernorm (the normalised q and k would undo the clip)", args.qk_layernorm),
+                     ("a QKV bias (the clip scales the weights only; add --disable-bias-linear)",
+                      args.add_qkv_bias or not args.disable_bias_linear),
+                     ("--reset-attention-mask", getattr(args, "reset_attention_mask", False)),
+                     ("BERT (not causal)", args.model_type != "gpt")):
+        if on:
+            raise ConfigError(f"--qk-clip with {flag} is not built in megalite")

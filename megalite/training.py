@@ -23,6 +23,7 @@ from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.distributed.semi_sync_async import semi_sync_for
+from megalite.optimizer.qk_clip import after_step
 from megalite.evaluation import dataset_sizes, eval_batch, evaluate, mean_losses, report_splits, run_forward_backward
 from megalite.flops import num_floating_point_operations
 from megalite.iteration_plan import auto_shares, evaluation_plan, training_plan
@@ -76,6 +77,8 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
         count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only
         scale_grads_by_token_count(chunks, count)
     stepped, grad_norm = optimizer.step()
+    if chunks[0].module.config.qk_clip:  # MuonClip, after the update
+        after_step(chunks, optimizer, stepped)
     if timers is not None:  # --log-timers-to-tensorboard (host-side times)
         timers.update({"forward-backward": t1 - t0, "optimizer": time.perf_counter() - t1})
     return reported, stepped, grad_norm

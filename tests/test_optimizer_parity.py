@@ -35,6 +35,8 @@ MUON_FLAGS = ("--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-
               "shape_scaling")
 MUON = LLAMA + MUON_FLAGS
 MUON_MOE = MUON_FLAGS + MOE  # (the GPT-2-shaped MoE every MoE parity test shares)
+# MuonClip at a threshold the model's logits pass from step 2 on (its largest: 0.055 at step 1, up to 0.086)
+CLIP = MUON + ("--qk-clip", "--qk-clip-threshold", "0.06", "--qk-clip-alpha", "0.3")
 MLA = ("--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--normalization", "RMSNorm", "--disable-bias-linear")
 
@@ -61,6 +63,9 @@ TWO = [layout("muon_tp2_sp", tp=2, sp=True, model=MUON),
        layout("muon_cp2", cp=2, model=MUON),
        layout("muon_ep2_zero1", dp=2, zero=1, model=MUON_MOE, flags=("--expert-model-parallel-size", "2")),
        layout("muon_mla_tp2_sp", tp=2, sp=True, model=MUON_FLAGS + MLA),  # MLA's projections: a matrix each
+       layout("qk_clip_tp2_sp", tp=2, sp=True, model=CLIP),
+       layout("qk_clip_cp2", cp=2, model=CLIP),
+       layout("qk_clip_dp2_zero1", dp=2, zero=1, model=CLIP),
        ]
 FAULTS = [layout("muon_tp2_sp_fault_shard_only", tp=2, sp=True, model=MUON, fault=shard_only),
           layout("muon_dp2_zero1_fault_twice", dp=2, zero=1, model=MUON, fault=twice)]
@@ -172,3 +177,10 @@ def test_switching_optimizers_needs_no_load_optim(worlds, capsys):
         assert len(pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)) == 3
     finally:
         ps.destroy_model_parallel()
+
+
+def test_qk_clip_engages_in_the_reference():
+    """The clip layouts test something: the single process's weights with --qk-clip differ from without."""
+    clipped, plain = reference(TWO[-1])["params"], reference(layout("muon", model=MUON))["params"]
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert not (clipped[name] - plain[name]).abs().max() < 1e-4 * plain[name].abs().max()

@@ -210,6 +210,10 @@ def test_muon_takes_hidden_matrices_only(grid):
     (["--optimizer", "sgd", "--lion-beta1", "0.9"], "--lion-beta1 needs --optimizer lion"),
     (["--optimizer", "muon", "--fp16"], "--optimizer muon with --fp16"),
     (["--sgd-momentum", "0.5"], "--sgd-momentum needs --optimizer sgd"),
+    (["--qk-clip-threshold", "50"], "--qk-clip-threshold need --qk-clip"),
+    (["--qk-clip", "--disable-bias-linear", "--qk-clip-alpha", "1.5"], "--qk-clip-alpha 1.5 must be in (0, 1)"),
+    (["--qk-clip"], "--qk-clip with a QKV bias"),
+    (["--qk-clip", "--disable-bias-linear", "--qk-layernorm"], "--qk-clip with --qk-layernorm"),
 ])
 def test_bad_optimizer_flags_fail_in_one_line(argv, message):
     from megalite.arguments import check_args
@@ -218,3 +222,42 @@ def test_bad_optimizer_flags_fail_in_one_line(argv, message):
     with pytest.raises(ConfigError) as e:
         check_args(base + argv, 1)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_max_logits_match_their_definition():
+    """The largest causal q.k / sqrt(d) per query head (GQA: each key serves heads / groups queries)."""
+    from megalite.transformer.max_logit import max_logits
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 37, 6, 8, generator=g), torch.randn(2, 37, 3, 8, generator=g)
+    want = torch.full((6,), float("-inf"), dtype=torch.float64)
+    for h in range(6):
+        s = q[:, :, h].double() @ k[:, :, h // 2].double().transpose(1, 2) / 8 ** 0.5  # [b, s, t]
+        s = s.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf"))
+        want[h] = s.max()
+    got = max_logits(q, k)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+def test_qk_clip_brings_the_largest_logit_to_the_threshold(grid):
+    """After a step with --qk-clip, a query group whose largest logit passed the threshold sees exactly the
+    threshold on the same input (q x eta^alpha, k x eta^(1-alpha)); the other groups are untouched."""
+    from megalite.optimizer.qk_clip import clip_qk
+    config = tiny_config("llama", num_layers=1, qk_clip=True)
+    model = DistributedDataParallel(GPTModel(config), bucket_size=1000)
+    opt = MixedPrecisionOptimizer([model], TrainingConfig(global_batch_size=2))
+    attn = model.module.decoder.layers["0"].self_attention
+    ids, labels = batch(config)
+    model.train()
+    model(ids, labels=labels)
+    before = attn.max_logits.view(attn.groups_local, -1).amax(1)
+    threshold = float(before.sort().values[1])  # between the groups: some clipped, some not
+    assert (before > threshold).any() and (before <= threshold).any(), before
+    top = clip_qk([model], opt, threshold, 0.3)
+    assert top == before.max().item() and attn.max_logits is None
+    model(ids, labels=labels)
+    after = attn.max_logits.view(attn.groups_local, -1).amax(1)
+    for b, a in zip(before.tolist(), after.tolist()):
+        if b > threshold:
+            assert abs(a - threshold) <= 1e-5 * threshold, (before, after, threshold)
+        else:
+            assert a == b, (before, after)

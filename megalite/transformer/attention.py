@@ -13,6 +13,7 @@ from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear, ch
 from megalite.tensor_parallel.layers import init_normal
 from megalite.distributed.cp_comm import cp_size
 from megalite.transformer.cp_attention import context_parallel_attention
+from megalite.transformer.max_logit import max_logits
 from megalite.transformer.norm import build_norm
 from megalite.transformer.rope import apply_rotary
 from megalite.transformer.utils import output_init_std, param_seed
@@ -107,6 +108,7 @@ class SelfAttention(nn.Module):
             init_method=init_normal(output_init_std(c)), skip_bias_add=True,
             sequence_parallel=c.sequence_parallel, init_seed=param_seed(c.seed, prefix + ".linear_proj"),
             params_dtype=c.params_dtype, grid=grid)
+        self.max_logits = None  # --qk-clip: the largest q.k / sqrt(d) per local head since the last step
         self.query_scale = mup.query_scale(c)  # muP's softmax scale (megalite/mup.py); None: 1/sqrt(d)
         if c.qk_layernorm:  # per head, weights shared by the heads; a TP rank sees only its heads
             self.q_layernorm = build_norm(c, self.d, partial_grads=True, grid=grid)
@@ -129,6 +131,9 @@ class SelfAttention(nn.Module):
             k = apply_rotary(k, cos, sin, c.fused_kernels, c.rotary_interleaved)
         if self.query_scale is not None:  # every attention path below divides q.k by sqrt(d)
             q = q * self.query_scale
+        if c.qk_clip and self.training:  # MuonClip: this step's largest logit per head (optimizer/qk_clip.py)
+            m = max_logits(q, k, self.grid)
+            self.max_logits = m if self.max_logits is None else torch.maximum(self.max_logits, m)
         if inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
         if inference_cache is None and cp_size(self.grid) > 1:  # this rank's part of every sequence

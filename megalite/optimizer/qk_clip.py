@@ -1,0 +1,75 @@
+"""MuonClip (`--qk-clip`, Megatron's / Kimi K2's): after each optimizer step, every query group whose largest
+attention logit of the step passed the threshold gets its q rows scaled by eta^alpha and its k rows by
+eta^(1-alpha), eta = threshold / that logit, so the group's logits (q.k is bilinear; rope is a rotation)
+shrink by eta and the largest lands on the threshold.
+
+The maxima come from the attention forwards (transformer/max_logit.py: each rank's queries against whole
+sequences, CP's keys gathered) and are combined over DP x CP here (each DP rank saw other samples, each CP
+rank other queries); a TP rank holds whole heads, so TP needs nothing. The scaling is applied to the
+optimizer's fp32 main weights (ZeRO: each rank to its pieces), then the model's weights take them as after
+a step (publish_main_params: one copy, or ZeRO's all-gather) -- only on a step where some group was clipped,
+decided over the whole world so that every rank issues the same collectives.
+"""
+
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state as ps
+from megalite.transformer.attention import SelfAttention
+
+
+def _attention_layers(chunks):
+    return [m for c in chunks for m in c.modules() if isinstance(m, SelfAttention)]
+
+
+def _all_reduce_max(t, group=None):
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+
+@torch.no_grad()
+def clip_qk(chunks, optimizer, threshold, alpha):
+    """Clip this step's over-threshold query groups; returns this rank's largest logit (-inf: none seen)."""
+    layers = [a for a in _attention_layers(chunks) if a.max_logits is not None]
+    dev = ps.get_device()
+    clipped = torch.zeros(1, device=dev)
+    scales, top = [], torch.full((1,), float("-inf"), device=dev)
+    for attn in layers:
+        m, attn.max_logits = attn.max_logits, None
+        _all_reduce_max(m, ps.get_data_parallel_group(with_context_parallel=True))
+        grouped = m.view(attn.groups_local, attn.q_per_group).amax(dim=1)
+        top = torch.maximum(top, grouped.max().reshape(1))
+        eta = (threshold / grouped).clamp(max=1.0)
+        rows = torch.ones(attn.groups_local, attn.q_per_group + 2, attn.d, device=dev)
+        rows[:, :attn.q_per_group] = eta.pow(alpha)[:, None, None]
+        rows[:, attn.q_per_group] = eta.pow(1 - alpha)[:, None]
+        scales.append((attn.linear_qkv.weight, rows.reshape(-1)))
+        clipped = torch.maximum(clipped, (grouped > threshold).any().float().reshape(1))
+    _all_reduce_max(clipped)
+    if clipped.item():
+        _scale_rows(optimizer, scales)
+        optimizer.publish_main_params()
+    return top.item()
+
+
+def _scale_rows(optimizer, scales):
+    """main weights x the per-row factors of each weight (ZeRO: this rank's flat pieces of them)."""
+    factor = {id(w): rows for w, rows in scales}
+    pieces = getattr(optimizer, "pieces", None)
+    for i, (p, main) in enumerate(zip(optimizer._held(), optimizer.main_params)):
+        rows = factor.get(id(p))
+        if rows is None:
+            continue
+        flat = rows.repeat_interleave(p.shape[1])
+        start, end = (pieces[i].start, pieces[i].end) if pieces is not None else (0, p.numel())
+        main.view(-1).mul_(flat[start:end])
+
+
+def after_step(chunks, optimizer, stepped):
+    """The training loop's call: clip after an update; after a skipped (fp16) step only forget the maxima."""
+    c = optimizer.config
+    if stepped:
+        return clip_qk(chunks, optimizer, c.qk_clip_threshold, c.qk_clip_alpha)
+    for attn in _attention_layers(chunks):
+        attn.max_logits = None
+    return None
