@@ -39,8 +39,11 @@ def moe_losses(config, num_microbatches, total=None):
                 vals[j, i] = aux_losses[n][layer].to(dev)
     aux_losses.clear()
     vals = _over_batch_and_stages(vals, num_microbatches, total)
-    if config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:  # each TP rank's part
-        dist.all_reduce(vals, group=ps.get_tensor_model_parallel_group())
+    tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
+    cp = ps.get_context_parallel_world_size()
+    if tp * cp > 1:  # each TP (under SP) and CP rank's part
+        dist.all_reduce(vals, group=ps.get_tensor_and_context_parallel_group() if cp > 1
+                        else ps.get_tensor_model_parallel_group())
     out = dict(zip(names, (vals.sum(dim=1) / len(layers)).unbind()))
     if config.moe_per_layer_logging:
         out.update({f"moe/{n}_layer_{layer}": vals[j, i] for j, n in enumerate(names) for i, layer in enumerate(layers)})

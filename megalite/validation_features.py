@@ -67,7 +67,6 @@ def _validate_moe(args):
                                                        "megalite; use allgather or alltoall"),
             (args.tensor_model_parallel_size > 1 and not args.sequence_parallel,
              "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)"),
-            (args.context_parallel_size > 1, "MoE with --context-parallel-size > 1 is not implemented in megalite yet"),
             (args.expert_tensor_parallel_size not in (None, 1, args.tensor_model_parallel_size),
              f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: megalite shards experts over 1 rank "
              f"or over the tensor-parallel group ({args.tensor_model_parallel_size})"),

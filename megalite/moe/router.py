@@ -30,7 +30,7 @@ from torch import nn
 
 from megalite import decisions, mup, parallel_state as ps
 from megalite.tensor_parallel.init import ConstantRecipe, init_normal, param_seed, replicated_init, with_recipe
-from megalite.tensor_parallel.mappings import all_reduce_sum_tp
+from megalite.tensor_parallel.mappings import all_reduce_sum_tp_cp
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -122,8 +122,9 @@ def topk_routing(logits, topk, score_function="softmax", pre_softmax=False, scal
 def sinkhorn(cost, tol=1e-4, tp=1, grid=None):
     """Megatron's Sinkhorn balancing of exp(cost) [T, E] (no gradient): d0 (per token) and d1 (per
     expert) alternate until d1 moves by less than tol on average; returns d1 · exp(cost) · d0. tp > 1:
-    this rank holds 1/tp of the micro-batch's tokens (sequence parallelism): the column sums and the
-    token count are the micro-batch's (summed over TP), so every layout balances the same tokens."""
+    this rank holds 1/tp of the micro-batch's tokens (sequence and context parallelism): the column sums
+    and the token count are the micro-batch's (summed over TP x CP), so every layout balances the same
+    tokens."""
     cost = torch.exp(cost)
     tokens = cost.shape[0] * tp
     d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
@@ -133,7 +134,7 @@ def sinkhorn(cost, tol=1e-4, tp=1, grid=None):
         d0 = (1 / tokens) / (torch.sum(d1 * cost, 1) + eps)
         cols = torch.sum(d0.unsqueeze(1) * cost, 0)
         if tp > 1:
-            cols = all_reduce_sum_tp(cols, grid=grid)
+            cols = all_reduce_sum_tp_cp(cols, grid=grid)
         d1 = (1 / d1.shape[0]) / (cols + eps)
         error = torch.mean(torch.abs(d1_old - d1))
         d1_old = d1
@@ -191,8 +192,9 @@ class TopKRouter(nn.Module):
         self.weight = with_recipe(nn.Parameter(w.to(device=ps.get_device(), dtype=c.params_dtype)), recipe)
         self.weight.use_muon = False  # --optimizer muon: the router goes to the scalar optimizer
         # under sequence parallelism each TP rank routes its own tokens: partial gradients, summed over TP
-        self.tp = self.grid.tp if c.sequence_parallel else 1
-        self.weight.sequence_parallel = self.tp > 1
+        self.weight.sequence_parallel = c.sequence_parallel and self.grid.tp > 1
+        # the ranks that share a micro-batch's tokens (TP under SP, and CP): the losses' token sums span them
+        self.tp = (self.grid.tp if c.sequence_parallel else 1) * self.grid.cp
         self.dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
         self.expert_bias, self.local_tokens_per_expert = None, None
         if c.moe_router_enable_expert_bias:  # aux-loss-free balancing: learnt by counting, not by gradient
@@ -223,7 +225,7 @@ class TopKRouter(nn.Module):
         """x [T, h] (T = s·b tokens, sequence-major) -> (probs [T, E], routing map [T, E])."""
         c = self.config
         logits = torch.nn.functional.linear(x.to(self.dtype), self.weight.to(self.dtype))
-        tp = self.tp  # the losses are of the whole micro-batch: this rank's tokens are 1/tp of it
+        tp = self.tp  # the losses are of the whole micro-batch: this rank's tokens are 1/tp of it (TP x CP)
         if c.moe_z_loss_coeff and torch.is_grad_enabled():  # not in evaluation, nor twice under recompute
             zl = z_loss(logits, c.moe_z_loss_coeff, x.shape[0] * tp)
             _record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
@@ -237,19 +239,19 @@ class TopKRouter(nn.Module):
                                               self.expert_bias, c.moe_router_num_groups, c.moe_router_group_topk)
         if kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
             scores = _scores_for_aux(logits, c.moe_router_score_function)
-            # token counts of the whole micro-batch (summed over TP under SP); the probabilities stay
-            # this rank's, so the TP ranks' losses (and gradients) sum to the micro-batch's
+            # token counts of the whole micro-batch (summed over TP under SP and over CP); the probabilities
+            # stay this rank's, so the TP x CP ranks' losses (and gradients) sum to the micro-batch's
             if kind == "aux_loss":
                 counts = routing_map.sum(dim=0).to(scores.dtype)
                 if tp > 1:
-                    counts = all_reduce_sum_tp(counts, grid=self.grid)
+                    counts = all_reduce_sum_tp_cp(counts, grid=self.grid)
                 aux = switch_aux_loss(scores, counts, x.shape[0] * tp, c.moe_router_topk, c.moe_aux_loss_coeff)
             else:  # per sequence: tokens are [s, b] flattened, so sequence j is every b-th row from j
                 b = x.shape[0] // seq_length
                 seq_scores = scores.view(seq_length, b, -1).transpose(0, 1)
                 counts = routing_map.view(seq_length, b, -1).sum(dim=0).to(scores.dtype)  # [b, E]
                 if tp > 1:
-                    counts = all_reduce_sum_tp(counts, grid=self.grid)
+                    counts = all_reduce_sum_tp_cp(counts, grid=self.grid)
                 aux = sum(switch_aux_loss(seq_scores[j], counts[j], seq_length * tp, c.moe_router_topk,
                                           c.moe_aux_loss_coeff) for j in range(b)) / b
             _record("load_balancing_loss", self.layer_number, aux / c.moe_aux_loss_coeff)

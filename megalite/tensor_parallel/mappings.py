@@ -210,6 +210,14 @@ def all_reduce_max_tp(x, grid=None):
     return x
 
 
+def all_reduce_sum_tp_cp(x, grid=None):
+    """In-place sum over TP x CP: the ranks that share one micro-batch's tokens under SP and CP (no autograd)."""
+    g = ps.current_grid(grid)
+    if g.tp * g.cp > 1:
+        dist.all_reduce(x, group=g.tp_cp_group if g.cp > 1 else g.tp_group)
+    return x
+
+
 def all_reduce_sum_tp(x, grid=None):
     """In-place sum over the TP group (no autograd)."""
     n, group = _tp(ps.current_grid(grid))

@@ -1,0 +1,100 @@
+"""MoE under context parallelism (issue 38, item 1) against the single process (tests/parity.py: losses with
+the aux and z losses, every gradient before clipping including routers and experts, grad norms, parameters
+after 6 steps, DESIGN's fp32 bound; routing choices that are ties replayed, tests/decision_replay.py).
+
+A CP rank's tokens are routed and dispatched like any other local tokens; what needs the whole micro-batch
+sums over TP x CP: the aux losses' token counts and token totals (micro-batch and per sequence), sinkhorn's
+column sums, the logged losses; the expert-bias counts sum over the stage (TP x CP x DP). The expert grid
+spans TP x CP x DP inside a stage (EP ranks may sit on different CP ranks). One spawn of 4 gloo ranks.
+"""
+
+import dataclasses
+
+import pytest
+
+from parity import MOE, MOE_BIAS, assert_parity, layout, mismatches, patched, reference, start_layouts, train
+
+SEQ_AUX = MOE + ("--moe-router-load-balancing-type", "seq_aux_loss")
+SINKHORN = tuple(a if a != "0.01" else "0" for a in MOE) + ("--moe-router-load-balancing-type", "sinkhorn")
+_LOGGED = []
+
+
+def ep(n, kind="alltoall"):
+    return ("--expert-model-parallel-size", str(n), "--moe-token-dispatcher-type", kind)
+
+
+def record_logged():
+    """Record the log line's router losses (a layout's `fault` slot: applied in every rank)."""
+    import megalite.moe_logging as moe_logging
+    original = moe_logging.moe_losses
+
+    def recording(*a, **k):
+        out = original(*a, **k)
+        _LOGGED.append({n: float(v) for n, v in out.items()})
+        return out
+    return patched(moe_logging, "moe_losses", recording)
+
+
+def counts_per_cp_chunk():
+    """Fault: the aux losses' token counts summed over TP only (each CP chunk balanced on its own)."""
+    from megalite.moe import router
+    from megalite.tensor_parallel.mappings import all_reduce_sum_tp
+    return patched(router, "all_reduce_sum_tp_cp", all_reduce_sum_tp)
+
+
+LAYOUTS = [
+    layout("moe_tp2_sp_cp2_p2p", tp=2, sp=True, cp=2, model=MOE, fault=record_logged),
+    layout("moe_tp2_sp_cp2_a2a_ep2_seq_aux", tp=2, sp=True, cp=2, cp_comm="a2a", model=SEQ_AUX,
+           flags=ep(2), fault=record_logged),
+    layout("moe_cp2_dp2_ep4_zero1_expert_bias", cp=2, dp=2, zero=1, model=MOE + MOE_BIAS, flags=ep(4, "allgather")),
+    layout("moe_cp2_dp2_ep2_sinkhorn", cp=2, dp=2, model=SINKHORN, flags=ep(2)),
+]
+FAULTS = [layout("fault_seq_aux_per_cp_chunk", tp=2, sp=True, cp=2, model=SEQ_AUX, flags=ep(2),
+                 fault=counts_per_cp_chunk)]
+
+
+def _collect(chunks, opt):
+    counts = [m.last_tokens_per_expert.tolist() for c in chunks for m in c.modules()
+              if getattr(m, "expert_bias", None) is not None]
+    logged = list(_LOGGED)
+    _LOGGED.clear()
+    return {"counts": counts, "logged": logged}
+
+
+@pytest.fixture(scope="module")
+def world():
+    lays = LAYOUTS + FAULTS
+    return dict(zip([lay.name for lay in lays], start_layouts(lays, 4, _collect).result()))
+
+
+@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)
+def test_moe_under_context_parallelism_matches_single_process(world, lay):
+    assert_parity(lay, world[lay.name])
+
+
+def test_expert_bias_counts_every_token_once_under_cp(world):
+    """The routers' counts of a step: 8 sequences x 16 tokens x k = 2, summed over CP's halves and DP."""
+    for r in world["moe_cp2_dp2_ep4_zero1_expert_bias"]:
+        counts = r["collected"]["counts"]
+        assert len(counts) == 4 and all(sum(c) == 8 * 16 * 2 for c in counts), counts
+
+
+@pytest.mark.parametrize("name", ["moe_tp2_sp_cp2_p2p", "moe_tp2_sp_cp2_a2a_ep2_seq_aux"])
+def test_logged_router_losses_are_the_single_processs_under_cp(world, name):
+    lay = LAYOUTS[[x.name for x in LAYOUTS].index(name)]
+    with record_logged():
+        train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
+    want = list(_LOGGED)
+    _LOGGED.clear()
+    assert len(want) == 6 and set(want[0]) == {"load_balancing_loss", "z_loss"}, want
+    for r in world[name]:
+        got = r["collected"]["logged"]
+        assert len(got) == len(want), (got, want)
+        for g, w in zip(got, want):
+            for k in w:
+                assert abs(g[k] - w[k]) <= 1e-5 * abs(w[k]), (name, r["coords"], g, w)
+
+
+@pytest.mark.parametrize("lay", FAULTS, ids=lambda lay: lay.name)
+def test_faults_are_caught(world, lay):
+    assert mismatches(lay, world[lay.name], reference(lay)), f"{lay.name} went unseen"
