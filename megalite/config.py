@@ -225,9 +225,7 @@ class ModelConfig:
                 (self.qk_layernorm and self.q_lora_rank is None,
                  "--qk-layernorm with --multi-latent-attention needs --q-lora-rank (the norm is on the query latent)"),
                 (self.add_qkv_bias, "--add-qkv-bias: multi-latent attention's projections have no biases (as Megatron)"),
-                (self.model_type != "gpt", "--multi-latent-attention is implemented for GPT models only"),
-                (self.cp_comm_type is not None,
-                 "--multi-latent-attention with --context-parallel-size > 1 is not implemented in megalite")):
+                (self.model_type != "gpt", "--multi-latent-attention is implemented for GPT models only")):
             if cond:
                 raise ConfigError(msg)
 
@@ -243,6 +241,8 @@ class ModelConfig:
                 (bool(missing), f"--experimental-attention-variant dsa needs {', '.join(missing)} >= 1"),
                 (self.add_bias_linear,
                  "--experimental-attention-variant dsa needs --disable-bias-linear (as Megatron)"),
+                (self.cp_comm_type is not None, "--experimental-attention-variant dsa with --context-parallel-size > 1 "
+                                                "is not built in megalite (its indexer scores every key of a sequence)"),
                 (self.dsa_indexer_topk_freq != 1, f"--dsa-indexer-topk-freq {self.dsa_indexer_topk_freq}: sharing "
                                                   "top-k indices across layers is not implemented in megalite (use 1)"),
                 (self.dsa_indexer_skip_topk_offset < 0,

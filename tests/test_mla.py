@@ -241,7 +241,6 @@ def test_mla_flags_and_refusals_are_one_line_each(capsys):
             plain.rotary_scaling_factor, plain.mscale, plain.mscale_all_dim) == (None, 32, 128, 64, 128, 1.0, 1.0, 0.0)
     for extra, words in ((["--group-query-attention", "--num-query-groups", "2"], "exclusive"),
                          (["--qk-layernorm"], "needs --q-lora-rank"),
-                         (["--context-parallel-size", "2"], "--context-parallel-size > 1 is not implemented"),
                          (["--rotary-interleaved"], "--rotary-interleaved does not work"),
                          (["--qk-pos-emb-head-dim", "3"], "rotary dim of 3"),
                          (["--tensor-model-parallel-size", "2", "--num-attention-heads", "3", "--hidden-size", "33"],

@@ -27,6 +27,7 @@ its block masks for the backward.
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 from kernels.flash_attention import MAX_HEAD_DIM
@@ -307,34 +308,50 @@ def _mask(qi, ki, doc_mask):
 
 
 def context_parallel_attention(q, k, v, kind, dropout_p, training, core_attention, fused=False, doc_mask=None,
-                               grid=None):
-    """This CP rank's attention output [b, s, hq, d] for q [b, s, hq, d], k, v [b, s, hkv, d].
+                               grid=None, softmax_scale=None):
+    """This CP rank's attention output [b, s, hq, dv] for q [b, s, hq, d], k [b, s, hkv, d], v [b, s, hkv, dv].
     core_attention: the local attention (megalite.transformer.attention.core_attention) that
     a2a and allgather run with an explicit mask by global index. doc_mask: the whole
     sequence's [b, 1, S, S] (--reset-attention-mask), or its key-padding mask [b, 1, 1, S]
-    (BERT: non-causal); default causal. grid: whose CP groups (default the global one)."""
+    (BERT: non-causal); default causal. grid: whose CP groups (default the global one).
+    softmax_scale: default 1/sqrt(d). dv != d (multi-latent attention): the ring paths carry K and V
+    in one buffer, so the smaller side travels zero-padded to the larger (zeros change no dot product
+    and no output column that is kept); a2a moves them apart and needs none."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     with contextlib.nullcontext() if fused else kernels.use_backend("torch"):  # --no-fused-kernels: no Triton
         return _cp_attention(q, k, v, kind, dropout_p if training else 0.0, core_attention, fused, doc_mask,
-                             ps.current_grid(grid))
+                             ps.current_grid(grid), scale)
 
 
-def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask, grid):
+def _padded_ring(q, k, v, p, scale, **kw):
+    """ring_attention for v's head dim != q's: the smaller zero-padded to the larger, the output cut to dv."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        return ring_attention(q, k, F.pad(v, (0, d - dv)), p, scale, **kw)[..., :dv]
+    if dv > d:
+        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    return ring_attention(q, k, v, p, scale, **kw)
+
+
+def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask, grid, scale):
     n, r = grid.cp, grid.cp_rank
     s = q.shape[1]
     if kind == "p2p":
-        return ring_attention(q, k, v, p, ring=Ring(grid.cp_group, grid.cp_ranks), doc_mask=doc_mask)
+        return _padded_ring(q, k, v, p, scale, ring=Ring(grid.cp_group, grid.cp_ranks), doc_mask=doc_mask)
     if kind == "allgather":  # the gathered K/V as one block (kept for the backward only as inputs)
         kg, vg = all_gather_over_cp(k, 1, grid), all_gather_over_cp(v, 1, grid)  # [b, n*s, hkv, d] in rank order
         qi, ki = local_token_index(s, r, n), _global_index(s, n)  # host: the ring plans there
-        return ring_attention(q, kg, vg, p, ring=_OneBlock(), doc_mask=doc_mask, index_of=lambda j: ki, q_index=qi)
+        return _padded_ring(q, kg, vg, p, scale, ring=_OneBlock(), doc_mask=doc_mask, index_of=lambda j: ki,
+                            q_index=qi)
     if kind == "a2a":
         qa, ka, va = (all_to_all_over_cp(t, 2, 1, grid=grid) for t in (q, k, v))  # heads out, sequence in
         gi = _global_index(s, n, q.device)
         if doc_mask is not None:
-            out = core_attention(qa, ka, va, p, fused, True, attn_mask=_mask(gi, gi, doc_mask))
+            out = core_attention(qa, ka, va, p, fused, True, attn_mask=_mask(gi, gi, doc_mask), softmax_scale=scale)
         else:  # the whole sequence in its natural order: plain causal attention (flash, no mask)
             order = torch.argsort(gi)
-            out = core_attention(*(t.index_select(1, order) for t in (qa, ka, va)), p, fused, True)
+            out = core_attention(*(t.index_select(1, order) for t in (qa, ka, va)), p, fused, True,
+                                 softmax_scale=scale)
             out = out.index_select(1, gi)  # back to the gathered order (gi inverts the sort)
         return all_to_all_over_cp(out, 1, 2, grid=grid)
     if kind == "a2a+p2p":
@@ -346,6 +363,6 @@ def _cp_attention(q, k, v, kind, p, core_attention, fused, doc_mask, grid):
             return torch.cat([local_token_index(s, j * a + i, n) for i in range(a)])
         ring = Ring(outer, outer_ranks)
         assert ring.rank == cp_ranks.index(grid.rank) // a
-        out = ring_attention(qa, ka, va, p, ring=ring, doc_mask=doc_mask, index_of=index_of)
+        out = _padded_ring(qa, ka, va, p, scale, ring=ring, doc_mask=doc_mask, index_of=index_of)
         return all_to_all_over_cp(out, 1, 2, inner)
     raise ValueError(f"--cp-comm-type {kind!r} is not one of {', '.join(COMM_TYPES)}")

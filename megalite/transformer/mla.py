@@ -34,6 +34,7 @@ from megalite.tensor_parallel import (
 )
 from megalite.tensor_parallel.init import init_normal, param_seed
 from megalite.transformer.attention import core_attention
+from megalite.transformer.cp_attention import context_parallel_attention
 from megalite.transformer.dsa import DSAttention
 from megalite.transformer.norm import build_norm
 from megalite.transformer.rope import apply_rotary
@@ -120,8 +121,6 @@ class MLASelfAttention(nn.Module):
         """x [s, b, h] (sequence-sharded under SP); rotary: MLA's (cos, sin) tables (yarn.py) at this
         micro-batch's positions -> (out [s, b, h], bias or None)."""
         c = self.config
-        if cp_size(self.grid) > 1:
-            raise NotImplementedError("multi-latent attention with context parallelism")  # refused by ModelConfig
         q, k, v, q_latent = self.qkv(x, rotary, latent=True)
         b, s = q.shape[:2]
         dsa_loss = None
@@ -132,9 +131,16 @@ class MLASelfAttention(nn.Module):
             attn_mask, dsa_loss = self.core_attention(x, q_latent, q, k, rotary, attn_mask)
         elif inference_cache is not None:
             k, v, attn_mask = inference_cache.extend(id(self), k, v)
-        args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
-                self.layer_number if c.apply_query_key_layer_scaling else None, self.softmax_scale)
-        ctx = checkpoint(core_attention, *args) if c.recompute_granularity == "selective" else core_attention(*args)
+        if inference_cache is None and cp_size(self.grid) > 1:  # this rank's part of every sequence (not DSA)
+            kinds = c.cp_comm_type or ["p2p"]
+            fn = context_parallel_attention
+            args = (q, k, v, kinds[0] if len(kinds) == 1 else kinds[self.layer_number - 1], c.attention_dropout,
+                    self.training, core_attention, c.fused_kernels, attn_mask, self.grid, self.softmax_scale)
+        else:
+            fn = core_attention
+            args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
+                    self.layer_number if c.apply_query_key_layer_scaling else None, self.softmax_scale)
+        ctx = checkpoint(fn, *args) if c.recompute_granularity == "selective" else fn(*args)
         if dsa_loss is not None:
             ctx = self.core_attention.attach(ctx, dsa_loss)
         ctx = ctx.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, heads * dv]

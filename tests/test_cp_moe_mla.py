@@ -1,11 +1,15 @@
-"""MoE under context parallelism (issue 38, item 1) against the single process (tests/parity.py: losses with
+"""MoE and multi-latent attention under context parallelism (issue 38, items 1 and 2) against the single process (tests/parity.py: losses with
 the aux and z losses, every gradient before clipping including routers and experts, grad norms, parameters
 after 6 steps, DESIGN's fp32 bound; routing choices that are ties replayed, tests/decision_replay.py).
 
 A CP rank's tokens are routed and dispatched like any other local tokens; what needs the whole micro-batch
 sums over TP x CP: the aux losses' token counts and token totals (micro-batch and per sequence), sinkhorn's
 column sums, the logged losses; the expert-bias counts sum over the stage (TP x CP x DP). The expert grid
-spans TP x CP x DP inside a stage (EP ranks may sit on different CP ranks). One spawn of 4 gloo ranks.
+spans TP x CP x DP inside a stage (EP ranks may sit on different CP ranks).
+
+MLA: its queries and keys (nope + rope parts, YaRN positions by global token index) and values of
+another head size go through every CP comm type: the ring paths carry V zero-padded to the query/key
+head size (or Q/K padded to V's), a2a moves them apart. One spawn of 4 gloo ranks.
 """
 
 import dataclasses
@@ -49,6 +53,18 @@ LAYOUTS = [
     layout("moe_cp2_dp2_ep4_zero1_expert_bias", cp=2, dp=2, zero=1, model=MOE + MOE_BIAS, flags=ep(4, "allgather")),
     layout("moe_cp2_dp2_ep2_sinkhorn", cp=2, dp=2, model=SINKHORN, flags=ep(2)),
 ]
+# q from a latent (with its norm), YaRN with mscales; value heads smaller (10) or larger (16) than q/k's 8 + 4
+MLA = ("--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--qk-layernorm", "--normalization", "RMSNorm", "--rotary-scaling-factor", "4",
+       "--mscale", "1.0", "--mscale-all-dim", "0.8", "--disable-bias-linear", "--untie-embeddings-and-output-weights")
+LAYOUTS += [
+    layout("mla_cp2_dp2_p2p_dv10", cp=2, dp=2, model=MLA + ("--v-head-dim", "10")),
+    layout("mla_tp2_sp_cp2_a2a_dv16", tp=2, sp=True, cp=2, cp_comm="a2a", model=MLA + ("--v-head-dim", "16")),
+    layout("mla_cp2_dp2_allgather_dv16_zero1", cp=2, dp=2, zero=1, cp_comm="allgather",
+           model=MLA + ("--v-head-dim", "16")),
+    layout("mla_moe_tp2_sp_cp2_p2p_ep2", tp=2, sp=True, cp=2, model=MLA + ("--v-head-dim", "10") + MOE,
+           flags=ep(2)),
+]
 FAULTS = [layout("fault_seq_aux_per_cp_chunk", tp=2, sp=True, cp=2, model=SEQ_AUX, flags=ep(2),
                  fault=counts_per_cp_chunk)]
 
@@ -68,7 +84,7 @@ def world():
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)
-def test_moe_under_context_parallelism_matches_single_process(world, lay):
+def test_under_context_parallelism_matches_single_process(world, lay):
     assert_parity(lay, world[lay.name])
 
 
@@ -98,3 +114,16 @@ def test_logged_router_losses_are_the_single_processs_under_cp(world, name):
 @pytest.mark.parametrize("lay", FAULTS, ids=lambda lay: lay.name)
 def test_faults_are_caught(world, lay):
     assert mismatches(lay, world[lay.name], reference(lay)), f"{lay.name} went unseen"
+
+
+def test_dsa_under_context_parallelism_is_one_line():
+    from megalite.arguments import check_args
+    from megalite.config import ConfigError
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "1", "--lr", "1e-3", "--vocab-size", "64", "--context-parallel-size", "2",
+            *MLA, "--v-head-dim", "12", "--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "2",
+            "--dsa-indexer-head-dim", "8", "--dsa-indexer-topk", "4"]
+    with pytest.raises(ConfigError) as e:
+        check_args(argv, 2)
+    assert "dsa with --context-parallel-size > 1 is not built" in str(e.value) and "\n" not in str(e.value)
