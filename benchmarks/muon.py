@@ -76,7 +76,7 @@ def _job(a):
     before = dict(muon._muon.stats)
     _step(*runs["muon"], a.steps + 1)
     work = {k: muon._muon.stats[k] - before[k] for k in before}
-    sent = comm.counts().get("all_to_all", {}).get("wire_bytes", 0)
+    sent = comm.counts().get("muon_all_to_all", {}).get("wire_bytes", 0)
     formula = 0  # this rank's pieces of others' matrices (there), the others' pieces of its own (back)
     for group, d, me, hs, owner in muon._muon.plans:
         for h, o in zip(hs, owner):

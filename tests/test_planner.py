@@ -221,9 +221,8 @@ def test_predict_keeps_the_users_layout_or_says_why_not():
 
 def test_what_the_planner_does_not_model_is_one_line():
     for extra, zero in ((["--optimizer-cpu-offload"], 1), (["--semi-sync-method", "diloco"], 1),
-                        (["--hierarchical-grad-reduce"], 0), (["--optimizer", "muon"], 1)):
+                        (["--hierarchical-grad-reduce"], 0)):
         lay = Layout(1, 1, 1, 8, None, None, zero, None, 1, False)
         with pytest.raises(ConfigError) as e:
             cost.predict(validated(GPT + extra, lay, 8), lay, parse_cluster("8xA100-80GB"))
-        said = " ".join(extra) if extra[0] == "--optimizer" else extra[0]
-        assert f"does not model {said}" in str(e.value) and "\n" not in str(e.value)
+        assert f"does not model {extra[0]}" in str(e.value) and "\n" not in str(e.value)

@@ -1,5 +1,6 @@
 """The planner's memory and traffic models (megalite/planner/memory.py, traffic.py) against what ranks keep
-and send: for layouts over TP, PP (interleaved too), CP, EP, ZeRO-1/2/3, fp32 and bf16, every rank's
+and send: for layouts over TP, PP (interleaved too), CP, EP, ZeRO-1/2/3, fp32 and bf16, AdamW, SGD, Lion and
+Muon, every rank's
 predicted weights + gradients + optimizer bytes equal, to the byte, what optimizer/memory.py's
 training_state_bytes measures after a step, and its predicted data-parallel wire bytes per collective what
 distributed/comm.py counted during that step. One spawn of 4 gloo ranks runs them all."""
@@ -26,6 +27,14 @@ LAYOUTS = {
                                         "--expert-model-parallel-size", "2",
                                      "--expert-tensor-parallel-size", "1", "--bf16") + ZERO + ("2",),
     "dp4_decoupled_lr_odd_bucket": ("--decoupled-lr", "1e-3", "--ddp-bucket-size", "1000") + ZERO + ("1",),
+    # other optimizers' states; Muon's whole-matrix traffic (ZeRO all-to-alls, TP gathers) counted too
+    "dp4_sgd_bf16": ("--optimizer", "sgd", "--bf16"),
+    "tp2_sp_dp2_zero1_lion": ("--optimizer", "lion", "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    + ZERO + ("1",),
+    "tp2_sp_dp2_zero2_muon_bf16": ("--optimizer", "muon", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--bf16", "--ddp-bucket-size", "2000") + ZERO + ("2",),
+    "ep2_dp4_zero1_muon_lion": MOE + ("--optimizer", "muon", "--muon-scalar-optimizer", "lion",
+                                      "--expert-model-parallel-size", "2") + ZERO + ("1",),
 }
 
 
@@ -52,8 +61,11 @@ def _measure_and_predict(layouts):
         predicted = training_state(args, mcfg, grid)
         m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
         sent = {op: c["wire_bytes"] for op, c in comm.counts().items()}
+        from megalite.planner.optimizer_step import muon_plan
+        muon = getattr(opt, "_muon", None)
         out.append((training_state_bytes(chunks, opt), predicted.total, vars(predicted), sent,
-                    dp_wire_bytes(args, mcfg, grid, m)))
+                    dp_wire_bytes(args, mcfg, grid, m), muon.stats["ns_flops"] if muon else 0,
+                    muon_plan(args, mcfg, grid)["flops"]))
         ps.destroy_model_parallel()
     return out
 
@@ -73,7 +85,16 @@ def test_predicted_state_bytes_equal_the_measured(world, i):
 @pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=list(LAYOUTS))
 def test_predicted_data_parallel_bytes_equal_the_counted(world, i):
     for rank, results in enumerate(world):
-        sent, predicted = results[i][3:]
+        sent, predicted = results[i][3:5]
         for op in set(sent) | {k for k, v in predicted.items() if v}:
             assert abs(sent.get(op, 0.0) - predicted.get(op, 0.0)) < 1e-6 * max(1.0, sent.get(op, 0.0)), \
                 f"rank {rank} {op}: predicted {predicted.get(op, 0.0):.0f} wire bytes, counted {sent.get(op, 0.0):.0f}"
+
+
+@pytest.mark.parametrize("i", [i for i, k in enumerate(LAYOUTS) if "muon" in k], ids=[k for k in LAYOUTS if "muon" in k])
+def test_predicted_newton_schulz_work_equals_the_done(world, i):
+    """The Newton-Schulz FLOPs the planner gives each rank (its matrices by the same balanced assignment) are
+    those the rank's Muon did in the step."""
+    for rank, results in enumerate(world):
+        done, predicted = results[i][5:]
+        assert done > 0 and predicted == done, f"rank {rank}: predicted {predicted} Newton-Schulz FLOPs, done {done}"

@@ -42,9 +42,12 @@ class Holding:
 
 
 class MuonMatrices:
-    def __init__(self, holdings, config):
+    def __init__(self, holdings, config, tp_size=None):
+        """tp_size(p): the TP size p is sharded over (default: the grid's, param_facts; the planner passes its
+        layout's)."""
         c = config
         self.c, self.holdings = c, holdings
+        self.tp_size = tp_size or (lambda p: tensor_parallel(p)[0])
         self.stats = {"ns_flops": 0, "matrices": 0}  # this rank's Newton-Schulz work (benchmarks, tests)
         self.plans = []  # per sharding group: (group, d, rank, holdings, owner per holding)
         by_group = {}
@@ -65,15 +68,26 @@ class MuonMatrices:
         return [t.reshape(-1, m.shape[-1]) for t in torch.split(g, split, dim=1)], g.shape
 
     def _global_shape(self, p, shape):
-        tp = tensor_parallel(p)[0]
+        tp = self.tp_size(p)
         if tp > 1 and getattr(p, "tensor_model_parallel", False) and self.c.muon_tp_mode != "blockwise":
             dim = p.partition_dim
             return tuple(n * tp if d == dim else n for d, n in enumerate(shape))
         return tuple(shape)
 
     def cost(self, p):
+        """Newton-Schulz FLOPs of p's matrices on a rank that orthogonalises them (--muon-tp-mode distributed:
+        that rank's share)."""
         parts, _ = self._parts(p, torch.empty(p.shape, device="meta"))
-        return sum(flops(*self._global_shape(p, t.shape), self.c.muon_num_ns_steps) for t in parts)
+        steps, tp = self.c.muon_num_ns_steps, self.tp_size(p)
+        total = 0
+        for t in parts:
+            rows, cols = self._global_shape(p, t.shape)
+            if (rows, cols) != tuple(t.shape) and self.c.muon_tp_mode == "distributed":
+                s, n = min(rows, cols), max(rows, cols)
+                total += steps * (4 * s * s * n // tp + 2 * s ** 3)
+            else:
+                total += flops(rows, cols, steps)
+        return total
 
     def orthogonalise(self, p, m):
         """The scaled orthogonalised update of one whole local weight m (p's shape)."""
@@ -100,7 +114,7 @@ class MuonMatrices:
             return newton_schulz(m, steps, kind, prec, transpose=dim == 0, group=group) * scale
         self.stats["ns_flops"] += flops(rows, cols, steps)
         shards = [torch.empty_like(m) for _ in range(tp)]
-        comm.record_sent("all_gather", m.numel() * m.element_size() * tp, m.numel() * m.element_size() * (tp - 1))
+        comm.record_sent("muon_all_gather", m.numel() * m.element_size() * tp, m.numel() * m.element_size() * (tp - 1))
         dist.all_gather(shards, m.contiguous(), group=group)
         whole = _join(shards, dim, chunks)
         return _take(newton_schulz(whole, steps, kind, prec), dim, chunks, tp, rank) * scale
@@ -169,7 +183,7 @@ def _all_to_all(send, recv_sizes, group, me, dev):
     flat = [torch.cat(s) if s else torch.zeros(0, dtype=torch.float32, device=dev) for s in send]
     in_splits = [t.numel() for t in flat]
     out = torch.empty(sum(recv_sizes), dtype=torch.float32, device=dev)
-    comm.record_sent("all_to_all", sum(in_splits) * 4, (sum(in_splits) - in_splits[me]) * 4)
+    comm.record_sent("muon_all_to_all", sum(in_splits) * 4, (sum(in_splits) - in_splits[me]) * 4)
     dist.all_to_all_single(out, torch.cat(flat), recv_sizes, in_splits, group=group)
     return out.split(recv_sizes)
 

@@ -25,7 +25,7 @@ from megalite import parallel_state as ps
 from megalite.arguments import model_config
 from megalite.config import ConfigError
 from megalite.flops import num_floating_point_operations
-from megalite.planner import activations, memory, shares, stages, traffic
+from megalite.planner import activations, memory, optimizer_step, shares, stages, traffic
 from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
 
@@ -92,8 +92,7 @@ def check_plannable(args, cluster):
         ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
         ("--optimizer-cpu-offload", args.optimizer_cpu_offload), ("--semi-sync-method", args.semi_sync_method),
         ("--grad-compression", args.grad_compression != "none"),
-        ("--hierarchical-grad-reduce", args.hierarchical_grad_reduce),
-        (f"--optimizer {args.optimizer}", args.optimizer != "adam")) if given]
+        ("--hierarchical-grad-reduce", args.hierarchical_grad_reduce)) if given]
     if unmodelled:
         raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
     no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
@@ -122,7 +121,8 @@ def predict(args, layout, cluster):
     if layout.shares:  # proportions: DP rank r takes G x S_r / sum(S) samples (iteration_plan.py)
         counts = [args.global_batch_size * x // (sum(layout.shares) * layout.micro) for x in layout.shares]
         counts = counts if len(replicas) > 1 else [max(counts)]  # alike replicas: the largest share decides
-    stage_times, worst, dp_bytes, shard = [], None, {}, 0
+    stage_times, worst, dp_bytes, opt = [], None, {}, 0.0
+    slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
     for i in range(layout.pp):
         grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
                           layout.expert_tp if layout.ep else None, pp_rank=i)
@@ -153,7 +153,8 @@ def predict(args, layout, cluster):
             per_replica.append(st)
         stage_times.append(per_replica)
         dp_bytes = max(dp_bytes, traffic.data_parallel_bytes(args, c, grid, m), key=lambda d: sum(d.values()))
-        shard = max(shard, state.optimizer // (12 if e == 2 else 8))
+        opt = max(opt, optimizer_step.seconds(args, state, c, grid, slow_gpu,
+                                              lambda axis: cluster.link_gbps(_ranks(layout, cluster, i, axis))))
     pipes = []
     for r, n in enumerate(counts):  # each replica's pipeline over its own micro-batches
         per_micro = [sum(stage_times[i][r].values()) for i in range(layout.pp)]
@@ -162,9 +163,7 @@ def predict(args, layout, cluster):
                       per_micro.index(top)))
     pipe, slowest, r, n, i = max(pipes)
     busy = {k: n * t for k, t in stage_times[i][r].items()}
-    slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
     dp_time = _dp_time(layout, cluster, dp_bytes, slowest, n)
-    opt = shard * 30 / (slow_gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
     step = pipe + dp_time + opt
     time = {**busy, "bubble": pipe - n * slowest, "dp": dp_time, "optimizer": opt}
     flops = num_floating_point_operations(c, args.global_batch_size, vocab)

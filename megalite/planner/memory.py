@@ -7,8 +7,10 @@ what `optimizer/memory.py`'s training_state_bytes measures after a step, to the 
              parameters without gradients (the experts' routing bias) whole
   gradients  fp32: the padded buckets (plain and ZeRO-1), each bucket's 1/d shard accumulator (ZeRO-2/3;
              their full-size buffers live only while a reduction needs them)
-  optimizer  Adam's m and v in fp32 for the elements this rank steps (all, or its ZeRO shard), fp32 main
-             parameters for them in bf16 / fp16 models, and each flat group's step counter
+  optimizer  the optimizer's states in fp32 for the elements this rank steps (all, or its ZeRO shard): Adam's
+             m and v, SGD's / Muon's momentum, Lion's m (--optimizer muon: Muon's for the hidden matrices,
+             --muon-scalar-optimizer's for the rest); fp32 main parameters for them in bf16 / fp16 models,
+             and each flat group's step counter
 
 Dense parameters shard over DP x CP, experts over expert-DP (param_facts); the word embedding tied across
 pipeline stages sits alone in a bucket, as grad_buffer does it."""
@@ -17,7 +19,9 @@ import dataclasses
 
 from megalite import parallel_state as ps
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
+from megalite.optimizer.muon import is_muon_matrix
 from megalite.optimizer.optimizer import no_weight_decay
+from megalite.optimizer.updates import STATE_KEYS
 from megalite.transformer.pipeline_layers import chunk_layers
 
 FP32 = 4
@@ -28,6 +32,7 @@ class StateBytes:
     weights: int = 0
     gradients: int = 0
     optimizer: int = 0
+    stepped: dict = dataclasses.field(default_factory=dict)  # elements this rank steps, per optimizer (no bytes)
 
     @property
     def total(self):
@@ -90,7 +95,7 @@ def training_state(args, mcfg, grid):
     low = bool(args.bf16 or args.fp16)
     chunks = build_chunks(mcfg, grid)
     key = (id(chunks), zero, low, args.ddp_bucket_size, args.decoupled_lr is not None, grid.dp, grid.cp, grid.dp_rank,
-           grid.cp_rank, grid.edp, grid.edp_rank)
+           grid.cp_rank, grid.edp, grid.edp_rank, args.optimizer, args.muon_scalar_optimizer)
     if key not in _STATES:
         if len(_STATES) > 4096:
             _STATES.clear()
@@ -123,11 +128,20 @@ def _state(args, chunks, grid, zero, low):
             out.weights += (total if zero < 3 else sum(n // d for _, n, d, _ in plan)) * dtype_bytes
             if zero == 3:
                 out.weights += len(plan) * dtype_bytes  # each bucket's released parameters share one element
-        elements = sum(k for _, k in owned)
-        out.optimizer += elements * 2 * FP32 + (elements * FP32 if low else 0)
-        kinds |= {(not no_weight_decay(names[p], p), _decoupled(args, p)) for p, _ in owned}
+        for p, k in owned:
+            kind = optimizer_of(args, p)
+            out.stepped[kind] = out.stepped.get(kind, 0) + k
+            out.optimizer += k * len(STATE_KEYS[kind]) * FP32 + (k * FP32 if low else 0)
+        kinds |= {(optimizer_of(args, p), not no_weight_decay(names[p], p), _decoupled(args, p)) for p, _ in owned}
     out.optimizer += len(kinds) * FP32  # one step counter per flat group
     return out
+
+
+def optimizer_of(args, p):
+    """Which optimizer steps p (optimizer.py's groups)."""
+    if args.optimizer != "muon":
+        return args.optimizer
+    return "muon" if is_muon_matrix(p) else args.muon_scalar_optimizer
 
 
 def _decoupled(args, p):

@@ -17,13 +17,16 @@ micro-batch, over the n = ETP x EP ranks, the T tokens of this rank gathered wit
 routing map, the experts' output reduce-scattered; backward the adjoints (no gradient for the map)."""
 
 from megalite.planner.memory import _buckets, _tied, build_chunks
+from megalite.planner.optimizer_step import muon_plan
 
 
 def dp_wire_bytes(args, mcfg, grid, micro_batches):
-    """{"all_reduce", "reduce_scatter", "all_gather": wire bytes} of this rank for one step (what comm counts:
-    the data-parallel collectives and the MoE dispatch's)."""
+    """{"all_reduce", "reduce_scatter", "all_gather", "muon_all_to_all", "muon_all_gather": wire bytes} of
+    this rank for one step (what comm counts: the data-parallel collectives, the MoE dispatch's, Muon's)."""
     dp, ep = data_parallel_bytes(args, mcfg, grid, micro_batches), dispatch_bytes(args, mcfg, grid)
-    return {op: dp[op] + ep.get(op, 0.0) * micro_batches for op in dp}
+    muon = muon_plan(args, mcfg, grid)
+    return {**{op: dp[op] + ep.get(op, 0.0) * micro_batches for op in dp},
+            "muon_all_to_all": muon["muon_all_to_all"], "muon_all_gather": muon["muon_all_gather"]}
 
 
 def dispatch_bytes(args, mcfg, grid):
