@@ -34,12 +34,30 @@ FLAVOURS = {  # name: (HF class, flags: model + the layout it is trained at on 4
                                           "--moe-token-dispatcher-type", "alltoall"]),
     "qwen3_moe": ("Qwen3MoeForCausalLM", ["--qk-layernorm", "--moe-layer-freq", "[0,1]", "--moe-router-pre-softmax",
                                           "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                              "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                              "alltoall"]),
 }
+# DeepSeek-V3's shape in small: MLA (q latent, norms, YaRN with both mscales, value heads of their own size), the
+# first layer dense, a shared expert, sigmoid routing with the expert bias, 2 groups (each token's experts from
+# its best group), weights renormalised and scaled by 2.5
+DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+            "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--qk-layernorm", "--normalization", "RMSNorm",
+            "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-6", "--rotary-scaling-factor", "4",
+            "--mscale", "1.0", "--mscale-all-dim", "0.8", "--num-experts", "4", "--moe-router-topk", "2",
+            "--moe-ffn-hidden-size", "24", "--moe-shared-expert-intermediate-size", "48",
+            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+            "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0,1]", "--moe-aux-loss-coeff", "0",
+            "--num-layers", "2"]
+BASES = {"deepseek_v3": DEEPSEEK}
 
 
 def _train_flavours(dirs):
     from test_checkpoint import _train
-    return [_train(LLAMA + FLAVOURS[f][1] + ["--save", d, "--train-iters", "20"]) for f, d in dirs.items()]
+    return [_train(BASES.get(f, LLAMA) + FLAVOURS[f][1] + ["--save", d, "--train-iters", "20"])
+            for f, d in dirs.items()]
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +173,24 @@ def test_moe_converter_refuses_what_hf_cannot_represent(trained, tmp_path):
     cfg = dict(original, moe_ffn_hidden_size=45)
     with pytest.raises(CheckpointError, match=rf"FFN sizes \({original['ffn_hidden_size']}, 45\)"):
         Writer(str(tmp_path / "w"), "release", cfg, 2, 1)
+
+
+def test_deepseek_converter_refuses_what_hf_cannot_represent(trained, tmp_path):
+    base, dirs = trained
+    src = dirs["deepseek_v3"]
+    cases = [(dict(moe_layer_freq=[1, 0]), "first_k_dense_replace"),
+             (dict(moe_shared_expert_gate=True), "moe_shared_expert_gate=True"),
+             (dict(moe_router_score_function="softmax"), "moe_router_score_function='softmax'"),
+             (dict(moe_shared_expert_intermediate_size=36), "not a multiple of --moe-ffn-hidden-size 24"),
+             (dict(position_embedding_type="learned_absolute"), "no learned positions")]
+    _, meta = find_checkpoint(src)
+    original = dict(meta["model_config"])
+    try:
+        for i, (changes, message) in enumerate(cases):
+            _edit_config(src, **changes)
+            rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", src,
+                                 "--save-dir", str(tmp_path / f"x{i}"))
+            assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, (changes, err)
+            _edit_config(src, **original)
+    finally:
+        _edit_config(src, **original)

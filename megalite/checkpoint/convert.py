@@ -15,6 +15,7 @@ import torch
 
 from megalite import __version__
 from megalite.checkpoint.hf import GPT2, Bert, Llama
+from megalite.checkpoint.hf_deepseek import DeepseekV3
 from megalite.checkpoint.hf_moe import Mixtral, Qwen2Moe, Qwen3Moe, fused_expert_tensor, moe_arch_for
 from megalite.checkpoint.storage import (
     DTYPES,
@@ -30,13 +31,15 @@ from megalite.transformer.pipeline_layers import stage_layer_counts
 
 META, TRACKER = "megalite.json", "latest_checkpointed_iteration.txt"
 BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "bert": Bert, "mixtral": Mixtral, "qwen2_moe": Qwen2Moe,
-              "qwen3_moe": Qwen3Moe}
+              "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepseekV3}
 
 
 def arch_for(config):
     """The architecture a megalite model config maps to (configs before model_type: GPT)."""
     if config.get("model_type", "gpt") == "bert":
         return Bert
+    if config.get("multi_latent_attention"):
+        return DeepseekV3
     if config.get("num_moe_experts"):
         return moe_arch_for(config)
     return Llama if config["position_embedding_type"] == "rope" else GPT2
@@ -201,9 +204,6 @@ def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None):
     if cfg.get("use_mup"):  # its embedding / logit multipliers and attention scale have no HF field
         raise CheckpointError("Hugging Face models cannot represent a muP model (--use-mup: embedding and logit "
                               "multipliers, attention scale); convert a model trained without --use-mup")
-    if cfg.get("multi_latent_attention"):
-        raise CheckpointError("Hugging Face export of multi-latent attention (DeepSeek-V2/V3) is not implemented in "
-                              "megalite")
     arch = arch_for(cfg)
     arch.check(cfg)
     src = Reader(path)
