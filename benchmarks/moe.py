@@ -10,7 +10,8 @@
      alltoall: the routed rows this rank sends to other EP ranks (s) and receives from them (r), each
        way in the forward and again in the backward: 2·(s + r)·4h, from the actual routing, and the
        expectation with a uniform router, s = r = T·k·(R-1)/R.
-   (The counts exchange, E integers, is not counted.)
+   (The counts exchange, E integers, is not counted.) Also at CP 2 x EP 2 (the T tokens are a CP rank's
+   part of longer sequences; the EP group spans the CP ranks): the same formulas hold.
 2. Step time (2 spawned ranks, the same run): a small MoE GPT trained at DP2 with every rank holding
    every expert (EP1) and with the experts split (EP2, both dispatchers): tokens/s and ratios.
 3. --gpu: grouped GEMM (kernels.grouped_gemm) vs the per-expert loop of torch GEMMs, bf16, Mixtral-like
@@ -67,11 +68,14 @@ def _spawn(world, job, a):
 
 
 # -- 1. bytes -------------------------------------------------------------------------------------
+LAYOUTS = ((1, 2), (1, 4), (2, 2))  # (CP, EP) on 4 ranks
+
+
 def _bytes_job(a):
     out = {}
-    for ep in (2, 4):
+    for cp, ep in LAYOUTS:
         for kind in ("allgather", "alltoall"):
-            ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+            ps.initialize_model_parallel(1, 1, context_parallel_size=cp, expert_model_parallel_size=ep)
             model_parallel_manual_seed(0)
             cfg = ModelConfig(num_layers=1, hidden_size=a.hidden, num_attention_heads=4, seq_length=a.tokens,
                               vocab_size=64, num_moe_experts=a.experts, moe_router_topk=a.topk, add_bias_linear=False,
@@ -89,7 +93,7 @@ def _bytes_job(a):
             if kind == "alltoall":
                 me = ps.get_expert_model_parallel_rank()
                 sent, received = sum(d.send) - d.send[me], sum(d.recv) - d.recv[me]
-            out[(ep, kind)] = {"wire": wire, "sent": sent, "received": received}
+            out[(cp, ep, kind)] = {"wire": wire, "sent": sent, "received": received}
             ps.destroy_model_parallel()
     return out
 
@@ -105,16 +109,16 @@ def _bytes(a):
     ranks = _spawn(4, _bytes_job, a)
     print(f"\n1. Wire bytes per rank, one MoE layer forward + backward: T={a.tokens} tokens/rank, h={a.hidden}, "
           f"E={a.experts}, k={a.topk}, fp32, 4 CPU ranks")
-    print(f"{'EP':>3} {'dispatcher':>10} {'rank':>4} {'measured KiB':>13} {'formula KiB':>12} {'ratio':>6} "
+    print(f"{'CP':>3} {'EP':>3} {'dispatcher':>10} {'rank':>4} {'measured KiB':>13} {'formula KiB':>12} {'ratio':>6} "
           f"{'uniform-router KiB':>19}")
-    for ep in (2, 4):
+    for cp, ep in LAYOUTS:
         for kind in ("allgather", "alltoall"):
             for r, res in enumerate(ranks):
-                m = res[(ep, kind)]
+                m = res[(cp, ep, kind)]
                 f = _bytes_formula(a, ep, kind, m["sent"], m["received"])
                 uni = 2 * 2 * a.tokens * a.topk * (ep - 1) / ep * 4 * a.hidden if kind == "alltoall" else f
-                print(f"{ep:>3} {kind:>10} {r:>4} {m['wire'] / 1024:>13.1f} {f / 1024:>12.1f} {m['wire'] / f:>6.3f} "
-                      f"{uni / 1024:>19.1f}")
+                print(f"{cp:>3} {ep:>3} {kind:>10} {r:>4} {m['wire'] / 1024:>13.1f} {f / 1024:>12.1f} "
+                      f"{m['wire'] / f:>6.3f} {uni / 1024:>19.1f}")
 
 
 # -- 2. step time ---------------------------------------------------------------------------------
