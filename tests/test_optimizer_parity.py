@@ -57,6 +57,7 @@ def twice():
 TWO = [layout("muon_tp2_sp", tp=2, sp=True, model=MUON),
        layout("muon_tp2_sp_distributed", tp=2, sp=True, model=MUON, flags=("--muon-tp-mode", "distributed")),
        layout("muon_pp2", pp=2, model=MUON),
+       layout("muon_pp2_interleaved_recompute", pp=2, vp=1, recompute="full", model=MUON),
        layout("muon_dp2_zero1", dp=2, zero=1, model=MUON),
        layout("muon_dp2_zero2", dp=2, zero=2, model=MUON),
        layout("muon_dp2_zero3", dp=2, zero=3, model=MUON),
@@ -66,6 +67,7 @@ TWO = [layout("muon_tp2_sp", tp=2, sp=True, model=MUON),
        layout("qk_clip_tp2_sp", tp=2, sp=True, model=CLIP),
        layout("qk_clip_cp2", cp=2, model=CLIP),
        layout("qk_clip_dp2_zero1", dp=2, zero=1, model=CLIP),
+       layout("qk_clip_pp2_interleaved", pp=2, vp=1, model=CLIP),  # (the stages decide to publish together)
        ]
 FAULTS = [layout("muon_tp2_sp_fault_shard_only", tp=2, sp=True, model=MUON, fault=shard_only),
           layout("muon_dp2_zero1_fault_twice", dp=2, zero=1, model=MUON, fault=twice)]
