@@ -290,7 +290,7 @@ def model_config(args, vocab_size):
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
         squared_relu=args.squared_relu,
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        qk_clip=args.qk_clip,
+        qk_clip=args.qk_clip, log_max_attention_logit=args.log_max_attention_logit,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,

@@ -68,6 +68,7 @@ class ModelConfig:
     apply_layernorm_1p: bool = False  # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
     qk_layernorm: bool = False  # normalize queries and keys per head before attention
     qk_clip: bool = False  # MuonClip: attention records its largest logit per head (optimizer/qk_clip.py)
+    log_max_attention_logit: bool = False  # ... recorded (and logged) without clipping
     # fp16 attention scores computed / layer_number, multiplied back inside the fp32 softmax (Megatron)
     apply_query_key_layer_scaling: bool = False
     use_flash_attn: bool = False  # flash attention even with fused_kernels off

@@ -95,6 +95,8 @@ class MetricsLogger:
             extra += f" params norm: {f['params_norm']:.3f} |"
         if f.get("num_zeros") is not None:
             extra += f" num zeros: {f['num_zeros']:.1f} |"
+        if f.get("max_attention_logit") is not None:
+            extra += f" max attention logit: {f['max_attention_logit']:.4f} |"
         print_rank_last(
             f" iteration {it:8d}/{a.train_iters:8d} | consumed samples: {f['consumed']:12d} | "
             f"elapsed time per iteration (ms): {f['elapsed'] * 1000:.1f} | "
@@ -103,7 +105,8 @@ class MetricsLogger:
             f"grad norm: {gn} |{extra} number of skipped iterations: {f['skipped']:3d} |")
         values = {**f["losses"], "learning-rate": f["lr"], "batch-size": batch, "loss-scale": f["loss_scale"],
                   "grad-norm": norm, "throughput": f["tflops"], "iteration-time": f["elapsed"],
-                  "params-norm": f.get("params_norm"), "num-zeros": f.get("num_zeros")}
+                  "params-norm": f.get("params_norm"), "num-zeros": f.get("num_zeros"),
+                  "max-attention-logit": f.get("max_attention_logit")}
         if a.log_memory_to_tensorboard or self.json is not None:
             values["memory-mb"] = memory_mb()
         if a.log_timers_to_tensorboard and f.get("timers"):

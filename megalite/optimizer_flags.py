@@ -55,6 +55,8 @@ def add_optimizer_flags(a):
            "passed --qk-clip-threshold gets its q rows x eta^alpha and k rows x eta^(1-alpha), eta = threshold / max")
     a("--qk-clip-threshold", type=float, default=100.0)
     a("--qk-clip-alpha", type=float, default=0.5)
+    a("--log-max-attention-logit", action="store_true",
+      help="log the step's largest attention logit q.k / sqrt(d) over every layer and head (as --qk-clip sees it)")
 
 
 def _given(args):
@@ -98,6 +100,12 @@ def validate_optimizer(args):
 
 
 def _validate_qk_clip(args):
+    if args.log_max_attention_logit and not args.qk_clip:
+        for flag, on in (("--multi-latent-attention", args.multi_latent_attention),
+                         ("--reset-attention-mask", getattr(args, "reset_attention_mask", False)),
+                         ("BERT (not causal)", args.model_type != "gpt")):
+            if on:
+                raise ConfigError(f"--log-max-attention-logit with {flag} is not built in megalite")
     if not args.qk_clip:
         given = [f for f, v, d in (("--qk-clip-threshold", args.qk_clip_threshold, 100.0),
                                    ("--qk-clip-alpha", args.qk_clip_alpha, 0.5)) if v != d]

@@ -77,8 +77,8 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
         count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only
         scale_grads_by_token_count(chunks, count)
     stepped, grad_norm = optimizer.step()
-    if chunks[0].module.config.qk_clip:  # MuonClip, after the update
-        after_step(chunks, optimizer, stepped)
+    if chunks[0].module.config.qk_clip or chunks[0].module.config.log_max_attention_logit:
+        after_step(chunks, optimizer, stepped, clip=chunks[0].module.config.qk_clip)  # MuonClip, after the update
     if timers is not None:  # --log-timers-to-tensorboard (host-side times)
         timers.update({"forward-backward": t1 - t0, "optimizer": time.perf_counter() - t1})
     return reported, stepped, grad_norm
@@ -285,6 +285,8 @@ def _pretrain(datasets_provider, model_provider, forward_step_func, args, return
             log.iteration(it, {**f, "consumed": consumed_train, "batch_size": batch, "lr": lr,
                                "tflops": flops / (f["elapsed"] * ps.world_size()) / 1e12,
                                "loss_scale": optimizer.loss_scale, "grad_norm": grad_norm, "timers": timers,
+                               "max_attention_logit": getattr(optimizer, "max_attention_logit", None)
+                               if args.log_max_attention_logit else None,
                                **_grad_stats(args, chunks, optimizer)})
             window.restart()
         if valid_ds is not None and args.eval_interval and it % args.eval_interval == 0:

@@ -186,3 +186,17 @@ def test_qk_clip_engages_in_the_reference():
     clipped, plain = reference(TWO[-1])["params"], reference(layout("muon", model=MUON))["params"]
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     assert not (clipped[name] - plain[name]).abs().max() < 1e-4 * plain[name].abs().max()
+
+
+def test_the_largest_attention_logit_is_logged(capsys):
+    """--log-max-attention-logit prints each step's largest logit (every layer and head, before that step's
+    clip): the first step's is the same with --qk-clip (nothing was clipped before it), and clipping at a
+    threshold the logits pass holds the later maxima lower than without it."""
+    def logged(extra):
+        _pretrain(("--log-max-attention-logit", "--train-iters", "4", "--log-interval", "1") + extra)
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if "max attention logit:" in ln]
+        return [float(ln.split("max attention logit:")[1].split("|")[0]) for ln in lines]
+    plain = logged(())
+    assert len(plain) == 4 and all(0 < v < 10 for v in plain), plain
+    clipped = logged(("--qk-clip", "--qk-clip-threshold", "0.06"))
+    assert len(clipped) == 4 and clipped[0] == plain[0] and clipped[-1] < plain[-1], (plain, clipped)

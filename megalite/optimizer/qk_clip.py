@@ -28,8 +28,9 @@ def _all_reduce_max(t, group=None):
 
 
 @torch.no_grad()
-def clip_qk(chunks, optimizer, threshold, alpha):
-    """Clip this step's over-threshold query groups; returns this rank's largest logit (-inf: none seen)."""
+def clip_qk(chunks, optimizer, threshold, alpha, clip=True):
+    """Clip this step's over-threshold query groups (clip=False: only read the maxima); returns the step's
+    largest logit over the world (-inf: none seen)."""
     layers = [a for a in _attention_layers(chunks) if a.max_logits is not None]
     dev = ps.get_device()
     clipped = torch.zeros(1, device=dev)
@@ -44,12 +45,14 @@ def clip_qk(chunks, optimizer, threshold, alpha):
         rows[:, :attn.q_per_group] = eta.pow(alpha)[:, None, None]
         rows[:, attn.q_per_group] = eta.pow(1 - alpha)[:, None]
         scales.append((attn.linear_qkv.weight, rows.reshape(-1)))
-        clipped = torch.maximum(clipped, (grouped > threshold).any().float().reshape(1))
-    _all_reduce_max(clipped)
-    if clipped.item():
+        if clip:
+            clipped = torch.maximum(clipped, (grouped > threshold).any().float().reshape(1))
+    both = torch.cat([clipped, top])
+    _all_reduce_max(both)  # one all-reduce: whether any rank clips, and the world's largest logit
+    if both[0].item():
         _scale_rows(optimizer, scales)
         optimizer.publish_main_params()
-    return top.item()
+    return both[1].item()
 
 
 def _scale_rows(optimizer, scales):
@@ -65,11 +68,15 @@ def _scale_rows(optimizer, scales):
         main.view(-1).mul_(flat[start:end])
 
 
-def after_step(chunks, optimizer, stepped):
-    """The training loop's call: clip after an update; after a skipped (fp16) step only forget the maxima."""
+def after_step(chunks, optimizer, stepped, clip):
+    """The training loop's call: clip (clip: --qk-clip) after an update and keep the step's largest logit in
+    optimizer.max_attention_logit (--log-max-attention-logit); after a skipped (fp16) step only forget the
+    maxima."""
     c = optimizer.config
+    optimizer.max_attention_logit = None
     if stepped:
-        return clip_qk(chunks, optimizer, c.qk_clip_threshold, c.qk_clip_alpha)
+        optimizer.max_attention_logit = clip_qk(chunks, optimizer, c.qk_clip_threshold, c.qk_clip_alpha, clip)
+        return optimizer.max_attention_logit
     for attn in _attention_layers(chunks):
         attn.max_logits = None
     return None

@@ -131,7 +131,7 @@ class SelfAttention(nn.Module):
             k = apply_rotary(k, cos, sin, c.fused_kernels, c.rotary_interleaved)
         if self.query_scale is not None:  # every attention path below divides q.k by sqrt(d)
             q = q * self.query_scale
-        if c.qk_clip and self.training:  # MuonClip: this step's largest logit per head (optimizer/qk_clip.py)
+        if (c.qk_clip or c.log_max_attention_logit) and self.training:  # this step's largest logit per head
             m = max_logits(q, k, self.grid)
             self.max_logits = m if self.max_logits is None else torch.maximum(self.max_logits, m)
         if inference_cache is not None:
