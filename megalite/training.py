@@ -72,13 +72,14 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
         torch.cuda.synchronize()
     t1 = time.perf_counter()
     finalize_model_grads(chunks)
-    if chunks[0].module.config.calculate_per_token_loss:
+    mcfg = chunks[0].module.config
+    if mcfg.calculate_per_token_loss:
         dev = ps.get_device()
         count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only
         scale_grads_by_token_count(chunks, count)
     stepped, grad_norm = optimizer.step()
-    if chunks[0].module.config.qk_clip or chunks[0].module.config.log_max_attention_logit:
-        after_step(chunks, optimizer, stepped, clip=chunks[0].module.config.qk_clip)  # MuonClip, after the update
+    if mcfg.qk_clip or mcfg.log_max_attention_logit:  # MuonClip (and the logged maximum), after the update
+        after_step(chunks, optimizer, stepped, clip=mcfg.qk_clip)
     if timers is not None:  # --log-timers-to-tensorboard (host-side times)
         timers.update({"forward-backward": t1 - t0, "optimizer": time.perf_counter() - t1})
     return reported, stepped, grad_norm

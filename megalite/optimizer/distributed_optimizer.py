@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megalite import mup, parallel_state as ps
 from megalite.config import ConfigError
 from megalite.optimizer.clip_grads import grad_norm_tensor
-from megalite.optimizer.muon import Holding, is_muon_matrix
+from megalite.optimizer.muon import Holding, is_muon_matrix, piece_ranges
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 
 
@@ -84,9 +84,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 for p in b.params:
                     n = p.numel()
                     if is_muon_matrix(p):
-                        ranges = [(min(max(offset, r * b.shard), offset + n) - offset,
-                                   min(max(offset, (r + 1) * b.shard), offset + n) - offset) for r in range(b.dp)]
-                        out.append(Holding(p, ranges, b.group, rank))
+                        out.append(Holding(p, piece_ranges(offset, n, b.shard, b.dp), b.group, rank))
                     offset += n
         return out
 

@@ -78,16 +78,13 @@ class MuonMatrices:
         """Newton-Schulz FLOPs of p's matrices on a rank that orthogonalises them (--muon-tp-mode distributed:
         that rank's share)."""
         parts, _ = self._parts(p, torch.empty(p.shape, device="meta"))
-        steps, tp = self.c.muon_num_ns_steps, self.tp_size(p)
-        total = 0
-        for t in parts:
-            rows, cols = self._global_shape(p, t.shape)
-            if (rows, cols) != tuple(t.shape) and self.c.muon_tp_mode == "distributed":
-                s, n = min(rows, cols), max(rows, cols)
-                total += steps * (4 * s * s * n // tp + 2 * s ** 3)
-            else:
-                total += flops(rows, cols, steps)
-        return total
+        return sum(flops(*self._global_shape(p, t.shape), self.c.muon_num_ns_steps, self._shards(p, t.shape))
+                   for t in parts)
+
+    def _shards(self, p, shape):
+        """Over how many ranks one matrix's Newton-Schulz work is split (--muon-tp-mode distributed)."""
+        sharded = self._global_shape(p, shape) != tuple(shape) and self.c.muon_tp_mode == "distributed"
+        return self.tp_size(p) if sharded else 1
 
     def orthogonalise(self, p, m):
         """The scaled orthogonalised update of one whole local weight m (p's shape)."""
@@ -104,15 +101,12 @@ class MuonMatrices:
         scale = scale_factor(rows, cols, c.muon_scale_mode) * c.muon_extra_scale_factor
         steps, kind, prec = c.muon_num_ns_steps, c.muon_coefficient_type, c.muon_fp32_matmul_prec
         self.stats["matrices"] += 1
+        self.stats["ns_flops"] += flops(rows, cols, steps, self._shards(p, m.shape))
         if (rows, cols) == tuple(m.shape):  # whole on this rank (or blockwise)
-            self.stats["ns_flops"] += flops(rows, cols, steps)
             return newton_schulz(m, steps, kind, prec) * scale
         dim, chunks = p.partition_dim, getattr(p, "shard_chunks", 1) if m.shape == p.shape else 1
         if c.muon_tp_mode == "distributed":
-            s, n = min(rows, cols), max(rows, cols)
-            self.stats["ns_flops"] += steps * (4 * s * s * n // tp + 2 * s ** 3)
             return newton_schulz(m, steps, kind, prec, transpose=dim == 0, group=group) * scale
-        self.stats["ns_flops"] += flops(rows, cols, steps)
         shards = [torch.empty_like(m) for _ in range(tp)]
         comm.record_sent("muon_all_gather", m.numel() * m.element_size() * tp, m.numel() * m.element_size() * (tp - 1))
         dist.all_gather(shards, m.contiguous(), group=group)
@@ -166,6 +160,13 @@ class MuonMatrices:
             for i, piece in zip(theirs[r], flat.split([size[i][me] for i in theirs[r]])):
                 if size[i][me]:
                     out[hs[i].param] = piece
+
+
+def piece_ranges(offset, n, shard, d):
+    """The param-local [start, end) each of the d ranks holds of a parameter at bucket offset `offset` (n
+    elements) when rank r owns the bucket's [r * shard, (r + 1) * shard) (sharded_bucket.py's layout)."""
+    return [(min(max(offset, r * shard), offset + n) - offset, min(max(offset, (r + 1) * shard), offset + n) - offset)
+            for r in range(d)]
 
 
 def balanced_owners(costs, d):

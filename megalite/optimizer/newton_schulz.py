@@ -54,11 +54,12 @@ def scale_factor(rows, cols, mode):
     raise ValueError(f"unknown Muon scale mode {mode!r}")
 
 
-def flops(rows, cols, steps):
+def flops(rows, cols, steps, shards=1):
     """Multiply-adds x 2 of the iteration on a rows x cols matrix (s = the smaller side, l = the larger):
-    per step X X^T (2 s^2 l), A A (2 s^3), B X (2 s^2 l)."""
+    per step X X^T (2 s^2 l), A A (2 s^3), B X (2 s^2 l). shards: one rank's part when the long side is
+    sharded over that many ranks (--muon-tp-mode distributed: X X^T and B X split, A A on every rank)."""
     s, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * s * s * n + 2 * s ** 3)
+    return steps * (4 * s * s * n // shards + 2 * s ** 3)
 
 
 def newton_schulz(x, steps, kind="quintic", precision="medium", transpose=None, group=None):

@@ -35,18 +35,20 @@ def clip_qk(chunks, optimizer, threshold, alpha, clip=True):
     dev = ps.get_device()
     clipped = torch.zeros(1, device=dev)
     scales, top = [], torch.full((1,), float("-inf"), device=dev)
-    for attn in layers:
-        m, attn.max_logits = attn.max_logits, None
-        _all_reduce_max(m, ps.get_data_parallel_group(with_context_parallel=True))
-        grouped = m.view(attn.groups_local, attn.q_per_group).amax(dim=1)
-        top = torch.maximum(top, grouped.max().reshape(1))
-        eta = (threshold / grouped).clamp(max=1.0)
-        rows = torch.ones(attn.groups_local, attn.q_per_group + 2, attn.d, device=dev)
-        rows[:, :attn.q_per_group] = eta.pow(alpha)[:, None, None]
-        rows[:, attn.q_per_group] = eta.pow(1 - alpha)[:, None]
-        scales.append((attn.linear_qkv.weight, rows.reshape(-1)))
-        if clip:
-            clipped = torch.maximum(clipped, (grouped > threshold).any().float().reshape(1))
+    if layers:  # every layer's maxima in one all-reduce over DP x CP (its ranks hold the same layers)
+        maxima = torch.cat([a.max_logits for a in layers])
+        _all_reduce_max(maxima, ps.get_data_parallel_group(with_context_parallel=True))
+        for attn, m in zip(layers, maxima.split([a.max_logits.numel() for a in layers])):
+            attn.max_logits = None
+            grouped = m.view(attn.groups_local, attn.q_per_group).amax(dim=1)
+            top = torch.maximum(top, grouped.max().reshape(1))
+            if clip:
+                eta = (threshold / grouped).clamp(max=1.0)
+                rows = torch.ones(attn.groups_local, attn.q_per_group + 2, attn.d, device=dev)
+                rows[:, :attn.q_per_group] = eta.pow(alpha)[:, None, None]
+                rows[:, attn.q_per_group] = eta.pow(1 - alpha)[:, None]
+                scales.append((attn.linear_qkv.weight, rows.reshape(-1)))
+                clipped = torch.maximum(clipped, (grouped > threshold).any().float().reshape(1))
     both = torch.cat([clipped, top])
     _all_reduce_max(both)  # one all-reduce: whether any rank clips, and the world's largest logit
     if both[0].item():

@@ -10,7 +10,7 @@ carry a rank's pieces of other ranks' matrices there and its own matrices' piece
 (duplicated) each matrix a rank orthogonalises is all-gathered. Without ZeRO every rank does every matrix.
 (--muon-tp-mode distributed's Gram all-reduces, s^2 per step, are left out.)"""
 
-from megalite.optimizer.muon import MuonMatrices, balanced_owners, is_muon_matrix
+from megalite.optimizer.muon import MuonMatrices, balanced_owners, is_muon_matrix, piece_ranges
 from megalite.planner.memory import _buckets, build_chunks
 
 BYTES = {"adam": 30, "muon": 30, "sgd": 22, "lion": 22}
@@ -35,9 +35,8 @@ def muon_plan(args, mcfg, grid):
             for p in params:
                 k = p.numel()
                 if is_muon_matrix(p):
-                    ranges = [(min(max(offset, q * shard), offset + k) - offset,
-                               min(max(offset, (q + 1) * shard), offset + k) - offset) for q in range(d)]
-                    groups[expert(p)].append((p, ranges if zero else [(0, k)], r if zero else 0))
+                    ranges = piece_ranges(offset, k, shard, d) if zero else [(0, k)]
+                    groups[expert(p)].append((p, ranges, r if zero else 0))
                 offset += k
     for is_expert, hs in groups.items():
         mine = [p for p, _, _ in hs]
