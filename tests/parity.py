@@ -28,7 +28,8 @@ API (tests/test_parity.py and tests/test_fault_injection.py use it):
         one spawn of world_size ranks runs every layout in turn (all need that world size), under
         another machine's rounding (dist_util.OTHER_CAPABILITY), taking the reference's top-k
         choices where its own are ties (tests/decision_replay.py);
-        `collect(chunks, optimizer)` (module-level) adds anything to a rank's result.
+        `collect(chunks, optimizer)` (module-level) adds anything to a rank's result (moe_collect: the
+        routers' token counts and, where the record_logged fault slot is on, the logged router losses).
     start_layouts(layouts, world_size, collect=None) -> started; started.result() is run_layouts'
         return value: the world runs meanwhile (worlds side by side; the next world's references).
         A rank result: {"losses", "norms", "grads": {name: full}, "params": {name: full},
@@ -135,8 +136,34 @@ class Layout:
 MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",
        "--moe-z-loss-coeff", "0.001", "--moe-ffn-hidden-size", "48")
 # aux-loss-free balancing (DeepSeek-V3's sigmoid scores and expert bias), at a rate that moves routing in a few steps
+# S-BASE routing: no aux loss (Megatron's sinkhorn has none)
+SINKHORN = tuple(a if a != "0.01" else "0" for a in MOE) + ("--moe-router-load-balancing-type", "sinkhorn")
 MOE_BIAS = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
             "--moe-router-bias-update-rate", "1e-2")
+
+
+LOGGED = []  # the routers' losses for the log line, per iteration (recorded where record_logged is on)
+
+
+def record_logged():
+    """Record what the log line shows of the routers' losses (a layout's `fault` slot: applied in every rank)."""
+    import megalite.moe_logging as moe_logging
+    original = moe_logging.moe_losses
+
+    def recording(*a, **k):
+        out = original(*a, **k)
+        LOGGED.append({n: float(v) for n, v in out.items()})
+        return out
+    return patched(moe_logging, "moe_losses", recording)
+
+
+def moe_collect(chunks, opt):
+    """Each router's token counts of the last step, as its expert bias update read them; the logged losses."""
+    counts = [m.last_tokens_per_expert.tolist() for c in chunks for m in c.modules()
+              if getattr(m, "expert_bias", None) is not None]
+    logged = list(LOGGED)
+    LOGGED.clear()
+    return {"counts": counts, "logged": logged}
 
 
 def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dtype="fp32", flags=(),

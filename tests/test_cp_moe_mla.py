@@ -16,27 +16,14 @@ import dataclasses
 
 import pytest
 
-from parity import MOE, MOE_BIAS, assert_parity, layout, mismatches, patched, reference, start_layouts, train
+from parity import (LOGGED, MOE, MOE_BIAS, SINKHORN, assert_parity, layout, mismatches, moe_collect, patched, record_logged,
+                    reference, start_layouts, train)
 
 SEQ_AUX = MOE + ("--moe-router-load-balancing-type", "seq_aux_loss")
-SINKHORN = tuple(a if a != "0.01" else "0" for a in MOE) + ("--moe-router-load-balancing-type", "sinkhorn")
-_LOGGED = []
 
 
 def ep(n, kind="alltoall"):
     return ("--expert-model-parallel-size", str(n), "--moe-token-dispatcher-type", kind)
-
-
-def record_logged():
-    """Record the log line's router losses (a layout's `fault` slot: applied in every rank)."""
-    import megalite.moe_logging as moe_logging
-    original = moe_logging.moe_losses
-
-    def recording(*a, **k):
-        out = original(*a, **k)
-        _LOGGED.append({n: float(v) for n, v in out.items()})
-        return out
-    return patched(moe_logging, "moe_losses", recording)
 
 
 def counts_per_cp_chunk():
@@ -69,18 +56,10 @@ FAULTS = [layout("fault_seq_aux_per_cp_chunk", tp=2, sp=True, cp=2, model=SEQ_AU
                  fault=counts_per_cp_chunk)]
 
 
-def _collect(chunks, opt):
-    counts = [m.last_tokens_per_expert.tolist() for c in chunks for m in c.modules()
-              if getattr(m, "expert_bias", None) is not None]
-    logged = list(_LOGGED)
-    _LOGGED.clear()
-    return {"counts": counts, "logged": logged}
-
-
 @pytest.fixture(scope="module")
 def world():
     lays = LAYOUTS + FAULTS
-    return dict(zip([lay.name for lay in lays], start_layouts(lays, 4, _collect).result()))
+    return dict(zip([lay.name for lay in lays], start_layouts(lays, 4, moe_collect).result()))
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)
@@ -100,8 +79,8 @@ def test_logged_router_losses_are_the_single_processs_under_cp(world, name):
     lay = LAYOUTS[[x.name for x in LAYOUTS].index(name)]
     with record_logged():
         train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
-    want = list(_LOGGED)
-    _LOGGED.clear()
+    want = list(LOGGED)
+    LOGGED.clear()
     assert len(want) == 6 and set(want[0]) == {"load_balancing_loss", "z_loss"}, want
     for r in world[name]:
         got = r["collected"]["logged"]

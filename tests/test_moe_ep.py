@@ -23,12 +23,12 @@ from megalite.distributed import param_facts
 from megalite.moe import experts as experts_module
 from megalite.moe.dispatcher import TokenDispatcher
 from megalite.training import pretrain
-from parity import BASE, MOE, MOE_BIAS, assert_parity, layout, learnable_datasets, mismatches, patched, reference, train
+from parity import (BASE, LOGGED, MOE, MOE_BIAS, SINKHORN, assert_parity, layout, learnable_datasets, mismatches,
+                    moe_collect, patched, record_logged, reference, train)
 
 
 SHARED = ("--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate")
-# S-BASE routing: no aux loss; under SP the Sinkhorn column sums span the TP ranks' tokens
-SINKHORN = tuple(a if a != "0.01" else "0" for a in MOE) + ("--moe-router-load-balancing-type", "sinkhorn")
+# SINKHORN (parity.py): under SP the Sinkhorn column sums span the TP ranks' tokens
 
 
 def ep(n, kind="allgather"):
@@ -60,21 +60,6 @@ def expert_norm_counted_twice():
 def local_expert_names():
     """Experts keyed by their local index: every EP rank's first expert is "0"."""
     return patched(experts_module, "expert_key", lambda first, i: str(i))
-
-
-_LOGGED = []  # the routers' losses for the log line, per iteration (recorded where record_logged is on)
-
-
-def record_logged():
-    """Record what the log line shows of the routers' losses (a layout's `fault` slot: applied in every rank)."""
-    import megalite.moe_logging as moe_logging
-    original = moe_logging.moe_losses
-
-    def recording(*a, **k):
-        out = original(*a, **k)
-        _LOGGED.append({n: float(v) for n, v in out.items()})
-        return out
-    return patched(moe_logging, "moe_losses", recording)
 
 
 LAYOUTS = [
@@ -134,15 +119,6 @@ def _dispatch_checks():
     return out
 
 
-def _collect(chunks, opt):
-    """Each router's token counts of the last step, as its expert bias update read them; the logged losses."""
-    counts = [m.last_tokens_per_expert.tolist() for c in chunks for m in c.modules()
-              if getattr(m, "expert_bias", None) is not None]
-    logged = list(_LOGGED)
-    _LOGGED.clear()
-    return {"counts": counts, "logged": logged}
-
-
 def _pretrain(argv):
     args = parse_args(list(BASE) + list(MOE) + list(MOE_BIAS) + list(argv), world_size=max(1, ps.world_size()))
     try:
@@ -159,7 +135,7 @@ def _world(root, decided, part):
     """part 0: the dispatchers and every other layout; part 1: the rest and the checkpoints (two worlds
     side by side keep both cores busy)."""
     lays = (LAYOUTS + FAULTS)[part::2]
-    out = {lay.name: train(lay, _collect, decided[lay.name]) for lay in lays}
+    out = {lay.name: train(lay, moe_collect, decided[lay.name]) for lay in lays}
     if part == 0:
         out["dispatch"] = _dispatch_checks()
         return out
@@ -238,8 +214,8 @@ def test_logged_router_losses_do_not_change_with_tp_pp_and_ep(world, name):
     lay = LAYOUTS[[x.name for x in LAYOUTS].index(name)]
     with record_logged():
         train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
-    want = list(_LOGGED)
-    _LOGGED.clear()
+    want = list(LOGGED)
+    LOGGED.clear()
     assert len(want) == 6 and set(want[0]) == {"load_balancing_loss", "z_loss"}, want
     last_stage = max(r["coords"][1] for r in world[1][name])
     for r in world[1][name]:
