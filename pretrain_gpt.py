@@ -67,7 +67,8 @@ def forward_step(data_iterator, model):
         tokens, labels = b["text"][:, :-1].contiguous(), b["text"][:, 1:].contiguous()
     tokens, labels, position_ids, loss_mask = (None if t is None else slice_for_cp_rank(t, 1) for t in (
         tokens, labels, b.get("position_ids"), b.get("loss_mask")))
-    output = model(tokens, position_ids=position_ids, labels=labels, attention_mask=b.get("attention_mask"))
+    output = model(tokens, position_ids=position_ids, labels=labels, attention_mask=b.get("attention_mask"),
+                   loss_mask=loss_mask)
     per_token = getattr(model, "module", model).config.calculate_per_token_loss
     cp = cp_size() > 1
 

@@ -312,6 +312,7 @@ def model_config(args, vocab_size):
         moe_z_loss_coeff=args.moe_z_loss_coeff, moe_router_score_function=args.moe_router_score_function,
         moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor, moe_router_dtype=args.moe_router_dtype,
+        mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor, moe_token_drop_policy=args.moe_token_drop_policy,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,

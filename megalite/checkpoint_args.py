@@ -23,6 +23,7 @@ CHECKPOINT_ARGS = {a: a for a in (
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_load_balancing_type",
     "moe_aux_loss_coeff", "moe_router_score_function", "moe_router_enable_expert_bias",
     "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk", "multi_latent_attention",
+    "mtp_num_layers",
     "q_lora_rank", "kv_lora_rank", "qk_head_dim",
     "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")}
 CHECKPOINT_ARGS.update(norm_epsilon="layernorm_epsilon", disable_bias_linear="add_bias_linear",

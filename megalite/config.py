@@ -87,6 +87,8 @@ class ModelConfig:
     moe_router_score_function: str = "softmax"  # or sigmoid
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: Optional[float] = None
+    mtp_num_layers: Optional[int] = None  # multi-token prediction depths (DeepSeek-V3), on the last stage
+    mtp_loss_scaling_factor: float = 0.1  # λ: the MTP loss, averaged over the depths, times this
     moe_router_num_groups: Optional[int] = None  # group-limited routing (DeepSeek-V3): experts in groups,
     moe_router_group_topk: Optional[int] = None  # each token's top-k chosen within its best group-topk groups
     moe_router_dtype: Optional[str] = None  # fp32 (default) or fp64 routing
@@ -142,6 +144,7 @@ class ModelConfig:
         if not self.num_moe_experts:
             return False
         f = self.moe_layer_freq
+        layer_number = min(layer_number, self.num_layers)  # an MTP layer is built as the decoder's last
         return bool(f[layer_number - 1]) if isinstance(f, (list, tuple)) else (layer_number - 1) % f == 0
 
     def __post_init__(self):

@@ -5,9 +5,12 @@ def num_floating_point_operations(config, batch_size, padded_vocab_size):
     """12 * B * s * L * h^2 * (attention + MLP + logit terms), as Megatron's training.py:
     attention: (1 + G/A + s/h) * (kv_channels * A / h); MLP: (ffn / h) * (3/2 if SwiGLU);
     logits: V / (2 L h). For GPT-2 shapes this is 72 B s L h^2 (1 + s/6h + V/12Lh). MLA: 6 B s L (its
-    projection weights + s n (dq + dv)), the same convention (6 FLOPs per weight per token, non-causal scores)."""
+    projection weights + s n (dq + dv)), the same convention (6 FLOPs per weight per token, non-causal scores).
+    Multi-token prediction (as Megatron): D more layers built as the decoder's last, D more logits, and each
+    depth's norms and eh_proj, 6 B s D (3h + 2h^2)."""
     c = config
-    h, L, s = c.hidden_size, c.num_layers, c.seq_length
+    d = c.mtp_num_layers or 0
+    h, L, s = c.hidden_size, c.num_layers + d, c.seq_length
     q_ratio = c.kv_channels * c.num_attention_heads / h
     gated = 1.5 if c.swiglu else 1.0
     # MoE layers (as Megatron): each token runs k experts of --moe-ffn-hidden-size (router not counted)
@@ -23,4 +26,4 @@ def num_floating_point_operations(config, batch_size, padded_vocab_size):
     return 12 * batch_size * s * L * h * h * (
         attention
         + (ffn / h) * gated
-        + padded_vocab_size / (2 * L * h))
+        + padded_vocab_size * (1 + d) / (2 * L * h)) + 6 * batch_size * s * d * (3 * h + 2 * h * h)

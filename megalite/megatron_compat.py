@@ -146,7 +146,8 @@ _WHY = (
     (("profile", "nsys", "memory-snapshot", "record-memory"), "profiling flags are not implemented in megalite; "
                                                               "run under torch.profiler or nsys yourself"),
     (("cuda-graph", "enable-cuda-graph"), "CUDA graphs are not implemented in megalite"),
-    (("mtp",), "multi-token prediction is not implemented in megalite"),
+    (("mtp",), "this multi-token prediction option is not implemented in megalite (it has --mtp-num-layers and "
+                "--mtp-loss-scaling-factor, the MTP layers in the last pipeline stage)"),
     (("cache-mla-latents",), "caching MLA latents is for Megatron's dynamic inference engine, not in megalite"),
     (("yarn-",), "YaRN for standard attention (--position-embedding-type yarn) is not implemented in megalite "
                  "(multi-latent attention's is: --rope-type, --rotary-scaling-factor, --mscale, --mscale-all-dim)"),

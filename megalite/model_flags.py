@@ -46,6 +46,9 @@ def add_model_flags(a):
     a("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
     a("--moe-router-pre-softmax", action="store_true", help="softmax over all experts before the top-k")
     a("--moe-router-topk-scaling-factor", type=float, default=None)
+    a("--mtp-num-layers", type=int, default=None, help="multi-token prediction: this many extra depths after the "
+      "decoder (DeepSeek-V3), each predicting one token further ahead; on the last pipeline stage")
+    a("--mtp-loss-scaling-factor", type=float, default=0.1, help="the MTP loss, averaged over the depths, times this")
     a("--moe-router-num-groups", type=int, default=None, help="experts in this many groups (DeepSeek-V3's "
       "group-limited routing, with --moe-router-group-topk)")
     a("--moe-router-group-topk", type=int, default=None, help="each token's experts come from its best this many "

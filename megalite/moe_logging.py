@@ -1,7 +1,9 @@
-"""The auxiliary losses in the training log line: the MoE routers' (Megatron's track_moe_metrics)
-and DSA's indexer loss (its track_indexer_metrics). Each one's value per layer is averaged over this
-iteration's micro-batches (and DP ranks), summed over the pipeline stages (and, for the routers, over
-the TP ranks' parts of each micro-batch under sequence parallelism), and averaged over the layers.
+"""The auxiliary losses in the training log line: the MoE routers' (Megatron's track_moe_metrics),
+DSA's indexer loss (its track_indexer_metrics) and multi-token prediction's per depth ("mtp_k loss", its
+MTPLossLoggingHelper; each CP rank records its part of a depth's mean, so they are summed over CP).
+Each one's value per layer is averaged over this iteration's micro-batches (and DP ranks), summed over
+the pipeline stages (and, for the routers, over the TP ranks' parts of each micro-batch under sequence
+parallelism), and averaged over the layers.
 Every rank takes part (the names come from the config, so stages without such layers send zeros);
 the recorded values are then cleared."""
 
@@ -31,7 +33,8 @@ def moe_losses(config, num_microbatches, total=None):
         aux_losses.clear()
         return {}
     dev = ps.get_device()
-    layers = [i for i in range(1, config.num_layers + 1) if config.is_moe_layer(i)]
+    # the MTP layers too (numbered after the decoder's, MoE as its last), as Megatron's tracker counts them
+    layers = [i for i in range(1, config.num_layers + (config.mtp_num_layers or 0) + 1) if config.is_moe_layer(i)]
     vals = torch.zeros(len(names), len(layers), device=dev)  # this stage's layers filled, the others 0
     for j, n in enumerate(names):
         for i, layer in enumerate(layers):
@@ -62,6 +65,18 @@ def dsa_indexer_loss(config, num_microbatches, total=None):
     return {"indexer loss": _over_batch_and_stages(vals, num_microbatches, total).sum() / config.num_layers}
 
 
+def mtp_losses(config, num_microbatches, total=None):
+    """{"mtp_<k> loss": device scalar} per depth k: the masked mean cross-entropy k tokens further ahead."""
+    per_depth = aux_losses.pop("mtp loss", {})
+    vals = torch.zeros(config.mtp_num_layers, device=ps.get_device())
+    for k, value in per_depth.items():
+        vals[k - 1] = value.to(vals.device)
+    if ps.get_context_parallel_world_size() > 1:
+        dist.all_reduce(vals, group=ps.get_context_parallel_group())
+    vals = _over_batch_and_stages(vals, num_microbatches, total)
+    return {f"mtp_{k + 1} loss": v for k, v in enumerate(vals.unbind())}
+
+
 def _over_batch_and_stages(vals, num_microbatches, total):
     """Per-layer sums over this rank's micro-batches -> averaged over the batch (total: this rank's
     loss divisor with uneven DP shares or micro-batch sizes, IterationPlan.total), summed over the
@@ -76,6 +91,8 @@ def _over_batch_and_stages(vals, num_microbatches, total):
 def auxiliary_losses(config, num_microbatches, total=None):
     """Every auxiliary loss of the log line (collective on every rank when the model has any)."""
     out = {}
+    if config.mtp_num_layers:
+        out.update(mtp_losses(config, num_microbatches, total))
     if config.experimental_attention_variant == "dsa":  # first: moe_losses clears every recorded value
         out.update(dsa_indexer_loss(config, num_microbatches, total))
     if config.num_moe_experts:

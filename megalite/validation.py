@@ -199,8 +199,8 @@ def _validate_bert(args):
         args.layernorm_position = "post" if bert else "pre"
     if not bert:
         return
-    flags = [f for f in ("calculate_per_token_loss", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
-             if getattr(args, f)]
+    flags = [f for f in ("calculate_per_token_loss", "eod_mask_loss", "reset_position_ids", "reset_attention_mask",
+                         "mtp_num_layers") if getattr(args, f)]
     if flags:
         raise ConfigError(f"{', '.join('--' + f.replace('_', '-') for f in flags)}: GPT flags; pretrain_bert.py "
                           "masks its own tokens (remove them)")
@@ -256,7 +256,8 @@ def _validate_pipeline(args):
                               "--decoder-first/last-pipeline-num-layers, --num-layers-per-virtual-pipeline-stage, "
                               "--num-virtual-stages-per-pipeline-rank and --account-for-embedding/loss-in-pipeline-"
                               "split")
-        args.pipeline_layout = tuple(parse_pipeline_layout(args.pipeline_model_parallel_layout, pp, L))
+        args.pipeline_layout = tuple(parse_pipeline_layout(args.pipeline_model_parallel_layout, pp, L,
+                                                                args.mtp_num_layers))
         v = len(args.pipeline_layout) // pp
         args.virtual_pipeline_model_parallel_size = v if v > 1 else None
         return

@@ -14,6 +14,25 @@ def validate_features(args):
     _validate_fsdp(args)
     _validate_fim(args)
     _validate_moe(args)
+    _validate_mtp(args)
+
+
+def _validate_mtp(args):
+    """Multi-token prediction (--mtp-num-layers), each problem one line."""
+    d = args.mtp_num_layers
+    if d is None:
+        return
+    cp = args.context_parallel_size
+    chunk = args.seq_length // (2 * cp) if cp > 1 else args.seq_length
+    for cond, msg in (
+            (d < 1, f"--mtp-num-layers {d} must be >= 1 (leave it out for no multi-token prediction)"),
+            (chunk < d, f"--mtp-num-layers {d} moves tokens up to {d} places, more than a sequence chunk of {chunk} "
+                        f"tokens (--seq-length {args.seq_length}{f' / 2 x CP {cp}' if cp > 1 else ''})"),
+            (args.pipeline_model_parallel_size > 1 and args.position_embedding_type == "learned_absolute",
+             "multi-token prediction on the last pipeline stage with learned absolute positions would need a second "
+             "shared position table: use --position-embedding-type rope, or no pipeline parallelism")):
+        if cond:
+            raise ConfigError(msg)
 
 
 def _group_routing_problems(args, experts, k):

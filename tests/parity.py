@@ -142,19 +142,24 @@ MOE_BIAS = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-exper
             "--moe-router-bias-update-rate", "1e-2")
 
 
-LOGGED = []  # the routers' losses for the log line, per iteration (recorded where record_logged is on)
+LOGGED = []  # the routers' and MTP's losses for the log line, per iteration (recorded where record_logged is on)
 
 
+@contextlib.contextmanager
 def record_logged():
-    """Record what the log line shows of the routers' losses (a layout's `fault` slot: applied in every rank)."""
+    """Record what the log line shows of the routers' and the MTP depths' losses (a layout's `fault` slot:
+    applied in every rank)."""
     import megalite.moe_logging as moe_logging
-    original = moe_logging.moe_losses
 
-    def recording(*a, **k):
-        out = original(*a, **k)
-        LOGGED.append({n: float(v) for n, v in out.items()})
-        return out
-    return patched(moe_logging, "moe_losses", recording)
+    def recording(original):
+        def record(*a, **k):
+            out = original(*a, **k)
+            LOGGED.append({n: float(v) for n, v in out.items()})
+            return out
+        return record
+    with patched(moe_logging, "moe_losses", recording(moe_logging.moe_losses)), \
+            patched(moe_logging, "mtp_losses", recording(moe_logging.mtp_losses)):
+        yield
 
 
 def moe_collect(chunks, opt):

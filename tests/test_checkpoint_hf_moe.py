@@ -51,7 +51,7 @@ DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank",
             "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
             "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0,1]", "--moe-aux-loss-coeff", "0",
             "--num-layers", "2"]
-BASES = {"deepseek_v3": DEEPSEEK}
+BASES = {"deepseek_v3": DEEPSEEK + ["--mtp-num-layers", "1"]}  # one MTP depth (MoE, as the last layer)
 
 
 def _train_flavours(dirs):
@@ -129,6 +129,23 @@ def test_moe_hf_export_import_and_round_trips(trained, flavour):
     assert sorted(a.names()) == sorted(b.names())
     for n in a.names():
         assert torch.equal(a.get(n), b.get(n)), f"fused import differs at {n}"
+    if flavour == "deepseek_v3":  # our export holds the MTP depth as DeepSeek's layer 2; it comes back bit for bit
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            assert json.load(f)["num_nextn_predict_layers"] == 1
+        assert "model.layers.2.eh_proj.weight" in tensors(hf_dir)  # (transformers loaded the model without it)
+        rc, out, err = convert("--loader", "hf", "--saver", "megalite", "--load-dir", hf_dir, "--save-dir",
+                               str(base / "deepseek_mtp_back"))
+        assert rc == 0, err
+        mtp_back = Reader(find_checkpoint(str(base / "deepseek_mtp_back"))[0])
+        orig = Reader(find_checkpoint(src)[0])
+        names = [n for n in orig.names() if not n.startswith("optimizer.")]
+        assert any(n.startswith("mtp.layers.0.transformer_layer.mlp.experts") for n in names)
+        assert sorted(names) == sorted(mtp_back.names())
+        for n in names:
+            assert torch.equal(orig.get(n), mtp_back.get(n)), f"MTP round trip changed {n}"
+        # transformers' own save holds no MTP weights (whatever num_nextn_predict_layers says): imported without
+        assert "imported without MTP" in convert("--loader", "hf", "--saver", "megalite", "--load-dir", saved,
+                                                 "--save-dir", str(base / "deepseek_no_mtp"))[1]
     # HF -> megalite -> HF: every tensor bit for bit
     assert convert("--loader", "megalite", "--saver", "hf", "--load-dir", back, "--save-dir", again)[0] == 0
     x, y = tensors(saved), tensors(again)
@@ -137,7 +154,7 @@ def test_moe_hf_export_import_and_round_trips(trained, flavour):
         assert torch.equal(x[k], y[k]), f"HF round trip changed {k}"
     # megalite -> HF -> megalite: every model tensor bit for bit (experts by global index)
     orig = Reader(find_checkpoint(src)[0])
-    model_names = [n for n in orig.names() if not n.startswith("optimizer.")]
+    model_names = [n for n in orig.names() if not n.startswith(("optimizer.", "mtp."))]  # (MTP: above)
     assert any(".local_experts.3." in n for n in model_names)
     assert sorted(model_names) == sorted(a.names())
     for n in model_names:
@@ -173,7 +190,8 @@ def test_moe_converter_refuses_what_hf_cannot_represent(trained, tmp_path):
     cases = [(dict(moe_router_score_function="sigmoid"), "moe_router_score_function='sigmoid'"),
              (dict(moe_layer_freq=[0, 1]), "every layer MoE"),
              (dict(moe_router_pre_softmax=True), "moe_router_pre_softmax=True"),
-             (dict(moe_router_topk_scaling_factor=2.0), "moe_router_topk_scaling_factor=2.0")]
+             (dict(moe_router_topk_scaling_factor=2.0), "moe_router_topk_scaling_factor=2.0"),
+             (dict(mtp_num_layers=1), "MixtralForCausalLM cannot hold the 1 multi-token prediction layers")]
     original = _export_refuses(src, cases, tmp_path)
     # the expert FFN size must divide over the target TP too
     cfg = dict(original, moe_ffn_hidden_size=45)

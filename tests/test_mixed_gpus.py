@@ -276,7 +276,9 @@ def test_plan_weights_and_counts():
     (("--data-parallel-shares", "auto", "--rampup-batch-size", "2", "2", "8"), "does not compose with"),
     (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|t|tL"), "has 3 stages, not a multiple of"),
     (("--pipeline-model-parallel-size", "2", LAYOUT, "Ettt|tL"), "places 4 transformer layers (t) but --num-layers"),
-    (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|tmL"), "(m) are not implemented"),
+    (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|tmL"), "places 1 multi-token prediction layers (m) but "
+                                                                 "--mtp-num-layers is 0"),
+    (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|tm|L", "--mtp-num-layers", "1"), "no standalone MTP stage"),
     (("--pipeline-model-parallel-size", "2", LAYOUT, "t|EtL"), "the embedding E must appear once"),
     (("--pipeline-model-parallel-size", "2", LAYOUT, "Et|t", "--decoder-first-pipeline-num-layers", "1"),
      "leave out --decoder-first/last"),

@@ -221,7 +221,7 @@ def test_predict_keeps_the_users_layout_or_says_why_not():
 
 def test_what_the_planner_does_not_model_is_one_line():
     for extra, zero in ((["--optimizer-cpu-offload"], 1), (["--semi-sync-method", "diloco"], 1),
-                        (["--hierarchical-grad-reduce"], 0)):
+                        (["--hierarchical-grad-reduce"], 0), (["--mtp-num-layers", "1"], 0)):
         lay = Layout(1, 1, 1, 8, None, None, zero, None, 1, False)
         with pytest.raises(ConfigError) as e:
             cost.predict(validated(GPT + extra, lay, 8), lay, parse_cluster("8xA100-80GB"))

@@ -14,7 +14,7 @@ import shutil
 import torch
 
 from megalite import __version__
-from megalite.checkpoint.hf import GPT2, Bert, Llama
+from megalite.checkpoint.hf import EXPORT_ONLY, GPT2, Bert, Llama
 from megalite.checkpoint.hf_deepseek import DeepseekV3
 from megalite.checkpoint.hf_moe import Mixtral, Qwen2Moe, Qwen3Moe, fused_expert_tensor, moe_arch_for
 from megalite.checkpoint.storage import (
@@ -124,7 +124,7 @@ class Writer:
         # MLA: q/kv up (and q) projections column-parallel; its down projections and latent norms replicated
         if base.endswith(("word_embeddings.weight", "output_layer.weight", "output_layer.bias", "linear_qkv.weight",
                           "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias", "linear_q_proj.weight",
-                          "linear_q_up_proj.weight", "linear_kv_up_proj.weight")):
+                          "linear_q_up_proj.weight", "linear_kv_up_proj.weight", "eh_proj.weight")):
             return 1 if (self.cfg["swiglu"] and "linear_fc1" in base) else 0
         if base.endswith(("linear_proj.weight", "linear_fc2.weight")):
             return 1
@@ -205,6 +205,9 @@ def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None):
         raise CheckpointError("Hugging Face models cannot represent a muP model (--use-mup: embedding and logit "
                               "multipliers, attention scale); convert a model trained without --use-mup")
     arch = arch_for(cfg)
+    if cfg.get("mtp_num_layers") and not getattr(arch, "holds_mtp", False):
+        raise CheckpointError(f"{arch.hf_class} cannot hold the {cfg['mtp_num_layers']} multi-token prediction layers "
+                              "(--mtp-num-layers); DeepseekV3ForCausalLM's layout can")
     arch.check(cfg)
     src = Reader(path)
     os.makedirs(save_dir, exist_ok=True)
@@ -277,11 +280,17 @@ def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
                               f"({', '.join(BY_HF_TYPE)})")
     arch.check_hf(h)
     cfg = dict(arch.model_config(h), make_vocab_size_divisible_by=divisible_by)
+    if cfg.get("mtp_num_layers") and src._slice(arch.mtp_probe(cfg)) is None:
+        print(f"convert: {load_dir} has no multi-token prediction weights (num_nextn_predict_layers "
+              f"{cfg['mtp_num_layers']}; transformers does not save them): imported without MTP", flush=True)
+        cfg["mtp_num_layers"] = None
     dtype = str(h.get("torch_dtype") or h.get("dtype") or "float32")
     cfg["params_dtype"] = dtype
     w = Writer(save_dir, "release", cfg, tp, pp)
     held = {}
     for hf_name, name, _, from_hf in arch.table(cfg):
+        if from_hf == EXPORT_ONLY:
+            continue
         t = src.get(hf_name)
         if from_hf is None:
             held[hf_name] = t

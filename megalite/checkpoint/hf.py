@@ -27,6 +27,9 @@ def qkv_join(q, k, v, heads, groups, d):
     return x.reshape((heads + 2 * groups) * d, *rest)
 
 
+EXPORT_ONLY = "export only"  # a table row's from_hf: a copy the HF layout repeats (the import reads the first)
+
+
 def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent", "rotary_interleaved",
                               "squared_relu", "add_qkv_bias")):
     """Megatron-only variations no HF class of ours represents (absent in older checkpoints)."""

@@ -7,11 +7,15 @@ the expert bias (`e_score_correction_bias`: it steers the choice, not the weight
 
 The tensors map one to one: megalite's MLA projections are laid out as DeepSeek's (q_b_proj's rows per head
 [nope; rope], kv_a_proj_with_mqa's [latent; rope], kv_b_proj's per head [k nope; v]) and both rotate the
-rope dims in interleaved pairs (transformers' `rope_interleave`). Multi-token prediction: transformers'
-class has none (`num_nextn_predict_layers` 0 on export; MTP layers of an imported checkpoint are not read,
-as transformers does not read them)."""
+rope dims in interleaved pairs (transformers' `rope_interleave`).
 
-from megalite.checkpoint.hf import swiglu_rows
+Multi-token prediction: written as DeepSeek's own checkpoints hold it, depth k as layer `num_hidden_layers + k`
+(a decoder layer's tensors plus enorm, hnorm, eh_proj, shared_head.norm and copies of the embedding and the
+output head), with `num_nextn_predict_layers`; transformers' class builds no MTP and skips those tensors when
+it loads. They are read back on import; a directory without them (what transformers' save_pretrained writes,
+whatever `num_nextn_predict_layers` says) imports without MTP."""
+
+from megalite.checkpoint.hf import EXPORT_ONLY, swiglu_rows
 from megalite.checkpoint.hf_moe import _expert_rows, moe_layers
 from megalite.checkpoint.storage import CheckpointError
 
@@ -34,6 +38,7 @@ def _first_dense(c):
 
 class DeepseekV3:
     hf_class = ARCH
+    holds_mtp = True
 
     @staticmethod
     def check(c):
@@ -85,7 +90,7 @@ class DeepseekV3:
                 "qk_rope_head_dim": c["qk_pos_emb_head_dim"], "v_head_dim": c["v_head_dim"], "hidden_act": "silu",
                 "max_position_embeddings": c["max_position_embeddings"], "rms_norm_eps": c["layernorm_epsilon"],
                 "rope_theta": theta, "rope_parameters": rope, "rope_interleave": True, "attention_bias": False,
-                "attention_dropout": 0.0, "num_nextn_predict_layers": 0,
+                "attention_dropout": 0.0, "num_nextn_predict_layers": c.get("mtp_num_layers") or 0,
                 "tie_word_embeddings": not c["untie_embeddings_and_output_weights"], "torch_dtype": c["params_dtype"]}
 
     @staticmethod
@@ -125,6 +130,8 @@ class DeepseekV3:
                "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                "moe_shared_expert_intermediate_size": (h.get("n_shared_experts") or 0) * h["moe_intermediate_size"]
                or None}
+        if h.get("num_nextn_predict_layers"):  # (dropped by import_hf where the weights are missing)
+            out["mtp_num_layers"] = h["num_nextn_predict_layers"]
         if (h.get("n_group") or 1) > 1:
             out.update(moe_router_num_groups=h["n_group"], moe_router_group_topk=h["topk_group"])
         if h.get("routed_scaling_factor", 1.0) != 1.0:
@@ -137,32 +144,49 @@ class DeepseekV3:
         return out
 
     @staticmethod
+    def mtp_probe(c):
+        """An HF tensor every MTP depth has: present only where the directory holds MTP."""
+        return f"model.layers.{c['num_layers']}.eh_proj.weight"
+
+    @staticmethod
     def table(c):
         rows = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", _ident, _ident)]
         moe = moe_layers(c)
         for i in range(c["num_layers"]):
-            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-            a, s = m + "self_attention.", h + "self_attn."
-            rows += [(h + "input_layernorm.weight", m + "input_layernorm.weight", _ident, _ident)]
-            rows += [(s + hf + ".weight", a + ours + ".weight", _ident, _ident) for hf, ours in (
-                ("q_a_proj", "linear_q_down_proj"), ("q_a_layernorm", "q_layernorm"), ("q_b_proj", "linear_q_up_proj"),
-                ("kv_a_proj_with_mqa", "linear_kv_down_proj"), ("kv_a_layernorm", "kv_layernorm"),
-                ("kv_b_proj", "linear_kv_up_proj"), ("o_proj", "linear_proj"))]
-            rows.append((h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", _ident, _ident))
-            mlp = h + "mlp."
-            if not moe[i]:
-                rows += swiglu_rows(m + "mlp.", mlp + "gate_proj.weight", mlp + "up_proj.weight",
-                                    mlp + "down_proj.weight")
-                continue
-            rows.append((mlp + "gate.weight", m + "mlp.router.weight", _ident, _ident))
-            if c.get("moe_router_enable_expert_bias"):
-                rows.append((mlp + "gate.e_score_correction_bias", m + "mlp.router.expert_bias", _ident, _ident))
-            rows += _expert_rows(c, m + "mlp.", lambda e: f"{mlp}experts.{e}.", ("gate_proj", "up_proj", "down_proj"))
-            if c.get("moe_shared_expert_intermediate_size"):
-                sh = mlp + "shared_experts."
-                rows += swiglu_rows(m + "mlp.shared_experts.", sh + "gate_proj.weight", sh + "up_proj.weight",
-                                    sh + "down_proj.weight")
+            rows += _layer_rows(c, f"decoder.layers.{i}.", f"model.layers.{i}.", moe[i])
         rows.append(("model.norm.weight", "decoder.final_layernorm.weight", _ident, _ident))
+        head = "output_layer.weight" if c["untie_embeddings_and_output_weights"] else "embedding.word_embeddings.weight"
         if c["untie_embeddings_and_output_weights"]:
-            rows.append(("lm_head.weight", "output_layer.weight", _ident, _ident))
+            rows.append(("lm_head.weight", head, _ident, _ident))
+        for k in range(c.get("mtp_num_layers") or 0):  # DeepSeek's layout: layer num_layers + k
+            m, h = f"mtp.layers.{k}.", f"model.layers.{c['num_layers'] + k}."
+            rows += [(h + n + ".weight", m + n + ".weight", _ident, _ident) for n in ("enorm", "hnorm", "eh_proj")]
+            rows += _layer_rows(c, m + "transformer_layer.", h, moe[-1])
+            rows += [(h + "shared_head.norm.weight", m + "final_layernorm.weight", _ident, _ident),
+                     (h + "embed_tokens.weight", "embedding.word_embeddings.weight", _ident, EXPORT_ONLY),
+                     (h + "shared_head.head.weight", head, _ident, EXPORT_ONLY)]
         return rows
+
+
+def _layer_rows(c, m, h, moe):
+    """One decoder layer's rows: megalite prefix m, HF prefix h."""
+    a, s = m + "self_attention.", h + "self_attn."
+    rows = [(h + "input_layernorm.weight", m + "input_layernorm.weight", _ident, _ident)]
+    rows += [(s + hf + ".weight", a + ours + ".weight", _ident, _ident) for hf, ours in (
+        ("q_a_proj", "linear_q_down_proj"), ("q_a_layernorm", "q_layernorm"), ("q_b_proj", "linear_q_up_proj"),
+        ("kv_a_proj_with_mqa", "linear_kv_down_proj"), ("kv_a_layernorm", "kv_layernorm"),
+        ("kv_b_proj", "linear_kv_up_proj"), ("o_proj", "linear_proj"))]
+    rows.append((h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", _ident, _ident))
+    mlp = h + "mlp."
+    if not moe:
+        return rows + swiglu_rows(m + "mlp.", mlp + "gate_proj.weight", mlp + "up_proj.weight",
+                                  mlp + "down_proj.weight")
+    rows.append((mlp + "gate.weight", m + "mlp.router.weight", _ident, _ident))
+    if c.get("moe_router_enable_expert_bias"):
+        rows.append((mlp + "gate.e_score_correction_bias", m + "mlp.router.expert_bias", _ident, _ident))
+    rows += _expert_rows(c, m + "mlp.", lambda e: f"{mlp}experts.{e}.", ("gate_proj", "up_proj", "down_proj"))
+    if c.get("moe_shared_expert_intermediate_size"):
+        sh = mlp + "shared_experts."
+        rows += swiglu_rows(m + "mlp.shared_experts.", sh + "gate_proj.weight", sh + "up_proj.weight",
+                            sh + "down_proj.weight")
+    return rows

@@ -29,14 +29,15 @@ def allreduce_sequence_parallel_grads(params):
 
 
 def allreduce_embedding_grads(model_chunks):
-    """Tied word embeddings live on the first and last pipeline stages: sum their grads."""
+    """A word embedding with copies on the first and last pipeline stages (tied to the output layer, or
+    looked up by multi-token prediction on the last stage): sum their grads."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return
     if ps.global_rank() not in ps.get_embedding_ranks():
         return
     for m in model_chunks:
         m = getattr(m, "module", m)
-        if not getattr(m, "share_embeddings_and_output_weights", False):
+        if not getattr(m, "shares_embedding_across_stages", False):
             continue
         w = m.shared_embedding_or_output_weight()
         if w is not None:

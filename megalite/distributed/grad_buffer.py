@@ -101,9 +101,9 @@ def plan_buckets(params, bucket_size, pad_to=1, isolate=None):
 
 
 def tied_weight(module, pp):
-    """Tied word embeddings are summed over the first and last pipeline stages; alone in
+    """Word embeddings with copies on the first and last pipeline stages are summed over them; alone in
     a bucket they get the same shard ranges on both stages, so owned shards can be summed."""
-    if pp > 1 and getattr(module, "share_embeddings_and_output_weights", False):
+    if pp > 1 and getattr(module, "shares_embedding_across_stages", False):
         return module.shared_embedding_or_output_weight()
     return None
 

@@ -115,7 +115,7 @@ class BertModel(nn.Module):
             num_layers, layer_offset = chunk_layers(c, grid=grid)
         self.config = c
         self.pre_process, self.post_process = pre_process, post_process
-        self.share_embeddings_and_output_weights = True
+        self.share_embeddings_and_output_weights = self.shares_embedding_across_stages = True
         self.padded_vocab_size = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, tp)
         self.input_tensor = None
         if pre_process:

@@ -24,6 +24,7 @@ from megalite.tensor_parallel import (
 from megalite.tensor_parallel.init import replicated_init
 from megalite.tensor_parallel.layers import init_normal, with_recipe
 from megalite.transformer import TransformerBlock
+from megalite.transformer.mtp import MTPBlock
 from megalite.transformer.pipeline_layers import chunk_layers
 from megalite.transformer.rope import rotary_cos_sin
 from megalite.transformer.utils import param_seed
@@ -96,10 +97,17 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, tp)
         self.input_tensor = None
         self.input_on_every_stage = c.reset_attention_mask  # every stage's attention needs the document mask
-        if pre_process:
+        self.mtp_process = post_process and bool(c.mtp_num_layers)  # multi-token prediction: the last stage
+        # The word embedding has a copy on the first and the last stage (their gradients summed) when the
+        # output layer is tied to it or when MTP looks tokens up on the last stage.
+        self.shares_embedding_across_stages = self.share_embeddings_and_output_weights or bool(c.mtp_num_layers)
+        if pre_process or self.mtp_process:
             self.embedding = GPTEmbedding(c, self.padded_vocab_size, grid)
+            if not pre_process:  # MTP's copy on the last stage, initialised as the first stage's
+                self.embedding.word_embeddings.weight.shared_embedding = True
         self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset or 0,
                                         post_process=post_process, grid=grid)
+        self.mtp = MTPBlock(c, grid) if self.mtp_process else None
         if post_process:
             std = c.init_method_std
             self.output_layer = ColumnParallelLinear(
@@ -113,7 +121,7 @@ class GPTModel(nn.Module):
             self.output_layer.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
             self.output_layer.weight.is_embedding_parameter = True  # muP's embedding class (untied or tied copy)
             if self.share_embeddings_and_output_weights:
-                if pre_process:
+                if pre_process or self.mtp_process:
                     # One parameter used twice; the output layer's own copy is dropped.
                     del self.output_layer.weight
                     self.output_layer.weight = None
@@ -138,16 +146,18 @@ class GPTModel(nn.Module):
         self.input_tensor = tensor
 
     def shared_embedding_or_output_weight(self):
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
         return None
 
-    def forward(self, input_ids, position_ids=None, labels=None, inference_cache=None, attention_mask=None):
+    def forward(self, input_ids, position_ids=None, labels=None, inference_cache=None, attention_mask=None,
+                loss_mask=None):
         """inference_cache (megalite.inference.KVCache): input_ids are the tokens after those
         already cached (generation); positions continue from there. attention_mask [b, 1, s, s]
-        bool, True = masked out (Megatron's --reset-attention-mask); default causal."""
+        bool, True = masked out (Megatron's --reset-attention-mask); default causal. loss_mask [b, s]: the
+        tokens multi-token prediction's loss counts (default all); the main loss is masked by the caller."""
         c = self.config
         offset = inference_cache.offset if inference_cache is not None else 0
         if self.pre_process:
@@ -173,14 +183,28 @@ class GPTModel(nn.Module):
             inference_cache.offset += x.shape[0]
         if not self.post_process:
             return x
-        weight = None
-        if self.share_embeddings_and_output_weights and self.pre_process:
-            weight = self.embedding.word_embeddings.weight
-        logits = self.output_layer(x, weight=weight)  # [s, b, V/TP]
-        if mup.output_mult(c) != 1.0:
-            logits = logits * mup.output_mult(c)
+        if self.mtp is not None and labels is not None and self.training:  # generation and evaluation skip MTP
+            if position_ids is None and self.embedding.position_embeddings is not None:  # MTP moves the positions too
+                position_ids = global_token_index(input_ids.shape[1], input_ids.device, self.grid).unsqueeze(0)
+            x = self.mtp(x, input_ids, position_ids, labels, loss_mask, rotary, attention_mask, self.embedding,
+                         lambda h, lab: self._per_token_loss(self._logits(h), lab))
+        logits = self._logits(x)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
+        return self._per_token_loss(logits, labels)
+
+    def _logits(self, x):
+        """[s, b, V/TP] through the output layer (the word embedding where tied on this stage)."""
+        weight = None
+        if self.share_embeddings_and_output_weights and (self.pre_process or self.mtp_process):
+            weight = self.embedding.word_embeddings.weight
+        logits = self.output_layer(x, weight=weight)
+        mult = mup.output_mult(self.config)
+        return logits * mult if mult != 1.0 else logits
+
+    def _per_token_loss(self, logits, labels):
+        """[b, s] fp32 cross-entropy of logits [s, b, V/TP] against labels [b, s]."""
+        c = self.config
         # In-place gradient saves a logits-sized buffer; on GPUs that memory matters.
         loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=c.vocab_size,
                                             inplace_backward=logits.is_cuda, fused=c.fused_kernels, grid=self.grid)

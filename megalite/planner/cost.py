@@ -92,7 +92,8 @@ def check_plannable(args, cluster):
         ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
         ("--optimizer-cpu-offload", args.optimizer_cpu_offload), ("--semi-sync-method", args.semi_sync_method),
         ("--grad-compression", args.grad_compression != "none"),
-        ("--hierarchical-grad-reduce", args.hierarchical_grad_reduce)) if given]
+        ("--hierarchical-grad-reduce", args.hierarchical_grad_reduce),
+        ("--mtp-num-layers", args.mtp_num_layers)) if given]
     if unmodelled:
         raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
     no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})

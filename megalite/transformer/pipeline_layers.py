@@ -6,7 +6,8 @@ among the middle stages. With interleaving (virtual size v) the model is cut int
 equal chunks and stage p holds chunks p, p + PP, p + 2PP, ...
 Megatron's --pipeline-model-parallel-layout names every (virtual) stage's layers instead, so a
 bigger GPU can take more: "E" embedding, "t" transformer layer, "L" loss, stages split by "|",
-"x*n" and "(...)*n" repeat, commas are cosmetic; PP x v stages, stage s = vrank x PP + pp rank.
+"m" a multi-token prediction layer (all of them with the loss, in the last stage: megalite has no standalone
+MTP stage), "x*n" and "(...)*n" repeat, commas are cosmetic; PP x v stages, stage s = vrank x PP + pp rank.
 """
 
 import re
@@ -15,7 +16,7 @@ from megalite import parallel_state as ps
 from megalite.config import ConfigError
 
 
-def parse_pipeline_layout(text, pp, num_layers):
+def parse_pipeline_layout(text, pp, num_layers, mtp_num_layers=None):
     """Layers per stage of a --pipeline-model-parallel-layout string, in stage order (PP x v of
     them), validated: one line naming what is wrong."""
     flag = f"--pipeline-model-parallel-layout {text!r}"
@@ -23,11 +24,16 @@ def parse_pipeline_layout(text, pp, num_layers):
     s = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
     s = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
     stages = s.split("|")
-    bad = sorted(set(s) - set("EtL|"))
-    if "m" in bad:
-        raise ConfigError(f"{flag}: multi-token prediction layers (m) are not implemented in megalite")
+    bad = sorted(set(s) - set("EtmL|"))
     if bad:
-        raise ConfigError(f"{flag}: unknown layer symbols {bad}; use E (embedding), t (transformer layer), L (loss)")
+        raise ConfigError(f"{flag}: unknown layer symbols {bad}; use E (embedding), t (transformer layer), "
+                          "m (multi-token prediction layer), L (loss)")
+    if s.count("m") != (mtp_num_layers or 0):
+        raise ConfigError(f"{flag} places {s.count('m')} multi-token prediction layers (m) but --mtp-num-layers is "
+                          f"{mtp_num_layers or 0}")
+    if "m" in s and not stages[-1].endswith("m" * s.count("m") + "L"):
+        raise ConfigError(f"{flag}: the multi-token prediction layers (m) go together just before the loss L, in "
+                          "the last stage (megalite has no standalone MTP stage)")
     if len(stages) % pp:
         raise ConfigError(f"{flag} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size {pp}")
     if s.count("E") != 1 or not stages[0].startswith("E"):
