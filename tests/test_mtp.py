@@ -241,3 +241,19 @@ def test_misuse_is_one_line(argv, message):
         _parse(base + list(argv), world_size=2)
     text = str(e.value)
     assert message in text and "\n" not in text, text
+
+
+def test_flops_count_the_mtp_layers_as_megatron():
+    """Megatron's num_floating_point_operations with --mtp-num-layers D: D more layers (built as the last), D more
+    logits, and each depth's norms and eh_proj, 6 B s D (3h + 2h^2)."""
+    from megalite.arguments import check_args, model_config
+    from megalite.flops import num_floating_point_operations as flops
+    argv = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", "1", "--lr", "1e-3", "--vocab-size", "100", "--swiglu", "--ffn-hidden-size", "96"]
+    plain = model_config(check_args(argv, 1), 100)
+    mtp = model_config(check_args(argv + ["--mtp-num-layers", "2"], 1), 100)
+    b, s, h, v, d = 2, 32, 64, 128, 2
+    layer = flops(plain, b, v) - flops(model_config(check_args(argv[:1] + ["2"] + argv[2:], 1), 100), b, v)
+    want = flops(plain, b, v) + d * layer + 6 * b * s * h * v * d + 6 * b * s * d * (3 * h + 2 * h * h)
+    assert flops(mtp, b, v) == pytest.approx(want, rel=1e-12)
