@@ -20,6 +20,7 @@ import shutil
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -93,6 +94,24 @@ def config_json(config):
     d = dataclasses.asdict(config)
     d["params_dtype"] = str(d["params_dtype"]).replace("torch.", "")
     return d
+
+
+# what a checkpoint's model_config says of the layout it was trained at, not of the model
+_LAYOUT_FIELDS = dict(sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+                      recompute_num_layers=None, decoder_first_pipeline_num_layers=None,
+                      decoder_last_pipeline_num_layers=None, pipeline_layout=None, cp_comm_type=None,
+                      microbatch_group_size_per_vp_stage=None)
+
+
+def config_for_one_process(saved):
+    """The ModelConfig of a checkpoint's model_config (its JSON dict) for a model built whole on one process's
+    TP group (generation, logits): unknown fields dropped, the training layout's own fields reset (a pipeline
+    layout's per-stage layer counts would otherwise build only the first stage's layers)."""
+    from megalite.config import ModelConfig
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = {k: v for k, v in saved.items() if k in names}
+    cfg.update(_LAYOUT_FIELDS, params_dtype=getattr(torch, cfg.get("params_dtype", "float32")))
+    return ModelConfig(**cfg)
 
 
 def _group():

@@ -18,8 +18,7 @@ from cli_batch import convert  # in process; test_converter_refuses_what_it_cann
 from dist_util import run_on_ranks
 from megalite import parallel_state as ps
 from megalite.checkpoint.convert import Reader, find_checkpoint
-from megalite.checkpointing import load_weights
-from megalite.config import ModelConfig
+from megalite.checkpointing import config_for_one_process, load_weights
 from megalite.models import GPTModel
 from megalite.tensor_parallel import model_parallel_manual_seed
 from parity import VOCAB, BigramChainDataset
@@ -61,16 +60,15 @@ def _tokens():
 def megalite_logits(root, tokens):
     """The checkpoint's model on one process (TP=PP=1, whatever it was saved at)."""
     _, meta = find_checkpoint(root)
-    cfg = dict(meta["model_config"])
-    cfg["params_dtype"] = getattr(torch, cfg["params_dtype"])
+    config = config_for_one_process(meta["model_config"])
     ps.initialize_model_parallel(1, 1)
     model_parallel_manual_seed(0)
     try:
-        model = GPTModel(ModelConfig(**cfg))
+        model = GPTModel(config)
         load_weights([model], root)
         model.eval()
         with torch.no_grad():
-            return model(tokens)[..., :cfg["vocab_size"]]
+            return model(tokens)[..., :config.vocab_size]
     finally:
         ps.destroy_model_parallel()
 

@@ -9,7 +9,6 @@ file); the continuation is printed by rank 0.
 """
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -19,7 +18,7 @@ import torch  # noqa: E402
 
 from megalite import parallel_state as ps  # noqa: E402
 from megalite.checkpoint.storage import CheckpointError  # noqa: E402
-from megalite.config import ConfigError, ModelConfig, fail  # noqa: E402
+from megalite.config import ConfigError, fail  # noqa: E402
 
 
 def build_parser():
@@ -44,21 +43,17 @@ def build_parser():
 
 def load_model(root, tp):
     from megalite.checkpoint.convert import find_checkpoint
-    from megalite.checkpointing import load_weights
+    from megalite.checkpointing import config_for_one_process, load_weights
     from megalite.models import GPTModel
     from megalite.tensor_parallel import model_parallel_manual_seed
     _, meta = find_checkpoint(root)
     saved = dict(meta["model_config"])
     if saved.get("model_type", "gpt") not in ("gpt", "GPT"):
         raise ConfigError(f"{root} holds a {saved['model_type']} model; tools/generate.py samples from GPT models")
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = {k: v for k, v in saved.items() if k in names}
-    cfg.update(params_dtype=getattr(torch, cfg.get("params_dtype", "float32")), sequence_parallel=False,
-               recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
-               decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+    config = config_for_one_process(saved)
     ps.initialize_model_parallel(tp, 1)
-    model_parallel_manual_seed(cfg.get("seed", 1234))
-    model = GPTModel(ModelConfig(**cfg))
+    model_parallel_manual_seed(config.seed)
+    model = GPTModel(config)
     load_weights([model], root)
     return model, meta
 
