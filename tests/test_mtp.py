@@ -1,7 +1,7 @@
 """Multi-token prediction (issue 38, item 4; megalite/transformer/mtp.py).
 
-- The loss is its definition (float64): the model's gradients equal those of main + λ/D Σ_k masked-mean CE_k written out
-  with torch.roll (the shifted ids, labels and loss mask, zeros where nothing follows), the depth's modules
+- The loss is its definition: the model's gradients equal those of main + λ/D Σ_k masked-mean CE_k written out
+  in float64 with torch.roll (the shifted ids, labels and loss mask, zeros where nothing follows), the depth's modules
   applied one by one, for the mean loss and --calculate-per-token-loss; the recorded per-depth means too.
 - Every layout reproduces the single process (tests/parity.py: every gradient before clipping, norms, parameters
   after the steps, losses): TP + SP, interleaved PP with the MTP layers placed by `m` in a layout, CP with a
@@ -125,8 +125,8 @@ def test_logged_losses_are_the_single_processs(world, name):
 
 
 def test_a_pp2_zero3_checkpoint_goes_on_in_one_process(world):
-    """The interleaved PP2 x DP2 ZeRO-3 layout's checkpoint (the MTP layers and the last stage's embedding copy in it) goes
-    on for two steps in one process as the straight single-process run does: losses and every parameter."""
+    """The interleaved PP2 x DP2 ZeRO-3 layout's checkpoint (the MTP layers and the last stage's embedding copy in
+    it) goes on for two steps in one process as the straight single-process run does: losses and every parameter."""
     more = ("--train-iters", str(STEPS + 2), "--lr-decay-iters", str(STEPS))  # (constant LR) as the saved run
     straight = train(layout("straight", model=LLAMA + MTP + more))
     went_on = train(layout("went_on", model=LLAMA + MTP + more + ("--load", CKPT)))
