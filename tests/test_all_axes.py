@@ -22,21 +22,14 @@ import torch
 
 from cli_batch import convert
 from dist_util import rel_err, start_on_ranks
-from parity import STEPS, assert_parity, layout, moe_collect, start_layouts, train
+from parity import DEEPSEEK, STEPS, layout, moe_collect, start_layouts, train
+from parity_check import assert_parity
 
 CKPT = tempfile.mkdtemp(prefix="megalite-all-axes-")
-DEEPSEEK = ("--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
-            "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--qk-layernorm", "--normalization", "RMSNorm",
-            "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
-            "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-6", "--rotary-scaling-factor", "4",
-            "--mscale", "1.0", "--mscale-all-dim", "0.8", "--num-experts", "4", "--moe-router-topk", "2",
-            "--moe-ffn-hidden-size", "24", "--moe-shared-expert-intermediate-size", "48",
-            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-            "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
-            "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0,1,1]", "--moe-aux-loss-coeff", "0",
-            "--num-layers", "3", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3")
+MODEL = DEEPSEEK + ("--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--mtp-num-layers", "1",
+                    "--mtp-loss-scaling-factor", "0.3")  # the first layer dense, one MTP depth
 ALL_AXES = layout("tp2_sp_cp2_pp2_interleaved_ep2_zero3_recompute", tp=2, sp=True, cp=2, pp=2, zero=3,
-                  recompute="full", model=DEEPSEEK,
+                  recompute="full", model=MODEL,
                   flags=("--pipeline-model-parallel-layout", "Et|t|t|mL", "--expert-model-parallel-size", "2",
                          "--moe-token-dispatcher-type", "alltoall", "--save", CKPT))
 MORE = ("--train-iters", str(STEPS + 2), "--lr-decay-iters", str(STEPS))  # (constant LR) as the saved run
@@ -52,14 +45,14 @@ def test_every_axis_at_once_matches_the_single_process(world):
 
 
 def _continue_at_ep4():
-    return train(layout("went_on_ep4", dp=4, zero=1, model=DEEPSEEK + MORE + ("--load", CKPT),
+    return train(layout("went_on_ep4", dp=4, zero=1, model=MODEL + MORE + ("--load", CKPT),
                         flags=("--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall")))
 
 
 def test_its_checkpoint_goes_on_at_one_process_and_at_ep4(world):
     ep4 = start_on_ranks(_continue_at_ep4, 4)
-    straight = train(layout("straight", model=DEEPSEEK + MORE))
-    one = train(layout("went_on", model=DEEPSEEK + MORE + ("--load", CKPT)))
+    straight = train(layout("straight", model=MODEL + MORE))
+    one = train(layout("went_on", model=MODEL + MORE + ("--load", CKPT)))
     names = set(straight["params"])
     assert any(n.startswith("mtp.layers.0.transformer_layer.mlp.experts") for n in names)
     runs = [("one process", one)] + [(f"TP1 x DP4 EP4 rank {r}", got) for r, got in enumerate(ep4.result())]

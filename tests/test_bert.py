@@ -24,7 +24,8 @@ from megalite.config import ModelConfig
 from megalite.data.bert_dataset import build_bert_datasets, mask_tokens
 from megalite.models import BertModel
 from megalite.tensor_parallel import model_parallel_manual_seed
-from parity import ALPHABET, VOCAB, assert_parity, layout, reference, run_layouts, worst
+from parity import ALPHABET, VOCAB, layout, reference, run_layouts
+from parity_check import assert_parity, worst
 from test_checkpoint_hf import tensors
 
 transformers = pytest.importorskip("transformers", reason="the BERT HF tests need transformers (the [test] extra "

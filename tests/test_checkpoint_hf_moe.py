@@ -17,6 +17,7 @@ from dist_util import run_on_ranks
 from megalite.checkpoint.convert import Reader, Writer, find_checkpoint
 from megalite.checkpoint.storage import CheckpointError
 from test_checkpoint_hf import _tokens, hf_logits, megalite_logits, tensors
+import parity
 
 transformers = pytest.importorskip("transformers", reason="the HF conversion tests need transformers (the [test] "
                                    "extra installs it)")
@@ -38,19 +39,7 @@ FLAVOURS = {  # name: (HF class, flags: model + the layout it is trained at on 4
                                               "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
                                               "alltoall"]),
 }
-# DeepSeek-V3's shape in small: MLA (q latent, norms, YaRN with both mscales, value heads of their own size), the
-# first layer dense, a shared expert, sigmoid routing with the expert bias, 2 groups (each token's experts from
-# its best group), weights renormalised and scaled by 2.5
-DEEPSEEK = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
-            "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12", "--qk-layernorm", "--normalization", "RMSNorm",
-            "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
-            "--untie-embeddings-and-output-weights", "--norm-epsilon", "1e-6", "--rotary-scaling-factor", "4",
-            "--mscale", "1.0", "--mscale-all-dim", "0.8", "--num-experts", "4", "--moe-router-topk", "2",
-            "--moe-ffn-hidden-size", "24", "--moe-shared-expert-intermediate-size", "48",
-            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-            "--moe-router-bias-update-rate", "1e-2", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
-            "--moe-router-topk-scaling-factor", "2.5", "--moe-layer-freq", "[0,1]", "--moe-aux-loss-coeff", "0",
-            "--num-layers", "2"]
+DEEPSEEK = list(parity.DEEPSEEK) + ["--moe-layer-freq", "[0,1]", "--num-layers", "2"]  # the first layer dense
 BASES = {"deepseek_v3": DEEPSEEK + ["--mtp-num-layers", "1"]}  # one MTP depth (MoE, as the last layer)
 
 

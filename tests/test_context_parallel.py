@@ -19,7 +19,8 @@ from megalite.transformer.attention import core_attention
 from megalite.transformer import cp_attention
 from megalite.transformer.cp_attention import context_parallel_attention, ring_attention
 from test_gpt_batch_flags import DOC_FLAGS, doc_datasets
-from parity import LLAMA, BigramChainDataset, assert_parity, check_reference, layout, reference, run_layouts
+from parity import LLAMA, BigramChainDataset, check_reference, layout, reference, run_layouts
+from parity_check import assert_parity
 
 SHAPES = [(2, 4, 4), (1, 4, 2), (2, 4, 1)]  # (batch, query heads, KV heads)
 
@@ -188,7 +189,7 @@ FOUR = [
 #   fp16: losses@1 2.1e-6, norms@1 6.0e-5, grads 1.6e-3, embedding grads 8.1e-4, losses 6.2e-4,
 #         norms 7.8e-3, params 3.1e-3
 # Step-1 bounds about 2.5x those; later steps ("losses", "norms", "params") within half precision's
-# envelope, measured in the same run (parity.TOLERANCE). Every injected fault is O(1) at step 1.
+# envelope, measured in the same run (parity_check.TOLERANCE). Every injected fault is O(1) at step 1.
 LOW_PRECISION = {
     "cp2_bf16": {"losses@1": 3e-5, "norms@1": 1e-3, "grads": 4e-2, "embedding grads": 1e-2},
     "cp2_fp16": {"losses@1": 1e-5, "norms@1": 2e-4, "grads": 4e-3, "embedding grads": 2e-3},

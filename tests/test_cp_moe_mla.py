@@ -12,12 +12,12 @@ another head size go through every CP comm type: the ring paths carry V zero-pad
 head size (or Q/K padded to V's), a2a moves them apart. One spawn of 4 gloo ranks.
 """
 
-import dataclasses
 
 import pytest
 
-from parity import (LOGGED, MOE, MOE_BIAS, SINKHORN, assert_parity, layout, mismatches, moe_collect, patched, record_logged,
-                    reference, start_layouts, train)
+from parity import (MOE, MOE_BIAS, SINKHORN, layout, logged_by_reference, moe_collect, patched, record_logged,
+                    reference, start_layouts)
+from parity_check import assert_logged_as, assert_parity, mismatches
 
 SEQ_AUX = MOE + ("--moe-router-load-balancing-type", "seq_aux_loss")
 
@@ -77,17 +77,9 @@ def test_expert_bias_counts_every_token_once_under_cp(world):
 @pytest.mark.parametrize("name", ["moe_tp2_sp_cp2_p2p", "moe_tp2_sp_cp2_a2a_ep2_seq_aux"])
 def test_logged_router_losses_are_the_single_processs_under_cp(world, name):
     lay = LAYOUTS[[x.name for x in LAYOUTS].index(name)]
-    with record_logged():
-        train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
-    want = list(LOGGED)
-    LOGGED.clear()
+    want = logged_by_reference(lay)
     assert len(want) == 6 and set(want[0]) == {"load_balancing_loss", "z_loss"}, want
-    for r in world[name]:
-        got = r["collected"]["logged"]
-        assert len(got) == len(want), (got, want)
-        for g, w in zip(got, want):
-            for k in w:
-                assert abs(g[k] - w[k]) <= 1e-5 * abs(w[k]), (name, r["coords"], g, w)
+    assert_logged_as(want, world[name], name)
 
 
 @pytest.mark.parametrize("lay", FAULTS, ids=lambda lay: lay.name)

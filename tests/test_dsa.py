@@ -24,7 +24,8 @@ from megalite.transformer import dsa as dsa_module
 from megalite.transformer.dsa import index_scores
 from megalite.transformer.mla import MLASelfAttention
 from megalite.transformer.yarn import mla_rotary_cos_sin
-from parity import BASE, assert_parity, layout, mismatches, patched, reference, run_layouts
+from parity import BASE, layout, patched, reference, run_layouts
+from parity_check import assert_parity, mismatches
 from test_mla import MLA, _m, _mla64, _norm64, _tables64, _yarn_f64
 
 DSA = ("--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "8", "--dsa-indexer-head-dim", "8",

@@ -9,7 +9,8 @@ import contextlib
 
 import pytest
 
-from parity import EIGHT_LAYERS, LLAMA, assert_parity, layout, mismatches, patched, reference, start_layouts
+from parity import EIGHT_LAYERS, LLAMA, layout, patched, reference, start_layouts
+from parity_check import assert_parity, mismatches
 from semi_sync_reference import DILOCO, collect, semi, semi_sync_mismatches, serial_reference
 
 

@@ -11,7 +11,8 @@ import torch
 from dist_util import rel_err
 from megalite import parallel_state as ps
 from megalite.data.gpt_batch import GPTBatchDataset, ltor_masks_and_position_ids
-from parity import ALPHABET, VOCAB, assert_parity, check_reference, layout, reference, run_layouts
+from parity import ALPHABET, VOCAB, check_reference, layout, reference, run_layouts
+from parity_check import assert_parity
 
 EOD = VOCAB - 1  # outside the chain's alphabet
 DOC_FLAGS = ("--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask")

@@ -25,7 +25,8 @@ from megalite.config import ConfigError
 from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
 from megalite.iteration_plan import IterationPlan, balanced_counts, parse_shares
 from megalite.microbatches import BatchSchedule
-from parity import STEPS, BigramChainDataset, assert_parity, layout, reference, run_layouts, train
+from parity import STEPS, BigramChainDataset, layout, reference, run_layouts, train
+from parity_check import assert_parity
 
 
 def with_validation(args, num_samples):

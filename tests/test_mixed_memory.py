@@ -26,7 +26,8 @@ from dist_util import rel_err, start_on_ranks
 from megalite.config import ConfigError
 from megalite.iteration_plan import IterationPlan
 from megalite.microbatches import BatchSchedule
-from parity import STEPS, assert_parity, layout, patched, reference, start_layouts, train
+from parity import STEPS, layout, patched, reference, start_layouts, train
+from parity_check import assert_parity
 from test_mixed_gpus import slow_second_replica
 
 # No load-balancing loss: it multiplies two means over a micro-batch's tokens, so it is another function

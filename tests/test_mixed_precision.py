@@ -8,7 +8,7 @@ B, the step-1 gradient is exactly (g_bf16(A) + g_fp32(B)) / 2, where g_bf16(A) i
 process computes on A alone (the same bf16 operations on the same micro-batches) and g_fp32(B) what
 one fp32 process computes on B: compared at fp32's 1e-5 (only the order of fp32 sums differs). After
 step 1 the run drifts from the fp32 trajectory by half precision's own chaos on half the samples:
-held to the harness's envelope, ENVELOPE x one bf16 process's distance from its fp32 run (parity.py).
+held to the harness's envelope, ENVELOPE x one bf16 process's distance from its fp32 run (parity_check.py).
 TP2 + SP and interleaved PP2 inside bf16 / fp32 replicas: every quantity within that envelope, one set of
 main weights per (TP, PP) position. These worlds run under the test process's own ATen capability, as the harness's bf16 layouts do
 (half-precision kernels round at other places under another capability).
@@ -21,8 +21,8 @@ import torch
 
 from dist_util import rel_err
 from megalite.config import ConfigError
-from parity import (ENVELOPE, BigramChainDataset, assert_parity, envelope, errors, layout, patched, reference,
-                    start_layouts)
+from parity import BigramChainDataset, layout, patched, reference, start_layouts
+from parity_check import ENVELOPE, assert_parity, envelope, errors
 
 
 def precisions(*p):

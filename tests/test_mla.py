@@ -32,8 +32,8 @@ from megalite.transformer.attention import core_attention
 from megalite.transformer.mla import MLASelfAttention
 from megalite.transformer.rope import rotary_cos_sin
 from megalite.transformer.yarn import mla_rotary_cos_sin, mla_softmax_scale, yarn_inv_freq
-from parity import (BASE, VOCAB, assert_parity, layout, learnable_datasets, mismatches, patched, reference,
-                    run_layouts)
+from parity import BASE, VOCAB, layout, learnable_datasets, patched, reference, run_layouts
+from parity_check import assert_parity, mismatches
 
 SIZES = ("--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12")
 # q latent + its norm, YaRN with a scaling factor and both mscales (concentration and softmax scale != 1)

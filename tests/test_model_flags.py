@@ -20,7 +20,8 @@ from megalite.training import pretrain
 from megalite.transformer.norm import LayerNorm, RMSNorm
 from megalite.transformer.rope import apply_rotary, rotary_cos_sin
 from model_util import batch, tiny_config
-from parity import BASE, LLAMA, assert_parity, check_reference, layout, learnable_datasets, reference, run_layouts
+from parity import BASE, LLAMA, check_reference, layout, learnable_datasets, reference, run_layouts
+from parity_check import assert_parity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW = ("--qk-layernorm", "--apply-layernorm-1p", "--rotary-percent", "0.5")

@@ -13,7 +13,8 @@ from megalite.config import ModelConfig
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, sinkhorn, sinkhorn_routing, topk_routing
 from megalite.transformer.mlp import MLP
-from parity import MOE, assert_parity, layout, mismatches, patched, reference, run_layouts
+from parity import MOE, layout, patched, reference, run_layouts
+from parity_check import assert_parity, mismatches
 
 E, K = 4, 2
 

@@ -8,7 +8,6 @@ bound 1e-5), faults the checks must catch, and a checkpoint saved at EP2 that is
 exactly and re-saved bit for bit at EP4, EP1 and one process.
 """
 
-import dataclasses
 import os
 
 import pytest
@@ -23,8 +22,9 @@ from megalite.distributed import param_facts
 from megalite.moe import experts as experts_module
 from megalite.moe.dispatcher import TokenDispatcher
 from megalite.training import pretrain
-from parity import (BASE, LOGGED, MOE, MOE_BIAS, SINKHORN, assert_parity, layout, learnable_datasets, mismatches,
-                    moe_collect, patched, record_logged, reference, train)
+from parity import (BASE, MOE, MOE_BIAS, SINKHORN, layout, learnable_datasets, logged_by_reference, moe_collect,
+                    patched, record_logged, reference, train)
+from parity_check import assert_logged_as, assert_parity, mismatches
 
 
 SHARED = ("--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate")
@@ -212,20 +212,10 @@ def test_logged_router_losses_do_not_change_with_tp_pp_and_ep(world, name):
     router twice) equal the single process's every step, within the fp32 bound (sums in another order),
     on the ranks that print the log line (the last pipeline stage)."""
     lay = LAYOUTS[[x.name for x in LAYOUTS].index(name)]
-    with record_logged():
-        train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
-    want = list(LOGGED)
-    LOGGED.clear()
+    want = logged_by_reference(lay)
     assert len(want) == 6 and set(want[0]) == {"load_balancing_loss", "z_loss"}, want
     last_stage = max(r["coords"][1] for r in world[1][name])
-    for r in world[1][name]:
-        if r["coords"][1] != last_stage:
-            continue
-        got = r["collected"]["logged"]
-        assert len(got) == len(want), (got, want)
-        for g, w in zip(got, want):
-            for k in w:
-                assert abs(g[k] - w[k]) <= 1e-5 * abs(w[k]), (name, r["coords"], g, w)
+    assert_logged_as(want, [r for r in world[1][name] if r["coords"][1] == last_stage], name)
 
 
 @pytest.mark.parametrize("lay", FAULTS, ids=lambda lay: lay.name)

@@ -15,7 +15,6 @@
 """
 
 import copy
-import dataclasses
 import tempfile
 
 import pytest
@@ -23,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from dist_util import rel_err
-from parity import (LLAMA, LOGGED, MOE, MOE_BIAS, STEPS, BigramChainDataset, assert_parity, layout, mismatches,
-                    moe_collect, patched, record_logged, reference, start_layouts, train)
+from parity import (LLAMA, MOE, MOE_BIAS, STEPS, BigramChainDataset, layout, logged_by_reference, moe_collect, patched,
+                    record_logged, reference, start_layouts, train)
+from parity_check import assert_logged_as, assert_parity, mismatches
 
 # --lr 5e-3 (as EIGHT_LAYERS): Adam turns a gradient's rounding into a parameter change of about lr/eps times
 # it; at the base's 1e-2 these layouts' parameters after 6 steps came to 1.03e-5 of the 1e-5 bound (CP2 x DP2
@@ -108,20 +108,13 @@ def test_faults_are_caught(world, lay):
 def test_logged_losses_are_the_single_processs(world, name):
     """The log line's "mtp_k loss" per depth (and the routers' losses, the MTP layer's included)."""
     lay = LAYOUTS[[x.name for x in LAYOUTS].index(name)]
-    with record_logged():
-        train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
-    want = list(LOGGED)
-    LOGGED.clear()
+    want = logged_by_reference(lay)
     mtp = [w for w in want if "mtp_1 loss" in w]
     assert len(mtp) == STEPS and all(set(w) == {"mtp_1 loss", "mtp_2 loss"} for w in mtp), want
     assert mtp[0]["mtp_1 loss"] > 1.0  # cross-entropies of a model that has just started to learn
     for r in world[name]:
-        got = r["collected"]["logged"]
-        assert len(got) == len(want), (got, want)
-        for g, w in zip(got, want):
-            assert set(g) == set(w), (g, w)
-            for k in w:
-                assert abs(g[k] - w[k]) <= 1e-5 * abs(w[k]), (name, r["coords"], g, w)
+        assert [set(g) for g in r["collected"]["logged"]] == [set(w) for w in want], (r["coords"], want)
+    assert_logged_as(want, world[name], name)
 
 
 def test_a_pp2_zero3_checkpoint_goes_on_in_one_process(world):

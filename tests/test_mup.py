@@ -23,7 +23,8 @@ from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.transformer.attention import SelfAttention
 from model_util import batch
-from parity import BASE, assert_parity, check_reference, layout, reference, run_layouts
+from parity import BASE, check_reference, layout, reference, run_layouts
+from parity_check import assert_parity
 
 SIZES = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
          "--lr 1e-2 --min-lr 1e-3 --train-iters 10 --mock-data --hidden-dropout 0 --attention-dropout 0 "

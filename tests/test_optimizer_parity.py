@@ -28,8 +28,8 @@ from megalite.arguments import parse_args
 from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.optimizer.newton_schulz import flops
 from megalite.training import pretrain
-from parity import (BASE, LLAMA, MOE, assert_parity, layout, learnable_datasets, mismatches, patched, reference,
-                    start_layouts)
+from parity import BASE, LLAMA, MOE, layout, learnable_datasets, patched, reference, start_layouts
+from parity_check import assert_parity, mismatches
 
 MUON_FLAGS = ("--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-nesterov", "--muon-scale-mode",
               "shape_scaling")

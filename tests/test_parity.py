@@ -6,7 +6,8 @@ model learns. One spawn per world size (2, 3, 4, 8), each running many layouts.
 import pytest
 
 from megalite.pipeline import schedules
-from parity import EIGHT_LAYERS, LLAMA, assert_parity, check_reference, layout, reference, run_layouts
+from parity import EIGHT_LAYERS, LLAMA, check_reference, layout, reference, run_layouts
+from parity_check import assert_parity
 
 TWO = [
     layout("pp2_1f1b", pp=2),
@@ -42,7 +43,7 @@ FOUR = [
     layout("pp2_dp2_no_overlap", pp=2, dp=2, flags=("--no-overlap-grad-reduce",)),
 ]
 # (pp2_dp2_zero1_fp16: DP reorders the fp32 gradient sums, so fp16 weights round differently from step 2
-# on: its later steps are held to half precision's envelope, parity.TOLERANCE, as PP's.)
+# on: its later steps are held to half precision's envelope, parity_check.TOLERANCE, as PP's.)
 # Eight ranks: the full 3D grid (each world-8 rank costs ~2x a world-4 one on 2 cores, so what a
 # smaller world already covers runs there: PP4 1F1B in FOUR and below, TP4 with SP in
 # tp4_pp2_sp_llama, the non-overlapped DP reduction in pp2_dp2_no_overlap).

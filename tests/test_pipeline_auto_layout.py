@@ -26,7 +26,8 @@ from megalite.config import ConfigError
 from megalite.pipeline.auto_layout import GIB, Stage, balanced_counts, initial_counts, layout_string
 from megalite.transformer.pipeline_layers import parse_pipeline_layout
 from dist_util import rel_err, start_on_ranks
-from parity import BASE, STEPS, assert_parity, layout, reference, run_layouts, train
+from parity import BASE, STEPS, layout, reference, run_layouts, train
+from parity_check import assert_parity
 
 AUTO = ("--pipeline-model-parallel-layout", "auto")
 SLEEP = 0.03

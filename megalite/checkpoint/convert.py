@@ -260,6 +260,9 @@ class HFReader:
             self._open[file] = open_safetensors(os.path.join(self.path, file))
         return self._open[file].get_slice(name) if name in self._open[file].keys() else None
 
+    def has(self, name):
+        return self._slice(name) is not None
+
     def get(self, name):
         s = self._slice(name)
         if s is not None:
@@ -280,7 +283,7 @@ def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
                               f"({', '.join(BY_HF_TYPE)})")
     arch.check_hf(h)
     cfg = dict(arch.model_config(h), make_vocab_size_divisible_by=divisible_by)
-    if cfg.get("mtp_num_layers") and src._slice(arch.mtp_probe(cfg)) is None:
+    if cfg.get("mtp_num_layers") and not src.has(arch.mtp_probe(cfg)):
         print(f"convert: {load_dir} has no multi-token prediction weights (num_nextn_predict_layers "
               f"{cfg['mtp_num_layers']}; transformers does not save them): imported without MTP", flush=True)
         cfg["mtp_num_layers"] = None

@@ -1,0 +1,127 @@
+"""The parity harness's verdict: a layout's recorded run against the single process's (tests/parity.py runs
+both). Every compared quantity is a kind (KINDS) with its bound: DESIGN's fp32 bound, or for bf16 / fp16 the
+step-1 bounds and, from step 2 on, half precision's own envelope measured in the same run (TOLERANCE).
+
+    errors(layout, ranks, ref) -> [(kind, message, relative error)]; worst(...) -> {kind: max}
+        (for a tolerance comment); mismatches(layout, ranks, ref, tol=None) -> messages above
+        tol (default TOLERANCE[dtype]), each naming layout, rank (tp, pp, dp) and tensor.
+    assert_parity(layout, ranks, tol=None) -> all of the above against reference(layout).
+"""
+
+import dataclasses
+import math
+
+from dist_util import rel_err
+from parity import TIED, check_reference, reference
+
+# fp32 on CPU: DESIGN's bound, for every kind. bf16 and fp16 against the single process in the
+# same dtype, pp2: step 1 is exact except for the tied word embedding, whose gradient the single
+# process sums from its two uses in the parameter's dtype (autograd accumulates .grad before the
+# hook adds it to the fp32 main_grad) and a pipeline sums in fp32 (each stage's main_grad, then
+# the embedding all-reduce): up to one ulp of its largest element (bf16 2^-8 = 3.9e-3, fp16
+# 2^-11 = 4.9e-4; bounds 1 ulp bf16, 2 ulp fp16), which moves the step-1 norm slightly. So
+# "losses@1", "norms@1", "grads" and "embedding grads" stay tight. From step 2 on, a master weight
+# a rounding apart can round to the other half-precision neighbour (an ulp), and each such flip
+# changes the next forward: both runs drift from the exact (fp32) trajectory by what half
+# precision itself does to this model in these steps, chaotically, and on each machine by another
+# amount (fp16 losses measured 2e-4 .. 8e-4 from fp32 under ATen's default, AVX2 and AVX-512
+# kernels). "losses", "norms" and "params" are therefore held to that envelope, measured in the
+# same run: ENVELOPE x the single process's own distance from its fp32 run (two runs each within
+# it of the fp32 run differ by at most twice it; twice that again because the layout's own
+# distance is not measured and one run's distance varied 4x between machines).
+TOLERANCE = {"fp32": 1e-5,
+             "bf16": {"losses@1": 1e-5, "norms@1": 2e-4, "grads": 1e-5, "embedding grads": 4e-3},
+             "fp16": {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-3}}
+ENVELOPE = 4
+LATER = {"losses": "losses@1", "norms": "norms@1", "params": "grads"}  # later-step kind -> its step-1 kind
+KINDS = ("losses@1", "losses", "norms@1", "norms", "grads", "embedding grads", "params", "decisions")
+
+
+def _rel_scalar(a, b):
+    if math.isnan(a) or math.isnan(b):
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def errors(lay, ranks, ref):
+    """(kind, message, relative error) for every compared quantity; kind is one of KINDS
+    (the tied word embedding's grads apart); a tensor with no counterpart has error inf."""
+    out, seen = [], set()
+    for r in ranks:
+        where = f"{lay.name} rank (tp, pp, dp)={r['coords']}"
+        out += [("decisions", f"{where}: {msg}", math.inf) for msg in r.get("decision problems", ())]
+        for what in ("losses", "norms"):
+            errs = [_rel_scalar(a, b) for a, b in zip(r[what], ref[what])]
+            if len(r[what]) != len(ref[what]) or not errs:
+                errs = [math.inf]
+            out.append((what + "@1", f"{where}: step-1 {what[:-1]} {r[what][:1]} vs single process {ref[what][:1]}",
+                        errs[0]))
+            out.append((what, f"{where}: {what} {r[what]} vs single process {ref[what]}", max(errs)))
+        for what, label in (("grads", "step-1 grad before clipping"), ("params", f"param after {len(ref['losses'])} steps")):
+            for name, t in r[what].items():
+                want = ref[what].get(name.replace(" [last-stage copy]", ""))
+                seen.add(name)
+                if want is None or want.shape != t.shape:
+                    out.append((what, f"{where}: {name}: {label} has no single-process counterpart of shape "
+                                      f"{tuple(t.shape)}", math.inf))
+                else:
+                    kind = "embedding grads" if what == "grads" and name.startswith(TIED) else what
+                    out.append((kind, f"{where}: {name}: {label}", rel_err(t, want)))
+    expected = set(ref["grads"])
+    if max(r["coords"][1] for r in ranks) > 0 and "output_layer.weight" not in expected:  # PP > 1, tied
+        expected.add(TIED + " [last-stage copy]")
+    for name in sorted(expected - seen):
+        out.append(("grads", f"{lay.name}: no rank reported {name}", math.inf))
+    return out
+
+
+def worst(lay, ranks, ref):
+    """{kind: largest relative error}: what a tolerance comment quotes."""
+    out = {}
+    for kind, _, e in errors(lay, ranks, ref):
+        out[kind] = max(out.get(kind, 0.0), e)
+    return out
+
+
+def envelope(lay):
+    """{kind: the single process's largest relative distance from its fp32 run} in lay's dtype."""
+    half, exact = reference(lay), reference(dataclasses.replace(lay, dtype="fp32"))
+    return worst(lay, [dict(half, coords=(0, 0, 0))], exact)
+
+
+def mismatches(lay, ranks, ref, tol=None):
+    """Messages for every error above tol (a number, or {kind: number}; default TOLERANCE of
+    the layout's dtype; bf16 / fp16: later steps within half precision's envelope), each naming
+    the layout, the rank and the tensor."""
+    tol = TOLERANCE[lay.dtype] if tol is None else tol
+    bound = dict(tol) if isinstance(tol, dict) else dict.fromkeys(KINDS, tol)
+    if lay.dtype != "fp32":  # later steps: half precision's own envelope (see TOLERANCE)
+        env = envelope(lay)
+        for kind, first in LATER.items():
+            bound[kind] = max(bound[first], ENVELOPE * env[kind])
+    return [f"{msg}: relative error {e:.2e} > {bound.get(kind, 0.0):.0e}" for kind, msg, e in errors(lay, ranks, ref)
+            if not e <= bound.get(kind, 0.0)]
+
+
+def assert_parity(lay, ranks, tol=None):
+    ref = reference(lay)
+    check_reference(ref)
+    replayed = {}
+    for r in ranks:
+        for kind, (rows, n) in r.get("replayed", {}).items():
+            replayed[kind] = [a + b for a, b in zip(replayed.get(kind, [0, 0]), (rows, n))]
+    if replayed:  # (seen with pytest -s)
+        print(f"\n{lay.name}: " + ", ".join(f"{kind}: {n} of {rows} rows were ties taken as the single process took them"
+                                           for kind, (rows, n) in replayed.items()))
+    bad = mismatches(lay, ranks, ref, tol)
+    assert not bad, f"{lay.name}: {len(bad)} mismatches against the single-process run:\n" + "\n".join(bad[:40])
+
+
+def assert_logged_as(want, ranks, name):
+    """Each rank's logged losses (moe_collect's "logged") are want's, every iteration, within the fp32 bound."""
+    for r in ranks:
+        got = r["collected"]["logged"]
+        assert len(got) == len(want), (got, want)
+        for g, w in zip(got, want):
+            for k in w:
+                assert abs(g[k] - w[k]) <= 1e-5 * abs(w[k]), (name, r["coords"], g, w)
