@@ -58,22 +58,26 @@ LAYOUTS = {
 
 
 def _hyper(a):
-    return {"--lr": a.lr, "--weight-decay": 0.1, "--adam-beta1": 0.9, "--adam-beta2": 0.95, "--adam-eps": 1e-8}
+    """The optimizer's flags, the same for both stacks."""
+    return ["--lr", str(a.lr), "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+            "--adam-eps", "1e-8"]
 
 
 def _megalite_flags(a, init, iters, layout, log_json):
-    hyper = [str(x) for k, v in _hyper(a).items() for x in (k, v)]
     return ["--load", init, "--finetune", "--use-checkpoint-args", "--seq-length", str(a.seq),
             "--micro-batch-size", str(a.micro_batch), "--global-batch-size", str(a.global_batch),
             "--train-iters", str(iters), "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--clip-grad", "0",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1",
-            "--eval-iters", "0", "--num-workers", "0", "--log-json", log_json] + hyper + list(LAYOUTS[layout][1])
+            "--eval-iters", "0", "--num-workers", "0", "--log-json", log_json] + _hyper(a) + list(LAYOUTS[layout][1])
 
 
 def _native_flags(a, hf, batches, layout):
-    hyper = [str(x) for k, v in _hyper(a).items() for x in (k, v)]
     return ["--layout", LAYOUTS[layout][2], "--init", hf, "--batches", batches,
-            "--micro-batch-size", str(a.micro_batch)] + hyper
+            "--micro-batch-size", str(a.micro_batch)] + _hyper(a)
+
+
+class Refused(Exception):
+    """peers_native.py cannot run a layout here; its rank 0 said why in one line (the message)."""
 
 
 def _launch(work, tag, script, flags, meter=(), env=None):
@@ -84,6 +88,9 @@ def _launch(work, tag, script, flags, meter=(), env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            os.path.join(BENCH, "peers_meter.py"), "--out", out, *meter, "--", script, *flags]
     p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    last = (p.stdout.strip().splitlines() or [""])[-1]
+    if p.returncode != 0 and script.endswith("peers_native.py") and last and not last.startswith("{"):
+        raise Refused(last)
     if p.returncode != 0:
         raise SystemExit(f"{tag} failed (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     ranks = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "rank*.json")))]
@@ -150,11 +157,21 @@ def _largest(ranks, key):
     return max(r[key] for r in ranks)
 
 
-def measure(a, work, hf, init, batches, layout, stacks):
+def measure(a, work, hf, init, batches, layout):
+    """Both stacks, or megalite alone where the native one refuses the layout (res["refused"]: its line)."""
+    stacks = ["megalite", "native"]
     res = {s: {"ms": [], "rss": [], "losses": None} for s in stacks}
+    res["refused"] = None
     for rep in range(a.reps):
-        for stack in stacks:  # alternating, so drifts of the machine hit both
-            steps, ranks = _run(a, work, hf, init, batches, layout, stack, f"{layout}_{stack}_{rep}", a.iters)
+        for stack in list(stacks):  # alternating, so drifts of the machine hit both
+            try:
+                steps, ranks = _run(a, work, hf, init, batches, layout, stack, f"{layout}_{stack}_{rep}", a.iters)
+            except Refused as e:
+                print(f"{layout}: PyTorch-native: {e}")
+                res["refused"] = str(e)
+                stacks.remove(stack)
+                del res[stack]
+                continue
             res[stack]["ms"] += [ms for _, ms in steps[a.warmup:]]
             res[stack]["rss"].append(_largest(ranks, "peak_rss_bytes"))
             res[stack]["losses"] = [loss for loss, _ in steps]
@@ -225,20 +242,7 @@ def main():
     hf, init, batches = _prepare(a, work)
     results = {}
     for layout in a.layouts:
-        probe = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                                os.path.join(BENCH, "peers_native.py"), *_native_flags(a, hf, batches, layout),
-                                "--iterations", "1"], cwd=ROOT, capture_output=True, text=True)
-        refused, last = None, (probe.stdout.strip().splitlines() or [""])[-1]
-        if probe.returncode != 0 and not last.startswith("{"):
-            # the native stack cannot run the layout here: its rank 0 says why in one line
-            if not last:
-                raise SystemExit(f"{layout}: peers_native.py failed:\n{probe.stderr[-3000:]}")
-            refused = last
-            print(f"{layout}: PyTorch-native: {refused}")
-        # (a step printed and then a non-zero exit: gloo's teardown at exit, which peers_meter.py skips)
-        results[layout] = measure(a, work, hf, init, batches, layout, ("megalite",) if refused else
-                                  ("megalite", "native"))
-        results[layout]["refused"] = refused
+        results[layout] = measure(a, work, hf, init, batches, layout)
         print(f"{layout}: done", flush=True)
     report(results, a)
     if a.json:

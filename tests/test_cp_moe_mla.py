@@ -16,7 +16,7 @@ head size (or Q/K padded to V's), a2a moves them apart. One spawn of 4 gloo rank
 import pytest
 
 from parity import (MOE, MOE_BIAS, SINKHORN, layout, logged_by_reference, moe_collect, patched, record_logged,
-                    reference, start_layouts)
+                    reference, run_layouts)
 from parity_check import assert_logged_as, assert_parity, mismatches
 
 SEQ_AUX = MOE + ("--moe-router-load-balancing-type", "seq_aux_loss")
@@ -59,7 +59,7 @@ FAULTS = [layout("fault_seq_aux_per_cp_chunk", tp=2, sp=True, cp=2, model=SEQ_AU
 @pytest.fixture(scope="module")
 def world():
     lays = LAYOUTS + FAULTS
-    return dict(zip([lay.name for lay in lays], start_layouts(lays, 4, moe_collect).result()))
+    return dict(zip([lay.name for lay in lays], run_layouts(lays, 4, moe_collect)))
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from dist_util import rel_err
 from parity import (LLAMA, MOE, MOE_BIAS, STEPS, BigramChainDataset, layout, logged_by_reference, moe_collect, patched,
-                    record_logged, reference, start_layouts, train)
+                    record_logged, reference, run_layouts, train)
 from parity_check import assert_logged_as, assert_parity, mismatches
 
 # --lr 5e-3 (as EIGHT_LAYERS): Adam turns a gradient's rounding into a parameter change of about lr/eps times
@@ -91,7 +91,7 @@ FAULTS = [
 @pytest.fixture(scope="module")
 def world():
     lays = LAYOUTS + FAULTS
-    return dict(zip([lay.name for lay in lays], start_layouts(lays, 4, moe_collect).result()))
+    return dict(zip([lay.name for lay in lays], run_layouts(lays, 4, moe_collect)))
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)
