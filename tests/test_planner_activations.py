@@ -80,3 +80,47 @@ def test_predicted_activations_within_10_percent_of_the_saved(world, i):
     for rank, results in enumerate(world):
         measured, predicted = results[i]
         assert abs(predicted - measured) <= 0.1 * measured, f"rank {rank}: predicted {predicted}, saved {measured}"
+
+
+# One layer exactly (a 2-layer model's saved bytes minus a 1-layer one's, one process, micro-batch 2): what each
+# attention variant keeps is what layer_bytes counts, so a view that keeps the whole QKV output alive, or
+# attention's output saved a second time as the projection's input, shows as a difference.
+LAYER_CASES = {
+    "gpt": [],
+    "llama_gqa_rope": ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                       "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear"],
+    "qk_layernorm": ["--qk-layernorm"],
+    "qk_layernorm_rms_gqa": ["--qk-layernorm", "--normalization", "RMSNorm", "--group-query-attention",
+                             "--num-query-groups", "2"],
+    "mla": MLA,
+    "llama_selective_recompute": ["--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups",
+                                  "2", "--recompute-granularity", "selective"],
+}
+
+
+def _one_process_saved(flags, layers):
+    import torch
+    from megalite import parallel_state as ps
+    from megalite.arguments import model_config, parse_args
+    from megalite.memory_budget import saved_activation_bytes
+    from megalite.models.gpt import GPTModel
+    from megalite.tensor_parallel import model_parallel_manual_seed
+    argv = MODEL[2:] + flags + ["--num-layers", str(layers)]  # MODEL[:2]: its --num-layers
+    args = parse_args(argv, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    try:
+        model_parallel_manual_seed(1)
+        c = model_config(args, args.vocab_size)
+        model = GPTModel(c)
+        ids = torch.randint(0, 250, (2, 64), generator=torch.Generator().manual_seed(0))
+        return saved_activation_bytes(lambda: model(ids, labels=ids).sum(), model.parameters()), c, ps._grid()
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("flags", list(LAYER_CASES.values()), ids=list(LAYER_CASES))
+def test_one_layer_saves_exactly_what_the_model_counts(flags):
+    from megalite.planner.activations import layer_bytes
+    one, _, _ = _one_process_saved(flags, 1)
+    two, c, grid = _one_process_saved(flags, 2)
+    assert two - one == layer_bytes(c, grid, 2, 4, backend="torch"), f"measured {two - one}"

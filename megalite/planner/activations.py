@@ -4,10 +4,11 @@
 Per pre-norm transformer layer, with S = seq / CP rows of b sequences, t the TP size, S_n = S / t under
 sequence parallelism (else S) and e the activation dtype's bytes:
   each norm          its input [S_n, b, h] and its statistics (LayerNorm mean and rstd, RMSNorm rstd)
-  linear_qkv         its input [S, b, h] (gathered under SP) and its output [S, b, (hq + 2 hkv) d / t]
-                     (v is read from it by attention); with rope, the rotated q and k as well
+  linear_qkv         its input [S, b, h] (gathered under SP); q, k and v [S, b, (hq + 2 hkv) d / t] in all,
+                     copied out of its output (rotated, with rope) so that the output itself is freed;
+                     --qk-layernorm: each head's norm keeps its input and statistics
   attention          flash / SDPA: its output [S, b, hq d / t] (the projection's input) and the fp32
-                     log-sum-exp [b, hq / t, S] (CP's ring: fp32 k and v too);
+                     log-sum-exp [b, hq / t, S] (CP's ring: fp32 copies of k and v instead of k and v);
                      --recompute-granularity selective keeps a copy of the
                      output instead of the two (attention runs again in backward)
   MLP                fc1's input [S, b, h], fc1's output [S, b, ffn (x2 SwiGLU) / t], the activation's
@@ -59,7 +60,8 @@ def _moe(c, grid, tokens, rows_all, e, backend):
 def _mla(c, grid, rows, S, b, e, backend):
     """Multi-latent attention's saved bytes (transformer/mla.py): the layer input its duplicated down-projections
     read (this rank's rows), the latents and their norms, the up-projections' inputs (gathered under SP), the
-    k/v up-projection's output, the assembled q and k, and attention's output, LSE and the projection's input."""
+    value heads (copied out of the k/v up-projection's output), the assembled q and k, and attention's output (also
+    the projection's input) and LSE."""
     h, n = c.hidden_size, c.num_attention_heads // grid.tp
     dq, dv, sp = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim, c.sequence_parallel and grid.tp > 1
     out = rows * b * h * e + (S * b * h * e if c.q_lora_rank is None and sp else 0)
@@ -71,8 +73,8 @@ def _mla(c, grid, rows, S, b, e, backend):
             out += _norm(c, rows, b, latent, e, backend) - rows * b * latent * e  # (its input: the output above)
         if sp or c.qk_layernorm:  # the up-projection's input: gathered, or the norm's output
             out += S * b * latent * e
-    out += S * b * n * (c.qk_head_dim + dv) * e + 2 * S * b * n * dq * e  # kv up-projection; q and k
-    out += 2 * S * b * n * dv * e + (0 if c.recompute_granularity == "selective" else b * n * S * 4)
+    out += S * b * n * dv * e + 2 * S * b * n * dq * e  # v; q and k
+    out += S * b * n * dv * e + (0 if c.recompute_granularity == "selective" else b * n * S * 4)
     return out
 
 
@@ -90,12 +92,14 @@ def layer_bytes(c, grid, micro, e, backend="triton", layer_number=1):
     if c.multi_latent_attention:
         out += _mla(c, grid, rows, S, b, e, backend)
     else:
-        out += S * b * h * e + S * b * (hq + 2 * hkv) * d * e  # qkv's input and output
-        if c.position_embedding_type == "rope":
-            out += S * b * (hq + hkv) * d * e
-        out += S * b * hq * d * e + (0 if c.recompute_granularity == "selective" else b * hq * S * 4)
+        out += S * b * h * e + S * b * hq * d * e  # qkv's input; q
         if grid.cp > 1 and (c.cp_comm_type or ["p2p"])[0] == "p2p":
-            out += 2 * S * b * hkv * d * 4  # ring attention's contiguous fp32 k and v (the blocks it passes on)
+            out += 2 * S * b * hkv * d * 4  # ring attention keeps contiguous fp32 k and v (the blocks it passes on)
+        else:
+            out += 2 * S * b * hkv * d * e  # k and v
+        if c.qk_layernorm:  # per head: q's and k's norms keep their inputs and statistics
+            out += _norm(c, S * (hq + hkv), b, d, e, backend)
+        out += S * b * hq * d * e + (0 if c.recompute_granularity == "selective" else b * hq * S * 4)
     if c.is_moe_layer(layer_number):
         return out + _moe(c, grid, rows * b, S * b, e, backend)
     out += S * b * h * e + S * b * ffn * _ffn_factor(c, backend) * e

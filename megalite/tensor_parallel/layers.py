@@ -162,10 +162,14 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x):
+    def forward(self, x, batch_first=False):
+        """x [s, b, k]; batch_first: x [b, s, k] (attention's output as it lies), the output still [s, b, h]: the
+        GEMM reads x in place, so autograd keeps x itself rather than a second, [s, b]-ordered copy of it."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, grid=self.grid)
         y = F.linear(x, self.weight)
+        if batch_first:
+            y = y.transpose(0, 1).contiguous()
         if self.sequence_parallel and not self.expert:
             y = reduce_scatter_to_sequence_parallel_region(y, grid=self.grid)
         elif not self.expert:

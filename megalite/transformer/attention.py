@@ -121,8 +121,11 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.d).transpose(0, 1)
-        q = qkv[:, :, :, :self.q_per_group].reshape(b, s, self.groups_local * self.q_per_group, self.d)
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]  # [b, s, groups_local, d]
+        # q [b, s, heads_local, d], k and v [b, s, groups_local, d], each a copy: a view of the QKV output that
+        # attention or a norm saves for backward would keep the whole output alive, and attention's output takes
+        # q's layout, which [b, s] order lets the projection read in place (not a second copy of it)
+        q = qkv[:, :, :, :self.q_per_group].reshape(b, s, self.groups_local * self.q_per_group, self.d).contiguous()
+        k, v = qkv[:, :, :, -2].contiguous(), qkv[:, :, :, -1].contiguous()
         if c.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
@@ -146,5 +149,4 @@ class SelfAttention(nn.Module):
             args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
                     self.layer_number if c.apply_query_key_layer_scaling else None)
         ctx = checkpoint(fn, *args) if c.recompute_granularity == "selective" else fn(*args)
-        ctx = ctx.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, heads_local * d]
-        return self.linear_proj(ctx)
+        return self.linear_proj(ctx.reshape(b, s, -1), batch_first=True)  # [b, s, heads_local * d] in

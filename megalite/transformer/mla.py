@@ -107,6 +107,7 @@ class MLASelfAttention(nn.Module):
         s, b = q.shape[:2]
         q = q.view(s, b, self.heads, self.dq).transpose(0, 1)
         k_nope, v = kv.view(s, b, self.heads, -1).transpose(0, 1).split([c.qk_head_dim, c.v_head_dim], dim=-1)
+        v = v.contiguous()  # a view saved by attention would keep the whole k/v up-projection output alive
         k_pe = self._shared_rotary_key(k_pe).transpose(0, 1).unsqueeze(2)  # [b, s, 1, dr]
         q_nope, q_pe = q.split([c.qk_head_dim, c.qk_pos_emb_head_dim], dim=-1)
         if rotary is not None:
@@ -143,5 +144,4 @@ class MLASelfAttention(nn.Module):
         ctx = checkpoint(fn, *args) if c.recompute_granularity == "selective" else fn(*args)
         if dsa_loss is not None:
             ctx = self.core_attention.attach(ctx, dsa_loss)
-        ctx = ctx.reshape(b, s, -1).transpose(0, 1).contiguous()  # [s, b, heads * dv]
-        return self.linear_proj(ctx)
+        return self.linear_proj(ctx.reshape(b, s, -1), batch_first=True)  # [b, s, heads * dv] in
