@@ -1,5 +1,6 @@
 """megalite side by side with PyTorch's native parallelism (the stack torchtitan composes): the same
-Llama-shaped model, the same initial weights, the same batches, on 4 CPU ranks (gloo), in one run.
+Llama-shaped model, the same initial weights, the same batches, on 4 CPU ranks (gloo) or, with --device cuda,
+on GPUs (NCCL; a layout's ranks each need a GPU: `one` on a single GPU), in one run.
 
 Both stacks run as a user runs them, under `torchrun`: megalite through `pretrain_gpt.py` (its data
 loader, logging, --log-json), PyTorch-native through `benchmarks/peers_native.py` (FSDP2 `fully_shard`,
@@ -7,7 +8,7 @@ DTensor `parallelize_module`, `torch.distributed.pipelining`, `context_parallel`
 `benchmarks/peers_meter.py`, which measures both alike: peak RSS per rank; in separate metered runs
 (so the timed runs carry no hooks) the bytes each rank sends per step (every c10d op either stack
 issues, as ring wire bytes; one step = a run of --iters + 1 iterations minus one of --iters) and the
-peak of the bytes autograd keeps saved for backward.
+peak of the activation bytes autograd keeps saved for backward (weights left out: see the meter).
 
 Initial weights: a seeded `transformers` LlamaForCausalLM (peers_native.save_initial) that the native
 model loads directly and megalite loads after `tools/convert_checkpoint.py --loader hf` (with
@@ -18,9 +19,11 @@ native script as one tensor. AdamW, constant LR, no clipping, fp32, no dropout o
 Per layout, alternating megalite / native for --reps repetitions: median step time after --warmup
 iterations, peak RSS per rank (largest rank) with glibc's default allocator and with
 MALLOC_MMAP_THRESHOLD_=131072, saved-for-backward peak and bytes per step (largest rank), and the
-losses of both over the steps (largest relative difference).
+losses of both over the steps (largest relative difference). On a GPU the memory figure is the device's
+peak allocated bytes (torch.cuda.max_memory_allocated) and the mmap run is left out.
 
     python benchmarks/peers.py [--layouts fsdp tp_sp pp tp_pp cp --reps 2 --iters 8]
+    python benchmarks/peers.py --device cuda --layouts one [sizes]     # one GPU
 """
 
 import os
@@ -54,6 +57,7 @@ LAYOUTS = {
     "tp_pp": ("TP2 + SP x PP2", ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--pipeline-model-parallel-size", "2"), "tp_pp"),
     "cp": ("CP2 x DP2, ZeRO-3 / FSDP2", ("--context-parallel-size", "2") + ZERO3, "cp"),
+    "one": ("one rank, ZeRO-3 / FSDP2", ZERO3, "one"),
 }
 
 
@@ -68,24 +72,33 @@ def _megalite_flags(a, init, iters, layout, log_json):
             "--micro-batch-size", str(a.micro_batch), "--global-batch-size", str(a.global_batch),
             "--train-iters", str(iters), "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--clip-grad", "0",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1",
-            "--eval-iters", "0", "--num-workers", "0", "--log-json", log_json] + _hyper(a) + list(LAYOUTS[layout][1])
+            "--eval-iters", "0", "--num-workers", "0", "--log-json", log_json,
+            "--distributed-backend", "nccl" if a.device == "cuda" else "gloo"] + _hyper(a) + list(LAYOUTS[layout][1])
 
 
 def _native_flags(a, hf, batches, layout):
-    return ["--layout", LAYOUTS[layout][2], "--init", hf, "--batches", batches,
+    return ["--layout", LAYOUTS[layout][2], "--init", hf, "--batches", batches, "--device", a.device,
             "--micro-batch-size", str(a.micro_batch)] + _hyper(a)
+
+
+def _ranks(layout):
+    """How many ranks a layout takes (the product of its mesh sizes in peers_native.py)."""
+    n = 1
+    for size in _native_module().LAYOUTS[LAYOUTS[layout][2]].values():
+        n *= size
+    return n
 
 
 class Refused(Exception):
     """peers_native.py cannot run a layout here; its rank 0 said why in one line (the message)."""
 
 
-def _launch(work, tag, script, flags, meter=(), env=None):
-    """torchrun 4 ranks of `script` under the meter; -> (stdout, [per-rank meter dicts])."""
+def _launch(work, tag, script, flags, meter=(), env=None, nproc=4):
+    """torchrun nproc ranks of `script` under the meter; -> (stdout, [per-rank meter dicts])."""
     out = os.path.join(work, tag)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(BENCH, "peers_meter.py"), "--out", out, *meter, "--", script, *flags]
     p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
     last = (p.stdout.strip().splitlines() or [""])[-1]
@@ -108,7 +121,7 @@ def _prepare(a, work):
     from megalite.arguments import parse_args
     model = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
              "--max-position-embeddings", str(a.seq)]
-    args = parse_args(model + _megalite_flags(a, init, a.iters, "fsdp", os.devnull)[4:], world_size=4)
+    args = parse_args(model + _megalite_flags(a, init, a.iters, "fsdp", os.devnull)[4:], world_size=1)  # samples only
     train = pretrain_gpt.datasets_provider(args, [a.iters * a.global_batch, 0, 0])[0]
     samples = [torch.as_tensor(train[i]["text"]) for i in range(a.iters * a.global_batch)]
     torch.save(torch.stack(samples).view(a.iters, a.global_batch, a.seq + 1), batches_file)
@@ -146,10 +159,10 @@ def _run(a, work, hf, init, batches, layout, stack, tag, iters, meter=(), env=No
         if os.path.exists(log_json):
             os.remove(log_json)
         _, ranks = _launch(work, tag, os.path.join(ROOT, "pretrain_gpt.py"),
-                           _megalite_flags(a, init, iters, layout, log_json), meter, env)
+                           _megalite_flags(a, init, iters, layout, log_json), meter, env, _ranks(layout))
         return _megalite_steps(log_json), ranks
     flags = _native_flags(a, hf, batches, layout) + ["--iterations", str(iters)]
-    stdout, ranks = _launch(work, tag, os.path.join(BENCH, "peers_native.py"), flags, meter, env)
+    stdout, ranks = _launch(work, tag, os.path.join(BENCH, "peers_native.py"), flags, meter, env, _ranks(layout))
     return _native_steps(stdout), ranks
 
 
@@ -173,11 +186,13 @@ def measure(a, work, hf, init, batches, layout):
                 del res[stack]
                 continue
             res[stack]["ms"] += [ms for _, ms in steps[a.warmup:]]
-            res[stack]["rss"].append(_largest(ranks, "peak_rss_bytes"))
+            res[stack]["rss"].append(_largest(ranks, "peak_cuda_bytes" if a.device == "cuda" else "peak_rss_bytes"))
             res[stack]["losses"] = [loss for loss, _ in steps]
     for stack in stacks:
-        _, ranks = _run(a, work, hf, init, batches, layout, stack, f"{layout}_{stack}_mmap", a.warmup + 2, env=MMAP)
-        res[stack]["rss_mmap"] = _largest(ranks, "peak_rss_bytes")
+        res[stack]["rss_mmap"] = None  # glibc's heap holds no device memory
+        if a.device == "cpu":
+            _, ranks = _run(a, work, hf, init, batches, layout, stack, f"{layout}_{stack}_mmap", a.warmup + 2, env=MMAP)
+            res[stack]["rss_mmap"] = _largest(ranks, "peak_rss_bytes")
         per = []
         for iters in (2, 3):
             _, ranks = _run(a, work, hf, init, batches, layout, stack, f"{layout}_{stack}_bytes{iters}", iters,
@@ -191,15 +206,17 @@ def measure(a, work, hf, init, batches, layout):
 
 
 def _mib(b):
-    return b / 2 ** 20
+    return None if b is None else b / 2 ** 20
 
 
 def report(results, a):
     print(f"\n{a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv), ffn {a.ffn}, seq {a.seq}, "
-          f"global batch {a.global_batch}, micro-batch {a.micro_batch}; 4 CPU ranks (gloo); medians of "
+          f"global batch {a.global_batch}, micro-batch {a.micro_batch}; "
+          f"{'GPUs (NCCL)' if a.device == 'cuda' else 'CPU ranks (gloo)'}; medians of "
           f"{a.reps} x {a.iters - a.warmup} steps; memory and bytes: the largest rank")
-    head = ("layout", "step ms (megalite / native = ratio)", "peak RSS MiB", "RSS MiB, mmap'd blocks",
-            "saved for backward MiB", "sent MiB per step", "losses: max rel. diff")
+    memory = "peak GPU MiB allocated" if a.device == "cuda" else "peak RSS MiB"
+    head = ("layout", "step ms (megalite / native = ratio)", memory, "RSS MiB, mmap'd blocks",
+            "activations saved for backward MiB", "sent MiB per step", "losses: max rel. diff")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for layout, r in results.items():
         m, n = r["megalite"], r.get("native")
@@ -207,6 +224,9 @@ def report(results, a):
         for f in (lambda s: statistics.median(s["ms"]), lambda s: _mib(min(s["rss"])), lambda s: _mib(s["rss_mmap"]),
                   lambda s: _mib(s["saved"]), lambda s: _mib(s["bytes"])):
             x = f(m)
+            if x is None:
+                cells.append("-")
+                continue
             cells.append(f"{x:.1f} / {f(n):.1f} = {x / f(n):.2f}" if n and f(n) else
                          f"{x:.1f} / {f(n):.1f}" if n else f"{x:.1f} / -")
         if n:
@@ -217,9 +237,17 @@ def report(results, a):
         print("| " + " | ".join(cells) + " |")
 
 
+def _cuda_count():
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no GPU is visible")
+    return torch.cuda.device_count()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layouts", nargs="+", default=[k for k in LAYOUTS if k != "pp_zero3"], choices=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS),
+                   help="default: every layout but pp_zero3 that this machine's ranks fit (4 CPU ranks; GPUs: one each)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
@@ -232,9 +260,14 @@ def main():
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: every rank on its own GPU (NCCL)")
     p.add_argument("--json", default=None, help="also write the raw results here")
     p.add_argument("--keep", default=None, help="work in this directory and keep it")
     a = p.parse_args()
+    if a.layouts is None:
+        ranks = 4 if a.device == "cpu" or _cuda_count() >= 4 else 1
+        a.layouts = [k for k in LAYOUTS if k != "pp_zero3" and _ranks(k) == ranks]
     if a.iters <= a.warmup:
         raise SystemExit(f"--iters {a.iters} must exceed --warmup {a.warmup}")
     work = a.keep or tempfile.mkdtemp(prefix="peers_")

@@ -4,7 +4,8 @@
         --out DIR [--bytes] [--saved] -- SCRIPT.py ARGS...
 
 SCRIPT runs in this process (runpy, run_name "__main__", sys.argv = [SCRIPT] + ARGS). When it ends, also by
-SystemExit, an exception or torchrun's SIGTERM, DIR/rank{RANK}.json gets peak_rss_bytes (VmHWM) and, when asked:
+SystemExit, an exception or torchrun's SIGTERM, DIR/rank{RANK}.json gets peak_rss_bytes (VmHWM), on a GPU
+peak_cuda_bytes (torch.cuda.max_memory_allocated) and, when asked:
 - --bytes: what this rank sent, by collective and in total, seen by a TorchDispatchMode on every
   torch.ops.c10d.* / _c10d_functional(_autograd).* op (torch.distributed calls, DTensor's functional
   collectives, FSDP2's and pipelining's, autograd backward included), in the ring "wire" bytes of
@@ -12,8 +13,10 @@ SystemExit, an exception or torchrun's SIGTERM, DIR/rank{RANK}.json gets peak_rs
   (d-1)/d x output, all-to-all (d-1)/d x input, send its tensor, recv 0, broadcast the payload on the source
   (d: the size of the op's process group). Every op then goes through Python and DTensor off its C++ fast
   path: step times under --bytes are not comparable;
-- --saved: the peak of live bytes saved for backward (saved_tensors_hooks; each storage counted once while
-  any saved reference to it is alive).
+- --saved: the peak of live activation bytes saved for backward (saved_tensors_hooks; each storage counted
+  once while any saved reference to it is alive). Weights are left out (a saved nn.Parameter or a view of
+  one): they are state, and ZeRO-3 / FSDP2 free a gathered weight's storage while autograd still
+  references it, so its address is reused and a count by address would be wrong either way.
 The process then ends with os._exit(status), after Python's exit handlers, skipping interpreter teardown.
 """
 
@@ -146,6 +149,9 @@ class SavedMeter:
         self.refs, self.size, self.live, self.peak, self.packs = collections.Counter(), {}, 0, 0, 0
 
     def pack(self, t):
+        base = t._base if t._base is not None else t
+        if isinstance(base, torch.nn.Parameter):  # a weight (or a view of one): not an activation
+            return t
         keys = storages(t)
         self.packs += 1
         for key, n in keys:
@@ -156,7 +162,7 @@ class SavedMeter:
         self.peak = max(self.peak, self.live)
         return SavedMeter.Saved(t, keys, self)
 
-    unpack = staticmethod(lambda saved: saved.tensor)
+    unpack = staticmethod(lambda saved: saved.tensor if isinstance(saved, SavedMeter.Saved) else saved)
 
     def release(self, keys):
         for key, _ in keys:
@@ -208,6 +214,8 @@ def main():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # from here on, finish the file first
     gc.collect()  # saved tensors kept only by reference cycles (pipelining's stages) are not live
     result.update(exit=code, peak_rss_bytes=peak_rss_bytes())
+    if torch.cuda.is_initialized():
+        result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     if bytes_meter:
         result["bytes"] = bytes_meter.report()
     if saved_meter:

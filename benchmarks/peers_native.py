@@ -1,6 +1,6 @@
 """The PyTorch-native peer of `pretrain_gpt.py` for the peers benchmark: a plain Llama-shaped `nn.Module`
 (Hugging Face LlamaForCausalLM's parameter names, so a `save_pretrained` directory loads into it as is)
-trained on 4 CPU ranks (gloo) and parallelised only with PyTorch's own APIs, composed the way
+trained on CPU ranks (gloo) or GPUs (NCCL, --device cuda) and parallelised only with PyTorch's own APIs, composed the way
 torchtitan's documentation shows:
 
   fsdp   DP4, `fully_shard` (FSDP2) on every block and on the root, resharded after forward (ZeRO-3)
@@ -9,6 +9,7 @@ torchtitan's documentation shows:
   tp_pp  TP2 x PP2
   cp     CP2 (`context_parallel`) x DP2 (`fully_shard` over the flattened dp x cp ranks); on CPU it exits 2
          with PyTorch's error (torch 2.13's ring attention covers only the CUDA SDPA kernels)
+  one    one rank (one GPU: NCCL takes one GPU per rank), `fully_shard` on it as torchtitan applies it there
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/peers_native.py \
         --layout fsdp --init HF_DIR --batches batches.pt --micro-batch-size 1 --lr 1e-3 ...
@@ -32,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 LAYOUTS = {"fsdp": {"dp": 4}, "tp_sp": {"dp": 2, "tp": 2}, "pp": {"pp": 2, "dp": 2},
-           "tp_pp": {"pp": 2, "tp": 2}, "cp": {"dp": 2, "cp": 2}}
+           "tp_pp": {"pp": 2, "tp": 2}, "cp": {"dp": 2, "cp": 2}, "one": {"dp": 1}}
 
 
 def save_initial(directory, hidden, layers, heads, kv_heads, ffn, vocab, seq, seed):
@@ -241,6 +242,7 @@ def parse_args(argv=None):
     p.add_argument("--adam-beta1", type=float, default=0.9)
     p.add_argument("--adam-beta2", type=float, default=0.999)
     p.add_argument("--adam-eps", type=float, default=1e-8)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, a GPU per rank")
     p.add_argument("--iterations", type=int, default=None, help="train on the first N steps' batches (default: all)")
     return p.parse_args(argv)
 
@@ -268,8 +270,9 @@ def forward_backward(a, model, mesh, schedule, stage_is_last, stage, inputs, lab
             schedule.step(inputs, return_outputs=False)
         else:
             schedule.step(target=labels, losses=losses, return_outputs=False)
-        return torch.stack([_value(x) for x in losses]).mean().detach() if stage_is_last else torch.zeros(())
-    local = torch.zeros(())
+        return torch.stack([_value(x) for x in losses]).mean().detach() if stage_is_last else \
+            torch.zeros((), device=inputs.device)
+    local = torch.zeros((), device=inputs.device)
     for x, y in zip(inputs.split(a.micro_batch_size), labels.split(a.micro_batch_size)):
         if a.layout == "cp":
             from torch.distributed.tensor.experimental import context_parallel
@@ -297,15 +300,24 @@ def main(argv=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = LAYOUTS[a.layout]
-    dist.init_process_group("gloo")
-    if dist.get_world_size() != 4:
-        unsupported(f"peers_native.py runs on 4 ranks, got {dist.get_world_size()}")
+    device = torch.device(a.device)
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            unsupported("--device cuda: no GPU is visible")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
+    size = 1
+    for n in dims.values():
+        size *= n
+    if dist.get_world_size() != size:
+        unsupported(f"--layout {a.layout} runs on {size} ranks, got {dist.get_world_size()}")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    mesh = init_device_mesh(a.device, tuple(dims.values()), mesh_dim_names=tuple(dims))
     dp, pp = dims.get("dp", 1), dims.get("pp", 1)
     dp_rank = mesh["dp"].get_local_rank() if "dp" in dims else 0
 
-    batches = torch.load(a.batches)
+    batches = torch.load(a.batches).to(device)
     iterations, global_batch = batches.shape[0], batches.shape[1]
     if a.iterations is not None:
         if not 0 < a.iterations <= iterations:
@@ -316,7 +328,7 @@ def main(argv=None):
     n_micro = global_batch // (a.micro_batch_size * dp)
     per_dp = global_batch // dp
 
-    model = load_model(a.init)
+    model = load_model(a.init).to(device)
     schedule, stage_is_last = None, True
     if pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -330,7 +342,7 @@ def main(argv=None):
     elif "dp" in dims:
         apply_fsdp(model, mesh["dp"], reshard_after_forward=pp == 1)  # torchtitan keeps params unsharded under PP
     if pp > 1:
-        pstage = PipelineStage(model, stage, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+        pstage = PipelineStage(model, stage, pp, device, group=mesh["pp"].get_group())
         schedule = Schedule1F1B(pstage, n_microbatches=n_micro, loss_fn=cross_entropy)  # scales grads by 1/n_micro
     optimizer = make_optimizer(model, a)
     # with TP the loss runs on vocabulary-sharded logits, its backward too (torchtitan's train context)
@@ -348,6 +360,8 @@ def main(argv=None):
             local = forward_backward(a, model, mesh, schedule, stage_is_last, stage if pp > 1 else 0, inputs, labels,
                                      n_micro)
         optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         step_ms = (time.perf_counter() - t0) * 1e3
         # the global-batch mean: ranks holding a loss (all but the non-last PP stages) average equal shares
         total = local.clone()
