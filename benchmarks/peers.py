@@ -247,7 +247,7 @@ def _cuda_count():
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS),
-                   help="default: every layout but pp_zero3 that this machine's ranks fit (4 CPU ranks; GPUs: one each)")
+                   help="default: every layout but pp_zero3 that the ranks fit (4 CPU ranks; GPUs: one each)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)

@@ -1,7 +1,7 @@
 """The PyTorch-native peer of `pretrain_gpt.py` for the peers benchmark: a plain Llama-shaped `nn.Module`
 (Hugging Face LlamaForCausalLM's parameter names, so a `save_pretrained` directory loads into it as is)
-trained on CPU ranks (gloo) or GPUs (NCCL, --device cuda) and parallelised only with PyTorch's own APIs, composed the way
-torchtitan's documentation shows:
+trained on CPU ranks (gloo) or GPUs (NCCL, --device cuda) and parallelised only with PyTorch's own APIs,
+composed the way torchtitan's documentation shows:
 
   fsdp   DP4, `fully_shard` (FSDP2) on every block and on the root, resharded after forward (ZeRO-3)
   tp_sp  TP2 + sequence parallel (`parallelize_module`) x DP2 (`fully_shard` over "dp")
