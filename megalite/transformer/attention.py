@@ -121,11 +121,13 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]
         qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, self.d).transpose(0, 1)
-        # q [b, s, heads_local, d], k and v [b, s, groups_local, d], each a copy: a view of the QKV output that
-        # attention or a norm saves for backward would keep the whole output alive, and attention's output takes
-        # q's layout, which [b, s] order lets the projection read in place (not a second copy of it)
-        q = qkv[:, :, :, :self.q_per_group].reshape(b, s, self.groups_local * self.q_per_group, self.d).contiguous()
-        k, v = qkv[:, :, :, -2].contiguous(), qkv[:, :, :, -1].contiguous()
+        # q [b, s, heads_local, d], k and v [b, s, groups_local, d], none a view of the QKV output: one that
+        # attention or a norm saves for backward would keep the whole output alive. Rope writes fresh q and k, so
+        # only v is copied then. Attention's output takes q's [b, s] layout, which the projection reads in place.
+        q = qkv[:, :, :, :self.q_per_group].reshape(b, s, self.groups_local * self.q_per_group, self.d)
+        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1].contiguous()
+        if rotary is None or c.qk_layernorm:
+            q, k = q.contiguous(), k.contiguous()
         if c.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
