@@ -32,8 +32,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
+import functools
 import glob
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -83,10 +85,7 @@ def _native_flags(a, hf, batches, layout):
 
 def _ranks(layout):
     """How many ranks a layout takes (the product of its mesh sizes in peers_native.py)."""
-    n = 1
-    for size in _native_module().LAYOUTS[LAYOUTS[layout][2]].values():
-        n *= size
-    return n
+    return math.prod(_native_module().LAYOUTS[LAYOUTS[layout][2]].values())
 
 
 class Refused(Exception):
@@ -133,6 +132,7 @@ def _prepare(a, work):
     return hf, init, batches_file
 
 
+@functools.cache
 def _native_module():
     """benchmarks/peers_native.py by its path (benchmarks/ on sys.path would shadow the `kernels` package)."""
     import importlib.util

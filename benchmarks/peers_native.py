@@ -24,6 +24,7 @@ Rank 0 prints one JSON line per step: {"iteration", "loss", "step_ms"}; nothing 
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -307,9 +308,7 @@ def main(argv=None):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
-    size = 1
-    for n in dims.values():
-        size *= n
+    size = math.prod(dims.values())
     if dist.get_world_size() != size:
         unsupported(f"--layout {a.layout} runs on {size} ranks, got {dist.get_world_size()}")
     rank = dist.get_rank()
