@@ -15,6 +15,7 @@ optimizer's updated shards can be all-gathered in place. Stage 3 plans one bucke
 """
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
@@ -143,6 +144,16 @@ class _WaitFor:
             b.finish_param_gather()
 
 
+def _weak_hook(ddp):
+    ref = weakref.ref(ddp)
+
+    def hook(p):
+        ddp = ref()
+        if ddp is not None:
+            ddp._hook(p)
+    return hook
+
+
 class DistributedDataParallel(nn.Module):
     def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True,
                  use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False, grad_divisor=None,
@@ -219,7 +230,10 @@ class DistributedDataParallel(nn.Module):
             owner = {p: b for b in self.buckets for p in b.params}
             self.units = ParamUnits([Unit(name, mod, list({id(owner[p]): owner[p] for p in own + used}.values()))
                                      for name, mod, own, used in units], prefetch, reshard_after_forward)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+        # through a weak reference: a parameter's hook is held in C++, where the garbage collector cannot see
+        # it, so a hook holding this module would keep the model and its process groups alive for good
+        hook = _weak_hook(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
         if self.overlap_param_gather:
             self._register_param_wait_hooks()
 

@@ -71,15 +71,19 @@ class TokenDispatcher:
     def combine(self, rows):
         """The experts' outputs [N, h] (dispatch's order; partial over ETP) -> [T, h], weighted by the
         probabilities."""
+        # the weights hang on this forward's graph: kept past it, they would keep the graph, and the process
+        # groups its nodes name, alive as long as the model (a process building many models kept every grid's)
+        weights, self.weights = self.weights, None
         if self.gathered:
-            return reduce_scatter_rows(self._unpermute(rows, self.num_tokens * self.g["tp_ep"][1]), self.g["tp_ep"])
+            return reduce_scatter_rows(self._unpermute(rows, weights, self.num_tokens * self.g["tp_ep"][1]),
+                                       self.g["tp_ep"])
         back = rows[self.inverse] if self.inverse is not None else rows
         back = reduce_scatter_uneven_rows(back, self.peer_rows, self.g["etp"])
         back = all_to_all_rows(back, self.send, self.recv, self.g["ep"])
-        return self._unpermute(back, self.num_tokens)
+        return self._unpermute(back, weights, self.num_tokens)
 
-    def _unpermute(self, rows, num_tokens):
-        weighted = rows * self.weights.unsqueeze(1).to(rows.dtype)
+    def _unpermute(self, rows, weights, num_tokens):
+        weighted = rows * weights.unsqueeze(1).to(rows.dtype)
         return rows.new_zeros((num_tokens, rows.shape[1])).index_add(0, self.token_index, weighted)
 
     def _dispatch_gathered(self, tokens, probs, routing_map):
