@@ -14,12 +14,15 @@ import contextlib
 import torch
 
 _hooks = []
+_about = []
 
 
 @contextlib.contextmanager
 def hooked(fn):
-    """Inside the block, fn(kind, values, k, dim, choosable) sees every top-k choice first; it
-    returns the indices to take ([..., k] along dim, like torch.topk's) or None (torch.topk's)."""
+    """Inside the block, fn(kind, values, k, dim, choosable, about) sees every top-k choice first; it
+    returns the indices to take ([..., k] along dim, like torch.topk's) or None (torch.topk's).
+    about: (where, rows) of the innermost `about` block where the choice is one per row of values,
+    else None."""
     _hooks.append(fn)
     try:
         yield
@@ -27,12 +30,28 @@ def hooked(fn):
         _hooks.remove(fn)
 
 
+@contextlib.contextmanager
+def about(where, rows):
+    """The choices taken inside, one per row of their values, are those of `rows` [T, ...] (one per
+    token: a router's input) at `where` (the router's name): what a hook tells a token's choice by
+    where the values alone cannot (in bf16, sigmoid scores spanning 0.02 move by much of that)."""
+    _about.append((where, rows))
+    try:
+        yield
+    finally:
+        _about.pop()
+
+
 def topk(values, k, dim, kind, choosable=None):
     """torch.topk(values, k, dim) -> (values, indices), the choice named `kind` for hooks.
     choosable: a bool mask of the values whose order is the decision, where that is not all of
     them (e.g. an expert's own tokens: the others are dropped whatever their order)."""
+    if not _hooks:
+        return torch.topk(values, k, dim=dim)
+    rows = _about[-1] if _about and dim == values.dim() - 1 == 1 and values.shape[0] == _about[-1][1].shape[0] \
+        else None
     for fn in _hooks:
-        idx = fn(kind, values, k, dim, choosable)
+        idx = fn(kind, values, k, dim, choosable, rows)
         if idx is not None:
             return torch.return_types.topk((values.gather(dim, idx), idx))
     return torch.topk(values, k, dim=dim)

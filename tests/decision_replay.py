@@ -10,15 +10,22 @@ arithmetic: the verdict would depend on the machine.
 
 So the reference records every choice (`Recorder`: the row of values it chose from, and the
 indices), and the parallel run (`Replayer`) finds, for each of its rows, the reference's row of
-the same decision (the same token at the same layer and step: the nearest row, within MATCH of
-the row's spread; rows of different tokens differ by O(1) of it). Where its own choice differs,
-the difference must be a tie within the rounding: its own gap between the k-th and (k+1)-th value
-is at most twice the largest difference between the two rows (a swap of two values needs each to
-move by half their gap). Then it takes the reference's choice, and both runs
-go on through the same decisions, so the usual bounds hold. Anything else is a problem the parity
-check reports: a row with no counterpart, counterparts that disagree, or a choice that differs by
-more than a tie (a wrong score, not a rounding). The choice itself is tested on its own against
-its float64 definition (tests/test_moe.py, tests/test_dsa.py).
+the same decision. A router's choices say whose they are (decisions.about: the router and its
+input): the row is the one of the same router at the same step whose token's input is nearest,
+within KEY_MATCH; other choices (capacity, DSA) are told by their values, the nearest row within
+MATCH of the row's spread. Either way the two rows' values must agree within MATCH (else a wrong
+score, not a rounding). Where its own choice differs, the difference must be a tie within the
+rounding: its own gap between the k-th and (k+1)-th value is at most twice the largest difference
+between the two rows (a swap of two values needs each to move by half their gap). Then it takes
+the reference's choice, and both runs go on through the same decisions, so the usual bounds hold.
+Anything else is a problem the parity check reports: a row with no counterpart, counterparts that
+disagree, or a choice that differs by more than a tie. The choice itself is tested on its own
+against its float64 definition (tests/test_moe.py, tests/test_dsa.py).
+
+In bf16 / fp16 only the first step's choices are replayed (HALF_PRECISION_STEPS): from step 2 on
+the two runs part by half precision's own envelope (tests/parity_check.py), sigmoid scores that
+span 0.02 move by most of that, and the envelope, measured as the single process's distance from
+its fp32 run, already holds the choices that half precision itself flips.
 """
 
 import torch
@@ -29,6 +36,12 @@ import torch
 # more than the parameters' 1e-5 (DSA's signed index scores: 3e-4 of the row's largest value), and
 # whether a differing choice is a tie is judged on the rows' actual difference, not on this.
 MATCH = {"fp32": 1e-2, "bf16": 1e-1, "fp16": 5e-2}
+# A router's input within this of the reference's, relative to its largest element, is the same token's: about
+# ten units in the last place of that element in half precision (bf16 2^-8..2^-7 of it, fp16 2^-11..2^-10),
+# far more in fp32. Measured on the DeepSeek-shaped all-axes model (tests/test_all_axes.py) at step 1: the
+# same token 2e-6 (fp32) and 9e-3 (bf16) apart, the nearest token that chose otherwise 3e-2 (fp32) and 0.38 (bf16).
+KEY_MATCH = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 1e-2}
+HALF_PRECISION_STEPS = 1
 MASKED = -1e30  # -inf (a key that may not be chosen) as a number rows can be compared with
 
 
@@ -54,76 +67,113 @@ def _scale(rows):
     return (hi - lo).clamp_min(1e-30)
 
 
+def _keys(about, keep):
+    """A choice's group and its rows' identities: with `about` (a router's name and input), the rows of
+    that router at this step, each told by its token's input; else every row of its kind, by the values."""
+    if about is None:
+        return (), None
+    where, rows = about
+    return (where,), rows.detach().reshape(rows.shape[0], -1).double()[keep]
+
+
 class Recorder:
-    """decisions hook for the reference: records every choice; takes torch.topk's."""
+    """decisions hook for the reference: records every choice; takes torch.topk's. `step`: counted by the
+    harness after each optimizer step (a token's choices are told apart within a step)."""
 
     def __init__(self):
-        self.rows = {}
+        self.rows, self.step = {}, 0
 
-    def __call__(self, kind, values, k, dim, choosable):
+    def __call__(self, kind, values, k, dim, choosable, about=None):
         idx = torch.topk(values, k, dim=dim).indices.movedim(dim, -1)
         rows = _rows(values, dim, choosable)
         keep = _decides(rows, k)
-        self.rows.setdefault((kind, rows.shape[-1], k), []).append((rows[keep], idx.reshape(-1, k)[keep].sort(-1).values))
+        where, keys = _keys(about, keep)
+        group = (kind, rows.shape[-1], k) + where + ((self.step,) if where else ())
+        self.rows.setdefault(group, []).append((rows[keep], idx.reshape(-1, k)[keep].sort(-1).values, keys))
         return None
 
     def table(self):
-        """{(kind, row length, k): (rows [N, L], chosen [N, k] sorted)}"""
-        return {key: (torch.cat([r for r, _ in v]), torch.cat([i for _, i in v])) for key, v in self.rows.items()}
+        """{(kind, row length, k[, where, step]): (rows [N, L], chosen [N, k] sorted, keys [N, h] or None)}, numpy
+        arrays (sent to spawned ranks by value: a tensor each would be a file descriptor, and a fork server takes
+        few)."""
+        return {g: (torch.cat([r for r, _, _ in v]).numpy(), torch.cat([i for _, i, _ in v]).numpy(),
+                    None if v[0][2] is None else torch.cat([key for _, _, key in v]).numpy())
+                for g, v in self.rows.items()}
+
+
+def _distance(rows, ref_rows, scale):
+    """[n, N]: each row's largest difference from each reference row, relative to scale [n]."""
+    return (rows[:, None, :] - ref_rows[None]).abs().amax(-1) / scale[:, None]
 
 
 class Replayer:
-    """decisions hook for a parallel run: the reference's choice where its own differs by a tie."""
+    """decisions hook for a parallel run: the reference's choice where its own differs by a tie.
+    match: how near a row's values must be to the reference's, relative to their spread (MATCH);
+    key_match: how near its token's input, relative to its largest element (KEY_MATCH), where the
+    choice says whose it is (the row is then found by its token, its values still checked);
+    steps: replay in the first `steps` optimizer steps only (None: all), see HALF_PRECISION_STEPS."""
 
-    def __init__(self, table, match):
-        self.table, self.match = table, match
+    def __init__(self, table, match, key_match=None, steps=None):
+        self.table = {g: tuple(None if t is None else torch.as_tensor(t) for t in v) for g, v in table.items()}
+        self.match, self.key_match, self.steps = match, key_match, steps
         self.counts = {}  # kind -> [rows, replayed]
         self.problems = []
+        self.step = 0
 
     def _problem(self, msg):
         if len(self.problems) < 5:
             self.problems.append(msg)
 
-    def __call__(self, kind, values, k, dim, choosable):
-        own = torch.topk(values, k, dim=dim).indices
-        own_rows = own.movedim(dim, -1)
+    def __call__(self, kind, values, k, dim, choosable, about=None):
+        if self.steps is not None and self.step >= self.steps:
+            return None
+        own_rows = torch.topk(values, k, dim=dim).indices.movedim(dim, -1)
         shape = own_rows.shape
         own_rows = own_rows.reshape(-1, k)
         rows = _rows(values, dim, choosable)
         count = self.counts.setdefault(kind, [0, 0])
-        which = _decides(rows, k).nonzero().flatten()
+        keep = _decides(rows, k)
+        which = keep.nonzero().flatten()
         rows = rows[which]
         count[0] += rows.shape[0]
         if not rows.shape[0]:
             return None
-        key = (kind, rows.shape[-1], k)
-        if key not in self.table:
-            self._problem(f"{kind}: a top-{k} of {rows.shape[-1]} the single process never took")
+        where, keys = _keys(about, keep)
+        group = (kind, rows.shape[-1], k) + where + ((self.step,) if where else ())
+        if group not in self.table:
+            self._problem(f"{kind}: a top-{k} of {rows.shape[-1]} the single process never took"
+                          + (f" at {where[0]}, step {self.step + 1}" if where else ""))
             return None
-        ref_rows, ref_idx = self.table[key]
+        ref_rows, ref_idx, ref_keys = self.table[group]
         scale = _scale(rows)
-        dist = ((rows[:, None, :] - ref_rows[None]).abs().amax(-1) / scale[:, None])  # [n, N]
+        if keys is None:  # the row told by its values
+            dist, match = _distance(rows, ref_rows, scale), self.match
+        else:  # by its token
+            dist, match = _distance(keys, ref_keys, keys.abs().amax(-1).clamp_min(1e-30)), self.key_match
         best, nearest = dist.min(dim=1)
+        differ = (rows - ref_rows[nearest]).abs().amax(-1) / scale  # the values' difference, of their spread
         mine = own_rows[which].sort(-1).values
         theirs = ref_idx[nearest]
-        near = dist <= self.match
-        ambiguous = (near & (ref_idx[None] != theirs[:, None]).any(-1)).any(-1)
+        ambiguous = ((dist <= match) & (ref_idx[None] != theirs[:, None]).any(-1)).any(-1)
         top = rows.topk(min(k + 1, rows.shape[-1]), dim=-1).values
         out, changed = own_rows.clone(), False
-        for i in torch.nonzero((best > self.match) | ambiguous | (mine != theirs).any(-1)).flatten().tolist():
-            if best[i] > self.match:
+        for i in torch.nonzero((best > match) | ambiguous | (mine != theirs).any(-1)).flatten().tolist():
+            if best[i] > match:
                 self._problem(f"{kind}: a row with no counterpart in the single process (nearest at "
-                              f"{best[i]:.1e} of its scale > {self.match:.0e})")
+                              f"{best[i]:.1e} > {match:.0e})")
             elif ambiguous[i]:
-                self._problem(f"{kind}: the single process chose differently for rows within {self.match:.0e} of "
+                self._problem(f"{kind}: the single process chose differently for rows within {match:.0e} of "
                               "this one: ambiguous")
+            elif differ[i] > self.match:
+                self._problem(f"{kind}: chose {mine[i].tolist()} on values {differ[i]:.1e} of their spread from "
+                              f"the single process's (> {self.match:.0e}): a wrong score, not a rounding")
             else:
                 # a swap needs each of the two values to move by half their gap
                 gap = ((top[i, k - 1] - top[i, k]) / (2 * scale[i])).item() if top.shape[-1] > k else float("inf")
-                if gap > best[i]:
+                if gap > differ[i]:
                     self._problem(f"{kind}: chose {mine[i].tolist()} where the single process chose "
                                   f"{theirs[i].tolist()}, with a margin {gap:.1e} larger than the rows' difference "
-                                  f"{best[i]:.1e}: not a tie")
+                                  f"{differ[i]:.1e}: not a tie")
                 else:
                     out[which[i]], changed = theirs[i], True
                     count[1] += 1

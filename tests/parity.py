@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from decision_replay import MATCH, Recorder, Replayer
+from decision_replay import HALF_PRECISION_STEPS, KEY_MATCH, MATCH, Recorder, Replayer
 from dist_util import OTHER_CAPABILITY, start_on_ranks
 from megalite import decisions, parallel_state as ps
 from megalite.arguments import parse_args
@@ -232,8 +232,9 @@ def _full_local_grads(opt, grads):
 
 
 @contextlib.contextmanager
-def recording(record):
-    """Wrap the optimizer's step: grads on entry at step 1, the norm it returns every step."""
+def recording(record, hook=None):
+    """Wrap the optimizer's step: grads on entry at step 1, the norm it returns every step; a
+    decisions hook (tests/decision_replay.py) counts the steps."""
     original = MixedPrecisionOptimizer.step
 
     def step(self):
@@ -243,6 +244,8 @@ def recording(record):
             record["grads"] = {k: v / scale for k, v in local.items()}
         stepped, norm = original(self)
         record["norms"].append(float(norm) if stepped and norm is not None else float("nan"))
+        if hook is not None:
+            hook.step += 1
         return stepped, norm
     MixedPrecisionOptimizer.step = step
     try:
@@ -272,12 +275,13 @@ def train(lay, collect=None, decided=None):
     reference's recorded top-k choices (reference(lay)["decided"]), which this run takes where its
     own are ties within the rounding (tests/decision_replay.py); None: record them instead."""
     record = {"norms": []}
-    hook = Recorder() if decided is None else Replayer(decided, MATCH[lay.dtype])
+    hook = Recorder() if decided is None else Replayer(decided, MATCH[lay.dtype], KEY_MATCH[lay.dtype],
+                                                       None if lay.dtype == "fp32" else HALF_PRECISION_STEPS)
     entry = importlib.import_module(lay.entry)
     args = parse_args(lay.argv(), world_size=max(1, ps.world_size()), defaults=getattr(entry, "ARGS_DEFAULTS", None))
     fault = lay.fault() if lay.fault is not None else contextlib.nullcontext()
     try:
-        with recording(record), fault, decisions.hooked(hook):
+        with recording(record, hook), fault, decisions.hooked(hook):
             losses, chunks, opt = pretrain(lay.datasets or learnable_datasets, entry.model_provider,
                                            entry.forward_step, args, return_state=True)
         out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},

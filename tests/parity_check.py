@@ -11,6 +11,7 @@ step-1 bounds and, from step 2 on, half precision's own envelope measured in the
 import dataclasses
 import math
 
+from decision_replay import HALF_PRECISION_STEPS
 from dist_util import rel_err
 from parity import TIED, check_reference, reference
 
@@ -29,18 +30,28 @@ from parity import TIED, check_reference, reference
 # same run: ENVELOPE x the single process's own distance from its fp32 run (two runs each within
 # it of the fp32 run differ by at most twice it; twice that again because the layout's own
 # distance is not measured and one run's distance varied 4x between machines).
+# The MoE expert bias ("expert bias") moves by +-rate per step, by the step's token counts, so its error is
+# in units of the rate: none in fp32, where every choice is the reference's (replayed ties). In bf16 / fp16 the
+# choices of steps after HALF_PRECISION_STEPS are each run's own, and each such step can move each run's
+# element by +-rate: at most 2 apart per step.
 TOLERANCE = {"fp32": 1e-5,
              "bf16": {"losses@1": 1e-5, "norms@1": 2e-4, "grads": 1e-5, "embedding grads": 4e-3},
              "fp16": {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-3}}
 ENVELOPE = 4
 LATER = {"losses": "losses@1", "norms": "norms@1", "params": "grads"}  # later-step kind -> its step-1 kind
-KINDS = ("losses@1", "losses", "norms@1", "norms", "grads", "embedding grads", "params", "decisions")
+KINDS = ("losses@1", "losses", "norms@1", "norms", "grads", "embedding grads", "params", "expert bias", "decisions")
 
 
 def _rel_scalar(a, b):
     if math.isnan(a) or math.isnan(b):
         return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
     return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _bias_rate(lay):
+    argv = lay.argv()
+    flag = "--moe-router-bias-update-rate"
+    return float(argv[len(argv) - 1 - argv[::-1].index(flag) + 1]) if flag in argv else 1e-3  # Megatron's default
 
 
 def errors(lay, ranks, ref):
@@ -64,6 +75,9 @@ def errors(lay, ranks, ref):
                 if want is None or want.shape != t.shape:
                     out.append((what, f"{where}: {name}: {label} has no single-process counterpart of shape "
                                       f"{tuple(t.shape)}", math.inf))
+                elif what == "params" and name.endswith("expert_bias"):  # in units of its update rate
+                    out.append(("expert bias", f"{where}: {name}: {label}, in units of the update rate",
+                                (t.double() - want.double()).abs().max().item() / _bias_rate(lay)))
                 else:
                     kind = "embedding grads" if what == "grads" and name.startswith(TIED) else what
                     out.append((kind, f"{where}: {name}: {label}", rel_err(t, want)))
@@ -95,10 +109,12 @@ def mismatches(lay, ranks, ref, tol=None):
     the layout, the rank and the tensor."""
     tol = TOLERANCE[lay.dtype] if tol is None else tol
     bound = dict(tol) if isinstance(tol, dict) else dict.fromkeys(KINDS, tol)
+    bound.setdefault("expert bias", TOLERANCE["fp32"])
     if lay.dtype != "fp32":  # later steps: half precision's own envelope (see TOLERANCE)
         env = envelope(lay)
         for kind, first in LATER.items():
             bound[kind] = max(bound[first], ENVELOPE * env[kind])
+        bound["expert bias"] = 2 * (len(ref["losses"]) - HALF_PRECISION_STEPS)
     return [f"{msg}: relative error {e:.2e} > {bound.get(kind, 0.0):.0e}" for kind, msg, e in errors(lay, ranks, ref)
             if not e <= bound.get(kind, 0.0)]
 

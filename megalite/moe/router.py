@@ -185,7 +185,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         c = self.config = config
         self.grid = ps.current_grid(grid)
-        self.layer_number = layer_number
+        self.layer_number, self.name = layer_number, prefix
         # replicated over TP (its input is whole on every rank); Megatron keeps it in the model's dtype
         w, recipe = replicated_init((c.num_moe_experts, c.hidden_size), init_normal(mup.hidden_std(c)),
                                     param_seed(c.seed, prefix + ".weight"), ps.get_device())
@@ -231,12 +231,14 @@ class TopKRouter(nn.Module):
             _record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
             logits = AuxLossScaler.apply(logits, zl)
         kind = c.moe_router_load_balancing_type
-        if kind == "sinkhorn":
-            probs, routing_map = sinkhorn_routing(logits, c.moe_router_topk, self.training, tp, self.grid)
-        else:
-            probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
-                                              c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor,
-                                              self.expert_bias, c.moe_router_num_groups, c.moe_router_group_topk)
+        with decisions.about(self.name, x):  # each token's choice, told by its input (tests replay ties)
+            if kind == "sinkhorn":
+                probs, routing_map = sinkhorn_routing(logits, c.moe_router_topk, self.training, tp, self.grid)
+            else:
+                probs, routing_map = topk_routing(logits, c.moe_router_topk, c.moe_router_score_function,
+                                                  c.moe_router_pre_softmax, c.moe_router_topk_scaling_factor,
+                                                  self.expert_bias, c.moe_router_num_groups,
+                                                  c.moe_router_group_topk)
         if kind in ("aux_loss", "seq_aux_loss") and c.moe_aux_loss_coeff > 0 and torch.is_grad_enabled():
             scores = _scores_for_aux(logits, c.moe_router_score_function)
             # token counts of the whole micro-batch (summed over TP under SP and over CP); the probabilities
