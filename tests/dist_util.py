@@ -23,6 +23,7 @@ AVX2 -> default; None where there is none below), which the parity harness uses 
 parallel world, so each run of the suite checks two machines' rounding against each other.
 """
 
+import atexit
 import os
 import pickle
 import random
@@ -65,6 +66,15 @@ def _forkserver_context(capability):
     assert _forkserver_capability == capability, \
         f"one fork server per process: it runs {_forkserver_capability}, not {capability}"
     return ctx
+
+
+def scratch_dir(prefix):
+    """A directory for the test process's lifetime (a module's layouts name it at import): removed at its exit,
+    not left in the temporary directory by every suite run. (A rank that imports the module makes an empty one
+    and leaves through os._exit, which skips atexit; the layouts it runs carry the test process's path.)"""
+    d = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, d, True)
+    return d
 
 
 def free_port():

@@ -15,17 +15,16 @@ by `Et|t|t|mL`), its experts over EP2 inside each stage, ZeRO-3 and full recompu
 - exported as DeepseekV3ForCausalLM, transformers' logits equal megalite's.
 """
 
-import tempfile
 
 import pytest
 import torch
 
 from cli_batch import convert
-from dist_util import rel_err, start_on_ranks
+from dist_util import rel_err, scratch_dir, start_on_ranks
 from parity import DEEPSEEK, STEPS, layout, moe_collect, start_layouts, train
 from parity_check import assert_parity
 
-CKPT = tempfile.mkdtemp(prefix="megalite-all-axes-")
+CKPT = scratch_dir("megalite-all-axes-")
 MODEL = DEEPSEEK + ("--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--mtp-num-layers", "1",
                     "--mtp-loss-scaling-factor", "0.3")  # the first layer dense, one MTP depth
 

@@ -15,13 +15,12 @@
 """
 
 import copy
-import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_util import rel_err
+from dist_util import rel_err, scratch_dir
 from parity import (LLAMA, MOE, MOE_BIAS, STEPS, BigramChainDataset, layout, logged_by_reference, moe_collect, patched,
                     record_logged, reference, run_layouts, train)
 from parity_check import assert_logged_as, assert_parity, mismatches
@@ -31,7 +30,7 @@ from parity_check import assert_logged_as, assert_parity, mismatches
 # ZeRO-3, reference under ATen avx2, ranks under default), at 5e-3 they stay below 2.5e-6 under every pair of
 # capabilities while the loss still falls by more than 0.8
 MTP = ("--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--lr", "5e-3")
-CKPT = tempfile.mkdtemp(prefix="megalite-mtp-")  # the interleaved PP2 x DP2 ZeRO-3 layout saves here
+CKPT = scratch_dir("megalite-mtp-")  # the interleaved PP2 x DP2 ZeRO-3 layout saves here
 ROPE_TIED = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear")
 
 
