@@ -48,10 +48,10 @@ def topk(values, k, dim, kind, choosable=None):
     them (e.g. an expert's own tokens: the others are dropped whatever their order)."""
     if not _hooks:
         return torch.topk(values, k, dim=dim)
-    rows = _about[-1] if _about and dim == values.dim() - 1 == 1 and values.shape[0] == _about[-1][1].shape[0] \
-        else None
+    per_row = values.dim() == 2 and dim == 1  # one choice per row of values
+    about = _about[-1] if _about and per_row and values.shape[0] == _about[-1][1].shape[0] else None
     for fn in _hooks:
-        idx = fn(kind, values, k, dim, choosable, rows)
+        idx = fn(kind, values, k, dim, choosable, about)
         if idx is not None:
             return torch.return_types.topk((values.gather(dim, idx), idx))
     return torch.topk(values, k, dim=dim)

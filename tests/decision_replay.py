@@ -67,13 +67,13 @@ def _scale(rows):
     return (hi - lo).clamp_min(1e-30)
 
 
-def _keys(about, keep):
-    """A choice's group and its rows' identities: with `about` (a router's name and input), the rows of
-    that router at this step, each told by its token's input; else every row of its kind, by the values."""
+def _group(kind, rows, k, about, keep, step):
+    """(the table's key, the rows' identities) of a choice: with `about` (a router's name and input), the rows
+    of that router at this step, each told by its token's input; else every row of its kind, by the values."""
     if about is None:
-        return (), None
-    where, rows = about
-    return (where,), rows.detach().reshape(rows.shape[0], -1).double()[keep]
+        return (kind, rows.shape[-1], k), None
+    where, inputs = about
+    return (kind, rows.shape[-1], k, where, step), inputs.detach().reshape(inputs.shape[0], -1).double()[keep]
 
 
 class Recorder:
@@ -87,8 +87,7 @@ class Recorder:
         idx = torch.topk(values, k, dim=dim).indices.movedim(dim, -1)
         rows = _rows(values, dim, choosable)
         keep = _decides(rows, k)
-        where, keys = _keys(about, keep)
-        group = (kind, rows.shape[-1], k) + where + ((self.step,) if where else ())
+        group, keys = _group(kind, rows, k, about, keep, self.step)
         self.rows.setdefault(group, []).append((rows[keep], idx.reshape(-1, k)[keep].sort(-1).values, keys))
         return None
 
@@ -138,11 +137,10 @@ class Replayer:
         count[0] += rows.shape[0]
         if not rows.shape[0]:
             return None
-        where, keys = _keys(about, keep)
-        group = (kind, rows.shape[-1], k) + where + ((self.step,) if where else ())
+        group, keys = _group(kind, rows, k, about, keep, self.step)
         if group not in self.table:
             self._problem(f"{kind}: a top-{k} of {rows.shape[-1]} the single process never took"
-                          + (f" at {where[0]}, step {self.step + 1}" if where else ""))
+                          + (f" at {about[0]}, step {self.step + 1}" if about else ""))
             return None
         ref_rows, ref_idx, ref_keys = self.table[group]
         scale = _scale(rows)

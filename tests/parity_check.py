@@ -9,10 +9,12 @@ step-1 bounds and, from step 2 on, half precision's own envelope measured in the
 """
 
 import dataclasses
+import functools
 import math
 
 from decision_replay import HALF_PRECISION_STEPS
 from dist_util import rel_err
+from megalite.arguments import parse_args
 from parity import TIED, check_reference, reference
 
 # fp32 on CPU: DESIGN's bound, for every kind. bf16 and fp16 against the single process in the
@@ -48,10 +50,9 @@ def _rel_scalar(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def _bias_rate(lay):
-    argv = lay.argv()
-    flag = "--moe-router-bias-update-rate"
-    return float(argv[len(argv) - 1 - argv[::-1].index(flag) + 1]) if flag in argv else 1e-3  # Megatron's default
+@functools.cache
+def _bias_rate(argv):
+    return parse_args(list(argv), world_size=1).moe_router_bias_update_rate
 
 
 def errors(lay, ranks, ref):
@@ -76,8 +77,9 @@ def errors(lay, ranks, ref):
                     out.append((what, f"{where}: {name}: {label} has no single-process counterpart of shape "
                                       f"{tuple(t.shape)}", math.inf))
                 elif what == "params" and name.endswith("expert_bias"):  # in units of its update rate
+                    moved = (t.double() - want.double()).abs().max().item()
                     out.append(("expert bias", f"{where}: {name}: {label}, in units of the update rate",
-                                (t.double() - want.double()).abs().max().item() / _bias_rate(lay)))
+                                moved / _bias_rate(tuple(lay.reference_argv()))))
                 else:
                     kind = "embedding grads" if what == "grads" and name.startswith(TIED) else what
                     out.append((kind, f"{where}: {name}: {label}", rel_err(t, want)))
