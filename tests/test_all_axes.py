@@ -4,7 +4,8 @@ routed scaling factor; one MTP depth) on 8 ranks at TP2 + SP x CP2 x PP2 interle
 by `Et|t|t|mL`), its experts over EP2 inside each stage, ZeRO-3 and full recompute, in fp32 and in bf16:
 
 - against one process (tests/parity.py: every gradient before clipping, norms, parameters after 6 steps, losses
-  with the MTP loss; routing ties replayed). Worst errors over the three ATen capabilities: parameters 3.5e-6
+  with the MTP loss; routing ties replayed; two samples per micro-batch). Worst errors over the three ATen
+  capabilities (at one sample per micro-batch): parameters 3.5e-6
   (reference under avx2, ranks under default), gradients 1.7e-6; the MTP shift without its CP exchange gives 596
   mismatches;
 - its checkpoint goes on for two steps at one process and at TP1 x DP4 with EP4 as the straight single-process run;
@@ -21,11 +22,11 @@ import torch
 
 from cli_batch import convert
 from dist_util import rel_err, scratch_dir, start_on_ranks
-from parity import DEEPSEEK, STEPS, layout, moe_collect, start_layouts, train
+from parity import DEEPSEEK, MB2, STEPS, layout, moe_collect, start_layouts, train
 from parity_check import assert_parity
 
 CKPT = scratch_dir("megalite-all-axes-")
-MODEL = DEEPSEEK + ("--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--mtp-num-layers", "1",
+MODEL = MB2 + DEEPSEEK + ("--moe-layer-freq", "[0,1,1]", "--num-layers", "3", "--mtp-num-layers", "1",
                     "--mtp-loss-scaling-factor", "0.3")  # the first layer dense, one MTP depth
 
 

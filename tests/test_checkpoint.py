@@ -20,9 +20,9 @@ from dist_util import run_on_ranks, start_on_ranks
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.training import pretrain
-from parity import BASE, learnable_datasets
+from parity import BASE, MB2, learnable_datasets
 
-TEN = ["--train-iters", "10", "--lr-decay-style", "cosine", "--min-lr", "1e-3"]
+TEN = [*MB2, "--train-iters", "10", "--lr-decay-style", "cosine", "--min-lr", "1e-3"]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 

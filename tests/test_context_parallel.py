@@ -19,7 +19,7 @@ from megalite.transformer.attention import core_attention
 from megalite.transformer import cp_attention
 from megalite.transformer.cp_attention import context_parallel_attention, ring_attention
 from test_gpt_batch_flags import DOC_FLAGS, doc_datasets
-from parity import LLAMA, BigramChainDataset, check_reference, layout, reference, run_layouts
+from parity import LLAMA, MB2, BigramChainDataset, check_reference, layout, reference, run_layouts
 from parity_check import assert_parity
 
 SHAPES = [(2, 4, 4), (1, 4, 2), (2, 4, 1)]  # (batch, query heads, KV heads)
@@ -168,15 +168,16 @@ def masked_datasets(args, num_samples):
 # TP + SP, PP 1F1B and interleaved, DP, ZeRO-2, recompute full and selective, rope + GQA, loss
 # masks that differ between chunks (mean and per-token loss), packed documents.
 FOUR = [
-    layout("cp2_pp2_1f1b_p2p_loss_mask", cp=2, pp=2, datasets=masked_datasets),
-    layout("docs_cp2_dp2_a2a_zero2", cp=2, dp=2, zero=2, cp_comm="a2a", datasets=doc_datasets, model=DOC_FLAGS),
+    layout("cp2_pp2_1f1b_p2p_loss_mask", cp=2, pp=2, datasets=masked_datasets, model=MB2),
+    layout("docs_cp2_dp2_a2a_zero2", cp=2, dp=2, zero=2, cp_comm="a2a", datasets=doc_datasets, model=MB2 + DOC_FLAGS),
     layout("cp2_dp2_allgather_per_token_recompute_full", cp=2, dp=2, cp_comm="allgather", recompute="full",
-           datasets=masked_datasets, model=("--calculate-per-token-loss",)),
-    layout("cp4_per_layer_p2p_a2a_allgather", cp=4, flags=("--cp-comm-type", "p2p", "a2a", "allgather", "a2a")),
-    layout("cp4_a2a_p2p_llama", cp=4, cp_comm="a2a+p2p", model=LLAMA,
+           datasets=masked_datasets, model=MB2 + ("--calculate-per-token-loss",)),
+    layout("cp4_per_layer_p2p_a2a_allgather", cp=4, model=MB2,
+           flags=("--cp-comm-type", "p2p", "a2a", "allgather", "a2a")),
+    layout("cp4_a2a_p2p_llama", cp=4, cp_comm="a2a+p2p", model=MB2 + LLAMA,
            flags=("--hierarchical-context-parallel-sizes", "2", "2")),
-    layout("docs_cp2_tp2_sp_llama", cp=2, tp=2, sp=True, datasets=doc_datasets, model=DOC_FLAGS + LLAMA),
-    layout("cp2_pp2_interleaved_recompute_selective", cp=2, pp=2, vp=1, recompute="selective"),
+    layout("docs_cp2_tp2_sp_llama", cp=2, tp=2, sp=True, datasets=doc_datasets, model=MB2 + DOC_FLAGS + LLAMA),
+    layout("cp2_pp2_interleaved_recompute_selective", cp=2, pp=2, vp=1, recompute="selective", model=MB2),
 ]
 
 

@@ -24,7 +24,7 @@ from megalite.transformer import dsa as dsa_module
 from megalite.transformer.dsa import index_scores
 from megalite.transformer.mla import MLASelfAttention
 from megalite.transformer.yarn import mla_rotary_cos_sin
-from parity import BASE, layout, patched, reference, run_layouts
+from parity import BASE, MB2, layout, patched, reference, run_layouts
 from parity_check import assert_parity, mismatches
 from test_mla import MLA, _m, _mla64, _norm64, _tables64, _yarn_f64
 
@@ -254,7 +254,7 @@ def indexer_grads_summed_over_tp():
 # Scores of a few units: the indexer loss and top-k matter. No ReLU on the scores here: its kink at 0 is a
 # discrete decision too (whether a score's gradient passes), taken on values a rounding apart; the ReLU's
 # formula and gradient are tested above against float64.
-MODEL = MLA + DSA + ("--init-method-std", "0.1", "--no-dsa-indexer-scoring-relu")
+MODEL = MB2 + MLA + DSA + ("--init-method-std", "0.1", "--no-dsa-indexer-scoring-relu")
 # The top-k choice is discrete, and the layouts' index scores differ from the single process's by a
 # rounding (ReLU also makes exact ties at 0): the world takes the single process's choice where its own is
 # a tie within that rounding (tests/decision_replay.py), so every layout is held to DESIGN's bound over all

@@ -23,8 +23,10 @@ from test_megatron_configs import fill, functional_configs
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPTS = os.path.join(HERE, "megatron_scripts")
+# (two samples per micro-batch: half the micro-batches of one, and so half the TP / PP rounds of 4 ranks on 2 cores)
 SHRINK = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-          "--micro-batch-size 1 --global-batch-size 8 --train-iters 3 --eval-iters 1 --distributed-backend gloo").split()
+          "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --eval-iters 1 "
+          "--distributed-backend gloo").split()
 # name: (example script or functional-test config, extra overrides beyond SHRINK)
 LISTS = {
     "gpt3_345m": ("gpt3_345m.sh", []),

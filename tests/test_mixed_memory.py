@@ -26,7 +26,7 @@ from dist_util import rel_err, start_on_ranks
 from megalite.config import ConfigError
 from megalite.iteration_plan import IterationPlan
 from megalite.microbatches import BatchSchedule
-from parity import STEPS, layout, patched, reference, start_layouts, train
+from parity import MB2, STEPS, layout, patched, reference, start_layouts, train
 from parity_check import assert_parity
 from test_mixed_gpus import slow_second_replica
 
@@ -99,10 +99,11 @@ def not_copied_back():
 def _offload_runs(directory):
     """In two ranks: per layout, the run without offload and with fractions; faults; resumes."""
     out = {}
-    cases = {"dp2_zero1": dict(dp=2, zero=1), "dp2_zero2": dict(dp=2, zero=2), "dp2_zero3": dict(dp=2, zero=3),
-             "pp2_interleaved": dict(pp=2, vp=1), "tp2": dict(tp=2),
-             "tp2_bf16": dict(tp=2, dtype="bf16"),
-             "ep2_dp2_zero1": dict(dp=2, zero=1, model=MOE, flags=("--expert-model-parallel-size", "2"))}
+    # (two samples per micro-batch, tests/parity.py's MB2: offload is the optimizer's, whatever the micro-batches)
+    cases = {"dp2_zero1": dict(dp=2, zero=1, model=MB2), "dp2_zero2": dict(dp=2, zero=2, model=MB2),
+             "dp2_zero3": dict(dp=2, zero=3, model=MB2), "pp2_interleaved": dict(pp=2, vp=1, model=MB2),
+             "tp2": dict(tp=2, model=MB2), "tp2_bf16": dict(tp=2, dtype="bf16", model=MB2),
+             "ep2_dp2_zero1": dict(dp=2, zero=1, model=MB2 + MOE, flags=("--expert-model-parallel-size", "2"))}
     fractions = {"dp2_zero1": ("0.5", "0,1"), "dp2_zero2": ("0.5",), "dp2_zero3": ("0.5",), "pp2_interleaved": ("0.5",),
                  "tp2": ("0.5",), "tp2_bf16": ("1",), "ep2_dp2_zero1": ("0.5",)}
     for name, kw in cases.items():
@@ -111,12 +112,13 @@ def _offload_runs(directory):
             more = dict(kw, flags=kw.get("flags", ()) + offload(f))
             out[f"{name}@{f}"] = train(layout(f"{name}@{f}", **more), collect=_stats)
     for fault in (stepped_twice, not_copied_back):
-        out[fault.__name__] = train(layout(fault.__name__, dp=2, zero=1, flags=offload("0.5"), fault=fault))
+        out[fault.__name__] = train(layout(fault.__name__, dp=2, zero=1, model=MB2, flags=offload("0.5"), fault=fault))
     # saved at step 3 with offload, resumed without; saved without, resumed with
     for name, first, then in (("off_to_on", (), offload("0.5")), ("on_to_off", offload("0.5"), ())):
         d = os.path.join(directory, name)
-        train(layout("save", dp=2, zero=1, flags=first + ("--save", d, "--save-interval", "3", "--exit-interval", "3")))
-        out[name] = train(layout("resume", dp=2, zero=1, flags=then + ("--load", d)))
+        train(layout("save", dp=2, zero=1, model=MB2,
+                     flags=first + ("--save", d, "--save-interval", "3", "--exit-interval", "3")))
+        out[name] = train(layout("resume", dp=2, zero=1, model=MB2, flags=then + ("--load", d)))
     # micro-batch sizes: uninterrupted, saved at 3, resumed with the same sizes and with others
     d = os.path.join(directory, "sizes")
     out["sizes_full"] = train(layout("full", dp=2, flags=sizes(4, 1)))

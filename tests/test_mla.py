@@ -32,16 +32,16 @@ from megalite.transformer.attention import core_attention
 from megalite.transformer.mla import MLASelfAttention
 from megalite.transformer.rope import rotary_cos_sin
 from megalite.transformer.yarn import mla_rotary_cos_sin, mla_softmax_scale, yarn_inv_freq
-from parity import BASE, VOCAB, layout, learnable_datasets, patched, reference, run_layouts
+from parity import BASE, MB2, VOCAB, layout, learnable_datasets, patched, reference, run_layouts
 from parity_check import assert_parity, mismatches
 
 SIZES = ("--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "12")
 # q latent + its norm, YaRN with a scaling factor and both mscales (concentration and softmax scale != 1)
-MLA = ("--multi-latent-attention", "--q-lora-rank", "24", *SIZES, "--qk-layernorm", "--normalization", "RMSNorm",
+MLA = MB2 + ("--multi-latent-attention", "--q-lora-rank", "24", *SIZES, "--qk-layernorm", "--normalization", "RMSNorm",
        "--rotary-scaling-factor", "4", "--mscale", "1.0", "--mscale-all-dim", "0.8", "--disable-bias-linear",
        "--untie-embeddings-and-output-weights")
 # queries straight from the hidden state, plain rope (no learned positions), biased output projection, tied
-MLA_ROPE = ("--multi-latent-attention", *SIZES, "--rope-type", "rope", "--position-embedding-type", "rope")
+MLA_ROPE = MB2 + ("--multi-latent-attention", *SIZES, "--rope-type", "rope", "--position-embedding-type", "rope")
 
 
 # -- (a) rotary tables -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from megalite.config import ModelConfig
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, sinkhorn, sinkhorn_routing, topk_routing
 from megalite.transformer.mlp import MLP
-from parity import MOE, layout, patched, reference, run_layouts
+from parity import MB2, MOE, layout, patched, reference, run_layouts
 from parity_check import assert_parity, mismatches
 
 E, K = 4, 2
@@ -144,15 +144,15 @@ def aux_loss_not_divided_by_microbatches():
 
 
 LAYOUTS = [
-    layout("moe_dp2", dp=2, model=MOE),
-    layout("fault_moe_dp2_aux_not_divided", dp=2, model=MOE, fault=aux_loss_not_divided_by_microbatches),
-    layout("moe_pp2_seq_aux_sigmoid_pattern", pp=2, model=MOE + (
+    layout("moe_dp2", dp=2, model=MB2 + MOE),
+    layout("fault_moe_dp2_aux_not_divided", dp=2, model=MB2 + MOE, fault=aux_loss_not_divided_by_microbatches),
+    layout("moe_pp2_seq_aux_sigmoid_pattern", pp=2, model=MB2 + MOE + (
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-score-function", "sigmoid",
         "--moe-layer-freq", "[1,0,1,1]")),
-    layout("moe_dp2_zero3_recompute", dp=2, zero=3, recompute="full", model=MOE),
-    layout("moe_pp2_interleaved", pp=2, vp=1, model=MOE),
-    layout("moe_dp2_zero2", dp=2, zero=2, model=MOE),
-    layout("moe_dp2_capacity_shared_gate", dp=2, model=MOE + (
+    layout("moe_dp2_zero3_recompute", dp=2, zero=3, recompute="full", model=MB2 + MOE),
+    layout("moe_pp2_interleaved", pp=2, vp=1, model=MB2 + MOE),
+    layout("moe_dp2_zero2", dp=2, zero=2, model=MB2 + MOE),
+    layout("moe_dp2_capacity_shared_gate", dp=2, model=MB2 + MOE + (
         "--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "position",
         "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-router-pre-softmax")),
 ]

@@ -22,7 +22,7 @@ from megalite.distributed import param_facts
 from megalite.moe import experts as experts_module
 from megalite.moe.dispatcher import TokenDispatcher
 from megalite.training import pretrain
-from parity import (BASE, MOE, MOE_BIAS, SINKHORN, layout, learnable_datasets, logged_by_reference, moe_collect,
+from parity import (BASE, MB2, MOE, MOE_BIAS, SINKHORN, layout, learnable_datasets, logged_by_reference, moe_collect,
                     patched, record_logged, reference, train)
 from parity_check import assert_logged_as, assert_parity, mismatches
 
@@ -63,29 +63,30 @@ def local_expert_names():
 
 
 LAYOUTS = [
-    layout("ep4_alltoall", dp=4, model=MOE, flags=ep(4, "alltoall")),
-    layout("ep2_dp4_zero2_expert_bias", dp=4, zero=2, model=MOE + MOE_BIAS, flags=ep(2)),
+    layout("ep4_alltoall", dp=4, model=MB2 + MOE, flags=ep(4, "alltoall")),
+    layout("ep2_dp4_zero2_expert_bias", dp=4, zero=2, model=MB2 + MOE + MOE_BIAS, flags=ep(2)),
     # DeepSeek-V3's router: sigmoid, expert bias, group-limited (2 groups of 2; each token's 2 from its best group)
-    layout("ep2_dp4_alltoall_expert_bias_groups", dp=4, model=MOE + MOE_BIAS + (
+    layout("ep2_dp4_alltoall_expert_bias_groups", dp=4, model=MB2 + MOE + MOE_BIAS + (
         "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"), flags=ep(2, "alltoall")),
-    layout("ep2_dp4_replica_check_params_norm", dp=4, model=MOE, flags=ep(2, "alltoall") + (
+    layout("ep2_dp4_replica_check_params_norm", dp=4, model=MB2 + MOE, flags=ep(2, "alltoall") + (
         "--check-weight-hash-across-dp-replicas-interval", "1", "--log-params-norm")),
-    layout("ep2_pp2_alltoall_expert_bias_recompute", pp=2, dp=2, recompute="full", model=MOE + MOE_BIAS,
+    layout("ep2_pp2_alltoall_expert_bias_recompute", pp=2, dp=2, recompute="full", model=MB2 + MOE + MOE_BIAS,
            flags=ep(2, "alltoall"), fault=record_logged),
     # sequence parallelism: each TP rank routes its own tokens; experts whole (expert-TP 1) or TP-sharded
-    layout("ep2_tp2_sp_etp1_alltoall_seq_aux", tp=2, sp=True, dp=2, model=MOE + (
+    layout("ep2_tp2_sp_etp1_alltoall_seq_aux", tp=2, sp=True, dp=2, model=MB2 + MOE + (
         "--moe-router-load-balancing-type", "seq_aux_loss"), flags=ep(2, "alltoall") + (
         "--expert-tensor-parallel-size", "1"), fault=record_logged),
-    layout("ep2_tp2_sp_etp2_alltoall_shared_gate", tp=2, sp=True, dp=2, model=MOE + SHARED,
+    layout("ep2_tp2_sp_etp2_alltoall_shared_gate", tp=2, sp=True, dp=2, model=MB2 + MOE + SHARED,
            flags=ep(2, "alltoall"), fault=record_logged),
-    layout("ep2_tp2_sp_etp2_allgather_zero2", tp=2, sp=True, dp=2, zero=2, model=MOE, flags=ep(2)),
+    layout("ep2_tp2_sp_etp2_allgather_zero2", tp=2, sp=True, dp=2, zero=2, model=MB2 + MOE, flags=ep(2)),
+    # (one sample per micro-batch: tests/test_cp_moe_mla.py says why)
     layout("ep2_tp2_sp_sinkhorn", tp=2, sp=True, dp=2, model=SINKHORN, flags=ep(2, "alltoall")),
-    layout("ep2_dp4_zero3_recompute_capacity", dp=4, zero=3, recompute="full", flags=ep(2), model=MOE + (
+    layout("ep2_dp4_zero3_recompute_capacity", dp=4, zero=3, recompute="full", flags=ep(2), model=MB2 + MOE + (
         "--moe-expert-capacity-factor", "1.0", "--moe-shared-expert-intermediate-size", "32")),
 ]
 FAULTS = [
-    layout("fault_expert_grads_over_dense_dp", dp=4, model=MOE, flags=ep(2), fault=expert_grads_over_dense_dp),
-    layout("fault_expert_norm_twice", dp=4, model=MOE, flags=ep(2), fault=expert_norm_counted_twice),
+    layout("fault_expert_grads_over_dense_dp", dp=4, model=MB2 + MOE, flags=ep(2), fault=expert_grads_over_dense_dp),
+    layout("fault_expert_norm_twice", dp=4, model=MB2 + MOE, flags=ep(2), fault=expert_norm_counted_twice),
 ]
 
 
@@ -120,14 +121,16 @@ def _dispatch_checks():
 
 
 def _pretrain(argv):
-    args = parse_args(list(BASE) + list(MOE) + list(MOE_BIAS) + list(argv), world_size=max(1, ps.world_size()))
+    args = parse_args(list(BASE) + list(MB2) + list(MOE) + list(MOE_BIAS) + list(argv),
+                      world_size=max(1, ps.world_size()))
     try:
         return pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
     finally:
         ps.destroy_model_parallel()
 
 
-EP2 = ("--use-distributed-optimizer", "--zero-stage", "2") + ep(2)  # with MOE + MOE_BIAS: ep2_dp4_zero2_expert_bias
+# with MB2 + MOE + MOE_BIAS: ep2_dp4_zero2_expert_bias
+EP2 = ("--use-distributed-optimizer", "--zero-stage", "2") + ep(2)
 STOP = ("--train-iters", "3", "--use-checkpoint-opt_param-scheduler")  # load, train nothing, save here
 
 

@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from dist_util import rel_err, scratch_dir
-from parity import (LLAMA, MOE, MOE_BIAS, STEPS, BigramChainDataset, layout, logged_by_reference, moe_collect, patched,
-                    record_logged, reference, run_layouts, train)
+from parity import (LLAMA, MB2, MOE, MOE_BIAS, STEPS, BigramChainDataset, layout, logged_by_reference, moe_collect,
+                    patched, record_logged, reference, run_layouts, train)
 from parity_check import assert_logged_as, assert_parity, mismatches
 
 # --lr 5e-3 (as EIGHT_LAYERS): Adam turns a gradient's rounding into a parameter change of about lr/eps times
 # it; at the base's 1e-2 these layouts' parameters after 6 steps came to 1.03e-5 of the 1e-5 bound (CP2 x DP2
 # ZeRO-3, reference under ATen avx2, ranks under default), at 5e-3 they stay below 2.5e-6 under every pair of
 # capabilities while the loss still falls by more than 0.8
-MTP = ("--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--lr", "5e-3")
+MTP = MB2 + ("--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3", "--lr", "5e-3")
 CKPT = scratch_dir("megalite-mtp-")  # the interleaved PP2 x DP2 ZeRO-3 layout saves here
 ROPE_TIED = ("--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear")
 

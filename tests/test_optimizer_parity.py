@@ -28,10 +28,10 @@ from megalite.arguments import parse_args
 from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.optimizer.newton_schulz import flops
 from megalite.training import pretrain
-from parity import BASE, LLAMA, MOE, layout, learnable_datasets, patched, reference, start_layouts
+from parity import BASE, LLAMA, MB2, MOE, layout, learnable_datasets, patched, reference, start_layouts
 from parity_check import assert_parity, mismatches
 
-MUON_FLAGS = ("--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-nesterov", "--muon-scale-mode",
+MUON_FLAGS = MB2 + ("--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--muon-nesterov", "--muon-scale-mode",
               "shape_scaling")
 MUON = LLAMA + MUON_FLAGS
 MUON_MOE = MUON_FLAGS + MOE  # (the GPT-2-shaped MoE every MoE parity test shares)
@@ -74,8 +74,8 @@ FAULTS = [layout("muon_tp2_sp_fault_shard_only", tp=2, sp=True, model=MUON, faul
 FOUR = [layout("muon_tp2_dp2_zero1", tp=2, dp=2, zero=1, model=MUON),
         layout("muon_tp2_dp2_zero2_distributed_lion", tp=2, dp=2, zero=2, sp=True,
                model=MUON + ("--muon-scalar-optimizer", "lion"), flags=("--muon-tp-mode", "distributed")),
-        layout("sgd_tp2_dp2_zero1", tp=2, dp=2, zero=1, model=LLAMA + ("--optimizer", "sgd", "--lr", "0.3")),
-        layout("lion_tp2_dp2_zero1", tp=2, dp=2, zero=1, model=LLAMA + ("--optimizer", "lion", "--lr", "3e-3"))]
+        layout("sgd_tp2_dp2_zero1", tp=2, dp=2, zero=1, model=MB2 + LLAMA + ("--optimizer", "sgd", "--lr", "0.3")),
+        layout("lion_tp2_dp2_zero1", tp=2, dp=2, zero=1, model=MB2 + LLAMA + ("--optimizer", "lion", "--lr", "3e-3"))]
 
 
 def collect(chunks, optimizer):

@@ -74,15 +74,30 @@ def test_search_ranks_launchable_layouts_that_fit():
         assert layout_from_args(validated(GPT, p.layout, 8)) == p.layout
 
 
+def _plan(argv):
+    """tools/plan.py's main in this process (a process start re-imports torch): (exit status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from cli_batch import tool
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = tool("plan").main(list(argv))
+        except SystemExit as e:  # argparse
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
 def test_plan_prints_json_rows():
-    out = subprocess.run([sys.executable, "tools/plan.py", "--cluster", "8xA100-80GB", "--predict", "--json",
-                          "--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size",
-                          "2", *GPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    row = json.loads(out.stdout.strip().splitlines()[0])
+    rc, out, err = _plan(["--cluster", "8xA100-80GB", "--predict", "--json", "--tensor-model-parallel-size", "2",
+                          "--sequence-parallel", "--pipeline-model-parallel-size", "2", *GPT])
+    assert rc == 0, err
+    row = json.loads(out.strip().splitlines()[0])
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu", "flags"):
         assert key in row
     assert "--tensor-model-parallel-size 2" in " ".join(row["flags"]) and 0 < row["mfu"] < 1
+    # as a program once (the others run its main in this process): the exit status and one line
     bad = subprocess.run([sys.executable, "tools/plan.py", "--cluster", "8xB300", *GPT], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown GPU" in bad.stderr
@@ -114,9 +129,10 @@ def test_the_readme_mixed_cluster_plan_prints_what_the_readme_shows():
     command = [b for kind, b in blocks if kind and "4xA100-80GB,4xRTX3090-24GB" in b][0]
     shown = [b for kind, b in blocks if not kind and "4xA100-80GB,4xRTX3090-24GB" in b][0].splitlines()
     argv = shlex.split(" ".join(ln for ln in command.replace("\\\n", " ").splitlines() if not ln.startswith("#")))
-    out = subprocess.run([sys.executable] + argv[1:], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    assert argv[:2] == ["python", "tools/plan.py"], argv
+    rc, out, err = _plan(argv[2:])
+    assert rc == 0, err
+    lines = out.splitlines()
     assert lines[:3] == shown[:3] and lines[-1] == shown[-1], (lines, shown)
 
 
@@ -202,9 +218,8 @@ def test_review_findings_stay_fixed():
                           (["--cluster", "8xA100-80GB", *[a for a in GPT if a not in ("--vocab-size", "50257")],
                             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v", "--merge-file", "m"],
                            "give --vocab-size")):
-        out = subprocess.run([sys.executable, "tools/plan.py", *argv], cwd=ROOT, capture_output=True, text=True,
-                             timeout=120)
-        assert out.returncode == 2 and message in out.stderr and out.stderr.count("\n") == 1, (argv, out.stderr)
+        rc, _, err = _plan(argv)  # in this process (test_plan_prints_json_rows runs the script as a program)
+        assert rc == 2 and message in err and err.count("\n") == 1, (argv, err)
 
 
 def test_predict_keeps_the_users_layout_or_says_why_not():

@@ -41,6 +41,7 @@ class StateBytes:
 
 _BUILT = {}  # (model, layout, coordinates) -> chunks: a search prices many layouts of the same shapes
 _STATES = {}  # (chunks, ZeRO, precision, data-parallel coordinates ...) -> StateBytes
+_PLANS = {}  # (chunk, ZeRO, bucket size, data-parallel coordinates) -> its buckets (state and traffic both ask)
 
 
 def build_chunks(mcfg, grid, model_class=None):
@@ -55,6 +56,7 @@ def build_chunks(mcfg, grid, model_class=None):
         if len(_BUILT) > 256:
             _BUILT.clear()
             _STATES.clear()  # (keyed by the built chunks' identity)
+            _PLANS.clear()
         _BUILT[key] = _build(mcfg, grid, model_class)
     return _BUILT[key]
 
@@ -76,7 +78,16 @@ def _tied(model, grid):
 
 def _buckets(model, grid, zero, bucket_size):
     """[(params, padded numel, shard group size, this rank's index in it)]: DistributedDataParallel's own plan
-    (grad_buffer.plan_reduction) with the groups' sizes and this rank's place from the grid."""
+    (grad_buffer.plan_reduction) with the groups' sizes and this rank's place from the grid (cached: a search
+    asks for the same chunk's plan many times)."""
+    key = (id(model), zero, bucket_size, grid.dp, grid.cp, grid.dp_rank, grid.cp_rank, grid.edp, grid.edp_rank,
+           grid.experts, grid.pp)
+    if key not in _PLANS:
+        _PLANS[key] = _plan_buckets(model, grid, zero, bucket_size)
+    return _PLANS[key]
+
+
+def _plan_buckets(model, grid, zero, bucket_size):
     def group_of(p):
         if expert(p):
             return None, grid.edp, grid.edp_rank
