@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 
-from parity import EIGHT_LAYERS, LLAMA, layout, patched, reference, start_layouts
+from parity import EIGHT_LAYERS, LLAMA, MB2, layout, patched, reference, start_layouts
 from parity_check import assert_parity, mismatches
 from semi_sync_reference import DILOCO, collect, semi, semi_sync_mismatches, serial_reference
 
@@ -186,22 +186,23 @@ SEMI_LAYOUTS = [semi(f"{f.__name__}@{name}", r, steps, dp=2, fault=f,
 
 
 # (fault, layout name, layout, what the mismatch report must name): each fault on the smallest
-# layout with its code path (two ranks), and again on an eight-rank layout of tests/test_parity.py
+# layout with its code path (two ranks; two samples per micro-batch where no pipeline needs more micro-batches,
+# tests/parity.py's MB2), and again on an eight-rank layout of tests/test_parity.py
 # (interleaving, ZeRO-2, SP, TP4, PP4), so those layouts are seen to fail too.
 FAULTS = [
-    (no_dp_averaging, "dp2", dict(dp=2), "step-1 grad"),
-    (no_dp_averaging, "dp2_zero2", dict(dp=2, zero=2), "step-1 grad"),
+    (no_dp_averaging, "dp2", dict(dp=2, model=MB2), "step-1 grad"),
+    (no_dp_averaging, "dp2_zero2", dict(dp=2, zero=2, model=MB2), "step-1 grad"),
     (no_tied_embedding_sync, "pp2", dict(pp=2), "embedding.word_embeddings.weight"),
-    (no_sequence_parallel_allreduce, "tp2_sp", dict(tp=2, sp=True), "layernorm.weight: step-1 grad"),
-    (tp_duplicates_counted_tp_times, "tp2", dict(tp=2), "norms"),
+    (no_sequence_parallel_allreduce, "tp2_sp", dict(tp=2, sp=True, model=MB2), "layernorm.weight: step-1 grad"),
+    (tp_duplicates_counted_tp_times, "tp2", dict(tp=2, model=MB2), "norms"),
     (loss_not_divided_by_microbatches, "pp2", dict(pp=2), "step-1 grad"),
-    (zero_shard_update_skipped, "dp2_zero1", dict(dp=2, zero=1), "param after"),
-    (cp_lse_merge_dropped, "cp2", dict(cp=2), "step-1 grad"),
-    (cp_chunk_pairing_reversed, "cp2", dict(cp=2), "step-1 grad"),
-    (cp_grads_not_reduced, "cp2", dict(cp=2), "step-1 grad"),
-    (cp_grad_norm_counted_cp_times, "cp2", dict(cp=2), "norms"),
-    (cp_local_positions, "cp2_llama", dict(cp=2, model=LLAMA), "step-1 grad"),
-    (shares_weighted_by_rank_means, "dp2_shares_3_1", dict(dp=2, flags=("--data-parallel-shares", "3,1")),
+    (zero_shard_update_skipped, "dp2_zero1", dict(dp=2, zero=1, model=MB2), "param after"),
+    (cp_lse_merge_dropped, "cp2", dict(cp=2, model=MB2), "step-1 grad"),
+    (cp_chunk_pairing_reversed, "cp2", dict(cp=2, model=MB2), "step-1 grad"),
+    (cp_grads_not_reduced, "cp2", dict(cp=2, model=MB2), "step-1 grad"),
+    (cp_grad_norm_counted_cp_times, "cp2", dict(cp=2, model=MB2), "norms"),
+    (cp_local_positions, "cp2_llama", dict(cp=2, model=MB2 + LLAMA), "step-1 grad"),
+    (shares_weighted_by_rank_means, "dp2_shares_3_1", dict(dp=2, model=MB2, flags=("--data-parallel-shares", "3,1")),
      "step-1 grad"),
     (microbatches_weighted_equally, "dp2_sizes_4_1", dict(dp=2, flags=("--data-parallel-micro-batch-sizes", "4,1")),
      "step-1 grad"),
