@@ -26,7 +26,7 @@ from megalite.config import ConfigError
 from megalite.pipeline.auto_layout import GIB, Stage, balanced_counts, initial_counts, layout_string
 from megalite.transformer.pipeline_layers import parse_pipeline_layout
 from dist_util import rel_err, start_on_ranks
-from parity import BASE, STEPS, layout, reference, run_layouts, train
+from parity import BASE, MB2, STEPS, layout, reference, run_layouts, train
 from parity_check import assert_parity
 
 AUTO = ("--pipeline-model-parallel-layout", "auto")
@@ -143,19 +143,21 @@ def random_state_not_kept():
     return patched(auto_layout, "_random_state_kept", contextlib.nullcontext)
 
 
-LAYOUTS = [layout("pp2_auto_stage1_slowed", pp=2, fault=slow_last_stage, flags=AUTO),
+# The slowed layouts take two samples per micro-batch (tests/parity.py's MB2: half the micro-batches, and so half
+# the sleeps); the budgets above are sized for one sample's activations.
+LAYOUTS = [layout("pp2_auto_stage1_slowed", pp=2, model=MB2, fault=slow_last_stage, flags=AUTO),
            layout("pp2_auto_stage0_budget_one_layer", pp=2, flags=AUTO + ("--device-memory-budget", f"{BUDGET},100")),
            layout("pp2_auto_budgets_hold_two_layers_each_dropout", pp=2, model=DROPOUT,
                   flags=AUTO + ("--device-memory-budget", f"{TWO_EACH}")),
            layout("pp2_layout_2_2_dropout", pp=2, model=DROPOUT, flags=("--pipeline-model-parallel-layout", "Ett|ttL")),
            layout("pp2_auto_two_each_dropout_random_state_not_kept", pp=2, model=DROPOUT, fault=random_state_not_kept,
                   flags=AUTO + ("--device-memory-budget", f"{TWO_EACH}"))]
-FOUR = [layout("pp2_dp2_zero1_auto_stage1_slowed", pp=2, dp=2, zero=1, fault=slow_last_stage, flags=AUTO),
-        layout("tp2_sp_pp2_auto_stage1_slowed", tp=2, sp=True, pp=2, fault=slow_last_stage, flags=AUTO),
-        layout("cp2_pp2_auto_stage1_slowed", cp=2, pp=2, fault=slow_last_stage, flags=AUTO),
+FOUR = [layout("pp2_dp2_zero1_auto_stage1_slowed", pp=2, dp=2, zero=1, model=MB2, fault=slow_last_stage, flags=AUTO),
+        layout("tp2_sp_pp2_auto_stage1_slowed", tp=2, sp=True, pp=2, model=MB2, fault=slow_last_stage, flags=AUTO),
+        layout("cp2_pp2_auto_stage1_slowed", cp=2, pp=2, model=MB2, fault=slow_last_stage, flags=AUTO),
         layout("pp2_dp2_zero3_selective_recompute_auto_stage1_slowed", pp=2, dp=2, zero=3, recompute="selective",
-               fault=slow_last_stage, flags=AUTO),
-        layout("pp2_dp2_zero2_auto_stage1_slowed", pp=2, dp=2, zero=2, fault=slow_last_stage, flags=AUTO)]
+               model=MB2, fault=slow_last_stage, flags=AUTO),
+        layout("pp2_dp2_zero2_auto_stage1_slowed", pp=2, dp=2, zero=2, model=MB2, fault=slow_last_stage, flags=AUTO)]
 
 
 def chosen(chunks, optimizer):
