@@ -36,7 +36,6 @@ import traceback
 import numpy as np
 import torch
 import torch._dynamo  # noqa: F401  torch.optim's first optimizer imports it (3.5 s here): once, before the forks
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _BELOW = {"AVX512": "avx2", "AVX2": "default"}
@@ -88,18 +87,13 @@ def _worker(rank, world_size, port, fn, args, out_dir, capability=None):
     if capability is not None:  # (a fork server's rank) check that ATen really rounds as asked
         got = torch.backends.cpu.get_cpu_capability()
         assert got == capability.upper(), f"rank {rank} runs ATen capability {got}, not {capability}"
-    # TORCH_GLOO_LAZY_INIT: each gloo group connects its pairs at their first message, not all at creation. Every
-    # rank creates every group of a layout's grid and a world runs many layouts: eager connection cost 0.29 s per
-    # grid at 8 ranks on the 2-core machine (0.10 s lazily), about a quarter of a short layout's time. The
-    # collectives and what they compute are the same; torchrun jobs (users', and the tests of the launcher) connect
-    # eagerly as before. A lazy pair exchanges its addresses through the store at first use, so the store is the
-    # test process's (Ranks), as torchrun's agent holds it: rank 0 may finish while others still connect.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), TORCH_GLOO_LAZY_INIT="1")
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     torch.seed()  # fresh, as a new process: a fork would share the test process's streams
     np.random.seed()
     random.seed()
+    import torch.distributed as dist
 
     import kernels
     from megalite import parallel_state as ps
@@ -110,8 +104,7 @@ def _worker(rank, world_size, port, fn, args, out_dir, capability=None):
             raise RuntimeError("the test process left torch.distributed initialised: a forked rank cannot start "
                                "its own group; destroy it in the test that made it")
         ps.destroy_model_parallel()
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         result = ("error", traceback.format_exc())
@@ -133,9 +126,7 @@ class Ranks:
             ctx = _forkserver_context(capability)
         else:
             ctx = mp.get_context("fork")
-        # the world's store lives here until result(): no rank's exit takes it away (see _worker)
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-        port = self.store.port
+        port = free_port()
         self.world_size, self.timeout = world_size, timeout
         self.out_dir = tempfile.mkdtemp()
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, self.out_dir, capability))
@@ -149,7 +140,6 @@ class Ranks:
             return self._collect()
         finally:
             shutil.rmtree(self.out_dir, ignore_errors=True)
-            self.store = None  # every rank has ended: the store's server closes
 
     def _collect(self):
         procs, world_size, out_dir, timeout = self.procs, self.world_size, self.out_dir, self.timeout
