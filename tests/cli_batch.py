@@ -1,8 +1,8 @@
 """megalite's command-line programs run in an already started interpreter (every process start
 re-imports torch: seconds on the 2-core machine).
 
-- tool(name), convert(*argv): a tools/ script as a module, and tools/convert_checkpoint.py run in
-  the calling process ((exit status, stdout, stderr)).
+- tool(name), run_tool(name, *argv), convert(*argv): a tools/ script as a module, a tools/ script's main and
+  tools/convert_checkpoint.py's run in the calling process ((exit status, stdout, stderr)).
 - As a script, many `pretrain_gpt.py` command lines one after the other in one process, each as
   `python pretrain_gpt.py ...` would run (its own argv, WORLD_SIZE as given, stderr captured):
       python tests/cli_batch.py CASES.json OUT.json
@@ -29,15 +29,20 @@ def tool(name):
     return module
 
 
-def convert(*argv):
-    """tools/convert_checkpoint.py in process: (exit status, stdout, stderr)."""
+def run_tool(name, *argv):
+    """A tools/ script's main(argv) in process: (exit status, stdout, stderr)."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            rc = tool("convert_checkpoint").main(list(argv))
+            rc = tool(name).main(list(argv))
         except SystemExit as e:  # argparse
             rc = e.code
     return rc, out.getvalue(), err.getvalue()
+
+
+def convert(*argv):
+    """tools/convert_checkpoint.py in process: (exit status, stdout, stderr)."""
+    return run_tool("convert_checkpoint", *argv)
 
 
 def run_case(world_size, argv):

@@ -76,17 +76,8 @@ def test_search_ranks_launchable_layouts_that_fit():
 
 def _plan(argv):
     """tools/plan.py's main in this process (a process start re-imports torch): (exit status, stdout, stderr)."""
-    import contextlib
-    import io
-
-    from cli_batch import tool
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = tool("plan").main(list(argv))
-        except SystemExit as e:  # argparse
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
+    from cli_batch import run_tool
+    return run_tool("plan", *argv)
 
 
 def test_plan_prints_json_rows():
