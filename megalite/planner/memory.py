@@ -83,6 +83,8 @@ def _buckets(model, grid, zero, bucket_size):
     key = (id(model), zero, bucket_size, grid.dp, grid.cp, grid.dp_rank, grid.cp_rank, grid.edp, grid.edp_rank,
            grid.experts, grid.pp)
     if key not in _PLANS:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
         _PLANS[key] = _plan_buckets(model, grid, zero, bucket_size)
     return _PLANS[key]
 
