@@ -13,6 +13,15 @@ starts as a spawned one would: its own parallel state torn down, kernel backend 
 seeded random streams, one thread. Where the test process has initialised CUDA (the GPU machine), a fork
 could not use it, so the ranks are spawned.
 
+The ranks connect their gloo pairs lazily (TORCH_GLOO_LAZY_INIT: a group's pair at its first use). Each rank
+creates every group of a layout's grid and a world runs many layouts: eager connections cost 0.29 s per grid at 8
+ranks on the 2-core machine (0.10 s lazily), about a quarter of a short layout's time; the collectives and what they
+compute are the same. A lazy pair exchanges addresses through the store at first use, possibly after the rank that
+would hold an env:// store has ended, and a store served by a thread of the test process would make every later
+fork unsafe (a rank forked while that thread holds a lock hangs). So one store process serves the whole session, as
+torchrun's agent does a job, and each world keys into it under its own prefix. torchrun jobs (users', and the tests
+of the launcher) connect eagerly as before.
+
 `capability=` runs the ranks under another ATen CPU capability than the test process (machines
 of the CI kind differ: AVX-512 on some, AVX2 on others, and ATen's vectorised kernels round
 differently on each). ATen fixes its capability at the first operation of a process, so such
@@ -24,6 +33,7 @@ parallel world, so each run of the suite checks two machines' rounding against e
 """
 
 import atexit
+import itertools
 import os
 import pickle
 import random
@@ -36,6 +46,7 @@ import traceback
 import numpy as np
 import torch
 import torch._dynamo  # noqa: F401  torch.optim's first optimizer imports it (3.5 s here): once, before the forks
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _BELOW = {"AVX512": "avx2", "AVX2": "default"}
@@ -43,6 +54,7 @@ OTHER_CAPABILITY = _BELOW.get(torch.backends.cpu.get_cpu_capability())
 # what the fork server imports before it forks ranks (the parity harness's world)
 _PRELOAD = ["torch", "torch._dynamo", "numpy", "kernels", "megalite.training", "dist_util", "parity"]
 _forkserver_capability = None
+_IN_FORKSERVER = "DIST_UTIL_IN_FORKSERVER"  # set in the fork server's environment, so its ranks' too
 
 
 def _forkserver_context(capability):
@@ -55,9 +67,11 @@ def _forkserver_context(capability):
         ctx.set_forkserver_preload(_PRELOAD)
         old = os.environ.get("ATEN_CPU_CAPABILITY")
         os.environ["ATEN_CPU_CAPABILITY"] = capability  # the server inherits the environment as it starts
+        os.environ[_IN_FORKSERVER] = "1"
         try:
             forkserver.ensure_running()
         finally:
+            del os.environ[_IN_FORKSERVER]
             if old is None:
                 del os.environ["ATEN_CPU_CAPABILITY"]
             else:
@@ -70,8 +84,11 @@ def _forkserver_context(capability):
 
 def scratch_dir(prefix):
     """A directory for the test process's lifetime (a module's layouts name it at import): removed at its exit,
-    not left in the temporary directory by every suite run. (A rank that imports the module makes an empty one
-    and leaves through os._exit, which skips atexit; the layouts it runs carry the test process's path.)"""
+    not left in the temporary directory by every suite run. A rank that imports the module (a fork server's,
+    unpickling its function) gets a name only: it leaves through os._exit, which skips atexit, and the layouts it
+    runs carry the test process's path."""
+    if os.environ.get(_IN_FORKSERVER):
+        return os.path.join(tempfile.gettempdir(), f"{prefix}rank-{os.getpid()}-unused")
     d = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, d, True)
     return d
@@ -83,17 +100,40 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, out_dir, capability=None):
+_store_port = None
+_world_ids = itertools.count()
+
+
+def _serve_store(parent, conn):
+    """The session's store process (see the module's text): serves until the test process is gone."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    while os.getppid() == parent:  # a killed test process runs no atexit: the store still ends with it
+        time.sleep(1.0)
+
+
+def _session_store_port():
+    global _store_port
+    if _store_port is None:
+        ctx = mp.get_context("fork")  # no threads here to inherit a held lock from: the store's are its own
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_serve_store, args=(os.getpid(), send), daemon=True)
+        proc.start()
+        _store_port = recv.recv()
+    return _store_port
+
+
+def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None):
     if capability is not None:  # (a fork server's rank) check that ATen really rounds as asked
         got = torch.backends.cpu.get_cpu_capability()
         assert got == capability.upper(), f"rank {rank} runs ATen capability {got}, not {capability}"
+    port, prefix = store_at
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), TORCH_GLOO_LAZY_INIT="1")
     torch.set_num_threads(1)
     torch.seed()  # fresh, as a new process: a fork would share the test process's streams
     np.random.seed()
     random.seed()
-    import torch.distributed as dist
 
     import kernels
     from megalite import parallel_state as ps
@@ -104,7 +144,8 @@ def _worker(rank, world_size, port, fn, args, out_dir, capability=None):
             raise RuntimeError("the test process left torch.distributed initialised: a forked rank cannot start "
                                "its own group; destroy it in the test that made it")
         ps.destroy_model_parallel()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         result = ("error", traceback.format_exc())
@@ -126,10 +167,10 @@ class Ranks:
             ctx = _forkserver_context(capability)
         else:
             ctx = mp.get_context("fork")
-        port = free_port()
+        store_at = (_session_store_port(), f"world{next(_world_ids)}/")
         self.world_size, self.timeout = world_size, timeout
         self.out_dir = tempfile.mkdtemp()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, self.out_dir, capability))
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, store_at, fn, args, self.out_dir, capability))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()

@@ -1,0 +1,26 @@
+"""The harness's worlds (tests/dist_util.py): ranks that end at different times."""
+
+import time
+
+import torch
+
+from dist_util import run_on_ranks
+
+
+def _late_pair():
+    """Rank 0 returns at once; ranks 2 and 3 first talk to each other a second later, in a group made now. Their
+    gloo pair connects lazily, through the store, when rank 0 (where torch.distributed's env:// start keeps the
+    store) has long finished: the store must outlive every rank (the session's store process)."""
+    import torch.distributed as dist
+    group = dist.new_group([2, 3])
+    rank = dist.get_rank()
+    if rank in (2, 3):
+        time.sleep(1.0)
+        x = torch.full((3,), float(rank))
+        dist.all_reduce(x, group=group)
+        return x.tolist()
+    return None
+
+
+def test_a_pair_connects_after_rank_0_has_ended():
+    assert run_on_ranks(_late_pair, 4, timeout=60) == [None, None, [5.0] * 3, [5.0] * 3]
