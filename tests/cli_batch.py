@@ -3,6 +3,7 @@ re-imports torch: seconds on the 2-core machine).
 
 - tool(name), run_tool(name, *argv), convert(*argv): a tools/ script as a module, a tools/ script's main and
   tools/convert_checkpoint.py's run in the calling process ((exit status, stdout, stderr)).
+- run_case(world_size, argv): one `pretrain_gpt.py` command line in the calling process ((exit code, stderr)).
 - As a script, many `pretrain_gpt.py` command lines one after the other in one process, each as
   `python pretrain_gpt.py ...` would run (its own argv, WORLD_SIZE as given, stderr captured):
       python tests/cli_batch.py CASES.json OUT.json
@@ -49,6 +50,7 @@ def run_case(world_size, argv):
     import torch.distributed as dist
 
     from megalite import parallel_state as ps
+    saved = os.environ.get("WORLD_SIZE"), sys.argv  # put back after: a test process runs on
     os.environ["WORLD_SIZE"] = str(world_size)
     sys.argv = [PRETRAIN] + argv
     err, code = io.StringIO(), 0
@@ -63,6 +65,11 @@ def run_case(world_size, argv):
             ps.destroy_model_parallel()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if saved[0] is None:
+                del os.environ["WORLD_SIZE"]
+            else:
+                os.environ["WORLD_SIZE"] = saved[0]
+            sys.argv = saved[1]
     return code, err.getvalue()
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from cli_batch import run_tool, tool
 from dist_util import run_on_ranks
 from megalite import parallel_state as ps
 from parity import LLAMA
@@ -27,12 +28,8 @@ def ckpts(tmp_path_factory):
 
 
 def _generate(root, tp, use_cache, steps=12):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("generate_tool", os.path.join(ROOT, "tools", "generate.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     from megalite.inference import generate
-    model, _ = tool.load_model(root, tp)
+    model, _ = tool("generate").load_model(root, tp)
     try:
         return generate(model, torch.tensor([PROMPT, PROMPT[::-1]]), steps, model.config.vocab_size,
                         use_cache=use_cache, greedy=True).tolist()
@@ -59,11 +56,11 @@ def test_tp2_generation_equals_tp1(ckpts):
 
 
 def test_cli(ckpts, tmp_path):
-    tool = os.path.join(ROOT, "tools", "generate.py")
-    r = subprocess.run([sys.executable, tool, "--load", ckpts["llama"], "--prompt-ids", "3 9 14", "--max-new-tokens",
-                        "5", "--top-k", "5", "--top-p", "0.9", "--temperature", "0.8"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "generate: 5 new tokens:" in r.stdout
-    r = subprocess.run([sys.executable, tool, "--load", ckpts["llama"], "--prompt", "hello"],
+    rc, out, err = run_tool("generate", "--load", ckpts["llama"], "--prompt-ids", "3 9 14", "--max-new-tokens", "5",
+                            "--top-k", "5", "--top-p", "0.9", "--temperature", "0.8")
+    assert rc == 0, err
+    assert "generate: 5 new tokens:" in out
+    program = os.path.join(ROOT, "tools", "generate.py")  # as a program once: its exit status and one-line error
+    r = subprocess.run([sys.executable, program, "--load", ckpts["llama"], "--prompt", "hello"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "records no tokenizer" in r.stderr and len(r.stderr.strip().splitlines()) == 1

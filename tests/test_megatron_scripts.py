@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from cli_batch import run_tool
 from dist_util import free_port
 from test_megatron_configs import fill, functional_configs
 
@@ -78,20 +79,21 @@ def _data(root):
     bpe.train_from_iterator(texts, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
     bpe.save_model(os.path.join(d, "bpe"))  # vocab.json, merges.txt: GPT-2's file formats
     vocab, merges = os.path.join(d, "bpe", "vocab.json"), os.path.join(d, "bpe", "merges.txt")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-                    "--output-prefix", os.path.join(d, "my-gpt3_00"), "--tokenizer-type", "GPT2BPETokenizer",
-                    "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", "1"],
-                   check=True, capture_output=True)
+    # the tools in process (tests/data runs them as programs)
+    _tool("preprocess_data", "--input", corpus, "--output-prefix", os.path.join(d, "my-gpt3_00"), "--tokenizer-type",
+          "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", "1")
     # a Llama-2-style sentencepiece model and the corpus in its tokens (the Mixtral example's)
     spm = os.path.join(root, "llama_spm")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--input", corpus,
-                    "--model-prefix", spm, "--vocab-size", "400", "--workers", "1"], check=True, capture_output=True)
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
-                    "--output-prefix", os.path.join(root, "llama"), "--tokenizer-type", "Llama2Tokenizer",
-                    "--tokenizer-model", spm + ".model", "--append-eod", "--workers", "1"],
-                   check=True, capture_output=True)
+    _tool("train_tokenizer", "--input", corpus, "--model-prefix", spm, "--vocab-size", "400", "--workers", "1")
+    _tool("preprocess_data", "--input", corpus, "--output-prefix", os.path.join(root, "llama"), "--tokenizer-type",
+          "Llama2Tokenizer", "--tokenizer-model", spm + ".model", "--append-eod", "--workers", "1")
     return os.path.join(d, "my-gpt3_00_text_document"), vocab, merges, (spm + ".model",
                                                                          os.path.join(root, "llama_text_document"))
+
+
+def _tool(name, *argv):
+    rc, out, err = run_tool(name, *argv)  # (a main may return its statistics; an error raises or is an exit status)
+    assert not isinstance(rc, int) or rc == 0, f"tools/{name}.py exited {rc}:\n{out[-2000:]}\n{err[-2000:]}"
 
 
 def _argv(script, env):
@@ -153,7 +155,6 @@ def test_implementation_flags_got_notices(runs):
 def test_generate_reads_the_gpt2_bpe_tokenizer_from_the_checkpoint(runs):
     """The checkpoint records the vocab/merges it was trained with: a text prompt needs no flags."""
     ckpt = runs[2]["gpt3_345m"]["ckpt"]
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", ckpt, "--prompt",
-                        "The cat sees", "--max-new-tokens", "4", "--greedy"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().startswith("The cat sees"), r.stdout
+    rc, out, err = run_tool("generate", "--load", ckpt, "--prompt", "The cat sees", "--max-new-tokens", "4", "--greedy")
+    assert rc == 0, err[-2000:]
+    assert out.strip().startswith("The cat sees"), out

@@ -2,15 +2,12 @@
 --rotary-interleaved, --squared-relu, and the run flags --deterministic-mode / --use-flash-attn. Parity against one process through the
 harness (tests/parity.py); the pieces against direct formulas."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import kernels
 import pretrain_gpt
+from cli_batch import convert
 from dist_util import rel_err
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args
@@ -23,7 +20,6 @@ from model_util import batch, tiny_config
 from parity import BASE, LLAMA, check_reference, layout, learnable_datasets, reference, run_layouts
 from parity_check import assert_parity
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEW = ("--qk-layernorm", "--apply-layernorm-1p", "--rotary-percent", "0.5")
 ROPE_LN = ("--position-embedding-type", "rope")
 
@@ -219,11 +215,9 @@ def test_checkpoint_round_trip_and_hf_refusal(tmp_path):
     _train(["--train-iters", "4", "--save", ckpt, "--exit-interval", "2"])
     resumed = _train(["--train-iters", "4", "--load", ckpt])[0]
     assert resumed == straight[2:]
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--loader", "megalite",
-                        "--saver", "hf", "--load-dir", ckpt, "--save-dir", str(tmp_path / "hf")],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0
-    assert "LlamaForCausalLM cannot represent qk_layernorm=True" in r.stderr, r.stderr
+    rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", ckpt, "--save-dir", str(tmp_path / "hf"))
+    assert rc != 0
+    assert "LlamaForCausalLM cannot represent qk_layernorm=True" in err, err
 
 
 def test_deterministic_mode_repeats_bitwise():
@@ -240,10 +234,8 @@ def test_layernorm_1p_exports_gamma_to_hf(tmp_path):
     for name, model in (("llama", LLAMA + ("--apply-layernorm-1p",)), ("gpt2", ("--apply-layernorm-1p",))):
         ckpt, hf = str(tmp_path / name), str(tmp_path / (name + "_hf"))
         _train(["--train-iters", "3", "--save", ckpt], model=model)
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--loader",
-                            "megalite", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
+        rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", ckpt, "--save-dir", hf)
+        assert rc == 0, err
         tokens = _tokens()
         ours = megalite_logits(ckpt, tokens)
         _, theirs = hf_logits(hf, tokens)

@@ -21,7 +21,7 @@ from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.distributed.param_units import ParamUnits
 from megalite.distributed.sharded_bucket import ShardedBucket
 from megalite.training import pretrain
-from parity import BASE, LLAMA, layout, learnable_datasets, patched, reference, train
+from parity import BASE, LLAMA, MB2, layout, learnable_datasets, patched, reference, train
 from parity_check import assert_parity, mismatches
 
 Z3 = ("--use-distributed-optimizer", "--zero-stage", "3")
@@ -54,20 +54,22 @@ def prefetch_two_ahead():
 
 
 LAYOUTS = [
-    layout("dp4_zero3", dp=4, zero=3),
-    layout("dp4_zero3_llama_untied_eval", dp=4, zero=3, model=LLAMA, flags=("--eval-interval", "3", "--eval-iters", "1")),
-    layout("tp2_dp2_sp_zero3", tp=2, dp=2, sp=True, zero=3,
+    layout("dp4_zero3", dp=4, zero=3, model=MB2),
+    layout("dp4_zero3_llama_untied_eval", dp=4, zero=3, model=MB2 + LLAMA,
+           flags=("--eval-interval", "3", "--eval-iters", "1")),
+    layout("tp2_dp2_sp_zero3", tp=2, dp=2, sp=True, zero=3, model=MB2,
            flags=("--check-weight-hash-across-dp-replicas-interval", "1", "--log-params-norm", "--test-mode")),
-    layout("pp2_dp2_interleaved_zero3", pp=2, dp=2, vp=1, zero=3),
-    layout("tp2_dp2_zero3_recompute_full", tp=2, dp=2, zero=3, recompute="full"),
-    layout("pp2_dp2_tied_zero3_bf16", pp=2, dp=2, zero=3, dtype="bf16"),
-    layout("cp2_dp2_zero3_overlap_gather", dp=2, cp=2, zero=3, flags=("--overlap-param-gather",)),
-    layout("dp4_megatron_fsdp_no_reshard", dp=4, flags=("--use-megatron-fsdp", "--torch-fsdp2-no-reshard-after-forward")),
+    layout("pp2_dp2_interleaved_zero3", pp=2, dp=2, vp=1, zero=3, model=MB2),
+    layout("tp2_dp2_zero3_recompute_full", tp=2, dp=2, zero=3, recompute="full", model=MB2),
+    layout("pp2_dp2_tied_zero3_bf16", pp=2, dp=2, zero=3, dtype="bf16", model=MB2),
+    layout("cp2_dp2_zero3_overlap_gather", dp=2, cp=2, zero=3, model=MB2, flags=("--overlap-param-gather",)),
+    layout("dp4_megatron_fsdp_no_reshard", dp=4, model=MB2,
+           flags=("--use-megatron-fsdp", "--torch-fsdp2-no-reshard-after-forward")),
 ]
 FAULTS = [
-    layout("fault_no_regather", dp=4, zero=3, fault=no_regather_before_backward),
-    layout("fault_no_mean", dp=4, zero=3, fault=reduce_scatter_without_mean),
-    layout("fault_prefetch_two_ahead", dp=4, zero=3, fault=prefetch_two_ahead),
+    layout("fault_no_regather", dp=4, zero=3, fault=no_regather_before_backward, model=MB2),
+    layout("fault_no_mean", dp=4, zero=3, fault=reduce_scatter_without_mean, model=MB2),
+    layout("fault_prefetch_two_ahead", dp=4, zero=3, fault=prefetch_two_ahead, model=MB2),
 ]
 
 
@@ -83,7 +85,7 @@ def _schedule(chunks, opt):
 
 
 def _pretrain(argv):
-    args = parse_args(list(BASE) + list(argv), world_size=max(1, ps.world_size()))
+    args = parse_args(list(BASE) + list(MB2) + list(argv), world_size=max(1, ps.world_size()))
     try:
         return pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
     finally:
@@ -165,12 +167,12 @@ def test_startup_makes_only_this_ranks_shard(world):
 
 def test_unit_schedule_prefetches_each_next_unit(world):
     """dp4_zero3: GPT with tied embeddings at PP=1, 7 units (embedding, 4 layers, final norm,
-    output layer using the embedding's bucket); 6 iterations x 2 micro-batches per rank.
+    output layer using the embedding's bucket); 6 iterations x 1 micro-batch (of 2 samples) per rank.
     Forward: the embedding on demand, the 6 others prefetched by their predecessor; backward:
     the output layer on demand (freed after its forward), then final norm and layers 3..0
     prefetched (5), the embedding still gathered since the output layer's backward. The first
     micro-batch's forward gathers all 7 on demand (the order is being recorded)."""
-    micro = 12
+    micro = 6
     for r in world[1]["dp4_zero3"]:
         (s,) = [c["stats"] for c in r["collected"]]
         assert s["demand"] == 7 + 1 + (micro - 1) * 2, s
