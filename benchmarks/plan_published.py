@@ -6,10 +6,10 @@ attention; megalite runs that path for these flags), full activation recomputati
 recomputed forward: 96 B s l h^2 (1 + s/6h + V/16lh)).
 
 For each row the planner predicts the published TP / PP / DP as run then (full recomputation, no sequence
-parallelism, no distributed optimizer) at the micro-batch size it prefers (1, 2, 4, 8; the paper does not
+parallelism, no distributed optimizer, the gradient all-reduce after the backward) at the micro-batch size it prefers (1, 2, 4, 8; the paper does not
 list it), and prints the relative error of the predicted TFLOP/s per GPU. One efficiency table per GPU type
 (megalite/planner/gpus.py), never a constant per row. --search: the planner's first layout on each row's
-cluster beside the published one as megalite would run it (with SP).
+cluster beside the published one as megalite would run it (with SP, the reduction overlapped).
 
     python benchmarks/plan_published.py [--rows 6] [--search]
 """
@@ -42,11 +42,14 @@ NARAYANAN_2021 = [
 ]
 
 
-def model_argv(heads, hidden, layers, batch):
+def model_argv(heads, hidden, layers, batch, as_run_then=True):
+    """The row's model and batch; as_run_then: 2021's local DDP all-reduced the gradients after the backward
+    (megalite overlaps the reduction with it by default)."""
     return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
             "--seq-length", "2048", "--max-position-embeddings", "2048", "--vocab-size", "51200",
             "--make-vocab-size-divisible-by", "128", "--global-batch-size", str(batch), "--lr", "1e-4",
-            "--train-iters", "1", "--fp16", "--apply-query-key-layer-scaling"]  # Megatron's fp16 default then
+            "--train-iters", "1", "--fp16", "--apply-query-key-layer-scaling"] + (  # Megatron's fp16 default then
+            ["--no-overlap-grad-reduce"] if as_run_then else [])
 
 
 def best_prediction(argv, tp, pp, gpus, cluster, sp=False):
@@ -92,7 +95,7 @@ def main():
         print(f"{size:>7}B {tp:>3} {pp:>3} {gpus:>5} {batch:>5} {p.layout.micro:>4} {published:>9} "
               f"{p.tflops_per_gpu:>9.0f} {100 * err:>+6.1f}%  {p.memory_gib_per_gpu:>10.1f}  {parts}", flush=True)
         if a.search:  # against the published layout as megalite runs it (with SP), the planner's other choices
-            argv = model_argv(heads, hidden, layers, batch)
+            argv = model_argv(heads, hidden, layers, batch, as_run_then=False)
             first, ratio = first_choice(argv, best_prediction(argv, tp, pp, gpus, cluster, sp=True), cluster)
             same = (first.layout.tp, first.layout.pp) == (tp, pp)
             print(f"{'':>9}planner's first: {first.layout.describe()} "

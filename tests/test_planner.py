@@ -232,3 +232,28 @@ def test_what_the_planner_does_not_model_is_one_line():
         with pytest.raises(ConfigError) as e:
             cost.predict(validated(GPT + extra, lay, 8), lay, parse_cluster("8xA100-80GB"))
         assert f"does not model {extra[0]}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_overlap_flags_are_priced():
+    """--no-overlap-grad-reduce leaves the whole ZeRO-0/1 reduction after the backward (ZeRO-2 reduces each
+    micro-batch's either way); --overlap-param-gather hides ZeRO-1/2's gather behind the next forward."""
+    from megalite import parallel_state as ps
+    from megalite.arguments import model_config
+    from megalite.planner import traffic
+    cluster = parse_cluster("16xA100-80GB")  # DP across two nodes: the reduction outlasts a backward
+    dp = {}
+    for zero in (0, 1, 2):
+        lay = Layout(1, 1, 1, 16, None, None, zero, None, 1, False)
+        for extra in ((), ("--no-overlap-grad-reduce",), ("--overlap-param-gather",)):
+            if zero == 0 and extra == ("--overlap-param-gather",):
+                continue  # (Megatron's rule: it needs the distributed optimizer)
+            dp[zero, extra] = cost.predict(validated(GPT + list(extra), lay, 16), lay, cluster).time["dp"]
+    args = validated(GPT + ["--no-overlap-grad-reduce"], Layout(1, 1, 1, 16, None, None, 0, None, 1, False), 16)
+    wire = traffic.data_parallel_bytes(args, model_config(args, args.vocab_size), ps.Grid.of(1, 1, 16, 1),
+                                       args.global_batch_size // 16)
+    assert dp[0, ("--no-overlap-grad-reduce",)] == pytest.approx(
+        wire["all_reduce"] / (cluster.link_gbps(range(16)) * 1e9), rel=1e-12)
+    assert dp[0, ("--no-overlap-grad-reduce",)] > dp[0, ()] > 0
+    assert dp[1, ("--no-overlap-grad-reduce",)] > dp[1, ()]
+    assert dp[2, ("--no-overlap-grad-reduce",)] == dp[2, ()]
+    assert dp[1, ("--overlap-param-gather",)] < dp[1, ()] and dp[2, ("--overlap-param-gather",)] < dp[2, ()]

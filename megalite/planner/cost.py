@@ -15,8 +15,9 @@ megalite runs them, each with the cluster's start-up latency); the CP ring's k/v
 takes (m - 1) max_i t_i + sum_i t_i (1F1B) or m max_i t_i + (p - 1) max_i t_i / v (interleaved); the
 bubble is what exceeds m max_i t_i. Data parallelism: ring all-reduce / reduce-scatter of the fp32
 gradients, hidden behind the last micro-batch's backward (ZeRO-2: every micro-batch's; ZeRO-3: also the
-gathers, each micro-batch's behind its compute) but for one bucket, then the parameters' all-gather
-(ZeRO-1/2) and Adam over this rank's shard at memory bandwidth. Links: a group inside a node uses the
+gathers, each micro-batch's behind its compute) but for one bucket (--no-overlap-grad-reduce: none of it at
+ZeRO-0/1), then the parameters' all-gather (ZeRO-1/2; behind the next forward with --overlap-param-gather) and
+Adam over this rank's shard at memory bandwidth. Links: a group inside a node uses the
 node's link, else the inter-node one."""
 
 import dataclasses
@@ -164,7 +165,7 @@ def predict(args, layout, cluster):
                       per_micro.index(top)))
     pipe, slowest, r, n, i = max(pipes)
     busy = {k: n * t for k, t in stage_times[i][r].items()}
-    dp_time = _dp_time(layout, cluster, dp_bytes, slowest, n)
+    dp_time = _dp_time(layout, cluster, dp_bytes, slowest, n, args.overlap_grad_reduce, args.overlap_param_gather)
     step = pipe + dp_time + opt
     time = {**busy, "bubble": pipe - n * slowest, "dp": dp_time, "optimizer": opt}
     flops = num_floating_point_operations(c, args.global_batch_size, vocab)
@@ -297,16 +298,22 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
 
 
-def _dp_time(layout, cluster, wire, slowest, m):
+def _dp_time(layout, cluster, wire, slowest, m, overlap_reduce=True, overlap_gather=False):
     """Exposed seconds of the DP collectives per step (wire: data-parallel bytes by op, traffic.py): the
     gradient reduction hides behind backward (the last micro-batch's, or each one's with ZeRO-2/3) but for
-    one bucket; ZeRO-1/2's parameter all-gather follows the step; ZeRO-3's gathers hide behind compute."""
+    one bucket, all of it after the backward under --no-overlap-grad-reduce (ZeRO-0/1; ZeRO-2/3 reduce as they
+    go either way); ZeRO-1/2's parameter all-gather follows the step, or hides behind the next step's first
+    forward but for one bucket (--overlap-param-gather); ZeRO-3's gathers hide behind compute."""
     if layout.dp * layout.cp <= 1 or not wire:
         return 0.0
     gbps = cluster.link_gbps(_ranks(layout, cluster, 0, "dp")) * 1e9
     reduce = (wire["all_reduce"] + wire["reduce_scatter"]) / gbps
     gather = wire["all_gather"] / gbps
+    if overlap_gather and layout.zero in (1, 2):
+        gather = max(gather - slowest / 3, min(gather, 40_000_000 * 4 / gbps))
     backward = slowest * 2 / 3
+    if layout.zero in (0, 1) and not overlap_reduce:
+        return reduce + (gather if layout.zero else 0.0)
     if layout.zero == 0:
         return max(reduce - backward, min(reduce, 40_000_000 * 8 / gbps))
     if layout.zero == 1:
