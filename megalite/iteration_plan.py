@@ -180,6 +180,14 @@ def training_plan(args, schedule):
     return IterationPlan(schedule, initial_shares(args), getattr(args, "semi_sync_replicas", None) or 1, micros)
 
 
+def reduces_once(args, plan):
+    """Whether ZeRO-2 reduce-scatters once per iteration, as ZeRO-1 does, instead of per micro-batch: the DP
+    ranks run different micro-batch counts (or may, under auto), and every rank must issue the same
+    collectives."""
+    return bool(plan and plan.uneven and ("auto" in (args.data_parallel_shares, args.data_parallel_micro_batch_sizes)
+                                          or not plan.equal_counts()))
+
+
 def initial_shares(args):
     """The shares the run starts with: the flag's, equal ones for auto (profiled first), or None."""
     shares = getattr(args, "data_parallel_shares", None)

@@ -11,6 +11,7 @@ from megalite.arguments import model_config, training_config
 from megalite.checkpointing import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
                                   unwrap_checkpoint_error)
 from megalite.distributed import DistributedDataParallel
+from megalite.iteration_plan import reduces_once
 from megalite.logger import print_rank_last
 from megalite.memory_budget import fit_to_budget, report_fit
 from megalite.mixed_gpu_flags import with_rank_precision
@@ -38,10 +39,7 @@ def build_model(mcfg, model_provider, args, plan=None):
                                               zero_stage=args.zero_stage or 1,
                                               overlap_param_gather=args.overlap_param_gather,
                                               grad_divisor=plan.grad_divisor if plan else None,
-                                              reduce_once=bool(plan and plan.uneven and (
-                                                  "auto" in (args.data_parallel_shares,
-                                                             args.data_parallel_micro_batch_sizes)
-                                                  or not plan.equal_counts())),
+                                              reduce_once=reduces_once(args, plan),
                                               hierarchical=args.hierarchical_grad_reduce,
                                               compressor=compressor,
                                               reshard_after_forward=args.torch_fsdp2_reshard_after_forward))

@@ -257,3 +257,37 @@ def test_the_overlap_flags_are_priced():
     assert dp[1, ("--no-overlap-grad-reduce",)] > dp[1, ()]
     assert dp[2, ("--no-overlap-grad-reduce",)] == dp[2, ()]
     assert dp[1, ("--overlap-param-gather",)] < dp[1, ()] and dp[2, ("--overlap-param-gather",)] < dp[2, ()]
+
+
+def test_per_replica_micro_batch_sizes_are_priced():
+    """--data-parallel-micro-batch-sizes: each replica's activations at its own size on its own GPUs, its
+    micro-batch count from the run's iteration plan; the flags round-trip; auto (measured at start) is one line."""
+    import dataclasses
+
+    from megalite.arguments import check_args
+    cluster = parse_cluster("1xA100-40GB,1xRTX3090-24GB", gpus_per_node=1)
+    same = Layout(1, 1, 1, 2, None, None, 1, None, 16, False)
+    sized = dataclasses.replace(same, micros=(16, 4))
+    args = validated(GPT, sized, 2)
+    assert "--data-parallel-micro-batch-sizes 16,4" in " ".join(sized.flags()) and layout_from_args(args) == sized
+    p_same, p_sized = cost.predict(validated(GPT, same, 2), same, cluster), cost.predict(args, sized, cluster)
+    assert p_same.memory["gpu"] == p_sized.memory["gpu"] == "RTX3090-24GB"  # the smaller GPU decides
+    assert p_sized.memory["activations"] == pytest.approx(p_same.memory["activations"] / 4, rel=0.01)
+    small = Layout(1, 1, 1, 2, None, None, 1, None, 4, False)  # both at 4: the 3090 holds the same
+    assert p_sized.memory["total"] == cost.predict(validated(GPT, small, 2), small, cluster).memory["total"]
+    shared = dataclasses.replace(sized, shares=(3, 1))  # the A100 takes 48 samples in 3, the 3090 16 in 4
+    assert cost.predict(validated(GPT, shared, 2), shared, cluster).step_time_s < 0.6 * p_sized.step_time_s
+    auto = check_args(GPT + ["--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "20"], 2)
+    with pytest.raises(ConfigError, match="not auto"):
+        layout_from_args(auto)
+
+
+def test_the_search_gives_the_replica_that_runs_out_smaller_micro_batches():
+    from megalite.planner.search import _fit_micros
+    cluster = parse_cluster("1xA100-80GB,1xRTX3090-24GB", gpus_per_node=1)
+    long = [a if a != "1024" or GPT[i - 1] == "--hidden-size" else "4096" for i, a in enumerate(GPT)]  # seq 4096
+    lay = Layout(1, 1, 1, 2, None, None, 1, None, 16, False, shares=(3, 1))
+    args = validated(long, lay, 2)
+    assert not cost.predict(args, lay, cluster).fits  # the 3090 cannot hold 16 sequences of 4096
+    p = _fit_micros(long, args, lay, cluster)
+    assert p.fits and p.layout.micros == (16, 8) and "--data-parallel-micro-batch-sizes 16,8" in " ".join(p.flags)

@@ -26,6 +26,9 @@ LAYOUTS = {
     "tp2_sp_ep2_zero2_moe_bf16": MOE + ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                                         "--expert-model-parallel-size", "2",
                                      "--expert-tensor-parallel-size", "1", "--bf16") + ZERO + ("2",),
+    # per-replica micro-batch sizes: the ranks run 1, 1, 2, 2 micro-batches, so ZeRO-2 keeps full gradients and
+    # reduces once (as ZeRO-1)
+    "dp4_zero2_sizes_2_2_1_1": ZERO + ("2", "--data-parallel-micro-batch-sizes", "2,2,1,1"),
     "dp4_decoupled_lr_odd_bucket": ("--decoupled-lr", "1e-3", "--ddp-bucket-size", "1000") + ZERO + ("1",),
     # other optimizers' states; Muon's whole-matrix traffic (ZeRO all-to-alls, TP gathers) counted too
     "dp4_sgd_bf16": ("--optimizer", "sgd", "--bf16"),

@@ -26,7 +26,10 @@ from megalite import parallel_state as ps
 from megalite.arguments import model_config
 from megalite.config import ConfigError
 from megalite.flops import num_floating_point_operations
+from megalite.iteration_plan import training_plan
+from megalite.microbatches import batch_schedule
 from megalite.planner import activations, memory, optimizer_step, shares, stages, traffic
+from megalite.planner.memory import zero_as_run
 from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
 
@@ -89,7 +92,6 @@ def check_plannable(args, cluster):
     if args.vocab_size is None:
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     unmodelled = [flag for flag, given in (
-        ("--data-parallel-micro-batch-sizes", args.data_parallel_micro_batch_sizes),
         ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
         ("--optimizer-cpu-offload", args.optimizer_cpu_offload), ("--semi-sync-method", args.semi_sync_method),
         ("--grad-compression", args.grad_compression != "none"),
@@ -116,13 +118,13 @@ def predict(args, layout, cluster):
         raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
     check_plannable(args, cluster)
     c, e, vocab = _figures(args, layout)
-    m = args.global_batch_size // (layout.micro * layout.dp)
     v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
-    replicas = range(layout.dp) if shares.mixed(layout, cluster) else range(1)  # (alike: one stands for all)
-    counts = [m] * len(replicas)
-    if layout.shares:  # proportions: DP rank r takes G x S_r / sum(S) samples (iteration_plan.py)
-        counts = [args.global_batch_size * x // (sum(layout.shares) * layout.micro) for x in layout.shares]
-        counts = counts if len(replicas) > 1 else [max(counts)]  # alike replicas: the largest share decides
+    # micro-batches per DP rank, as the run's iteration plan cuts them (shares, per-replica sizes)
+    every = training_plan(args, batch_schedule(args)).counts_of(args.global_batch_size)
+    alike = not (shares.mixed(layout, cluster) or layout.micros)
+    replicas = range(1) if alike else range(layout.dp)  # (alike: one stands for all, the largest share decides)
+    counts = [max(every)] if alike else every
+    zero = zero_as_run(args)  # (ZeRO-2 whose ranks run different counts reduces once, as ZeRO-1)
     stage_times, worst, dp_bytes, opt = [], None, {}, 0.0
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
     for i in range(layout.pp):
@@ -132,29 +134,30 @@ def predict(args, layout, cluster):
         state = memory.training_state(args, c, grid)
         cuts = [chunk_layers(c, i, j, grid) for j in range(v)]
         layers = [n for n, _ in cuts]
-        per_chunk = [activations.chunk_bytes(c, grid, layout.micro, e, n, i == 0 and j == 0,
-                                             i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
-                     for j, (n, first) in enumerate(cuts)]
-        in_flight = _in_flight(layout, i, max(counts), v)
-        act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
-        buffers = _buffers(layout, state, c, e)
-        total = state.total + act + activations.transient_bytes(c, grid, layout.micro, e) + buffers + RESERVED
-        tightest = min(gpus, key=lambda g: g.memory_gib)
-        mem = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
-               "activations": act, "buffers": buffers, "reserved": RESERVED, "total": total,
-               "gpu": tightest.name, "headroom": (1 - FRAGMENTATION) * tightest.memory_gib * GiB - total, "stage": i}
-        if worst is None or mem["headroom"] < worst["headroom"]:
-            worst = mem
+        buffers = _buffers(layout, zero, state, c)
         per_replica = []
-        for d in replicas:  # a stage of a replica is as fast as its slowest GPU
-            gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)
-            st = _stage_time(c, layout, cluster, i, gpu, e, sum(layers), i == layout.pp - 1, vocab)
+        for r, d in enumerate(replicas):  # a replica's stage: its micro-batches' activations, its GPUs
+            micro = layout.micro_of(d)
+            per_chunk = [activations.chunk_bytes(c, grid, micro, e, n, i == 0 and j == 0,
+                                                 i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
+                         for j, (n, first) in enumerate(cuts)]
+            in_flight = _in_flight(layout, i, counts[r], v)
+            act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
+            total = state.total + act + activations.transient_bytes(c, grid, micro, e) + buffers + RESERVED
+            tightest = min(gpus if alike else shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.memory_gib)
+            mem = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
+                   "activations": act, "buffers": buffers, "reserved": RESERVED, "total": total, "gpu": tightest.name,
+                   "headroom": (1 - FRAGMENTATION) * tightest.memory_gib * GiB - total, "stage": i}
+            if worst is None or mem["headroom"] < worst["headroom"]:
+                worst = mem
+            gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)  # the slowest
+            st = _stage_time(c, layout, cluster, i, gpu, e, sum(layers), i == layout.pp - 1, vocab, micro)
             if layout.ep:  # the MoE token dispatch, on the stage's critical path
                 st["ep"] = sum(traffic.dispatch_bytes(args, c, grid).values()) / (
                     cluster.link_gbps(_ranks(layout, cluster, i, "ep")) * 1e9)
             per_replica.append(st)
         stage_times.append(per_replica)
-        dp_bytes = max(dp_bytes, traffic.data_parallel_bytes(args, c, grid, m), key=lambda d: sum(d.values()))
+        dp_bytes = max(dp_bytes, traffic.data_parallel_bytes(args, c, grid, every[0]), key=lambda d: sum(d.values()))
         opt = max(opt, optimizer_step.seconds(args, state, c, grid, slow_gpu,
                                               lambda axis: cluster.link_gbps(_ranks(layout, cluster, i, axis))))
     pipes = []
@@ -165,7 +168,8 @@ def predict(args, layout, cluster):
                       per_micro.index(top)))
     pipe, slowest, r, n, i = max(pipes)
     busy = {k: n * t for k, t in stage_times[i][r].items()}
-    dp_time = _dp_time(layout, cluster, dp_bytes, slowest, n, args.overlap_grad_reduce, args.overlap_param_gather)
+    dp_time = _dp_time(layout, zero, cluster, dp_bytes, slowest, n, args.overlap_grad_reduce,
+                       args.overlap_param_gather)
     step = pipe + dp_time + opt
     time = {**busy, "bubble": pipe - n * slowest, "dp": dp_time, "optimizer": opt}
     flops = num_floating_point_operations(c, args.global_batch_size, vocab)
@@ -223,10 +227,14 @@ def _in_flight(layout, i, m, v):
     return min((layout.pp - i - 1) * 2 + (v - 1) * layout.pp + 1, m * v)
 
 
-def _buffers(layout, state, c, e):
-    if layout.zero == 2:
+def _buffers(layout, zero, state, c):
+    """Transient bytes beside the state: ZeRO-2's full-size gradient buckets (all of them, accumulated over the
+    iteration, where it reduces once: zero_as_run 1), ZeRO-3's gathered units."""
+    if zero == 1 and layout.zero == 2:
+        return state.gradients * layout.dp * layout.cp
+    if zero == 2:
         return 2 * min(state.gradients * layout.dp * layout.cp, 40_000_000 * 4)  # two buckets' full fp32 grads
-    if layout.zero == 3:
+    if zero == 3:
         per_layer = state.weights * layout.dp * layout.cp / max(1, c.num_layers // layout.pp)
         return 2 * per_layer  # two gathered units (the one running, the prefetched one)
     return 0
@@ -254,9 +262,10 @@ def _explicit_scores(c):
     return c.apply_query_key_layer_scaling and c.params_dtype == torch.float16
 
 
-def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
-    """Seconds of one micro-batch's forward and backward on stage i, by kind."""
-    t, cp, b = layout.tp, layout.cp, layout.micro
+def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
+    """Seconds of one micro-batch (of `micro` samples; default the layout's) forward and backward on stage i, by
+    kind."""
+    t, cp, b = layout.tp, layout.cp, micro or layout.micro
     s, h = c.seq_length // cp, c.hidden_size
     moe = sum(c.is_moe_layer(n) for n in range(1, c.num_layers + 1)) if c.num_moe_experts else 0
     ffn = ((c.num_layers - moe) * c.ffn_hidden_size + moe * c.moe_router_topk * (c.moe_ffn_hidden_size or 0)) \
@@ -298,7 +307,7 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab):
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
 
 
-def _dp_time(layout, cluster, wire, slowest, m, overlap_reduce=True, overlap_gather=False):
+def _dp_time(layout, zero, cluster, wire, slowest, m, overlap_reduce=True, overlap_gather=False):
     """Exposed seconds of the DP collectives per step (wire: data-parallel bytes by op, traffic.py): the
     gradient reduction hides behind backward (the last micro-batch's, or each one's with ZeRO-2/3) but for
     one bucket, all of it after the backward under --no-overlap-grad-reduce (ZeRO-0/1; ZeRO-2/3 reduce as they
@@ -309,15 +318,15 @@ def _dp_time(layout, cluster, wire, slowest, m, overlap_reduce=True, overlap_gat
     gbps = cluster.link_gbps(_ranks(layout, cluster, 0, "dp")) * 1e9
     reduce = (wire["all_reduce"] + wire["reduce_scatter"]) / gbps
     gather = wire["all_gather"] / gbps
-    if overlap_gather and layout.zero in (1, 2):
+    if overlap_gather and zero in (1, 2):
         gather = max(gather - slowest / 3, min(gather, 40_000_000 * 4 / gbps))
     backward = slowest * 2 / 3
-    if layout.zero in (0, 1) and not overlap_reduce:
-        return reduce + (gather if layout.zero else 0.0)
-    if layout.zero == 0:
+    if zero in (0, 1) and not overlap_reduce:
+        return reduce + (gather if zero else 0.0)
+    if zero == 0:
         return max(reduce - backward, min(reduce, 40_000_000 * 8 / gbps))
-    if layout.zero == 1:
+    if zero == 1:
         return max(reduce - backward, min(reduce, 40_000_000 * 4 / gbps)) + gather
-    if layout.zero == 2:
+    if zero == 2:
         return max(reduce - m * backward, min(reduce / m, 40_000_000 * 4 / gbps)) + gather
     return max(reduce + gather - m * slowest, min(reduce / m, 40_000_000 * 4 / gbps))  # (the last unit's reduction)

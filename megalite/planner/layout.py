@@ -14,7 +14,8 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-si
                 "--micro-batch-size": 1, "--sequence-parallel": 0, "--use-distributed-optimizer": 0,
                 "--recompute-activations": 0, "--num-virtual-stages-per-pipeline-rank": 1,
                 "--decoder-first-pipeline-num-layers": 1, "--decoder-last-pipeline-num-layers": 1,
-                "--pipeline-model-parallel-layout": 1, "--data-parallel-shares": 1}
+                "--pipeline-model-parallel-layout": 1, "--data-parallel-shares": 1,
+                "--data-parallel-micro-batch-sizes": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Layout:
     stage_layers: tuple = None  # layers per pipeline stage where not an even split (--pipeline-model-parallel-layout)
     shares: tuple = None  # micro-batches per DP rank where not equal (--data-parallel-shares: GPUs of other speeds)
     etp: int = None  # MoE: the experts' TP size (megalite's default: the TP size)
+    micros: tuple = None  # micro-batch size per DP replica where not equal (--data-parallel-micro-batch-sizes)
 
     @property
     def expert_tp(self):
@@ -62,13 +64,20 @@ class Layout:
             f += ["--pipeline-model-parallel-layout", layout_string(self.stage_layers)]
         if self.shares:
             f += ["--data-parallel-shares", ",".join(map(str, self.shares))]
+        if self.micros:
+            f += ["--data-parallel-micro-batch-sizes", ",".join(map(str, self.micros))]
         return f + ["--micro-batch-size", str(self.micro)]
+
+    def micro_of(self, d):
+        """DP replica d's micro-batch size."""
+        return self.micros[d] if self.micros else self.micro
 
     def describe(self):
         parts = [f"TP{self.tp}" + ("+SP" if self.tp > 1 and self.sp else ""), f"PP{self.pp}"
                  + (f"(v{self.vp})" if self.vp else ""), f"CP{self.cp}", f"DP{self.dp}"]
         parts += [f"EP{self.ep}" + (f"(ETP{self.expert_tp})" if self.expert_tp != 1 else "")] if self.ep else []
-        parts += [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", self.recompute or "no recompute", f"mbs {self.micro}"]
+        parts += [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", self.recompute or "no recompute",
+                  f"mbs {','.join(map(str, self.micros)) if self.micros else self.micro}"]
         parts += [f"layers {'/'.join(map(str, self.stage_layers))}"] if self.stage_layers else []
         parts += [f"shares {','.join(map(str, self.shares))}"] if self.shares else []
         return " ".join(parts)
@@ -110,10 +119,21 @@ def layout_from_args(args):
         counts = cut if cut != tuple(stage_layer_counts(L, pp, None, None)) else None
     ep = args.expert_model_parallel_size if args.num_experts else None
     etp = (args.expert_tensor_parallel_size or args.tensor_model_parallel_size) if ep else None
+    micros = _micros(args)
+    micro = args.data_parallel_micro_batch_sizes[0] if args.data_parallel_micro_batch_sizes and not micros \
+        else args.micro_batch_size  # (equal sizes given: that size everywhere)
     return Layout(args.tensor_model_parallel_size, pp, args.context_parallel_size, args.data_parallel_size, vp, ep,
                   (args.zero_stage or 1) if args.use_distributed_optimizer else 0,
-                  "full" if full else args.recompute_granularity, args.micro_batch_size, args.sequence_parallel,
-                  counts, _shares(args), etp)
+                  "full" if full else args.recompute_granularity, micro, args.sequence_parallel,
+                  counts, _shares(args), etp, micros)
+
+
+def _micros(args):
+    sizes = args.data_parallel_micro_batch_sizes
+    if sizes == "auto":
+        raise ConfigError("the planner prices given --data-parallel-micro-batch-sizes, not auto (measured at start): "
+                          "give the sizes, or leave the flag out and let the search choose them")
+    return tuple(sizes) if sizes and len(set(sizes)) > 1 else None
 
 
 def _shares(args):

@@ -102,8 +102,22 @@ def _plan_buckets(model, grid, zero, bucket_size):
     return [(b, n, d, r) for b, n, (_, d, r) in plan]
 
 
+def zero_as_run(args):
+    """The ZeRO stage the run's gradient reduction behaves as (0: plain DP): ZeRO-2 as ZeRO-1 where it reduces
+    once per iteration, its ranks running different micro-batch counts (iteration_plan.reduces_once): the full
+    fp32 gradients accumulated over the iteration, one reduce-scatter."""
+    zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
+    if zero == 2 and (args.data_parallel_shares or args.data_parallel_micro_batch_sizes):
+        from megalite.iteration_plan import reduces_once, training_plan
+        from megalite.microbatches import batch_schedule
+        if reduces_once(args, training_plan(args, batch_schedule(args))):
+            return 1
+    return zero
+
+
 def training_state(args, mcfg, grid):
-    """StateBytes of the rank at `grid`'s coordinates for the run `args` describes."""
+    """StateBytes of the rank at `grid`'s coordinates for the run `args` describes (after a step: a ZeRO-2 that
+    reduces once has released its full-size gradients again, cost.py counts them as a buffer)."""
     zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
     low = bool(args.bf16 or args.fp16)
     chunks = build_chunks(mcfg, grid)

@@ -5,9 +5,14 @@ Candidates: TP over the divisors of the GPUs per node (a TP group stays in a nod
 up to 8 for sequences of 8k tokens and more), PP over the divisors of the layer count, plain or interleaved
 with 1 or 2 layers per virtual stage (only where that gives at least 2 chunks per stage), DP the rest, EP over
 the divisors of the experts that divide DP x CP x TP (MoE) with the experts' TP 1 or TP, ZeRO 0-3, recompute
-none / selective / full and micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank."""
+none / selective / full and micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank. On mixed clusters
+the layers go to the stages and the micro-batches to the replicas by their GPUs' speed, and a replica on a GPU
+that runs out of memory gets smaller micro-batches."""
+
+import dataclasses
 
 from megalite.config import ConfigError
+from megalite.planner import shares
 from megalite.planner.cost import balanced_layout, balanced_shares, check_plannable, predict
 from megalite.planner.layout import Layout, validated
 
@@ -38,6 +43,31 @@ def candidates(args, world, gpus_per_node, recomputes=(None, "selective", "full"
                                             yield Layout(tp, pp, cp, dp, vp, ep, zero, rc, micro, tp > 1, etp=etp)
 
 
+def _fit_micros(model_argv, args, lay, cluster):
+    """The layout's prediction; where it does not fit and its replicas hold different GPUs, halved micro-batches
+    (--data-parallel-micro-batch-sizes) for the replicas on the GPU type that runs out, until it fits, the
+    sizes come out equal (a layout of its own) or megalite would not launch them (samples not whole
+    micro-batches)."""
+    p = predict(args, lay, cluster)
+    micros = [lay.micro_of(d) for d in range(lay.dp)]
+    while not p.fits and lay.dp > 1 and shares.mixed(lay, cluster):
+        short = [d for d in range(lay.dp) if micros[d] > 1 and any(
+            g.name == p.memory["gpu"] for i in range(lay.pp) for g in shares.replica_gpus(lay, cluster, d, i))]
+        if not short:
+            break
+        for d in short:
+            micros[d] //= 2
+        if len(set(micros)) == 1:
+            break
+        try:
+            smaller = dataclasses.replace(lay, micros=tuple(micros))
+            p = predict(validated(model_argv, smaller, cluster.size), smaller, cluster)
+        except ConfigError:
+            break
+        lay = smaller
+    return p
+
+
 def search(model_argv, cluster, top=5, limit=None, **choices):
     """[(Prediction)] of the `top` fastest layouts that fit (or, if none fits, the `top` tightest), and the
     count of layouts megalite would launch. choices: candidates' recomputes= and zeros= (default: all)."""
@@ -62,7 +92,7 @@ def search(model_argv, cluster, top=5, limit=None, **choices):
         except ConfigError:
             continue
         n += 1
-        p = predict(args, lay, cluster)
+        p = _fit_micros(model_argv, args, lay, cluster)
         (fits if p.fits else tight).append(p)
         if limit and n >= limit:
             break

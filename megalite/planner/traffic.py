@@ -4,7 +4,8 @@ distributed/comm.py's terms (wire bytes of a ring: all-reduce 2(d-1)/d, reduce-s
 
   plain DP   one all-reduce of each fp32 gradient bucket per step
   ZeRO-1     one reduce-scatter of each fp32 bucket, then one all-gather of its parameters
-  ZeRO-2     a reduce-scatter per micro-batch (the full-size gradients are not kept), one all-gather
+  ZeRO-2     a reduce-scatter per micro-batch (the full-size gradients are not kept), one all-gather; as
+             ZeRO-1 where DP ranks run different micro-batch counts (shares, per-replica sizes)
   ZeRO-3     per micro-batch each unit's parameters gathered for its forward and again for its backward
              (resharded after the forward) and its gradients reduce-scattered
 
@@ -16,7 +17,7 @@ MoE layers' allgather token dispatch (moe/dispatcher.py) counts in the same coll
 micro-batch, over the n = ETP x EP ranks, the T tokens of this rank gathered with their fp32 probabilities and
 routing map, the experts' output reduce-scattered; backward the adjoints (no gradient for the map)."""
 
-from megalite.planner.memory import _buckets, _tied, build_chunks
+from megalite.planner.memory import _buckets, _tied, build_chunks, zero_as_run
 from megalite.planner.optimizer_step import muon_plan
 
 
@@ -42,7 +43,7 @@ def dispatch_bytes(args, mcfg, grid):
 def data_parallel_bytes(args, mcfg, grid, micro_batches):
     """{"all_reduce", "reduce_scatter", "all_gather": wire bytes} of this rank's data-parallel collectives
     for one step."""
-    zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
+    zero = zero_as_run(args)
     e = 2 if (args.bf16 or args.fp16) else 4
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     for model in build_chunks(mcfg, grid):
