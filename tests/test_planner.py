@@ -291,3 +291,18 @@ def test_the_search_gives_the_replica_that_runs_out_smaller_micro_batches():
     assert not cost.predict(args, lay, cluster).fits  # the 3090 cannot hold 16 sequences of 4096
     p = _fit_micros(long, args, lay, cluster)
     assert p.fits and p.layout.micros == (16, 8) and "--data-parallel-micro-batch-sizes 16,8" in " ".join(p.flags)
+
+
+def test_gemm_tiles_run_in_waves_over_the_sms():
+    """Tile and wave quantization (planner/gemm.py): a 2048 x 3840 output (a 10k-wide QKV at TP 8) is 240 tiles
+    of 256 x 128, three waves of an A100's 108 SMs, 240 / 324 of them useful; 16384 x 6912 fills 32 waves
+    exactly; a ragged edge wastes the tiles' overhang; no SMs (a CPU) is no quantization."""
+    from megalite.planner.gemm import layer_gemms, time_factor, utilisation
+    assert utilisation(2048, 3840, 108) == pytest.approx(240 / 324, rel=1e-12)
+    assert utilisation(16384, 6912, 108) == 1.0
+    assert utilisation(300, 128, 1) == pytest.approx(300 / 512, rel=1e-12)  # 2 tiles of 256 rows, one SM
+    assert utilisation(2048, 3840, None) == 1.0 and time_factor([(7, 5, 3)], 2, None) == 4
+    from megalite.arguments import model_config
+    args = validated(GPT, Layout(8, 1, 1, 1, None, None, 0, None, 1, True), 8)
+    narrow = time_factor(layer_gemms(model_config(args, args.vocab_size), 1024, 8), 1, GPUS["A100-80GB"].sms)
+    assert narrow > 3.5  # TP 8 of hidden 1024: 48 to 128 columns per rank, few tiles for 108 SMs

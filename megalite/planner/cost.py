@@ -7,7 +7,7 @@ warm-up count of chunks, each 1/v of the layers), a full-recompute chunk's trans
 CUDA context and NCCL; a layout fits where that leaves FRAGMENTATION of the GPU free (headroom >= 0).
 
 Time per micro-batch on stage i (its slowest GPU): GEMM FLOPs of its layers (forward, backward 2x, a
-recompute pass) at peak x gemm_efficiency; causal attention (half the s^2 FLOPs of the convention) at peak x
+recompute pass) at peak x gemm_efficiency x each GEMM's tile and wave utilisation on the GPU's SMs (gemm.py); causal attention (half the s^2 FLOPs of the convention) at peak x
 ATTENTION_EFFICIENCY; element-wise passes (norms, residuals, activation, rope) at memory bandwidth; at least
 the host's time to launch the operators (the device runs ahead of the host only while it has more work); the TP
 collectives ((t-1)/t of [s, b, h] per gather / scatter, four each way per layer, not overlapped, as
@@ -29,6 +29,7 @@ from megalite.flops import num_floating_point_operations
 from megalite.iteration_plan import training_plan
 from megalite.microbatches import batch_schedule
 from megalite.planner import activations, memory, optimizer_step, shares, stages, traffic
+from megalite.planner import gemm as gemm_shapes
 from megalite.planner.memory import zero_as_run
 from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
@@ -273,21 +274,24 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     proj, score = _attention_terms(c)
     gemm = 4 * b * s * h * h * (proj + ffn / h) * layers / t
     attn = 4 * b * s * c.seq_length * h * score * layers / t * 0.5  # causal: half of the convention's s^2 term
-    if last:
-        gemm += 2 * b * s * h * vocab / t
     passes = 3 + (1 if c.recompute_granularity == "full" else 0)
+    # the GEMMs' FLOPs x passes, each pass at its shapes' tile and wave utilisation (gemm.py)
+    dense = not (c.multi_latent_attention or moe)
+    gemm *= gemm_shapes.time_factor(gemm_shapes.layer_gemms(c, b * s, t), passes - 2, gpu.sms) if dense else passes
+    if last:
+        gemm += 2 * b * s * h * vocab / t * gemm_shapes.time_factor([(b * s, h, vocab // t)], passes - 2, gpu.sms)
     attn_passes = passes + (1 if c.recompute_granularity == "selective" else 0)
     rate = (gpu.peak_tflops if e < 4 else gpu.fp32_tflops) * 1e12  # fp32: no tensor cores (TF32 is off)
     rows = s // t if c.sequence_parallel and t > 1 else s
     elementwise = 3 * layers * b * e * (10 * rows * h + 4 * s * c.ffn_hidden_size / t + 4 * s * h / t)
     if _explicit_scores(c):  # fp16 with query-key layer scaling: the scores materialised, all of them
         scores = b * (c.num_attention_heads // t) * s * c.seq_length * layers
-        compute = (passes * gemm + attn_passes * 2 * attn) / (rate * gpu.gemm_efficiency)
+        compute = (gemm + attn_passes * 2 * attn) / (rate * gpu.gemm_efficiency)
         dropout = 2 * e + 1 if c.attention_dropout > 0 else 0  # read, write, the mask
         per_pass = 3 * e + dropout  # the scores written, read and written by the softmax, read by probs @ v
         elementwise += scores * (attn_passes / 3 * per_pass + 2 * (4 * e + dropout))  # backward: about twice
     else:
-        compute = passes * gemm / (rate * gpu.gemm_efficiency) + attn_passes * attn / (rate * ATTENTION_EFFICIENCY)
+        compute = gemm / (rate * gpu.gemm_efficiency) + attn_passes * attn / (rate * ATTENTION_EFFICIENCY)
     compute += elementwise / (gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
     # the host launches each operator: a layer's forward is about OPS_PER_LAYER of them, backward twice that
     host = (passes + (attn_passes > passes)) * OPS_PER_LAYER * layers * gpu.op_overhead_us * 1e-6
