@@ -227,7 +227,7 @@ def test_predict_keeps_the_users_layout_or_says_why_not():
 
 def test_what_the_planner_does_not_model_is_one_line():
     for extra, zero in ((["--optimizer-cpu-offload"], 1), (["--semi-sync-method", "diloco"], 1),
-                        (["--hierarchical-grad-reduce"], 0), (["--mtp-num-layers", "1"], 0)):
+                        (["--mtp-num-layers", "1"], 0)):
         lay = Layout(1, 1, 1, 8, None, None, zero, None, 1, False)
         with pytest.raises(ConfigError) as e:
             cost.predict(validated(GPT + extra, lay, 8), lay, parse_cluster("8xA100-80GB"))
@@ -306,3 +306,20 @@ def test_gemm_tiles_run_in_waves_over_the_sms():
     args = validated(GPT, Layout(8, 1, 1, 1, None, None, 0, None, 1, True), 8)
     narrow = time_factor(layer_gemms(model_config(args, args.vocab_size), 1024, 8), 1, GPUS["A100-80GB"].sms)
     assert narrow > 3.5  # TP 8 of hidden 1024: 48 to 128 columns per rank, few tiles for 108 SMs
+
+
+def test_hierarchical_reduction_is_priced_through_the_nodes():
+    """--hierarchical-grad-reduce over 2 nodes of 8: a reduce-scatter and an all-gather inside each node on its
+    link, 1/8 of the bytes across the nodes; exposed whole under --no-overlap-grad-reduce."""
+    cluster = parse_cluster("16xA100-80GB")
+    lay = Layout(1, 1, 1, 16, None, None, 0, None, 1, False)
+    flat, hier = (cost.predict(validated(GPT + ["--no-overlap-grad-reduce"] + x, lay, 16), lay, cluster).time["dp"]
+                  for x in ([], ["--hierarchical-grad-reduce"]))
+    reach = LINK_EFFICIENCY
+    payload = flat * cluster.link_gbps(range(16)) * 1e9 / (2 * 15 / 16)  # the buckets' bytes
+    want = 2 * 7 / 8 * payload / (300e9 * reach["intra"]) + 2 * 1 / 2 * payload / 8 / (25e9 * reach["inter"])
+    assert hier == pytest.approx(want, rel=1e-12) and hier < flat / 4
+    one_node = parse_cluster("8xA100-80GB")  # a group inside one node runs flat
+    lay8 = Layout(1, 1, 1, 8, None, None, 0, None, 1, False)
+    assert cost.predict(validated(GPT + ["--hierarchical-grad-reduce"], lay8, 8), lay8, one_node).time["dp"] == \
+        cost.predict(validated(GPT, lay8, 8), lay8, one_node).time["dp"]

@@ -96,7 +96,6 @@ def check_plannable(args, cluster):
         ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
         ("--optimizer-cpu-offload", args.optimizer_cpu_offload), ("--semi-sync-method", args.semi_sync_method),
         ("--grad-compression", args.grad_compression != "none"),
-        ("--hierarchical-grad-reduce", args.hierarchical_grad_reduce),
         ("--mtp-num-layers", args.mtp_num_layers)) if given]
     if unmodelled:
         raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
@@ -170,7 +169,7 @@ def predict(args, layout, cluster):
     pipe, slowest, r, n, i = max(pipes)
     busy = {k: n * t for k, t in stage_times[i][r].items()}
     dp_time = _dp_time(layout, zero, cluster, dp_bytes, slowest, n, args.overlap_grad_reduce,
-                       args.overlap_param_gather)
+                       args.overlap_param_gather, args.hierarchical_grad_reduce)
     step = pipe + dp_time + opt
     time = {**busy, "bubble": pipe - n * slowest, "dp": dp_time, "optimizer": opt}
     flops = num_floating_point_operations(c, args.global_batch_size, vocab)
@@ -311,16 +310,36 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
 
 
-def _dp_time(layout, zero, cluster, wire, slowest, m, overlap_reduce=True, overlap_gather=False):
+def _hierarchical_seconds(layout, cluster, all_reduce):
+    """--hierarchical-grad-reduce's seconds for the plain all-reduce of `all_reduce` wire bytes (a flat ring's,
+    traffic.py): a reduce-scatter and an all-gather among the k ranks of a node on its link, and an all-reduce
+    of 1/k of the bytes across the n nodes; None where the group does not leave a node (then it runs flat)."""
+    ranks = _ranks(layout, cluster, 0, "dp")
+    nodes = {}
+    for r in ranks:
+        nodes.setdefault(cluster.node_of(r), []).append(r)
+    if len(nodes) == 1:
+        return None
+    d, n = len(ranks), len(nodes)
+    k, payload = d // n, all_reduce / (2 * (d - 1) / d)
+    intra = cluster.link_gbps(next(iter(nodes.values()))) * 1e9
+    across = cluster.link_gbps([group[0] for group in nodes.values()]) * 1e9
+    return 2 * (k - 1) / k * payload / intra + 2 * (n - 1) / n * payload / k / across
+
+
+def _dp_time(layout, zero, cluster, wire, slowest, m, overlap_reduce=True, overlap_gather=False, hierarchical=False):
     """Exposed seconds of the DP collectives per step (wire: data-parallel bytes by op, traffic.py): the
     gradient reduction hides behind backward (the last micro-batch's, or each one's with ZeRO-2/3) but for
     one bucket, all of it after the backward under --no-overlap-grad-reduce (ZeRO-0/1; ZeRO-2/3 reduce as they
     go either way); ZeRO-1/2's parameter all-gather follows the step, or hides behind the next step's first
-    forward but for one bucket (--overlap-param-gather); ZeRO-3's gathers hide behind compute."""
+    forward but for one bucket (--overlap-param-gather); ZeRO-3's gathers hide behind compute.
+    --hierarchical-grad-reduce: the plain all-reduce through the nodes (_hierarchical_seconds)."""
     if layout.dp * layout.cp <= 1 or not wire:
         return 0.0
     gbps = cluster.link_gbps(_ranks(layout, cluster, 0, "dp")) * 1e9
     reduce = (wire["all_reduce"] + wire["reduce_scatter"]) / gbps
+    if hierarchical and zero == 0:
+        reduce = _hierarchical_seconds(layout, cluster, wire["all_reduce"]) or reduce
     gather = wire["all_gather"] / gbps
     if overlap_gather and zero in (1, 2):
         gather = max(gather - slowest / 3, min(gather, 40_000_000 * 4 / gbps))
