@@ -226,8 +226,7 @@ def test_predict_keeps_the_users_layout_or_says_why_not():
 
 
 def test_what_the_planner_does_not_model_is_one_line():
-    for extra, zero in ((["--optimizer-cpu-offload"], 1), (["--semi-sync-method", "diloco"], 1),
-                        (["--mtp-num-layers", "1"], 0)):
+    for extra, zero in ((["--semi-sync-method", "diloco"], 1), (["--mtp-num-layers", "1"], 0)):
         lay = Layout(1, 1, 1, 8, None, None, zero, None, 1, False)
         with pytest.raises(ConfigError) as e:
             cost.predict(validated(GPT + extra, lay, 8), lay, parse_cluster("8xA100-80GB"))
@@ -323,3 +322,29 @@ def test_hierarchical_reduction_is_priced_through_the_nodes():
     lay8 = Layout(1, 1, 1, 8, None, None, 0, None, 1, False)
     assert cost.predict(validated(GPT + ["--hierarchical-grad-reduce"], lay8, 8), lay8, one_node).time["dp"] == \
         cost.predict(validated(GPT, lay8, 8), lay8, one_node).time["dp"]
+
+
+def test_optimizer_offload_is_priced():
+    """--optimizer-cpu-offload: the offloaded fraction's fp32 main values and states leave the GPU (host memory
+    holds them and their gradients), the step pays the host's AdamW and the copies over the host link (behind
+    the device's part with --overlap-cpu-optimizer-d2h-h2d); a fraction per replica; auto is one line."""
+    from megalite.planner.optimizer_step import HOST_GBPS
+    cluster = parse_cluster("2xA100-80GB")
+    lay = Layout(1, 1, 1, 2, None, None, 1, None, 1, False)
+    off = ["--optimizer-cpu-offload", "--optimizer-offload-fraction"]
+    base, half, whole, overlapped = (cost.predict(validated(GPT + x, lay, 2), lay, cluster) for x in (
+        [], off + ["0.5"], off + ["1"], off + ["0.5", "--overlap-cpu-optimizer-d2h-h2d"]))
+    assert base.memory["host"] == 0 < half.memory["host"] < whole.memory["host"]
+    moved = base.memory["optimizer"] - whole.memory["optimizer"]  # every main value and Adam state (bf16 model)
+    elements = moved / 12
+    assert whole.memory["host"] == moved + 4 * elements  # and the gradients' host buffer
+    assert base.memory["total"] - whole.memory["total"] == moved
+    host_step = elements * 30 / (HOST_GBPS * 1e9)
+    copies = elements * 6 / (GPUS["A100-80GB"].host_gbps * 1e9)  # fp32 gradients down, bf16 weights up
+    assert whole.time["optimizer"] == pytest.approx(host_step + copies, rel=1e-6)
+    assert overlapped.time["optimizer"] < half.time["optimizer"]  # the copies behind the device's half
+    mixed = parse_cluster("1xA100-80GB,1xRTX3090-24GB", gpus_per_node=1)  # only the 3090's replica offloads
+    per = cost.predict(validated(GPT + off + ["0,1"], lay, 2), lay, mixed)
+    assert per.memory["gpu"] == "RTX3090-24GB" and per.memory["host"] == whole.memory["host"]
+    with pytest.raises(ConfigError, match="not auto"):
+        cost.predict(validated(GPT + off + ["auto", "--device-memory-budget", "20"], lay, 2), lay, cluster)

@@ -29,6 +29,11 @@ LAYOUTS = {
     # per-replica micro-batch sizes: the ranks run 1, 1, 2, 2 micro-batches, so ZeRO-2 keeps full gradients and
     # reduces once (as ZeRO-1)
     "dp4_zero2_sizes_2_2_1_1": ZERO + ("2", "--data-parallel-micro-batch-sizes", "2,2,1,1"),
+    # optimizer CPU offload: whole parameters from each group's front on the host (a fraction per replica too)
+    "dp4_zero1_bf16_offload_half": ("--bf16",) + ZERO + ("1", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                                                         "0.5"),
+    "tp2_sp_dp2_offload_0_0.7": ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--optimizer-cpu-offload",
+                                 "--optimizer-offload-fraction", "0,0.7"),
     "dp4_decoupled_lr_odd_bucket": ("--decoupled-lr", "1e-3", "--ddp-bucket-size", "1000") + ZERO + ("1",),
     # other optimizers' states; Muon's whole-matrix traffic (ZeRO all-to-alls, TP gathers) counted too
     "dp4_sgd_bf16": ("--optimizer", "sgd", "--bf16"),
@@ -45,7 +50,7 @@ def _measure_and_predict(layouts):
     import pretrain_gpt
     from megalite import parallel_state as ps
     from megalite.arguments import model_config, parse_args
-    from megalite.optimizer.memory import training_state_bytes
+    from megalite.optimizer.memory import state_bytes_by_place, training_state_bytes
     from megalite.distributed import comm
     from megalite.planner.memory import training_state
     from megalite.planner.traffic import dp_wire_bytes
@@ -68,7 +73,8 @@ def _measure_and_predict(layouts):
         muon = getattr(opt, "_muon", None)
         out.append((training_state_bytes(chunks, opt), predicted.total, vars(predicted), sent,
                     dp_wire_bytes(args, mcfg, grid, m), muon.stats["ns_flops"] if muon else 0,
-                    muon_plan(args, mcfg, grid)["flops"]))
+                    muon_plan(args, mcfg, grid)["flops"], state_bytes_by_place(chunks, opt)[1],
+                    predicted.host + 4 * predicted.host_elements))
         ps.destroy_model_parallel()
     return out
 
@@ -99,5 +105,16 @@ def test_predicted_newton_schulz_work_equals_the_done(world, i):
     """The Newton-Schulz FLOPs the planner gives each rank (its matrices by the same balanced assignment) are
     those the rank's Muon did in the step."""
     for rank, results in enumerate(world):
-        done, predicted = results[i][5:]
+        done, predicted = results[i][5:7]
         assert done > 0 and predicted == done, f"rank {rank}: predicted {predicted} Newton-Schulz FLOPs, done {done}"
+
+
+@pytest.mark.parametrize("i", [i for i, k in enumerate(LAYOUTS) if "offload" in k],
+                         ids=[k for k in LAYOUTS if "offload" in k])
+def test_predicted_host_bytes_equal_the_measured(world, i):
+    """--optimizer-cpu-offload: the host part (fp32 main values, states, the gradients' host buffer) the planner
+    gives each rank is what the rank's optimizer keeps on the host, to the byte."""
+    for rank, results in enumerate(world):
+        measured, predicted = results[i][7:]
+        assert predicted == measured, f"rank {rank}: predicted {predicted} host bytes, measured {measured}"
+    assert any(r[i][7] for r in world), "nothing was offloaded"

@@ -44,7 +44,8 @@ def report(p):
              f"{p.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU {100 * p.mfu:.1f}%" + ("" if p.fits else "  DOES NOT FIT"),
              f"  memory (stage {m['stage']}, {m['gpu']}): " + ", ".join(
                  f"{k} {m[k] / GiB:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "buffers",
-                                                   "reserved", "total")) + f" GiB, headroom {m['headroom'] / GiB:.1f}",
+                                                   "reserved", "total")) + f" GiB, headroom {m['headroom'] / GiB:.1f}"
+             + (f"; host {m['host'] / GiB:.1f} GiB (offloaded optimizer)" if m.get("host") else ""),
              "  time: " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()) + " s",
              "  flags: " + " ".join(p.flags)]
     return "\n".join(lines)

@@ -94,7 +94,7 @@ def check_plannable(args, cluster):
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     unmodelled = [flag for flag, given in (
         ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
-        ("--optimizer-cpu-offload", args.optimizer_cpu_offload), ("--semi-sync-method", args.semi_sync_method),
+        ("--semi-sync-method", args.semi_sync_method),
         ("--grad-compression", args.grad_compression != "none"),
         ("--mtp-num-layers", args.mtp_num_layers)) if given]
     if unmodelled:
@@ -121,7 +121,8 @@ def predict(args, layout, cluster):
     v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
     # micro-batches per DP rank, as the run's iteration plan cuts them (shares, per-replica sizes)
     every = training_plan(args, batch_schedule(args)).counts_of(args.global_batch_size)
-    alike = not (shares.mixed(layout, cluster) or layout.micros)
+    fractions = args.optimizer_offload_fraction if args.optimizer_cpu_offload else None  # (a list: per replica)
+    alike = not (shares.mixed(layout, cluster) or layout.micros or isinstance(fractions, (list, tuple)))
     replicas = range(1) if alike else range(layout.dp)  # (alike: one stands for all, the largest share decides)
     counts = [max(every)] if alike else every
     zero = zero_as_run(args)  # (ZeRO-2 whose ranks run different counts reduces once, as ZeRO-1)
@@ -138,16 +139,22 @@ def predict(args, layout, cluster):
         per_replica = []
         for r, d in enumerate(replicas):  # a replica's stage: its micro-batches' activations, its GPUs
             micro = layout.micro_of(d)
+            if d and isinstance(fractions, (list, tuple)):  # replica d's own offload fraction: its state bytes
+                state = memory.training_state(args, c, ps.Grid.of(
+                    layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
+                    layout.expert_tp if layout.ep else None, pp_rank=i, dp_rank=d))
             per_chunk = [activations.chunk_bytes(c, grid, micro, e, n, i == 0 and j == 0,
                                                  i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
                          for j, (n, first) in enumerate(cuts)]
             in_flight = _in_flight(layout, i, counts[r], v)
             act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
-            total = state.total + act + activations.transient_bytes(c, grid, micro, e) + buffers + RESERVED
+            device = state.total - state.host  # (--optimizer-cpu-offload: the host part lives in host memory)
+            total = device + act + activations.transient_bytes(c, grid, micro, e) + buffers + RESERVED
             tightest = min(gpus if alike else shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.memory_gib)
-            mem = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
+            mem = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer - state.host,
                    "activations": act, "buffers": buffers, "reserved": RESERVED, "total": total, "gpu": tightest.name,
-                   "headroom": (1 - FRAGMENTATION) * tightest.memory_gib * GiB - total, "stage": i}
+                   "headroom": (1 - FRAGMENTATION) * tightest.memory_gib * GiB - total, "stage": i,
+                   "host": state.host + 4 * state.host_elements}  # (host memory: offloaded states, gradients)
             if worst is None or mem["headroom"] < worst["headroom"]:
                 worst = mem
             gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)  # the slowest
@@ -156,10 +163,10 @@ def predict(args, layout, cluster):
                 st["ep"] = sum(traffic.dispatch_bytes(args, c, grid).values()) / (
                     cluster.link_gbps(_ranks(layout, cluster, i, "ep")) * 1e9)
             per_replica.append(st)
+            opt = max(opt, optimizer_step.seconds(args, state, c, grid, slow_gpu,
+                                                  lambda axis: cluster.link_gbps(_ranks(layout, cluster, i, axis))))
         stage_times.append(per_replica)
         dp_bytes = max(dp_bytes, traffic.data_parallel_bytes(args, c, grid, every[0]), key=lambda d: sum(d.values()))
-        opt = max(opt, optimizer_step.seconds(args, state, c, grid, slow_gpu,
-                                              lambda axis: cluster.link_gbps(_ranks(layout, cluster, i, axis))))
     pipes = []
     for r, n in enumerate(counts):  # each replica's pipeline over its own micro-batches
         per_micro = [sum(stage_times[i][r].values()) for i in range(layout.pp)]

@@ -38,15 +38,16 @@ class GPU:
     op_overhead_us: float = 8.0  # host time per operator (PyTorch eager launch); a small model is bound by it
     asynchronous: bool = True  # the device runs behind the host's launches (a CPU "device" does not)
     sms: int = None  # streaming multiprocessors: GEMM tiles run in waves over them (gemm.py); None: no waves
+    host_gbps: float = PCIE4  # GB/s each way to host memory (PCIe x16): --optimizer-cpu-offload's copies
 
 
 GPUS = {g.name: g for g in (
-    GPU("V100-32GB", 32, 125.0, False, 150.0, "NVLink2", 0.70, 900, 15.7, sms=80),
+    GPU("V100-32GB", 32, 125.0, False, 150.0, "NVLink2", 0.70, 900, 15.7, sms=80, host_gbps=PCIE3),
     GPU("A100-40GB", 40, 312.0, True, 300.0, "NVLink3", 0.80, 1555, 19.5, sms=108),
     GPU("A100-80GB", 80, 312.0, True, 300.0, "NVLink3", 0.80, 2039, 19.5, sms=108),
-    GPU("H100-80GB", 80, 989.0, True, 450.0, "NVLink4", 0.72, 3350, 67.0, sms=132),
-    GPU("H200", 141, 989.0, True, 450.0, "NVLink4", 0.74, 4800, 67.0, sms=132),
-    GPU("RTX2080Ti-11GB", 11, 53.8, False, PCIE3, "PCIe3", 0.80, 616, 13.4, sms=68),
+    GPU("H100-80GB", 80, 989.0, True, 450.0, "NVLink4", 0.72, 3350, 67.0, sms=132, host_gbps=PCIE5),
+    GPU("H200", 141, 989.0, True, 450.0, "NVLink4", 0.74, 4800, 67.0, sms=132, host_gbps=PCIE5),
+    GPU("RTX2080Ti-11GB", 11, 53.8, False, PCIE3, "PCIe3", 0.80, 616, 13.4, sms=68, host_gbps=PCIE3),
     GPU("RTX3090-24GB", 24, 71.0, True, PCIE4, "PCIe4", 0.85, 936, 35.6, sms=82),
     GPU("RTX4090-24GB", 24, 165.2, True, PCIE4, "PCIe4", 0.80, 1008, 82.6, sms=128),
     GPU("L40S", 48, 362.0, True, PCIE4, "PCIe4", 0.70, 864, 91.6, sms=142),

@@ -18,8 +18,10 @@ pipeline stages sits alone in a bucket, as grad_buffer does it."""
 import dataclasses
 
 from megalite import parallel_state as ps
+from megalite.config import ConfigError
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
 from megalite.optimizer.muon import is_muon_matrix
+from megalite.optimizer.offload import host_split
 from megalite.optimizer.optimizer import no_weight_decay
 from megalite.optimizer.updates import STATE_KEYS
 from megalite.transformer.pipeline_layers import chunk_layers
@@ -33,6 +35,8 @@ class StateBytes:
     gradients: int = 0
     optimizer: int = 0
     stepped: dict = dataclasses.field(default_factory=dict)  # elements this rank steps, per optimizer (no bytes)
+    host_elements: int = 0  # of those, stepped on the host (--optimizer-cpu-offload)
+    host: int = 0  # bytes of `optimizer` in host memory (their fp32 main values and states)
 
     @property
     def total(self):
@@ -121,18 +125,28 @@ def training_state(args, mcfg, grid):
     zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
     low = bool(args.bf16 or args.fp16)
     chunks = build_chunks(mcfg, grid)
+    offload = _offload_fraction(args, grid)
     key = (id(chunks), zero, low, args.ddp_bucket_size, args.decoupled_lr is not None, grid.dp, grid.cp, grid.dp_rank,
-           grid.cp_rank, grid.edp, grid.edp_rank, args.optimizer, args.muon_scalar_optimizer)
+           grid.cp_rank, grid.edp, grid.edp_rank, args.optimizer, args.muon_scalar_optimizer, offload)
     if key not in _STATES:
         if len(_STATES) > 4096:
             _STATES.clear()
-        _STATES[key] = _state(args, chunks, grid, zero, low)
+        _STATES[key] = _state(args, chunks, grid, zero, low, offload)
     return dataclasses.replace(_STATES[key])
 
 
-def _state(args, chunks, grid, zero, low):
+def _offload_fraction(args, grid):
+    """This rank's --optimizer-offload-fraction (0 without --optimizer-cpu-offload; a list: its DP replica's)."""
+    f = args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
+    if f == "auto":
+        raise ConfigError("the planner prices a given --optimizer-offload-fraction, not auto (sized at start to "
+                          "--device-memory-budget): give the fraction")
+    return float(f[grid.dp_rank] if isinstance(f, (list, tuple)) else f)
+
+
+def _state(args, chunks, grid, zero, low, offload=0.0):
     dtype_bytes = 2 if low else FP32
-    out, kinds = StateBytes(), set()
+    out, kinds, groups = StateBytes(), set(), {}
     for model in chunks:
         names = {p: n for n, p in model.named_parameters()}
         out.weights += sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
@@ -159,7 +173,14 @@ def _state(args, chunks, grid, zero, low):
             kind = optimizer_of(args, p)
             out.stepped[kind] = out.stepped.get(kind, 0) + k
             out.optimizer += k * len(STATE_KEYS[kind]) * FP32 + (k * FP32 if low else 0)
-        kinds |= {(optimizer_of(args, p), not no_weight_decay(names[p], p), _decoupled(args, p)) for p, _ in owned}
+            groups.setdefault((kind, not no_weight_decay(names[p], p), _decoupled(args, p)), []).append(k)
+    for key, sizes in groups.items():  # offload: whole parameters from the front of each group
+        kind = key[0]
+        host = sum(sizes[i] for i in host_split(range(len(sizes)), sizes, offload)[0]) if offload else 0
+        kinds |= {(key, part) for part, n in (("device", sum(sizes) - host), ("host", host)) if n}
+        out.host_elements += host
+        out.host += host * (len(STATE_KEYS[kind]) + 1) * FP32  # the states and the fp32 main values
+        out.optimizer += 0 if low else host * FP32  # an fp32 model's host part steps copies of its weights
     out.optimizer += len(kinds) * FP32  # one step counter per flat group
     return out
 
