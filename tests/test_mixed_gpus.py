@@ -25,7 +25,7 @@ from megalite.config import ConfigError
 from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
 from megalite.iteration_plan import IterationPlan, balanced_counts, parse_shares
 from megalite.microbatches import BatchSchedule
-from parity import STEPS, BigramChainDataset, layout, reference, run_layouts, train
+from parity import MB2, STEPS, BigramChainDataset, layout, reference, run_layouts, train
 from parity_check import assert_parity
 
 
@@ -39,11 +39,12 @@ def shares(*s):
 
 PER_TOKEN = ("--calculate-per-token-loss",)
 FOUR = [
-    layout("tp2_sp_dp2_shares_3_1", tp=2, dp=2, sp=True, flags=shares(3, 1)),
+    layout("tp2_sp_dp2_shares_3_1", tp=2, dp=2, sp=True, flags=shares(3, 1), model=MB2),
     layout("pp2_dp2_shares_1_3_per_token", pp=2, dp=2, flags=shares(1, 3), model=PER_TOKEN),
     layout("pp2_dp2_interleaved_zero2_shares_3_1", pp=2, dp=2, vp=1, zero=2, flags=shares(3, 1)),
-    layout("cp2_dp2_shares_1_3", cp=2, dp=2, flags=shares(1, 3)),
-    layout("tp2_dp2_zero1_recompute_full_shares_1_3", tp=2, dp=2, zero=1, recompute="full", flags=shares(1, 3)),
+    layout("cp2_dp2_shares_1_3", cp=2, dp=2, flags=shares(1, 3), model=MB2),
+    layout("tp2_dp2_zero1_recompute_full_shares_1_3", tp=2, dp=2, zero=1, recompute="full", flags=shares(1, 3),
+           model=MB2),
 ]
 LAYOUT = "--pipeline-model-parallel-layout"
 FOUR += [
@@ -92,8 +93,8 @@ COMPRESSED = [
     layout("dp4_topk_ratio_1", dp=4, flags=("--grad-compression", "topk", "--grad-compression-ratio", "1")),
     layout("dp4_topk_from_iteration_4", dp=4, flags=("--grad-compression", "topk", "--grad-compression-ratio", "0.05",
                                                      "--grad-compression-start-iter", "4") + HASH),
-    layout("tp2_dp2_powersgd", tp=2, dp=2, flags=("--grad-compression", "powersgd", "--grad-compression-ratio", "0.3")
-           + HASH),
+    layout("tp2_dp2_powersgd", tp=2, dp=2, model=MB2,
+           flags=("--grad-compression", "powersgd", "--grad-compression-ratio", "0.3") + HASH),
 ]
 FOUR += COMPRESSED[:1]
 # Global layer indices each pipeline rank builds, per chunk, where the layout says so.
