@@ -348,3 +348,26 @@ def test_optimizer_offload_is_priced():
     assert per.memory["gpu"] == "RTX3090-24GB" and per.memory["host"] == whole.memory["host"]
     with pytest.raises(ConfigError, match="not auto"):
         cost.predict(validated(GPT + off + ["auto", "--device-memory-budget", "20"], lay, 2), lay, cluster)
+
+
+def test_per_replica_precisions_are_priced():
+    """--data-parallel-precisions: each replica's activations, weights and GEMM rate in its own precision (an
+    fp32 replica at the GPU's fp32 peak, its weights and activations in 4-byte elements), MFU against each
+    GPU's peak in its replica's precision; bf16 on a GPU without it is one line."""
+    cluster = parse_cluster("1xA100-80GB,1xV100-32GB", gpus_per_node=1)
+    lay = Layout(1, 1, 1, 2, None, None, 0, None, 1, False)
+    fp32 = GPT[:-1]  # (GPT's --bf16 dropped: the list gives each replica its own)
+
+    def plan(precisions):
+        return cost.predict(validated(fp32 + ["--data-parallel-precisions", precisions], lay, 2), lay, cluster)
+    half, single = plan("bf16,fp16"), plan("bf16,fp32")
+    assert half.memory["gpu"] == single.memory["gpu"] == "V100-32GB"
+    # (the state to the byte per rank: test_planner_memory.py; some saved tensors are fp32 or ids either way)
+    assert single.memory["activations"] > half.memory["activations"] and single.memory["weights"] > \
+        half.memory["weights"]
+    v100 = GPUS["V100-32GB"]
+    assert single.time["compute"] > half.time["compute"] * v100.peak_tflops / v100.fp32_tflops / 2
+    peak = (GPUS["A100-80GB"].peak_tflops + v100.peak_tflops) / 2
+    assert half.mfu == pytest.approx(half.tflops_per_gpu / peak, rel=1e-12)
+    with pytest.raises(ConfigError, match="replica 1 runs on V100-32GB, which cannot compute in bf16"):
+        plan("bf16,bf16")

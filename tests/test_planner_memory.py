@@ -34,6 +34,8 @@ LAYOUTS = {
                                                          "0.5"),
     "tp2_sp_dp2_offload_0_0.7": ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--optimizer-cpu-offload",
                                  "--optimizer-offload-fraction", "0,0.7"),
+    # a precision per replica: each rank's weights in its replica's dtype (fp32 replicas keep no second copy)
+    "dp4_precisions_bf16_fp32_fp16_fp32": ("--data-parallel-precisions", "bf16,fp32,fp16,fp32"),
     "dp4_decoupled_lr_odd_bucket": ("--decoupled-lr", "1e-3", "--ddp-bucket-size", "1000") + ZERO + ("1",),
     # other optimizers' states; Muon's whole-matrix traffic (ZeRO all-to-alls, TP gathers) counted too
     "dp4_sgd_bf16": ("--optimizer", "sgd", "--bf16"),

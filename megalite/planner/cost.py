@@ -27,6 +27,7 @@ from megalite.arguments import model_config
 from megalite.config import ConfigError
 from megalite.flops import num_floating_point_operations
 from megalite.iteration_plan import training_plan
+from megalite.mixed_gpu_flags import with_rank_precision
 from megalite.microbatches import batch_schedule
 from megalite.planner import activations, memory, optimizer_step, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
@@ -87,13 +88,12 @@ def _ranks(layout, cluster, pp_rank, axis):
     return [p * t * c * d for p in range(layout.pp)]
 
 
-def check_plannable(args, cluster):
+def check_plannable(args, cluster, layout=None):
     """One ConfigError line for what the planner cannot price: no vocabulary size, flags it does not model,
     bf16 on GPUs without it."""
     if args.vocab_size is None:
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     unmodelled = [flag for flag, given in (
-        ("--data-parallel-precisions", getattr(args, "data_parallel_precisions", None)),
         ("--semi-sync-method", args.semi_sync_method),
         ("--grad-compression", args.grad_compression != "none"),
         ("--mtp-num-layers", args.mtp_num_layers)) if given]
@@ -103,6 +103,13 @@ def check_plannable(args, cluster):
     if args.bf16 and no_bf16:
         raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
                           "fp16 with --data-parallel-precisions)")
+    if layout is not None and args.data_parallel_precisions:
+        for d, precision in enumerate(args.data_parallel_precisions):
+            lacking = sorted({g.name for i in range(layout.pp) for g in shares.replica_gpus(layout, cluster, d, i)
+                              if not g.bf16})
+            if precision == "bf16" and lacking:
+                raise ConfigError(f"--data-parallel-precisions: replica {d} runs on {', '.join(lacking)}, which "
+                                  "cannot compute in bf16: give it fp16")
 
 
 def _figures(args, layout):
@@ -116,13 +123,14 @@ def predict(args, layout, cluster):
     """Prediction for `args` (megalite's validated arguments at this layout) on `cluster`."""
     if cluster.size != layout.world:
         raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
-    check_plannable(args, cluster)
+    check_plannable(args, cluster, layout)
     c, e, vocab = _figures(args, layout)
     v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
     # micro-batches per DP rank, as the run's iteration plan cuts them (shares, per-replica sizes)
     every = training_plan(args, batch_schedule(args)).counts_of(args.global_batch_size)
     fractions = args.optimizer_offload_fraction if args.optimizer_cpu_offload else None  # (a list: per replica)
-    alike = not (shares.mixed(layout, cluster) or layout.micros or isinstance(fractions, (list, tuple)))
+    per_replica_state = isinstance(fractions, (list, tuple)) or len(set(args.data_parallel_precisions or ())) > 1
+    alike = not (shares.mixed(layout, cluster) or layout.micros or per_replica_state)
     replicas = range(1) if alike else range(layout.dp)  # (alike: one stands for all, the largest share decides)
     counts = [max(every)] if alike else every
     zero = zero_as_run(args)  # (ZeRO-2 whose ranks run different counts reduces once, as ZeRO-1)
@@ -139,17 +147,18 @@ def predict(args, layout, cluster):
         per_replica = []
         for r, d in enumerate(replicas):  # a replica's stage: its micro-batches' activations, its GPUs
             micro = layout.micro_of(d)
-            if d and isinstance(fractions, (list, tuple)):  # replica d's own offload fraction: its state bytes
+            cd, ed, _ = _figures(with_rank_precision(args, d), layout)  # (--data-parallel-precisions: its own)
+            if d and per_replica_state:  # replica d's own offload fraction or precision: its state bytes
                 state = memory.training_state(args, c, ps.Grid.of(
                     layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
                     layout.expert_tp if layout.ep else None, pp_rank=i, dp_rank=d))
-            per_chunk = [activations.chunk_bytes(c, grid, micro, e, n, i == 0 and j == 0,
+            per_chunk = [activations.chunk_bytes(cd, grid, micro, ed, n, i == 0 and j == 0,
                                                  i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
                          for j, (n, first) in enumerate(cuts)]
             in_flight = _in_flight(layout, i, counts[r], v)
             act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
             device = state.total - state.host  # (--optimizer-cpu-offload: the host part lives in host memory)
-            total = device + act + activations.transient_bytes(c, grid, micro, e) + buffers + RESERVED
+            total = device + act + activations.transient_bytes(cd, grid, micro, ed) + buffers + RESERVED
             tightest = min(gpus if alike else shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.memory_gib)
             mem = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer - state.host,
                    "activations": act, "buffers": buffers, "reserved": RESERVED, "total": total, "gpu": tightest.name,
@@ -158,7 +167,7 @@ def predict(args, layout, cluster):
             if worst is None or mem["headroom"] < worst["headroom"]:
                 worst = mem
             gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)  # the slowest
-            st = _stage_time(c, layout, cluster, i, gpu, e, sum(layers), i == layout.pp - 1, vocab, micro)
+            st = _stage_time(cd, layout, cluster, i, gpu, ed, sum(layers), i == layout.pp - 1, vocab, micro)
             if layout.ep:  # the MoE token dispatch, on the stage's critical path
                 st["ep"] = sum(traffic.dispatch_bytes(args, c, grid).values()) / (
                     cluster.link_gbps(_ranks(layout, cluster, i, "ep")) * 1e9)
@@ -183,7 +192,9 @@ def predict(args, layout, cluster):
     if c.recompute_granularity == "full":
         flops *= 4 / 3  # Narayanan et al.'s convention counts the recomputed forward
     tflops = flops / step / cluster.size / 1e12
-    peak = sum(g.peak_tflops if e < 4 else g.fp32_tflops for g in cluster.gpus) / cluster.size
+    low = [p != "fp32" for p in args.data_parallel_precisions] if args.data_parallel_precisions else [e < 4] * layout.dp
+    peak = sum(g.peak_tflops if low[d] else g.fp32_tflops for d in range(layout.dp) for i in range(layout.pp)
+               for g in shares.replica_gpus(layout, cluster, d, i)) / cluster.size
     return Prediction(layout, layout.flags(), worst, time, step, args.global_batch_size * c.seq_length / step, tflops,
                       tflops / peak, worst["headroom"] >= 0)
 

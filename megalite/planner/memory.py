@@ -20,6 +20,7 @@ import dataclasses
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
+from megalite.mixed_gpu_flags import with_rank_precision
 from megalite.optimizer.muon import is_muon_matrix
 from megalite.optimizer.offload import host_split
 from megalite.optimizer.optimizer import no_weight_decay
@@ -121,7 +122,9 @@ def zero_as_run(args):
 
 def training_state(args, mcfg, grid):
     """StateBytes of the rank at `grid`'s coordinates for the run `args` describes (after a step: a ZeRO-2 that
-    reduces once has released its full-size gradients again, cost.py counts them as a buffer)."""
+    reduces once has released its full-size gradients again, cost.py counts them as a buffer), in its DP
+    replica's precision (--data-parallel-precisions)."""
+    args = with_rank_precision(args, grid.dp_rank)
     zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
     low = bool(args.bf16 or args.fp16)
     chunks = build_chunks(mcfg, grid)
