@@ -3,22 +3,26 @@
 Memory: the exact training-state bytes of each pipeline stage's rank (memory.py), activations of the micro-
 batches the schedule keeps in flight there (activations.py; 1F1B: p - i on stage i, interleaved: Megatron's
 warm-up count of chunks, each 1/v of the layers), a full-recompute chunk's transient, communication buffers
-(ZeRO-2: two buckets' full fp32 gradients; ZeRO-3: two gathered units, the prefetch) and RESERVED for the
+(ZeRO-2: two buckets' full fp32 gradients, all of them where it reduces once; ZeRO-3: two gathered units, the
+prefetch; --optimizer-cpu-offload's host part left out, reported as host) and RESERVED for the
 CUDA context and NCCL; a layout fits where that leaves FRAGMENTATION of the GPU free (headroom >= 0).
 
-Time per micro-batch on stage i (its slowest GPU): GEMM FLOPs of its layers (forward, backward 2x, a
-recompute pass) at peak x gemm_efficiency x each GEMM's tile and wave utilisation on the GPU's SMs (gemm.py); causal attention (half the s^2 FLOPs of the convention) at peak x
-ATTENTION_EFFICIENCY; element-wise passes (norms, residuals, activation, rope) at memory bandwidth; at least
-the host's time to launch the operators (the device runs ahead of the host only while it has more work); the TP
-collectives ((t-1)/t of [s, b, h] per gather / scatter, four each way per layer, not overlapped, as
-megalite runs them, each with the cluster's start-up latency); the CP ring's k/v blocks beyond what attention hides; the p2p sends. The pipeline
-takes (m - 1) max_i t_i + sum_i t_i (1F1B) or m max_i t_i + (p - 1) max_i t_i / v (interleaved); the
-bubble is what exceeds m max_i t_i. Data parallelism: ring all-reduce / reduce-scatter of the fp32
-gradients, hidden behind the last micro-batch's backward (ZeRO-2: every micro-batch's; ZeRO-3: also the
-gathers, each micro-batch's behind its compute) but for one bucket (--no-overlap-grad-reduce: none of it at
-ZeRO-0/1), then the parameters' all-gather (ZeRO-1/2; behind the next forward with --overlap-param-gather) and
-Adam over this rank's shard at memory bandwidth. Links: a group inside a node uses the
-node's link, else the inter-node one."""
+Time per micro-batch on stage i (its slowest GPU): GEMM FLOPs of its layers (forward, backward 2x, a recompute
+pass) at peak x gemm_efficiency x each GEMM's tile and wave utilisation on the GPU's SMs (gemm.py); causal
+attention (half the s^2 FLOPs of the convention) at peak x ATTENTION_EFFICIENCY; element-wise passes (norms,
+residuals, activation, rope) at memory bandwidth; at least the host's time to launch the operators (the device runs
+ahead of the host only while it has more work); the TP collectives ((t-1)/t of [s, b, h] per gather / scatter, four
+each way per layer, not overlapped, as megalite runs them, each with the cluster's start-up latency); the CP ring's
+k/v blocks beyond what attention hides; the p2p sends. The pipeline takes (m - 1) max_i t_i + sum_i t_i (1F1B) or m
+max_i t_i + (p - 1) max_i t_i / v (interleaved); the bubble is what exceeds m max_i t_i. Data parallelism: ring
+all-reduce / reduce-scatter of the fp32 gradients, hidden behind the last micro-batch's backward (ZeRO-2: every
+micro-batch's; ZeRO-3: also the gathers, each micro-batch's behind its compute) but for one bucket
+(--no-overlap-grad-reduce: none of it at ZeRO-0/1), then the parameters' all-gather (ZeRO-1/2; behind the next
+forward with --overlap-param-gather) and Adam over this rank's shard at memory bandwidth. Links: a group inside a
+node uses the node's link, else the inter-node one. Per data-parallel replica where replicas differ (GPUs,
+--data-parallel-micro-batch-sizes, --data-parallel-precisions, an offload fraction each): its micro-batch count
+from the run's iteration plan, its activations and state on its own GPUs, its pace; the slowest replica sets the
+step."""
 
 import dataclasses
 
@@ -27,8 +31,8 @@ from megalite.arguments import model_config
 from megalite.config import ConfigError
 from megalite.flops import num_floating_point_operations
 from megalite.iteration_plan import training_plan
-from megalite.mixed_gpu_flags import with_rank_precision
 from megalite.microbatches import batch_schedule
+from megalite.mixed_gpu_flags import with_rank_precision
 from megalite.planner import activations, memory, optimizer_step, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
 from megalite.planner.memory import zero_as_run
