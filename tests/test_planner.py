@@ -282,13 +282,13 @@ def test_per_replica_micro_batch_sizes_are_priced():
 
 
 def test_the_search_gives_the_replica_that_runs_out_smaller_micro_batches():
-    from megalite.planner.search import _fit_micros
+    from megalite.planner.search import _fit_replicas
     cluster = parse_cluster("1xA100-80GB,1xRTX3090-24GB", gpus_per_node=1)
     long = [a if a != "1024" or GPT[i - 1] == "--hidden-size" else "4096" for i, a in enumerate(GPT)]  # seq 4096
     lay = Layout(1, 1, 1, 2, None, None, 1, None, 16, False, shares=(3, 1))
     args = validated(long, lay, 2)
     assert not cost.predict(args, lay, cluster).fits  # the 3090 cannot hold 16 sequences of 4096
-    p = _fit_micros(long, args, lay, cluster)
+    p = _fit_replicas(long, args, lay, cluster)
     assert p.fits and p.layout.micros == (16, 8) and "--data-parallel-micro-batch-sizes 16,8" in " ".join(p.flags)
 
 
@@ -328,12 +328,20 @@ def test_optimizer_offload_is_priced():
     """--optimizer-cpu-offload: the offloaded fraction's fp32 main values and states leave the GPU (host memory
     holds them and their gradients), the step pays the host's AdamW and the copies over the host link (behind
     the device's part with --overlap-cpu-optimizer-d2h-h2d); a fraction per replica; auto is one line."""
+    import dataclasses
+
+    from megalite.arguments import check_args
     from megalite.planner.optimizer_step import HOST_GBPS
     cluster = parse_cluster("2xA100-80GB")
     lay = Layout(1, 1, 1, 2, None, None, 1, None, 1, False)
-    off = ["--optimizer-cpu-offload", "--optimizer-offload-fraction"]
-    base, half, whole, overlapped = (cost.predict(validated(GPT + x, lay, 2), lay, cluster) for x in (
-        [], off + ["0.5"], off + ["1"], off + ["0.5", "--overlap-cpu-optimizer-d2h-h2d"]))
+
+    def plan(offload, extra=(), cluster=cluster):
+        at = dataclasses.replace(lay, offload=offload)
+        return cost.predict(validated(GPT + list(extra), at, 2), at, cluster)
+    base, half, whole = plan(None), plan((0.5, 0.5)), plan((1.0, 1.0))
+    overlapped = plan((0.5, 0.5), ["--overlap-cpu-optimizer-d2h-h2d"])
+    assert "--optimizer-cpu-offload --optimizer-offload-fraction 0.5" in " ".join(half.flags)
+    assert layout_from_args(validated(GPT, dataclasses.replace(lay, offload=(0.0, 1.0)), 2)).offload == (0.0, 1.0)
     assert base.memory["host"] == 0 < half.memory["host"] < whole.memory["host"]
     moved = base.memory["optimizer"] - whole.memory["optimizer"]  # every main value and Adam state (bf16 model)
     elements = moved / 12
@@ -344,10 +352,11 @@ def test_optimizer_offload_is_priced():
     assert whole.time["optimizer"] == pytest.approx(host_step + copies, rel=1e-6)
     assert overlapped.time["optimizer"] < half.time["optimizer"]  # the copies behind the device's half
     mixed = parse_cluster("1xA100-80GB,1xRTX3090-24GB", gpus_per_node=1)  # only the 3090's replica offloads
-    per = cost.predict(validated(GPT + off + ["0,1"], lay, 2), lay, mixed)
+    per = plan((0.0, 1.0), cluster=mixed)
     assert per.memory["gpu"] == "RTX3090-24GB" and per.memory["host"] == whole.memory["host"]
     with pytest.raises(ConfigError, match="not auto"):
-        cost.predict(validated(GPT + off + ["auto", "--device-memory-budget", "20"], lay, 2), lay, cluster)
+        layout_from_args(check_args(GPT + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "auto",
+                                           "--device-memory-budget", "20"], 2))
 
 
 def test_per_replica_precisions_are_priced():
@@ -371,3 +380,20 @@ def test_per_replica_precisions_are_priced():
     assert half.mfu == pytest.approx(half.tflops_per_gpu / peak, rel=1e-12)
     with pytest.raises(ConfigError, match="replica 1 runs on V100-32GB, which cannot compute in bf16"):
         plan("bf16,bf16")
+
+
+def test_the_search_offloads_the_optimizer_of_the_replica_that_runs_out():
+    """A 1.3B model without ZeRO: 18 bytes of state per parameter do not fit an RTX 3090 at any micro-batch; the
+    search keeps the 3090 replica's optimizer on the host, the A100's on its GPU. A fraction the user gives is
+    every candidate's."""
+    from megalite.planner.search import _fit_replicas
+    big = [a for a in GPT]
+    big[big.index("--num-layers") + 1], big[big.index("--hidden-size") + 1] = "24", "2048"
+    cluster = parse_cluster("1xA100-80GB,1xRTX3090-24GB", gpus_per_node=1)
+    lay = Layout(1, 1, 1, 2, None, None, 0, None, 1, False)
+    args = validated(big, lay, 2)
+    assert not cost.predict(args, lay, cluster).fits
+    p = _fit_replicas(big, args, lay, cluster)
+    assert p.fits and p.layout.offload in ((0.0, 0.5), (0.0, 1.0)) and "--optimizer-cpu-offload" in p.flags
+    found, _ = search(big + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25"], cluster, top=3)
+    assert found and all(p.layout.offload == (0.25,) * p.layout.dp for p in found)

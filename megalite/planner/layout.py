@@ -15,7 +15,7 @@ LAYOUT_FLAGS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-si
                 "--recompute-activations": 0, "--num-virtual-stages-per-pipeline-rank": 1,
                 "--decoder-first-pipeline-num-layers": 1, "--decoder-last-pipeline-num-layers": 1,
                 "--pipeline-model-parallel-layout": 1, "--data-parallel-shares": 1,
-                "--data-parallel-micro-batch-sizes": 1}
+                "--data-parallel-micro-batch-sizes": 1, "--optimizer-cpu-offload": 0, "--optimizer-offload-fraction": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Layout:
     shares: tuple = None  # micro-batches per DP rank where not equal (--data-parallel-shares: GPUs of other speeds)
     etp: int = None  # MoE: the experts' TP size (megalite's default: the TP size)
     micros: tuple = None  # micro-batch size per DP replica where not equal (--data-parallel-micro-batch-sizes)
+    offload: tuple = None  # optimizer fraction per DP replica kept on the host (--optimizer-cpu-offload)
 
     @property
     def expert_tp(self):
@@ -66,6 +67,9 @@ class Layout:
             f += ["--data-parallel-shares", ",".join(map(str, self.shares))]
         if self.micros:
             f += ["--data-parallel-micro-batch-sizes", ",".join(map(str, self.micros))]
+        if self.offload:
+            f += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                  ",".join(map(str, self.offload)) if len(set(self.offload)) > 1 else str(self.offload[0])]
         return f + ["--micro-batch-size", str(self.micro)]
 
     def micro_of(self, d):
@@ -80,6 +84,7 @@ class Layout:
                   f"mbs {','.join(map(str, self.micros)) if self.micros else self.micro}"]
         parts += [f"layers {'/'.join(map(str, self.stage_layers))}"] if self.stage_layers else []
         parts += [f"shares {','.join(map(str, self.shares))}"] if self.shares else []
+        parts += [f"offload {','.join(map(str, self.offload))}"] if self.offload else []
         return " ".join(parts)
 
 
@@ -125,7 +130,18 @@ def layout_from_args(args):
     return Layout(args.tensor_model_parallel_size, pp, args.context_parallel_size, args.data_parallel_size, vp, ep,
                   (args.zero_stage or 1) if args.use_distributed_optimizer else 0,
                   "full" if full else args.recompute_granularity, micro, args.sequence_parallel,
-                  counts, _shares(args), etp, micros)
+                  counts, _shares(args), etp, micros, _offload(args))
+
+
+def _offload(args):
+    """--optimizer-cpu-offload's fraction per DP replica (None without it)."""
+    if not args.optimizer_cpu_offload:
+        return None
+    f = args.optimizer_offload_fraction
+    if f == "auto":
+        raise ConfigError("the planner prices a given --optimizer-offload-fraction, not auto (sized at start to "
+                          "--device-memory-budget): give the fraction")
+    return tuple(float(x) for x in f) if isinstance(f, (list, tuple)) else (float(f),) * args.data_parallel_size
 
 
 def _micros(args):

@@ -7,7 +7,7 @@ with 1 or 2 layers per virtual stage (only where that gives at least 2 chunks pe
 the divisors of the experts that divide DP x CP x TP (MoE) with the experts' TP 1 or TP, ZeRO 0-3, recompute
 none / selective / full and micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank. On mixed clusters
 the layers go to the stages and the micro-batches to the replicas by their GPUs' speed, and a replica on a GPU
-that runs out of memory gets smaller micro-batches."""
+that runs out of memory gets smaller micro-batches, then its optimizer on the host."""
 
 import dataclasses
 
@@ -43,29 +43,58 @@ def candidates(args, world, gpus_per_node, recomputes=(None, "selective", "full"
                                             yield Layout(tp, pp, cp, dp, vp, ep, zero, rc, micro, tp > 1, etp=etp)
 
 
-def _fit_micros(model_argv, args, lay, cluster):
-    """The layout's prediction; where it does not fit and its replicas hold different GPUs, halved micro-batches
-    (--data-parallel-micro-batch-sizes) for the replicas on the GPU type that runs out, until it fits, the
-    sizes come out equal (a layout of its own) or megalite would not launch them (samples not whole
-    micro-batches)."""
+def _fit_replicas(model_argv, args, lay, cluster):
+    """The layout's prediction; where it does not fit and its replicas hold different GPUs, the replicas on the
+    GPU type that runs out get halved micro-batches (--data-parallel-micro-batch-sizes) until it fits, the sizes
+    come out equal (a layout of its own) or megalite would not launch them (samples not whole micro-batches);
+    then, where the layout chose no offload, half and then all of their optimizer on the host
+    (--optimizer-cpu-offload)."""
     p = predict(args, lay, cluster)
-    micros = [lay.micro_of(d) for d in range(lay.dp)]
-    while not p.fits and lay.dp > 1 and shares.mixed(lay, cluster):
-        short = [d for d in range(lay.dp) if micros[d] > 1 and any(
-            g.name == p.memory["gpu"] for i in range(lay.pp) for g in shares.replica_gpus(lay, cluster, d, i))]
-        if not short:
-            break
-        for d in short:
-            micros[d] //= 2
-        if len(set(micros)) == 1:
-            break
+    if p.fits or lay.dp == 1 or not shares.mixed(lay, cluster):
+        return p
+
+    def short(p, lay):
+        return [d for d in range(lay.dp) if any(g.name == p.memory["gpu"] for i in range(lay.pp)
+                                                for g in shares.replica_gpus(lay, cluster, d, i))]
+
+    def tried(changed):
         try:
-            smaller = dataclasses.replace(lay, micros=tuple(micros))
-            p = predict(validated(model_argv, smaller, cluster.size), smaller, cluster)
+            return changed, predict(validated(model_argv, changed, cluster.size), changed, cluster)
         except ConfigError:
+            return None, None
+    micros = [lay.micro_of(d) for d in range(lay.dp)]
+    while not p.fits:
+        halved = [d for d in short(p, lay) if micros[d] > 1]
+        for d in halved:
+            micros[d] //= 2
+        if not halved or len(set(micros)) == 1:
             break
-        lay = smaller
+        smaller, q = tried(dataclasses.replace(lay, micros=tuple(micros)))
+        if smaller is None:
+            break
+        lay, p = smaller, q
+    for fraction in (0.5, 1.0) if lay.offload is None else ():
+        if p.fits:
+            break
+        low = short(p, lay)
+        offloaded, q = tried(dataclasses.replace(lay, offload=tuple(fraction if d in low else 0.0
+                                                                   for d in range(lay.dp))))
+        if offloaded is not None:
+            lay, p = offloaded, q
     return p
+
+
+def _given_offload(model_argv):
+    """The user's --optimizer-cpu-offload fraction for every candidate (None without it)."""
+    if "--optimizer-cpu-offload" not in model_argv:
+        return None
+    i = model_argv.index("--optimizer-offload-fraction") if "--optimizer-offload-fraction" in model_argv else -1
+    text = model_argv[i + 1] if i >= 0 else "1.0"
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--optimizer-offload-fraction {text}: the search takes one fraction for every layout (or "
+                          "none: then it offloads where a replica's GPU runs out)") from None
 
 
 def search(model_argv, cluster, top=5, limit=None, **choices):
@@ -74,7 +103,10 @@ def search(model_argv, cluster, top=5, limit=None, **choices):
     args0 = validated(model_argv, Layout(), 1)  # the model's and batch's own figures (one GPU's view)
     check_plannable(args0, cluster)
     fits, tight, n = [], [], 0
+    offload = _given_offload(model_argv)
     for lay in candidates(args0, cluster.size, cluster.gpus_per_node, **choices):
+        if offload is not None:
+            lay = dataclasses.replace(lay, offload=(offload,) * lay.dp)
         try:
             args = validated(model_argv, lay, cluster.size)
             try:
@@ -92,7 +124,7 @@ def search(model_argv, cluster, top=5, limit=None, **choices):
         except ConfigError:
             continue
         n += 1
-        p = _fit_micros(model_argv, args, lay, cluster)
+        p = _fit_replicas(model_argv, args, lay, cluster)
         (fits if p.fits else tight).append(p)
         if limit and n >= limit:
             break
