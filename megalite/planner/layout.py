@@ -139,8 +139,8 @@ def _offload(args):
         return None
     f = args.optimizer_offload_fraction
     if f == "auto":
-        raise ConfigError("the planner prices a given --optimizer-offload-fraction, not auto (sized at start to "
-                          "--device-memory-budget): give the fraction")
+        from megalite.planner.memory import OFFLOAD_AUTO
+        raise ConfigError(OFFLOAD_AUTO)
     return tuple(float(x) for x in f) if isinstance(f, (list, tuple)) else (float(f),) * args.data_parallel_size
 
 

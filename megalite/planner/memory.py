@@ -138,12 +138,15 @@ def training_state(args, mcfg, grid):
     return dataclasses.replace(_STATES[key])
 
 
+OFFLOAD_AUTO = ("the planner prices a given --optimizer-offload-fraction, not auto (sized at start to "
+                "--device-memory-budget): give the fraction")
+
+
 def _offload_fraction(args, grid):
     """This rank's --optimizer-offload-fraction (0 without --optimizer-cpu-offload; a list: its DP replica's)."""
     f = args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
     if f == "auto":
-        raise ConfigError("the planner prices a given --optimizer-offload-fraction, not auto (sized at start to "
-                          "--device-memory-budget): give the fraction")
+        raise ConfigError(OFFLOAD_AUTO)
     return float(f[grid.dp_rank] if isinstance(f, (list, tuple)) else f)
 
 
