@@ -138,6 +138,8 @@ def predict(args, layout, cluster):
     replicas = range(1) if alike else range(layout.dp)  # (alike: one stands for all, the largest share decides)
     counts = [max(every)] if alike else every
     zero = zero_as_run(args)  # (ZeRO-2 whose ranks run different counts reduces once, as ZeRO-1)
+    # each replica's model config and activation bytes (--data-parallel-precisions: its own), once for all stages
+    figures = {d: _figures(with_rank_precision(args, d), layout)[:2] for d in replicas}
     stage_times, worst, dp_bytes, opt = [], None, {}, 0.0
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
     for i in range(layout.pp):
@@ -151,7 +153,7 @@ def predict(args, layout, cluster):
         per_replica = []
         for r, d in enumerate(replicas):  # a replica's stage: its micro-batches' activations, its GPUs
             micro = layout.micro_of(d)
-            cd, ed, _ = _figures(with_rank_precision(args, d), layout)  # (--data-parallel-precisions: its own)
+            cd, ed = figures[d]
             if d and per_replica_state:  # replica d's own offload fraction or precision: its state bytes
                 state = memory.training_state(args, c, ps.Grid.of(
                     layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,

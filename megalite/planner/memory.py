@@ -20,6 +20,8 @@ import dataclasses
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
+from megalite.iteration_plan import reduces_once, training_plan
+from megalite.microbatches import batch_schedule
 from megalite.mixed_gpu_flags import with_rank_precision
 from megalite.optimizer.muon import is_muon_matrix
 from megalite.optimizer.offload import host_split
@@ -113,8 +115,6 @@ def zero_as_run(args):
     fp32 gradients accumulated over the iteration, one reduce-scatter."""
     zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
     if zero == 2 and (args.data_parallel_shares or args.data_parallel_micro_batch_sizes):
-        from megalite.iteration_plan import reduces_once, training_plan
-        from megalite.microbatches import batch_schedule
         if reduces_once(args, training_plan(args, batch_schedule(args))):
             return 1
     return zero
