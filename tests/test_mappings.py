@@ -54,13 +54,40 @@ def _check(n):
     # reduce-scatter (sequence): sum then keep slice / all-gather grads
     y, dx = run(tpl.reduce_scatter_to_sequence_parallel_region, xs[r], lambda y: gf[r])
     out["reduce_scatter_seq"] = torch.allclose(y, sum(xs).chunk(n, 0)[r]) and torch.equal(dx, torch.cat(gf, 0))
+    # linear over the gathered sequence: the same bits as gather + F.linear, only this rank's rows saved
+    w, b = _full(30, (2 * H, H)), _full(31, (2 * H,))
+    out["gather_linear"] = _same_as_gather_then_linear(xs[r], w, b, big[r][..., :1].expand(-1, -1, 2 * H))
+    out["gather_linear_saves_rows"] = _saved_numel(xs[r], w, b) == xs[r].numel()
     return out
+
+
+def _grads(f, x, w, b, g):
+    x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+    y = f(x, w, b)
+    y.backward(g)
+    return [y, x.grad, w.grad, b.grad]
+
+
+def _same_as_gather_then_linear(x, w, b, g):
+    mine = _grads(tpl.linear_with_sequence_parallel_gather, x, w, b, g)
+    autograd = _grads(lambda x, w, b: torch.nn.functional.linear(tpl.gather_from_sequence_parallel_region(x), w, b),
+                      x, w, b, g)
+    return all(torch.equal(m, a) for m, a in zip(mine, autograd))
+
+
+def _saved_numel(x, w, b):
+    """Elements the gathered linear keeps for backward beside its weight."""
+    x, w, b = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        tpl.linear_with_sequence_parallel_gather(x, w, b)
+    return sum(t.numel() for t in kept if t is not w)
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_primitives_match_definitions(n):
     for rank, out in enumerate(run_on_ranks(_check, n, n)):
-        assert len(out) == 8
+        assert len(out) == 10
         bad = [k for k, ok in out.items() if not ok]
         assert not bad, f"rank {rank} of {n}: primitives differ from their definition: {bad}"
 
@@ -74,5 +101,20 @@ def test_primitives_are_identities_on_one_rank():
                   tpl.scatter_to_sequence_parallel_region, tpl.gather_from_sequence_parallel_region,
                   tpl.reduce_scatter_to_sequence_parallel_region):
             assert torch.equal(f(x), x), f.__name__
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_linear_is_autograds_linear_on_one_rank(dtype):
+    """Its own backward GEMMs give autograd's bits (fp32 and bf16, with and without a bias)."""
+    ps.initialize_model_parallel(1, 1)
+    try:
+        x, w, b, g = (torch.randn(shape, generator=torch.Generator().manual_seed(k)).to(dtype)
+                      for k, shape in enumerate([(24, 3, 40), (56, 40), (56,), (24, 3, 56)]))
+        for bias in (b, None):
+            fs = [tpl.linear_with_sequence_parallel_gather, torch.nn.functional.linear]
+            got = [_grads(lambda x, w, _: f(x, w, bias), x, w, b, g)[:3] for f in fs]
+            assert all(torch.equal(m, a) for m, a in zip(*got)), f"{dtype}, bias {bias is not None}"
     finally:
         ps.destroy_model_parallel()

@@ -41,15 +41,26 @@ CASES = {
 }
 
 
-def _saved_bytes(cases):
+# One layer exactly under TP2 + SP on the ranks (a 2-layer model's saved bytes minus a 1-layer one's): the column
+# layers keep their own rows of the input (gathered again in backward), not the gathered sequence.
+SP_LAYER_CASES = {
+    "gpt_tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "llama_tp2_sp_qk_layernorm": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--swiglu",
+                                  "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+                                  "--num-query-groups", "2", "--qk-layernorm"],
+}
+
+
+def _saved_bytes(cases, layer_cases=()):
     import torch
     from megalite import parallel_state as ps
     from megalite.arguments import model_config, parse_args
     from megalite.models.gpt import GPTModel
     from megalite.memory_budget import saved_activation_bytes
-    from megalite.planner.activations import chunk_bytes
+    from megalite.planner.activations import chunk_bytes, layer_bytes
     from megalite.tensor_parallel import model_parallel_manual_seed
     out = []
+    cases = list(cases) + [((2, 1), flags + ["--num-layers", str(n)]) for flags in layer_cases for n in (1, 2)]
     for (tp, cp), flags in cases:
         args = parse_args(MODEL + flags, world_size=4)
         ps.initialize_model_parallel(tp, 1, context_parallel_size=cp, expert_model_parallel_size=(
@@ -64,22 +75,30 @@ def _saved_bytes(cases):
         # a forward's distinct saved storages, weights left out (the auto sizing's own measure)
         saved = saved_activation_bytes(lambda: model(ids, labels=ids).sum(), model.parameters())
         e = 2 if args.bf16 else 4
-        predicted = chunk_bytes(c, ps._grid(), 2, e, 3, True, True, model.padded_vocab_size, backend="torch")
-        out.append((saved, predicted))
+        predicted = chunk_bytes(c, ps._grid(), 2, e, c.num_layers, True, True, model.padded_vocab_size,
+                                backend="torch")
+        out.append((saved, predicted, layer_bytes(c, ps._grid(), 2, e, backend="torch")))
         ps.destroy_model_parallel()
     return out
 
 
 @pytest.fixture(scope="module")
 def world():
-    return run_on_ranks(_saved_bytes, 4, list(CASES.values()), timeout=300)
+    return run_on_ranks(_saved_bytes, 4, list(CASES.values()), list(SP_LAYER_CASES.values()), timeout=300)
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=list(CASES))
 def test_predicted_activations_within_10_percent_of_the_saved(world, i):
     for rank, results in enumerate(world):
-        measured, predicted = results[i]
+        measured, predicted, _ = results[i]
         assert abs(predicted - measured) <= 0.1 * measured, f"rank {rank}: predicted {predicted}, saved {measured}"
+
+
+@pytest.mark.parametrize("j", range(len(SP_LAYER_CASES)), ids=list(SP_LAYER_CASES))
+def test_one_layer_under_sequence_parallelism_saves_exactly_what_the_model_counts(world, j):
+    for rank, results in enumerate(world):
+        (one, _, _), (two, _, layer) = results[len(CASES) + 2 * j: len(CASES) + 2 * j + 2]
+        assert two - one == layer, f"rank {rank}: measured {two - one}, the model {layer}"
 
 
 # One layer exactly (a 2-layer model's saved bytes minus a 1-layer one's, one process, micro-batch 2): what each

@@ -4,14 +4,15 @@
 Per pre-norm transformer layer, with S = seq / CP rows of b sequences, t the TP size, S_n = S / t under
 sequence parallelism (else S) and e the activation dtype's bytes:
   each norm          its input [S_n, b, h] and its statistics (LayerNorm mean and rstd, RMSNorm rstd)
-  linear_qkv         its input [S, b, h] (gathered under SP); q, k and v [S, b, (hq + 2 hkv) d / t] in all,
+  linear_qkv         its input [S_n, b, h] (under SP its own rows: it gathers them again in backward, as
+                     Megatron does); q, k and v [S, b, (hq + 2 hkv) d / t] in all,
                      copied out of its output (rotated, with rope) so that the output itself is freed;
                      --qk-layernorm: each head's norm keeps its input and statistics
   attention          flash / SDPA: its output [S, b, hq d / t] (the projection's input) and the fp32
                      log-sum-exp [b, hq / t, S] (CP's ring: fp32 copies of k and v instead of k and v);
                      --recompute-granularity selective keeps a copy of the
                      output instead of the two (attention runs again in backward)
-  MLP                fc1's input [S, b, h], fc1's output [S, b, ffn (x2 SwiGLU) / t], the activation's
+  MLP                fc1's input [S_n, b, h], fc1's output [S, b, ffn (x2 SwiGLU) / t], the activation's
                      output [S, b, ffn / t] (and SwiGLU's silu(gate) on the torch path)
 and nothing else (no dropout masks with dropout 0; attention dropout draws its masks again in backward on
 the flash path). Full recompute keeps only each recomputed chunk's input [S_n, b, h]. Outside the layers:
@@ -51,28 +52,26 @@ def _moe(c, grid, tokens, rows_all, e, backend):
     ffn = c.moe_ffn_hidden_size // (grid.expert_tp()[0] if grid.experts else grid.tp)
     out = tokens * c.hidden_size * 4 + tokens * experts * 4 + 12 * tokens * k  # router input (fp32), scores, top-k
     out += 28 * r + 3 * r * c.hidden_size * e + r * ffn * _ffn_factor(c, backend) * e
-    if c.moe_shared_expert_intermediate_size:  # a TP-sharded MLP on every token (gathered under SP)
-        shared = c.moe_shared_expert_intermediate_size // grid.tp
-        out += rows_all * c.hidden_size * e + rows_all * shared * _ffn_factor(c, backend) * e
+    if c.moe_shared_expert_intermediate_size:  # a TP-sharded MLP on every token (its input: this rank's rows,
+        shared = c.moe_shared_expert_intermediate_size // grid.tp  # the router's fp32 input itself in fp32)
+        out += (tokens * c.hidden_size * e if e != 4 else 0) + rows_all * shared * _ffn_factor(c, backend) * e
     return out
 
 
 def _mla(c, grid, rows, S, b, e, backend):
     """Multi-latent attention's saved bytes (transformer/mla.py): the layer input its duplicated down-projections
-    read (this rank's rows), the latents and their norms, the up-projections' inputs (gathered under SP), the
-    value heads (copied out of the k/v up-projection's output), the assembled q and k, and attention's output (also
-    the projection's input) and LSE."""
+    read (this rank's rows, which the q projection keeps too), the latents and their norms (the up-projections'
+    inputs: this rank's rows under SP), the value heads (copied out of the k/v up-projection's output), the
+    assembled q and k, and attention's output (also the projection's input) and LSE."""
     h, n = c.hidden_size, c.num_attention_heads // grid.tp
-    dq, dv, sp = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim, c.sequence_parallel and grid.tp > 1
-    out = rows * b * h * e + (S * b * h * e if c.q_lora_rank is None and sp else 0)
+    dq, dv = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
+    out = rows * b * h * e
     for latent, extra in ((c.q_lora_rank, 0), (c.kv_lora_rank, c.qk_pos_emb_head_dim)):
         if latent is None:
             continue
         out += rows * b * (latent + extra) * e  # the down-projection's output
-        if c.qk_layernorm:
-            out += _norm(c, rows, b, latent, e, backend) - rows * b * latent * e  # (its input: the output above)
-        if sp or c.qk_layernorm:  # the up-projection's input: gathered, or the norm's output
-            out += S * b * latent * e
+        if c.qk_layernorm:  # its norm (input: the output above) and output, the up-projection's input
+            out += _norm(c, rows, b, latent, e, backend)
     out += S * b * n * dv * e + 2 * S * b * n * dq * e  # v; q and k
     out += S * b * n * dv * e + (0 if c.recompute_granularity == "selective" else b * n * S * 4)
     return out
@@ -92,7 +91,7 @@ def layer_bytes(c, grid, micro, e, backend="triton", layer_number=1):
     if c.multi_latent_attention:
         out += _mla(c, grid, rows, S, b, e, backend)
     else:
-        out += S * b * h * e + S * b * hq * d * e  # qkv's input; q
+        out += rows * b * h * e + S * b * hq * d * e  # qkv's input (this rank's rows under SP); q
         if grid.cp > 1 and (c.cp_comm_type or ["p2p"])[0] == "p2p":
             out += 2 * S * b * hkv * d * 4  # ring attention keeps contiguous fp32 k and v (the blocks it passes on)
         else:
@@ -102,7 +101,7 @@ def layer_bytes(c, grid, micro, e, backend="triton", layer_number=1):
         out += S * b * hq * d * e + (0 if c.recompute_granularity == "selective" else b * hq * S * 4)
     if c.is_moe_layer(layer_number):
         return out + _moe(c, grid, rows * b, S * b, e, backend)
-    out += S * b * h * e + S * b * ffn * _ffn_factor(c, backend) * e
+    out += rows * b * h * e + S * b * ffn * _ffn_factor(c, backend) * e  # fc1's input, its output on
     return out
 
 
@@ -127,7 +126,7 @@ def chunk_bytes(c, grid, micro, e, num_layers, pre, post, padded_vocab, backend=
         out += 2 * S * c.kv_channels * 4  # the cos / sin tables, shared by the layers
     if post:
         v = padded_vocab // t
-        out += _norm(c, rows, b, h, e, backend) + S * b * h * e + S * b * 8
+        out += _norm(c, rows, b, h, e, backend) + rows * b * h * e + S * b * 8  # the output layer's input
         out += S * b * v * 4 + 4 if backend == "torch" else S * b * v * e
     return out
 

@@ -301,6 +301,7 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     # the GEMMs' FLOPs x passes, each pass at its shapes' tile and wave utilisation (gemm.py)
     dense = not (c.multi_latent_attention or moe)
     gemm *= gemm_shapes.time_factor(gemm_shapes.layer_gemms(c, b * s, t), passes - 2, gpu.sms) if dense else passes
+    dgrad = gemm / passes / max(1, layers)  # a layer's input-gradient GEMMs, in FLOPs (about one pass of them)
     if last:
         gemm += 2 * b * s * h * vocab / t * gemm_shapes.time_factor([(b * s, h, vocab // t)], passes - 2, gpu.sms)
     attn_passes = passes + (1 if c.recompute_granularity == "selective" else 0)
@@ -321,7 +322,13 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     compute = max(compute, host) if gpu.asynchronous else compute + host  # (a CPU runs its ops itself)
     act = s * b * h * e
     alpha = cluster.latency_us * 1e-6  # each collective's start-up, whatever its size
-    tp = (_ring(act, t, cluster.link_gbps(_ranks(layout, cluster, i, "tp")), 8) + 8 * alpha) * layers if t > 1 else 0
+    tp = 0.0
+    if t > 1:
+        tp_gbps = cluster.link_gbps(_ranks(layout, cluster, i, "tp"))
+        tp = _ring(act, t, tp_gbps, 8) + 8 * alpha  # a layer's 4 collectives forward and their 4 adjoints backward
+        if c.sequence_parallel:  # backward gathers QKV's and fc1's input rows again, behind the input-gradient GEMMs
+            tp += max(0.0, 2 * (_ring(act, t, tp_gbps) + alpha) - dgrad / (rate * gpu.gemm_efficiency))
+        tp *= layers
     kv = s * b * 2 * (c.num_query_groups // t) * c.kv_channels * e
     ring = 3 * (cp - 1) * (kv / (cluster.link_gbps(_ranks(layout, cluster, i, "cp")) * 1e9) + alpha) * layers \
         if cp > 1 else 0

@@ -12,6 +12,7 @@ from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    linear_with_sequence_parallel_gather,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -25,5 +26,6 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region", "scatter_to_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+    "linear_with_sequence_parallel_gather",
     "checkpoint", "get_rng_tracker", "model_parallel_manual_seed",
 ]

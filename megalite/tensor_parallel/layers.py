@@ -24,8 +24,8 @@ from megalite.tensor_parallel.init import (  # noqa: F401 (re-exported)
 )
 from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    linear_with_sequence_parallel_gather,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
@@ -66,7 +66,8 @@ class ColumnParallelLinear(nn.Module):
 
     gather_output: all-gather Y so every rank has the full output.
     skip_bias_add: return (Y, b) so the caller can fuse the bias into the next op.
-    sequence_parallel: the input is sequence-sharded; it is all-gathered here.
+    sequence_parallel: the input is sequence-sharded; it is all-gathered here (again in backward: only this
+    rank's rows are kept, as Megatron keeps them).
     shard_chunks: the output features are `shard_chunks` stacked blocks sharded blockwise.
     expert: an MoE expert's layer: sharded over expert-TP, and no communication here (the token
     dispatcher gathers the input rows and reduces the partial outputs, megalite/moe/dispatcher.py).
@@ -106,12 +107,11 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         if self.expert:
             return (F.linear(x, weight), None) if self.skip_bias_add else F.linear(x, weight)
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, grid=self.grid)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, grid=self.grid)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, weight, bias)
+        if self.sequence_parallel:  # (keeps only this rank's rows of x for backward)
+            y = linear_with_sequence_parallel_gather(x, weight, bias, grid=self.grid)
+        else:
+            y = F.linear(copy_to_tensor_model_parallel_region(x, grid=self.grid), weight, bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, grid=self.grid)
         if self.skip_bias_add:
