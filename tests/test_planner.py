@@ -74,6 +74,21 @@ def test_search_ranks_launchable_layouts_that_fit():
         assert layout_from_args(validated(GPT, p.layout, 8)) == p.layout
 
 
+def test_a_pasted_overlap_param_gather_applies_to_the_layouts_with_zero():
+    """A Megatron launch line's --use-distributed-optimizer --overlap-param-gather: the search still tries every
+    layout (those without ZeRO run without the gather it overlaps), and its ZeRO layouts are priced with it."""
+    cluster = parse_cluster("16xA100-80GB")
+    zero = dict(recomputes=(None,), zeros=(0, 1))
+    plain, n_plain = search(GPT, cluster, top=1000, **zero)
+    pasted, n_pasted = search(GPT + ["--use-distributed-optimizer", "--overlap-param-gather"], cluster, top=1000,
+                              **zero)
+    assert n_pasted == n_plain and len(pasted) == len(plain)
+    times = {p.layout: p.time["dp"] for p in plain}
+    with_zero = [(p.time["dp"], times[p.layout]) for p in pasted if p.layout.zero]
+    assert all(a <= b for a, b in with_zero) and any(a < b for a, b in with_zero)  # (a gather under a bucket: all)
+    assert all(p.time["dp"] == times[p.layout] for p in pasted if not p.layout.zero)
+
+
 def _plan(argv):
     """tools/plan.py's main in this process (a process start re-imports torch): (exit status, stdout, stderr)."""
     from cli_batch import run_tool

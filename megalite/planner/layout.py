@@ -161,8 +161,12 @@ def _shares(args):
 
 def validated(model_argv, layout, world_size):
     """megalite's parsed arguments for the user's model flags at this layout; ConfigError where megalite
-    would refuse to launch it."""
-    args = check_args(strip_layout_flags(model_argv) + layout.flags(), world_size)
+    would refuse to launch it. The user's --overlap-param-gather (ZeRO's) applies to the layouts with ZeRO; those
+    without run without it."""
+    argv = strip_layout_flags(model_argv)
+    if not layout.zero:
+        argv = [a for a in argv if a != "--overlap-param-gather"]
+    args = check_args(argv + layout.flags(), world_size)
     if args.data_parallel_size != layout.dp:
         raise ConfigError(f"{layout.describe()}: {world_size} GPUs give DP {args.data_parallel_size}")
     return args
