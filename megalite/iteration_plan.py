@@ -19,6 +19,9 @@ M_r samples over its part (equal parts without shares). A micro-batch loss is a 
 samples, so it is divided by the replica's samples / M_r: every sample weighs 1/(the replica's
 samples), whatever the sizes, and the reduction sums (with equal sizes this is the global count M).
 
+The run's batch schedule from its flags (batch_schedule, derive_train_iters) is built and checked here, against
+the plan, so microbatches.py (the schedule itself) imports nothing of this module.
+
 --data-parallel-shares auto: equal shares for the first K iterations
 (--data-parallel-shares-profile-iters), each replica's forward-backward time per micro-batch
 measured (after a device sync), then the counts that minimise the slowest replica's time, by a
@@ -28,7 +31,7 @@ rule every rank computes from the same gathered times.
 import math
 
 from megalite.config import ConfigError
-from megalite.microbatches import interleaving_problem
+from megalite.microbatches import BatchSchedule, interleaving_problem, parse_step_schedule
 
 
 def parse_shares(text, dp):
@@ -197,7 +200,6 @@ def initial_shares(args):
 def evaluation_plan(args, plan, global_batch, micro_batch):
     """Evaluation follows the given shares; with auto it runs at equal shares (the profile is the
     training's, at the training's micro-batch)."""
-    from megalite.microbatches import BatchSchedule
     shares = plan.shares if args.data_parallel_shares != "auto" else None
     return IterationPlan(BatchSchedule(global_batch, micro_batch, plan.dp), shares, plan.replicas,
                          getattr(args, "eval_micro_batch_sizes", None))
@@ -246,3 +248,39 @@ class AutoShares:
         counts = [u * samples // m for u, m in zip(units, sizes)]
         AutoShares.last = (per_replica, counts)
         return per_replica, counts
+
+
+def batch_schedule(args):
+    """The run's BatchSchedule from its flags, checked (every batch from sample 0 on)."""
+    steps = getattr(args, "step_batch_size_schedule", None)
+    if steps is not None:
+        if args.rampup_batch_size is not None:
+            raise ConfigError("--rampup-batch-size and --step-batch-size-schedule are exclusive; pick one")
+        steps = parse_step_schedule(steps, args.seq_length)
+        final, default = steps[-1][1], args.micro_batch_size * args.data_parallel_size
+        if args.global_batch_size not in (final, default):
+            raise ConfigError(f"--global-batch-size {args.global_batch_size} differs from the last batch size {final} "
+                              "of --step-batch-size-schedule; remove --global-batch-size")
+        args.global_batch_size = final  # what iteration-based LR steps are counted in
+    schedule = BatchSchedule(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+                             args.rampup_batch_size, steps)
+    training_plan(args, schedule).check(0, args.pipeline_model_parallel_size, interleaving(args))
+    return schedule
+
+
+def interleaving(args):
+    """The `interleaved` argument of the checks: False, True (groups of PP) or the group size."""
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is None:
+        return False
+    return getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None) or True
+
+
+def derive_train_iters(args):
+    """Check the batch schedule; with --train-samples set args.train_iters from it."""
+    schedule = batch_schedule(args)
+    if args.train_samples is not None:
+        args.train_iters = schedule.iterations_for(args.train_samples)
+        if args.train_iters < 1:
+            raise ConfigError(f"--train-samples {args.train_samples} is less than one global batch "
+                              f"({schedule.final}); raise it or lower --global-batch-size")
+    return schedule

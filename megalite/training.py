@@ -26,9 +26,8 @@ from megalite.distributed.semi_sync_async import semi_sync_for
 from megalite.optimizer.qk_clip import after_step
 from megalite.evaluation import dataset_sizes, eval_batch, evaluate, mean_losses, report_splits, run_forward_backward
 from megalite.flops import num_floating_point_operations
-from megalite.iteration_plan import auto_shares, evaluation_plan, training_plan
+from megalite.iteration_plan import auto_shares, batch_schedule, evaluation_plan, training_plan
 from megalite.logger import MetricsLogger, TrainingWindow, print_rank_last
-from megalite.microbatches import batch_schedule
 from megalite.moe_logging import auxiliary_losses
 from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.optimizer import NonFiniteGradError

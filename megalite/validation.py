@@ -109,7 +109,8 @@ def validate_args(args):
         args.num_query_groups = None
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         args.vocab_size = 1024
-    from megalite.microbatches import batch_schedule, interleaving, interleaving_problem
+    from megalite.iteration_plan import batch_schedule, interleaving
+    from megalite.microbatches import interleaving_problem
     if args.data_parallel_shares is not None or args.data_parallel_micro_batch_sizes is not None:
         # every reachable global batch against the shares / sizes (and interleaving), per rank
         check_uneven_composes(args, batch_schedule(args))
@@ -160,14 +161,16 @@ def _validate_eval_batch(args):
     shares = args.data_parallel_shares if isinstance(args.data_parallel_shares, list) else None
     if (shares or args.eval_micro_batch_sizes) and g >= 1 and m >= 1:
         from megalite.iteration_plan import IterationPlan
-        from megalite.microbatches import BatchSchedule, interleaving
+        from megalite.iteration_plan import interleaving
+        from megalite.microbatches import BatchSchedule
         plan = IterationPlan(BatchSchedule(g, m, dp), shares, micros=args.eval_micro_batch_sizes)
         plan.check(0, args.pipeline_model_parallel_size, interleaving(args), what="--eval-global-batch-size")
         return
     if g < 1 or m < 1 or g % (m * dp):
         raise ConfigError(f"--eval-global-batch-size {g} must be a positive multiple of --eval-micro-batch-size {m} x "
                           f"data-parallel size {dp} = {m * dp}")
-    from megalite.microbatches import interleaving, interleaving_problem
+    from megalite.iteration_plan import interleaving
+    from megalite.microbatches import interleaving_problem
     if interleaving(args) and (why := interleaving_problem(g // (m * dp), args.pipeline_model_parallel_size,
                                                            interleaving(args))):
         raise ConfigError(f"evaluation: {why}; change --eval-global-batch-size")
@@ -353,7 +356,7 @@ def _validate_schedule(args):
                               "and samples >= 0")
     if args.train_samples is not None or args.rampup_batch_size is not None or \
             getattr(args, "step_batch_size_schedule", None):
-        from megalite.microbatches import derive_train_iters
+        from megalite.iteration_plan import derive_train_iters
         derive_train_iters(args)  # sets args.train_iters from the samples and the batch schedule
 
 

@@ -15,7 +15,8 @@ import pretrain_gpt
 from megalite import parallel_state as ps
 from megalite.arguments import parse_args, training_config
 from megalite.config import ConfigError
-from megalite.microbatches import BatchSchedule, batch_schedule, parse_step_schedule
+from megalite.iteration_plan import batch_schedule
+from megalite.microbatches import BatchSchedule, parse_step_schedule
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.training import build_scheduler, pretrain
 

@@ -163,16 +163,16 @@ class _Probe:
 
     @contextlib.contextmanager
     def installed(self):
-        from megalite.pipeline import schedules
+        from megalite.pipeline import run
         self.weights = {p.untyped_storage().data_ptr() for p in self.params}
         handles = [h for m in self.layers for h in (m.register_forward_pre_hook(self.pre),
                                                      m.register_forward_hook(self.post))]
-        schedules.stage_timer = self.op
+        run.stage_timer = self.op
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 yield
         finally:
-            schedules.stage_timer = None
+            run.stage_timer = None
             for h in handles:
                 h.remove()
 

@@ -13,7 +13,7 @@ at least PP micro-batches (microbatches.interleaving_problem).
 from megalite import parallel_state as ps
 from megalite.microbatches import interleaving_problem
 from megalite.pipeline.p2p import P2P
-from megalite.pipeline.schedules import _free_output, _Run
+from megalite.pipeline.run import Run, free_output
 
 
 def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator, model, num_microbatches,
@@ -30,7 +30,7 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
     # Chunk of each virtual micro-batch: G micro-batches on chunk 0, the same on chunk 1, ... per group.
     table = [c for lo in range(0, m, group) for c in range(v) for _ in range(min(group, m - lo))]
     p2p = P2P(tensor_shape, dtype, ps.get_device())
-    run = _Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale, loss_divisor)
+    run = Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale, loss_divisor)
     total = m * v
     all_warmup = forward_only or m == pp
     warmup = total if all_warmup else min((pp - rank - 1) * 2 + (v - 1) * group, total)
@@ -88,7 +88,7 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
                     out_grads[v - 1].append(g)
             else:
                 inp, _ = p2p.communicate(send_next=send, recv_prev=recv_prev)
-            _free_output(send)
+            free_output(send)
             if recv_prev:
                 inputs[nxt].append(inp)
         for i in range(remaining):
@@ -104,7 +104,7 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
                 recv_prev = False
             inp, g = p2p.communicate(send_next=send_out, send_prev=send_grad, recv_prev=recv_prev,
                                      recv_next=recv_next)
-            _free_output(send_out)
+            free_output(send_out)
             if recv_prev:
                 inputs[nf].append(inp)
             if recv_next:

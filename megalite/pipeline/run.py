@@ -1,0 +1,101 @@
+"""What every schedule shares (schedules.py, interleaved.py): the run of one iteration's micro-batches over the
+model chunks (forward, backward, loss collection and scaling, the DP reduction left to each chunk's last
+backward) and the release of a sent output's memory.
+
+`last_run` records the latest call's operations (("F"|"B", chunk, micro-batch) in order) and the most
+micro-batches whose activations were alive at once, for tests and benchmarks; `stage_timer`, while
+megalite/pipeline/auto_layout.py profiles, wraps each forward and backward.
+"""
+
+import torch
+
+from megalite import parallel_state as ps
+from megalite.moe.router import set_aux_loss_scale
+
+last_run = {"ops": [], "max_alive": 0}
+stage_timer = None  # while megalite/pipeline/auto_layout.py profiles: kind ("F" | "B") -> a context around the op
+
+
+class Run:
+    """State shared by the schedules: the chunks, data, loss collection and bookkeeping."""
+
+    def __init__(self, forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale,
+                 loss_divisor=None):
+        self.chunks = model if isinstance(model, list) else [model]
+        its = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(self.chunks)
+        self.iters, self.func = its, forward_step_func
+        self.m, self.forward_only, self.loss_scale = num_microbatches, forward_only, loss_scale
+        self.divisor = loss_divisor or num_microbatches
+        # MoE auxiliary losses enter the backward scaled as the main loss (Megatron's MoEAuxLossAutoScaler)
+        config = getattr(getattr(self.chunks[0], "module", self.chunks[0]), "config", None)
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        set_aux_loss_scale(loss_scale if per_token else loss_scale / self.divisor)
+        self.reported, self.alive = [], 0
+        self.next_mb = [0] * len(self.chunks)
+        self.bwd_mb = [0] * len(self.chunks)
+        last_run["ops"], last_run["max_alive"] = [], 0
+        self._sync_states = [getattr(c, "sync_enabled", None) for c in self.chunks]
+        for c in self.chunks:  # reduce only on each chunk's last backward
+            if hasattr(c, "sync_enabled"):
+                c.sync_enabled = False
+
+    def restore(self):
+        for c, s in zip(self.chunks, self._sync_states):
+            if s is not None:
+                c.sync_enabled = s
+
+    def forward(self, chunk, input_tensor):
+        if stage_timer is None:
+            return self._forward(chunk, input_tensor)
+        with stage_timer("F"):
+            return self._forward(chunk, input_tensor)
+
+    def backward(self, chunk, input_tensor, output_tensor, output_grad):
+        if stage_timer is None:
+            return self._backward(chunk, input_tensor, output_tensor, output_grad)
+        with stage_timer("B"):
+            return self._backward(chunk, input_tensor, output_tensor, output_grad)
+
+    def _forward(self, chunk, input_tensor):
+        ps.set_virtual_pipeline_model_parallel_rank(chunk)
+        if input_tensor is not None:
+            input_tensor.requires_grad_(not self.forward_only)
+        model = self.chunks[chunk]
+        getattr(model, "module", model).set_input_tensor(input_tensor)
+        mb = self.next_mb[chunk]
+        self.next_mb[chunk] += 1
+        last_run["ops"].append(("F", chunk, mb))
+        output, loss_func = self.func(self.iters[chunk], model)
+        if ps.is_pipeline_last_stage():
+            out = loss_func(output)
+            loss, reported = out[0], out[-1]
+            self.reported.append(reported)
+            output = loss * (self.loss_scale if len(out) == 3 else self.loss_scale / self.divisor)
+        if not self.forward_only:
+            self.alive += 1
+            last_run["max_alive"] = max(last_run["max_alive"], self.alive)
+        return output
+
+    def _backward(self, chunk, input_tensor, output_tensor, output_grad):
+        ps.set_virtual_pipeline_model_parallel_rank(chunk)
+        mb = self.bwd_mb[chunk]
+        self.bwd_mb[chunk] += 1
+        last_run["ops"].append(("B", chunk, mb))
+        if mb == self.m - 1 and hasattr(self.chunks[chunk], "sync_enabled"):
+            self.chunks[chunk].sync_enabled = True  # this chunk's buckets reduce during this backward
+        if input_tensor is not None:
+            input_tensor.retain_grad()
+        if output_grad is None:  # the last stage's loss
+            output_grad = torch.ones_like(output_tensor)
+        # The output's storage may have been freed after sending (only its graph is
+        # needed), so call the engine directly: it does not check the gradient's shape.
+        torch.autograd.Variable._execution_engine.run_backward(
+            (output_tensor,), (output_grad,), False, False, (), True, True)
+        self.alive -= 1
+        return None if input_tensor is None else input_tensor.grad
+
+
+def free_output(t):
+    """Release an output's activation memory once sent; autograd keeps its graph."""
+    if t is not None and t._base is None and not ps.is_pipeline_last_stage():
+        t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
