@@ -9,9 +9,8 @@ from typing import Optional
 
 import torch
 
-
-class ConfigError(ValueError):
-    pass
+from megalite.errors import ConfigError
+from megalite.mup import finalize as finalize_mup
 
 
 def fail(msg):
@@ -200,8 +199,7 @@ class ModelConfig:
                 raise ConfigError(f"--rotary-percent {self.rotary_percent} of head dim {self.kv_channels} gives a "
                                   f"rotary dim of {rot}: it needs 0 < p <= 1 and an even rotary dim")
         if self.use_mup:
-            from megalite.mup import finalize
-            finalize(self)
+            finalize_mup(self)
 
     def _check_mla(self):
         """Megatron's MLA checks, and what megalite's MLA does not do, one line each."""

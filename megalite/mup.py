@@ -19,7 +19,7 @@ forward
     by scale * sqrt(d), so every attention path (flash, SDPA, unfused, context-parallel, KV cache),
     which divides by sqrt(d), computes exactly that score;
   - logits times --mup-output-mult; left at 1 with m != 1 it becomes 1/m.
-optimizer (Adam; megalite has no other)
+optimizer (whichever --optimizer: the LR rule is its param groups'; the eps rule, Adam's)
   - hidden matrices (parameters of 2 or more dims outside the embedding class) take peak LR
     lr * (1/m), floor min_lr * (1/m) and Adam eps adam_eps * (1/m) (warm-up still starts at
     --lr-warmup-init); all others keep lr, min_lr and eps. Weight decay keeps its coefficient
@@ -30,6 +30,9 @@ So at the base width (m = 1) muP differs from the plain model only in the attent
 """
 
 import math
+
+from megalite.errors import ConfigError
+from megalite.megatron_compat import print_notices
 
 # Megatron's --mup-* flags besides --use-mup: dest -> (type, default, help)
 MUP_FLAGS = {"mup_base_hidden_size": (int, None, "the base model's width (default --hidden-size)"),
@@ -43,7 +46,6 @@ MUP_FLAGS = {"mup_base_hidden_size": (int, None, "the base model's width (defaul
 def finalize(c):
     """Megatron's derived muP fields on a ModelConfig with use_mup (idempotent: a config copied
     with dataclasses.replace derives the same values again)."""
-    from megalite.config import ConfigError
     if c.model_type != "gpt":
         raise ConfigError(f"--use-mup is implemented for GPT models only in megalite, not {c.model_type}")
     if getattr(c, "multi_latent_attention", False):
@@ -126,8 +128,6 @@ def lr_mult(name, param, width):
 # -- command line -----------------------------------------------------------------------------
 def validate_args(args):
     """The --mup-* flags, each problem one line (ModelConfig checks the values again)."""
-    from megalite.config import ConfigError
-    from megalite.megatron_compat import print_notices
     given = [f"--{k.replace('_', '-')}" for k, (_, v, _) in MUP_FLAGS.items() if getattr(args, k) != v]
     if not args.use_mup:
         if given:

@@ -4,7 +4,7 @@ one line naming the values and what to change (all missing required flags in one
 import os
 import re
 
-from megalite.arguments import model_config, training_config
+from megalite.config_from_args import model_config, training_config
 from megalite.config import ConfigError
 from megalite.megatron_compat import print_notices
 from megalite.mup import validate_args as validate_mup
