@@ -54,8 +54,8 @@ def tp_duplicates_counted_tp_times():
 
 
 def loss_not_divided_by_microbatches():
-    from megalite.pipeline import schedules
-    original = schedules._Run.forward
+    from megalite.pipeline.run import Run
+    original = Run.forward
 
     def forward(self, chunk, input_tensor):
         scale, self.loss_scale = self.loss_scale, self.loss_scale * self.divisor  # cancels the "/ m"
@@ -63,7 +63,7 @@ def loss_not_divided_by_microbatches():
             return original(self, chunk, input_tensor)
         finally:
             self.loss_scale = scale
-    return patched(schedules._Run, "forward", forward)
+    return patched(Run, "forward", forward)
 
 
 def zero_shard_update_skipped():

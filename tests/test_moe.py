@@ -139,8 +139,8 @@ def test_moe_layer_is_the_weighted_sum_of_its_experts(grid):
 
 def aux_loss_not_divided_by_microbatches():
     """Fault: the auxiliary losses' gradient scale ignores the micro-batch count."""
-    import megalite.pipeline.schedules as schedules
-    return patched(schedules, "set_aux_loss_scale", lambda scale: set_aux_loss_scale(1.0))
+    import megalite.pipeline.run as micro_run
+    return patched(micro_run, "set_aux_loss_scale", lambda scale: set_aux_loss_scale(1.0))
 
 
 LAYOUTS = [
