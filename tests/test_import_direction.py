@@ -1,7 +1,7 @@
 """Imports run one way (DESIGN, "Known debts"): megalite's modules import each other in no circle, at the top or
-inside a function. The circles DESIGN listed (arguments / validation, config / mup, iteration_plan /
-microbatches, the pipeline schedules / interleaved) are paid and cannot come back; a new one fails here with its
-path."""
+inside a function, and neither do its packages (transformer/, moe/, ...). The circles DESIGN listed (arguments /
+validation, config / mup, iteration_plan / microbatches, the pipeline schedules / interleaved, transformer / moe)
+are paid and cannot come back; a new one fails here with its path."""
 
 import ast
 from pathlib import Path
@@ -56,3 +56,22 @@ def test_no_module_imports_itself_through_others():
     assert circle is None, "an import circle: " + " -> ".join(circle)
     graph["megalite.microbatches"].add("megalite.iteration_plan")  # (the check finds one where there is one)
     assert _a_circle(graph) is not None
+
+
+def test_no_package_imports_itself_through_others():
+    """megalite.transformer imports megalite.moe (its MoE layers), never the reverse (the MLP's activation is a
+    leaf, mlp_activation.py); and so on for every subpackage."""
+    graph = _imports()
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+
+    def package(module):
+        parts = module.split(".")
+        return parts[1] if len(parts) > 2 and parts[1] in packages else None
+    between = {p: set() for p in packages}
+    for a, imported in graph.items():
+        for b in imported:
+            if package(a) and package(b) and package(a) != package(b):
+                between[package(a)].add(package(b))
+    assert "moe" in between["transformer"]
+    circle = _a_circle(between)
+    assert circle is None, "packages importing each other: " + " -> ".join(circle)

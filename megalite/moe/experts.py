@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kernels.grouped_gemm import grouped_gemm
+from megalite.mlp_activation import activation, kernel_backend
 
 
 def expert_key(first, i):
@@ -73,8 +74,6 @@ def grouped_experts(c, experts, rows, counts):
     fc2 = [e.linear_fc2 for e in experts]
     for layer in fc1 + fc2:
         _weights_ready(layer)
-    from megalite.transformer.mlp import activation  # here: megalite.transformer imports this module
-    from megalite.transformer.utils import kernel_backend
     with kernel_backend(c.fused_kernels):
         h = grouped_gemm(rows, [m.weight for m in fc1], counts)
         return grouped_gemm(activation(c, h), [m.weight for m in fc2], counts)

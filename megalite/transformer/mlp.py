@@ -1,29 +1,13 @@
 """The feed-forward block: h -> ffn (GeLU tanh or exact, squared ReLU, or SwiGLU with [gate | up]) -> h,
 sharded over TP."""
 
-import torch.nn.functional as F
 from torch import nn
 
-import kernels
-
 from megalite import mup
+from megalite.mlp_activation import activation
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.layers import init_normal
-from megalite.transformer.utils import kernel_backend, output_init_std, param_seed
-
-
-def bias_gelu(x, bias, fused):
-    if bias is None:  # the kernel's gain is fusing the bias add
-        return F.gelu(x, approximate="tanh")
-    with kernel_backend(fused):
-        return kernels.bias_gelu(x, bias)
-
-
-def swiglu(x, bias, fused):
-    if bias is not None:
-        x = x + bias
-    with kernel_backend(fused):
-        return kernels.swiglu(x)
+from megalite.transformer.utils import output_init_std, param_seed
 
 
 class MLP(nn.Module):
@@ -47,14 +31,3 @@ class MLP(nn.Module):
     def forward(self, x):
         h, b = self.linear_fc1(x)
         return self.linear_fc2(activation(self.config, h, b))
-
-
-def activation(c, h, b=None):
-    """The MLP's activation of fc1's output h and bias b (or None): SwiGLU, squared ReLU, erf or tanh GeLU."""
-    if c.swiglu:
-        return swiglu(h, b, c.fused_kernels)
-    if c.squared_relu:  # Megatron's squared_relu, after the bias
-        return F.relu(h if b is None else h + b).pow(2)
-    if c.gelu == "exact":  # erf GeLU (BERT); the fused kernel is the tanh approximation
-        return F.gelu(h if b is None else h + b)
-    return bias_gelu(h, b, c.fused_kernels)

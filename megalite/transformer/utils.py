@@ -1,10 +1,9 @@
 """Small helpers shared by the transformer modules."""
 
-import contextlib
 import math
 
-import kernels
 from megalite import mup
+from megalite.mlp_activation import kernel_backend  # noqa: F401 (re-exported)
 from megalite.tensor_parallel.init import param_seed  # noqa: F401 (re-exported)
 
 
@@ -13,9 +12,3 @@ def output_init_std(config):
     if getattr(config, "use_mup", False):
         return mup.output_std(config)
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
-
-
-def kernel_backend(fused):
-    """Context for the model's `kernels` calls: kernels dispatch themselves (Triton on CUDA,
-    torch on CPU); --no-fused-kernels forces the torch path everywhere."""
-    return contextlib.nullcontext() if fused else kernels.use_backend("torch")
