@@ -251,7 +251,8 @@ class AutoShares:
 
 
 def batch_schedule(args):
-    """The run's BatchSchedule from its flags, checked (every batch from sample 0 on)."""
+    """The run's BatchSchedule from its flags, checked (every batch from sample 0 on). It only reads args:
+    validation's derive_train_iters sets what it derives (once)."""
     steps = getattr(args, "step_batch_size_schedule", None)
     if steps is not None:
         if args.rampup_batch_size is not None:
@@ -261,7 +262,6 @@ def batch_schedule(args):
         if args.global_batch_size not in (final, default):
             raise ConfigError(f"--global-batch-size {args.global_batch_size} differs from the last batch size {final} "
                               "of --step-batch-size-schedule; remove --global-batch-size")
-        args.global_batch_size = final  # what iteration-based LR steps are counted in
     schedule = BatchSchedule(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
                              args.rampup_batch_size, steps)
     training_plan(args, schedule).check(0, args.pipeline_model_parallel_size, interleaving(args))
@@ -276,8 +276,10 @@ def interleaving(args):
 
 
 def derive_train_iters(args):
-    """Check the batch schedule; with --train-samples set args.train_iters from it."""
+    """Validation's: check the batch schedule; --global-batch-size becomes a --step-batch-size-schedule's last batch
+    (what iteration-based LR steps are counted in), and --train-iters follows from --train-samples."""
     schedule = batch_schedule(args)
+    args.global_batch_size = schedule.final
     if args.train_samples is not None:
         args.train_iters = schedule.iterations_for(args.train_samples)
         if args.train_iters < 1:

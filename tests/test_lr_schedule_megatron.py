@@ -5,6 +5,7 @@ Then short in-process runs: a skipped fp16 iteration leaves the LR and the logge
 a ramp-up run's consumed samples, batch sizes and dataset sizes; the checkpoint's schedule
 (use-checkpoint / override / mismatch)."""
 
+import argparse
 import json
 import math
 import re
@@ -158,7 +159,9 @@ def test_step_batch_size_schedule(capsys):
         parse_step_schedule("0:16 2K", 16)
     a = parse_args((MODEL + "--mock-data --micro-batch-size 2 --train-iters 5 --step-batch-size-schedule").split()
                    + ["0:8 1K:32"], world_size=2)
-    assert batch_schedule(a).steps == [(0, 8), (62, 32)] and a.global_batch_size == 32
+    assert batch_schedule(a).steps == [(0, 8), (62, 32)] and a.global_batch_size == 32  # (set by validation, once)
+    b = argparse.Namespace(**{**vars(a), "global_batch_size": 4})  # as before validation: the default, mbs x DP
+    assert batch_schedule(b).final == 32 and b.global_batch_size == 4  # the schedule only reads the arguments
     with pytest.raises(SystemExit):  # checked with the command line, before any process group
         parse_args((MODEL + "--mock-data --micro-batch-size 2 --train-iters 5 --global-batch-size 16 "
                     "--step-batch-size-schedule 0:8,1K:32").split(), world_size=2)
