@@ -105,12 +105,13 @@ def test_primitives_are_identities_on_one_rank():
         ps.destroy_model_parallel()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gathered_linear_is_autograds_linear_on_one_rank(dtype):
-    """Its own backward GEMMs give autograd's bits (fp32 and bf16, with and without a bias)."""
+def test_gathered_linear_is_autograds_linear_on_one_rank(dtype, device):
+    """Its own backward GEMMs give autograd's bits (fp32 and bf16, with and without a bias; cuBLAS's too)."""
     ps.initialize_model_parallel(1, 1)
     try:
-        x, w, b, g = (torch.randn(shape, generator=torch.Generator().manual_seed(k)).to(dtype)
+        x, w, b, g = (torch.randn(shape, generator=torch.Generator().manual_seed(k)).to(device, dtype)
                       for k, shape in enumerate([(24, 3, 40), (56, 40), (56,), (24, 3, 56)]))
         for bias in (b, None):
             fs = [tpl.linear_with_sequence_parallel_gather, torch.nn.functional.linear]

@@ -123,7 +123,8 @@ def runs(tmp_path_factory):
     json.dump(jobs, open(spec, "w"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
            os.path.join(SCRIPTS, "run_lists.py"), spec]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=540,  # (TMPDIR: torchrun's torchelastic_* logs)
+                       env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(root)))
     losses = json.load(open(spec + ".losses")) if os.path.exists(spec + ".losses") else {}
     return p, losses, dirs, jobs
 

@@ -47,7 +47,8 @@ def data(tmp_path_factory):
 def torchrun(args, cwd, nproc=2, extra=(), **kw):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *extra,
            os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *args]
-    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    env = dict(os.environ, TMPDIR=str(cwd))  # torchrun's agent leaves its torchelastic_* log directory behind
+    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw)
 
 
 def losses(text):
