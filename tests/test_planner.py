@@ -241,7 +241,7 @@ def test_predict_keeps_the_users_layout_or_says_why_not():
 
 
 def test_what_the_planner_does_not_model_is_one_line():
-    for extra, zero in ((["--semi-sync-method", "diloco"], 1), (["--mtp-num-layers", "1"], 0)):
+    for extra, zero in ((["--semi-sync-method", "diloco"], 1), (["--grad-compression", "powersgd"], 0)):
         lay = Layout(1, 1, 1, 8, None, None, zero, None, 1, False)
         with pytest.raises(ConfigError) as e:
             cost.predict(validated(GPT + extra, lay, 8), lay, parse_cluster("8xA100-80GB"))
@@ -428,3 +428,20 @@ def test_published_runs_stay_within_the_issues_15_percent(table, row):
     p = best_prediction(argv_of(heads, hidden, layers, batch), tp, pp, gpus, cluster, choices, sp=table != "narayanan")
     assert p is not None, f"{size}B: nothing fits at TP {tp} PP {pp}"
     assert abs(p.tflops_per_gpu / published - 1) <= 0.15, (size, p.tflops_per_gpu, published)
+
+
+def test_multi_token_prediction_is_priced():
+    """--mtp-num-layers D: D more layers, eh_proj GEMMs and logits on the last stage (a slower stage, more of its
+    memory), and D more layers' FLOPs counted as Megatron counts them."""
+    cluster = parse_cluster("8xA100-80GB")
+    lay = Layout(1, 2, 1, 4, None, None, 1, None, 1, False)
+    rope = ["--position-embedding-type", "rope"]
+    plain = cost.predict(validated(GPT + rope, lay, 8), lay, cluster)
+    mtp = cost.predict(validated(GPT + rope + ["--mtp-num-layers", "1"], lay, 8), lay, cluster)
+    assert mtp.memory["stage"] == 1 and mtp.memory["activations"] > plain.memory["activations"]
+    assert mtp.memory["weights"] > plain.memory["weights"]  # (its layer, norms, eh_proj and the embedding)
+    assert mtp.step_time_s > plain.step_time_s * 1.1  # the last stage now runs 4 + 1 layers and two logits
+    h, s, v = 1024, 1024, 50304  # Megatron's FLOPs per token: a layer 72 h^2 + 12 s h, logits 6 h V, eh_proj and
+    layer, logits, eh = 72 * h * h + 12 * s * h, 6 * h * v, 6 * (3 * h + 2 * h * h)  # the depth's norms
+    flops = mtp.tflops_per_gpu * mtp.step_time_s / (plain.tflops_per_gpu * plain.step_time_s)
+    assert flops == pytest.approx(1 + (layer + logits + eh) / (8 * layer + logits), rel=1e-9)

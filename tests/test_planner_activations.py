@@ -2,7 +2,8 @@
 megalite's CPU path (the "torch" backend): saved-tensor hooks count every distinct storage a forward of one
 micro-batch keeps for backward (parameters excluded), on 4 gloo ranks for TP with and without SP, CP, GQA +
 rope + SwiGLU + RMSNorm in bf16, selective and full recomputation, MoE layers (routing as it falls, the
-model assuming it even; with EP2 over TP2 + SP, a shared expert and SwiGLU) and multi-latent attention;
+model assuming it even; with EP2 over TP2 + SP, a shared expert and SwiGLU), multi-latent attention and
+multi-token prediction;
 within 10% (the issue's bound)."""
 
 import pytest
@@ -38,6 +39,13 @@ CASES = {
     # multi-latent attention: query latent and latent norms (RMSNorm); and without them under TP2 + SP
     "mla_q_lora_qk_norm_rms": ((1, 1), MLA + ["--q-lora-rank", "24", "--qk-layernorm", "--normalization", "RMSNorm"]),
     "mla_tp2_sp": ((2, 1), MLA + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # multi-token prediction on the last stage: D more layers, norms, eh_proj and logits (and under full recompute
+    # each depth's input only)
+    "mtp2_tp2_sp_llama_bf16": ((2, 1), ["--mtp-num-layers", "2", "--tensor-model-parallel-size", "2",
+                                        "--sequence-parallel", "--swiglu", "--position-embedding-type", "rope",
+                                        "--normalization", "RMSNorm", "--bf16"]),
+    "mtp1_full_recompute": ((1, 1), ["--mtp-num-layers", "1", "--recompute-granularity", "full",
+                                     "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
 }
 
 

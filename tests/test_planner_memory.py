@@ -45,6 +45,9 @@ LAYOUTS = {
                                    "--bf16", "--ddp-bucket-size", "2000") + ZERO + ("2",),
     "ep2_dp4_zero1_muon_lion": MOE + ("--optimizer", "muon", "--muon-scalar-optimizer", "lion",
                                       "--expert-model-parallel-size", "2") + ZERO + ("1",),
+    # multi-token prediction: its layer, norms and eh_proj on the last stage, the embedding there too
+    "pp2_dp2_mtp1_rope_zero1": ("--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1",
+                                "--position-embedding-type", "rope") + ZERO + ("1",),
 }
 
 

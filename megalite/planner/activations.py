@@ -105,6 +105,29 @@ def layer_bytes(c, grid, micro, e, backend="triton", layer_number=1):
     return out
 
 
+def _logits(c, grid, b, e, padded_vocab, backend):
+    """The loss's logits [S, b, V / t]: fp32 on the torch path, the model's dtype where the Triton loss computes its
+    gradient in place."""
+    S, v = c.seq_length // grid.cp, padded_vocab // grid.tp
+    return S * b * v * 4 + 4 if backend == "torch" else S * b * v * e
+
+
+def mtp_bytes(c, grid, micro, e, padded_vocab, backend="triton"):
+    """Multi-token prediction's saved bytes on the last stage (transformer/mtp.py), per depth: the shifted ids,
+    labels and loss mask, the embedding's lookup of the ids, enorm and hnorm (hnorm's input is the previous
+    depth's output, which the output layer keeps already), eh_proj's input (both norms' outputs side by side),
+    its transformer layer, its final norm, the shared output layer's input and logits, and the masked loss."""
+    t, S, b, h = grid.tp, c.seq_length // grid.cp, micro, c.hidden_size
+    rows = S // t if c.sequence_parallel and t > 1 else S
+    per = S * b * (8 + 8 + 4) + 2 * S * b * 4  # shifted ids, labels, mask; the per-token loss and the mask it meets
+    per += rows * b * h * e + _logits(c, grid, b, e, padded_vocab, backend)  # the output layer's input, the logits
+    if c.recompute_granularity == "full":  # a depth runs again in backward from h (kept) and its embedding output
+        return c.mtp_num_layers * (per + rows * b * h * e)
+    per += _norm(c, rows, b, h, e, backend) + _norm(c, rows, b, h, e, backend) - rows * b * h * e  # enorm, hnorm
+    per += rows * b * 2 * h * e + _norm(c, rows, b, h, e, backend)  # eh_proj's input, the final norm
+    return sum(per + layer_bytes(c, grid, micro, e, backend, c.num_layers + k + 1) for k in range(c.mtp_num_layers))
+
+
 def chunk_bytes(c, grid, micro, e, num_layers, pre, post, padded_vocab, backend="triton", first_layer=0):
     """A model chunk's saved bytes for one micro-batch: its layers (first_layer: the global index of its
     first) under the recompute policy, plus the embedding's ids on the first chunk and the final norm,
@@ -125,9 +148,10 @@ def chunk_bytes(c, grid, micro, e, num_layers, pre, post, padded_vocab, backend=
     if c.position_embedding_type == "rope" and num_layers:
         out += 2 * S * c.kv_channels * 4  # the cos / sin tables, shared by the layers
     if post:
-        v = padded_vocab // t
         out += _norm(c, rows, b, h, e, backend) + rows * b * h * e + S * b * 8  # the output layer's input
-        out += S * b * v * 4 + 4 if backend == "torch" else S * b * v * e
+        out += _logits(c, grid, b, e, padded_vocab, backend)
+        if c.mtp_num_layers:
+            out += mtp_bytes(c, grid, micro, e, padded_vocab, backend)
     return out
 
 

@@ -98,8 +98,7 @@ def check_plannable(args, cluster, layout=None):
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     unmodelled = [flag for flag, given in (
         ("--semi-sync-method", args.semi_sync_method),
-        ("--grad-compression", args.grad_compression != "none"),
-        ("--mtp-num-layers", args.mtp_num_layers)) if given]
+        ("--grad-compression", args.grad_compression != "none")) if given]
     if unmodelled:
         raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
     no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
@@ -290,6 +289,8 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     kind."""
     t, cp, b = layout.tp, layout.cp, micro or layout.micro
     s, h = c.seq_length // cp, c.hidden_size
+    depth = (c.mtp_num_layers or 0) if last else 0  # multi-token prediction: D more layers and logits here
+    layers += depth
     moe = sum(c.is_moe_layer(n) for n in range(1, c.num_layers + 1)) if c.num_moe_experts else 0
     ffn = ((c.num_layers - moe) * c.ffn_hidden_size + moe * c.moe_router_topk * (c.moe_ffn_hidden_size or 0)) \
         / c.num_layers * (1.5 if c.swiglu else 1.0)  # a token's FFN width, MoE layers' k experts (as flops.py)
@@ -302,7 +303,9 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     gemm *= gemm_shapes.time_factor(gemm_shapes.layer_gemms(c, b * s, t), passes - 2, gpu.sms) if dense else passes
     dgrad = gemm / passes / max(1, layers)  # a layer's input-gradient GEMMs, in FLOPs (about one pass of them)
     if last:
-        gemm += 2 * b * s * h * vocab / t * gemm_shapes.time_factor([(b * s, h, vocab // t)], passes - 2, gpu.sms)
+        gemm += (1 + depth) * 2 * b * s * h * vocab / t * gemm_shapes.time_factor([(b * s, h, vocab // t)],
+                                                                                  passes - 2, gpu.sms)
+        gemm += depth * 2 * b * s * 2 * h * h / t * passes  # each depth's eh_proj, [emb; h] -> h
     attn_passes = passes + (1 if c.recompute_granularity == "selective" else 0)
     rate = (gpu.peak_tflops if e < 4 else gpu.fp32_tflops) * 1e12  # fp32: no tensor cores (TF32 is off)
     rows = s // t if c.sequence_parallel and t > 1 else s
