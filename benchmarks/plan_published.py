@@ -155,6 +155,9 @@ def run_table(name, rows, do_search):
             print(f"{'':>9}planner's first: {first.layout.describe()} "
                   f"{'(the published TP/PP)' if same else f'predicted {ratio:.3f}x the published layout time'}",
                   flush=True)
+    if not errors:
+        print("no row fits at its published layout")
+        return
     print(f"largest |error| {100 * max(errors):.1f}%, mean {100 * sum(errors) / len(errors):.1f}% over "
           f"{len(errors)} rows"
           + (f"; first pick the published TP/PP or within 5%: {firsts} of {len(errors)}" if do_search else ""))

@@ -17,11 +17,16 @@ def _imports():
     graph = {}
     for name, path in modules.items():
         found = set()
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # "from .x import y" (megalite/data): resolved against this module's package
+                    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
                 for alias in node.names:  # "from megalite.pipeline import run" names a module too
-                    full = f"{node.module}.{alias.name}"
-                    found.add(full if full in modules else node.module)
+                    full = f"{base}.{alias.name}"
+                    found.add(full if full in modules else base)
             elif isinstance(node, ast.Import):
                 found.update(alias.name for alias in node.names)
         graph[name] = {m for m in found if m in modules and m != name}

@@ -119,3 +119,28 @@ def test_gathered_linear_is_autograds_linear_on_one_rank(dtype, device):
             assert all(torch.equal(m, a) for m, a in zip(*got)), f"{dtype}, bias {bias is not None}"
     finally:
         ps.destroy_model_parallel()
+
+
+def test_gathered_linear_under_autocast_and_frozen_weights():
+    """Under autocast it casts as autocast's linear does (same bits, its gradients in the inputs' dtype); a
+    frozen weight keeps no input rows for backward, an input that needs no gradient no weight."""
+    ps.initialize_model_parallel(1, 1)
+    try:
+        x, w, b, g = (torch.randn(shape, generator=torch.Generator().manual_seed(k))
+                      for k, shape in enumerate([(24, 3, 40), (56, 40), (56,), (24, 3, 56)]))
+        mine, autocast = [], []  # the forward under autocast, the backward after it (as a training step runs)
+        for f, out in ((tpl.linear_with_sequence_parallel_gather, mine), (torch.nn.functional.linear, autocast)):
+            xs = [t.detach().clone().requires_grad_(True) for t in (x, w, b)]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = f(*xs)
+            y.backward(g.bfloat16())
+            out += [y] + [t.grad for t in xs]
+        assert mine[0].dtype == torch.bfloat16 and mine[2].dtype == torch.float32
+        assert all(torch.equal(m, a) for m, a in zip(mine, autocast))
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            tpl.linear_with_sequence_parallel_gather(x.requires_grad_(), w, b)  # w, b: no gradient
+            tpl.linear_with_sequence_parallel_gather(x.detach(), w.requires_grad_(), b)
+        assert [t.shape for t in kept] == [w.shape, x.shape], [t.shape for t in kept]
+    finally:
+        ps.destroy_model_parallel()

@@ -1,6 +1,7 @@
 """tools/plan.py and megalite/planner: clusters, layouts and their flags, the pipeline's bubble, the search.
 (The memory model against measured bytes: test_planner_memory.py, test_planner_activations.py.)"""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -445,3 +446,24 @@ def test_multi_token_prediction_is_priced():
     layer, logits, eh = 72 * h * h + 12 * s * h, 6 * h * v, 6 * (3 * h + 2 * h * h)  # the depth's norms
     flops = mtp.tflops_per_gpu * mtp.step_time_s / (plain.tflops_per_gpu * plain.step_time_s)
     assert flops == pytest.approx(1 + (layer + logits + eh) / (8 * layer + logits), rel=1e-9)
+
+
+def test_sequence_parallel_pays_its_backward_gathers_where_they_outlast_their_gemms():
+    """SP's column layers gather their input rows again in backward, QKV's behind QKV's input-gradient GEMM and
+    fc1's behind fc1's: TP time beyond TP without SP (the same ring bytes otherwise) is what each gather outlasts
+    its own GEMM by; on a 1 GB/s link that is most of the gathers, on NVLink little."""
+    from megalite.planner import gemm as shapes
+    from megalite.planner.cost import _stage_time
+    args = validated(GPT, Layout(4, 1, 1, 2, None, None, 0, None, 1, True), 8)
+    c, e, vocab = cost._figures(args, Layout(4))
+    extra = {}
+    for link in (1.0, None):
+        cluster = parse_cluster("8xA100-80GB", intra_node_bandwidth=link)
+        tp = {sp: _stage_time(dataclasses.replace(c, sequence_parallel=sp), Layout(4, 1, 1, 2, sp=sp), cluster, 0,
+                              cluster.gpus[0], e, 8, False, vocab)["tp"] for sp in (True, False)}
+        gather = 3 / 4 * 1024 * 1024 * e / (cluster.link_gbps(range(4)) * 1e9) + cluster.latency_us * 1e-6
+        gemms = shapes.layer_gemms(c, 1024, 4)
+        behind = [2 * m * k * n / shapes.utilisation(m, k, 108) / (312e12 * 0.8) for m, k, n in (gemms[0], gemms[2])]
+        extra[link] = tp[True] - tp[False]
+        assert extra[link] == pytest.approx(8 * sum(max(0.0, gather - g) for g in behind), rel=1e-9)
+    assert extra[1.0] > 100 * extra[None] > 0

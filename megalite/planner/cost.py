@@ -301,7 +301,6 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     # the GEMMs' FLOPs x passes, each pass at its shapes' tile and wave utilisation (gemm.py)
     dense = not (c.multi_latent_attention or moe)
     gemm *= gemm_shapes.time_factor(gemm_shapes.layer_gemms(c, b * s, t), passes - 2, gpu.sms) if dense else passes
-    dgrad = gemm / passes / max(1, layers)  # a layer's input-gradient GEMMs, in FLOPs (about one pass of them)
     if last:
         gemm += (1 + depth) * 2 * b * s * h * vocab / t * gemm_shapes.time_factor([(b * s, h, vocab // t)],
                                                                                   passes - 2, gpu.sms)
@@ -328,8 +327,11 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     if t > 1:
         tp_gbps = cluster.link_gbps(_ranks(layout, cluster, i, "tp"))
         tp = _ring(act, t, tp_gbps, 8) + 8 * alpha  # a layer's 4 collectives forward and their 4 adjoints backward
-        if c.sequence_parallel:  # backward gathers QKV's and fc1's input rows again, behind the input-gradient GEMMs
-            tp += max(0.0, 2 * (_ring(act, t, tp_gbps) + alpha) - dgrad / (rate * gpu.gemm_efficiency))
+        if c.sequence_parallel:  # backward gathers QKV's and fc1's input rows again, each behind its own
+            gather = _ring(act, t, tp_gbps) + alpha  # input-gradient GEMM (output tokens x in)
+            qkv, _, fc1, _ = gemm_shapes.layer_gemms(c, b * s, t)
+            tp += sum(max(0.0, gather - 2 * m * k * n / gemm_shapes.utilisation(m, k, gpu.sms)
+                          / (rate * gpu.gemm_efficiency)) for m, k, n in (qkv, fc1))
         tp *= layers
     kv = s * b * 2 * (c.num_query_groups // t) * c.kv_channels * e
     ring = 3 * (cp - 1) * (kv / (cluster.link_gbps(_ranks(layout, cluster, i, "cp")) * 1e9) + alpha) * layers \

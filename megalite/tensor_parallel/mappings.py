@@ -9,6 +9,7 @@ Each takes the grid whose TP group it spans (default: the global one, parallel_s
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from megalite import parallel_state as ps
 
@@ -171,32 +172,42 @@ class _GatherLinear(torch.autograd.Function):
     """Y = all_gather(X) A^T + b keeping only this rank's rows of X for backward, as Megatron's sequence
     parallelism does (saving the gathered input keeps t x the bytes: at TP 8 it nearly doubles a layer's
     activations). Backward gathers the rows again behind the input-gradient GEMM, which does not need them, and
-    reduce-scatters that gradient behind the weight-gradient GEMM. The GEMMs are autograd's linear's (its bits)."""
+    reduce-scatters that gradient behind the weight-gradient GEMM. The GEMMs are autograd's linear's (its bits);
+    under autocast both operands are cast first, as autocast's linear casts them."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, grid):
-        ctx.grid, ctx.has_bias = grid, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(_gather_first(x, grid), weight, bias)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        ctx.grid, ctx.has_bias, ctx.x_shape = grid, bias is not None, x.shape
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)  # what each gradient reads
+        with torch.autocast(device, enabled=False):
+            return F.linear(_gather_first(x, grid), weight, bias)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         n, group = _tp(ctx.grid)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        rows = (ctx.x_shape[0] * n,) + tuple(ctx.x_shape[1:-1])
         total, gathering, scattering = x, None, None
         if n > 1 and need_w:
             x = x.contiguous()
-            total = torch.empty((x.shape[0] * n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            total = torch.empty(rows + (x.shape[-1],), dtype=x.dtype, device=x.device)
             gathering = _all_gather_tensor(total, x, group=group, async_op=True)
         g2 = g.reshape(-1, g.shape[-1])
         grad_x = grad_w = None
         if need_x:  # addmm's mat1 gradient: this rank's partial sum for every row
-            partial = g2.mm(weight).view((x.shape[0] * n,) + tuple(x.shape[1:-1]) + (weight.shape[1],))
+            partial = g2.mm(weight).view(rows + (weight.shape[1],))
         if gathering is not None:
             gathering.wait()
         if need_x and n > 1:
-            grad_x = torch.empty((x.shape[0],) + tuple(partial.shape[1:]), dtype=partial.dtype, device=partial.device)
+            grad_x = torch.empty((ctx.x_shape[0],) + tuple(partial.shape[1:]), dtype=partial.dtype,
+                                 device=partial.device)
             scattering = _reduce_scatter_tensor(grad_x, partial, group=group, async_op=True)
         elif need_x:
             grad_x = partial
