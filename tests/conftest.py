@@ -45,7 +45,7 @@ QUICK = (
     "tests/test_data_splits.py", "tests/data/test_data_indexed_dataset.py", "tests/data/test_data_gpt_dataset.py",
     "tests/kernels/test_kernel_norms.py", "tests/kernels/test_kernel_activations.py",
     "tests/test_readme.py", "tests/test_user_mlp.py",
-    "tests/test_planner.py::test_published_runs_stay",  # the planner: published runs, one layer's bytes
+    "tests/test_planner_priced.py::test_published_runs_stay",  # the planner: published runs, one layer's bytes
     "tests/test_planner_activations.py::test_one_layer_saves",
     "tests/test_import_direction.py",
 )
