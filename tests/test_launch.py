@@ -1,0 +1,27 @@
+"""megalite.launch: the job's process groups. gloo's event-loop threads run at the lowest CPU priority
+(a spinning loop would take the cores CPU ranks compute on); nothing else in the rank is lowered."""
+
+import os
+
+from dist_util import run_on_ranks
+
+
+def _priorities():
+    from megalite import parallel_state as ps
+    from megalite.launch import GLOO_LOOP_NICE
+    ps.initialize_model_parallel(2, 1)  # a TP group and a DP group per rank, besides the world's
+    ps.new_group(backend="gloo")  # as checkpointing's side group
+    got = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            got.append((f.read().strip(), os.getpriority(os.PRIO_PROCESS, int(tid))))
+    return GLOO_LOOP_NICE, got
+
+
+def test_gloo_event_loops_yield_and_nothing_else_does():
+    for nice, threads in run_on_ranks(_priorities, 2, timeout=60):
+        loops = [p for name, p in threads if name == "gloo_tcp_loop"]
+        # the world's group, every group of the grid (TP, PP, DP, ...; at least 3), the extra one
+        assert len(loops) >= 5 and set(loops) == {nice}, threads
+        assert nice == 19
+        assert all(p == 0 for name, p in threads if name != "gloo_tcp_loop"), threads
