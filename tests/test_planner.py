@@ -246,3 +246,17 @@ def test_what_the_planner_does_not_model_is_one_line():
         with pytest.raises(ConfigError) as e:
             cost.predict(validated(GPT + extra, lay, 8), lay, parse_cluster("8xA100-80GB"))
         assert f"does not model {extra[0]}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layout_flags_parsed_over_the_model_flags_are_the_whole_parse():
+    """validated() parses the model's flags once and each layout's over a copy: the same arguments as one parse of
+    both, whatever layout came before (validation of one layout leaves nothing in the next one's copy)."""
+    from megalite.arguments import check_args
+    model = GPT + ["--moe-layer-freq", "[1,0,1,0,1,0,1,0]", "--num-experts", "4", "--disable-bias-linear"]  # a list flag
+    layouts = [["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2"],
+               ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--zero-stage", "2",
+                "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                "--pipeline-model-parallel-layout", "Et*3|t*5L", "--micro-batch-size", "1"],
+               ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--micro-batch-size", "4"]]
+    for flags in layouts + layouts[::-1]:
+        assert vars(check_args(model, 8, layout=flags)) == vars(check_args(model + flags, 8)), flags

@@ -105,6 +105,17 @@ def layer_bytes(c, grid, micro, e, backend="triton", layer_number=1):
     return out
 
 
+def layers_bytes(c, grid, micro, e, backend, numbers):
+    """layer_bytes of each global layer number in `numbers`, computed once per kind of layer (dense, MoE: all that
+    layer_number decides) instead of once per layer: a search asks for every layer of every layout."""
+    kinds = {}
+    for n in numbers:
+        moe = c.is_moe_layer(n)
+        if moe not in kinds:
+            kinds[moe] = layer_bytes(c, grid, micro, e, backend, n)
+        yield kinds[moe]
+
+
 def _logits(c, grid, b, e, padded_vocab, backend):
     """The loss's logits [S, b, V / t]: fp32 on the torch path, the model's dtype where the Triton loss computes its
     gradient in place."""
@@ -132,7 +143,7 @@ def chunk_bytes(c, grid, micro, e, num_layers, pre, post, padded_vocab, backend=
     """A model chunk's saved bytes for one micro-batch: its layers (first_layer: the global index of its
     first) under the recompute policy, plus the embedding's ids on the first chunk and the final norm,
     output layer and loss on the last."""
-    layers = [layer_bytes(c, grid, micro, e, backend, first_layer + j + 1) for j in range(num_layers)]
+    layers = list(layers_bytes(c, grid, micro, e, backend, range(first_layer + 1, first_layer + num_layers + 1)))
     t, S, b, h = grid.tp, c.seq_length // grid.cp, micro, c.hidden_size
     rows = S // t if c.sequence_parallel and t > 1 else S
     if c.recompute_granularity == "full":
@@ -160,4 +171,4 @@ def transient_bytes(c, grid, micro, e, backend="triton"):
     if c.recompute_granularity != "full":
         return 0
     k = (c.recompute_num_layers or 1) if c.recompute_method == "uniform" else 1
-    return k * max(layer_bytes(c, grid, micro, e, backend, n) for n in range(1, c.num_layers + 1))
+    return k * max(layers_bytes(c, grid, micro, e, backend, range(1, c.num_layers + 1)))

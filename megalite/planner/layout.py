@@ -166,7 +166,7 @@ def validated(model_argv, layout, world_size):
     argv = strip_layout_flags(model_argv)
     if not layout.zero:
         argv = [a for a in argv if a != "--overlap-param-gather"]
-    args = check_args(argv + layout.flags(), world_size)
+    args = check_args(argv, world_size, layout=layout.flags())
     if args.data_parallel_size != layout.dp:
         raise ConfigError(f"{layout.describe()}: {world_size} GPUs give DP {args.data_parallel_size}")
     return args

@@ -16,6 +16,7 @@ Dense parameters shard over DP x CP, experts over expert-DP (param_facts); the w
 pipeline stages sits alone in a bucket, as grad_buffer does it."""
 
 import dataclasses
+import operator
 
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
@@ -55,16 +56,42 @@ def build_chunks(mcfg, grid, model_class=None):
     not recomputation, not the data-parallel or context-parallel sizes)."""
     from megalite.models.gpt import GPTModel
     model_class = model_class or GPTModel
-    shapes = dataclasses.replace(mcfg, recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
-    key = (repr(shapes), model_class, grid.tp, grid.pp, grid.vpp, grid.experts, grid.ep, grid.etp, grid.tp_rank,
-           grid.pp_rank, grid.ep_rank, grid.etp_rank)
+    spans = tuple(chunk_layers(mcfg, grid.pp_rank, j, grid) for j in range(grid.vpp or 1))  # (layers, offset) each
+    key = (_shape_key(mcfg), spans, model_class, grid.tp, grid.pp, grid.vpp, grid.experts, grid.ep, grid.etp,
+           grid.tp_rank, grid.pp_rank, grid.ep_rank, grid.etp_rank)
     if key not in _BUILT:
         if len(_BUILT) > 256:
             _BUILT.clear()
             _STATES.clear()  # (keyed by the built chunks' identity)
             _PLANS.clear()
+            _COUNTS.clear()
         _BUILT[key] = _build(mcfg, grid, model_class)
     return _BUILT[key]
+
+
+# config class -> a getter of its fields that shape this rank's chunks: not recomputation's, and not the split of
+# the layers over the stages (the key holds this rank's own spans instead: layouts that give a stage the same
+# layers share its chunks)
+_SHAPE_FIELDS = {}
+_NOT_SHAPES = ("recompute_granularity", "recompute_method", "recompute_num_layers", "pipeline_layout",
+               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+_COUNTS = {}  # id(chunk) -> chunk_numels(chunk) (cleared with _BUILT, which keeps the chunks alive)
+
+
+def _shape_key(mcfg):
+    kind = type(mcfg)
+    if kind not in _SHAPE_FIELDS:
+        _SHAPE_FIELDS[kind] = operator.attrgetter(*(f.name for f in dataclasses.fields(mcfg)
+                                                    if f.name not in _NOT_SHAPES))
+    return kind, repr(_SHAPE_FIELDS[kind](mcfg))
+
+
+def chunk_numels(chunk):
+    """(elements in its transformer layers, elements in all, its number of layers) of a chunk from build_chunks."""
+    if id(chunk) not in _COUNTS:
+        inside = sum(p.numel() for n, p in chunk.named_parameters() if ".layers." in n)
+        _COUNTS[id(chunk)] = inside, sum(p.numel() for p in chunk.parameters()), len(chunk.decoder.layers)
+    return _COUNTS[id(chunk)]
 
 
 def _build(mcfg, grid, model_class):

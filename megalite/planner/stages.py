@@ -31,13 +31,11 @@ def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved, fra
         grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, None, layout.ep,
                           layout.expert_tp if layout.ep else None, pp_rank=i)
         state = memory.training_state(args, mcfg, grid)
-        chunk = memory.build_chunks(mcfg, grid)[0]
-        inside = sum(p.numel() for n, p in chunk.named_parameters() if ".layers." in n)
-        everything = sum(p.numel() for p in chunk.parameters())
-        layers = max(1, len(chunk.decoder.layers))
+        inside, everything, layers = memory.chunk_numels(memory.build_chunks(mcfg, grid)[0])
+        layers = max(1, layers)
         per_param = state.total / max(1, everything)
-        act_layer = sum(activations.layer_bytes(mcfg, grid, layout.micro, e, layer_number=n)
-                        for n in range(1, mcfg.num_layers + 1)) / mcfg.num_layers \
+        every = range(1, mcfg.num_layers + 1)
+        act_layer = sum(activations.layers_bytes(mcfg, grid, layout.micro, e, "triton", every)) / mcfg.num_layers \
             if mcfg.recompute_granularity != "full" else layout.micro * mcfg.seq_length // layout.cp * mcfg.hidden_size * e
         act_fixed = activations.chunk_bytes(mcfg, grid, layout.micro, e, 0, i == 0, last,
                                             _padded_vocab(mcfg, layout.tp))
