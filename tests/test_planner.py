@@ -252,7 +252,8 @@ def test_layout_flags_parsed_over_the_model_flags_are_the_whole_parse():
     """validated() parses the model's flags once and each layout's over a copy: the same arguments as one parse of
     both, whatever layout came before (validation of one layout leaves nothing in the next one's copy)."""
     from megalite.arguments import check_args
-    model = GPT + ["--moe-layer-freq", "[1,0,1,0,1,0,1,0]", "--num-experts", "4", "--disable-bias-linear"]  # a list flag
+    moe = ["--moe-layer-freq", "[1,0,1,0,1,0,1,0]", "--num-experts", "4", "--disable-bias-linear"]  # a list flag
+    model = GPT + moe
     layouts = [["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2"],
                ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--zero-stage", "2",
                 "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
