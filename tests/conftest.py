@@ -72,11 +72,6 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item not in gpu_compile] + gpu_compile
         from kernels_compile_bg import start
         config.megalite_gpu_compile = start()
-    # The Megatron scripts' torchrun job the same way (tests/megatron_scripts_bg.py): its fixture waits for it.
-    scripts = [item for item in items if item.nodeid.startswith("tests/test_megatron_scripts.py")]
-    if scripts and len(scripts) < len(items):
-        from megatron_scripts_bg import start as start_scripts
-        config.megalite_megatron_scripts = start_scripts()
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
@@ -86,12 +81,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_unconfigure(config):
-    """A run that stops early (-x, Ctrl-C) leaves no background build or job behind."""
+    """A run that stops early (-x, Ctrl-C) leaves no background build behind."""
     proc = (getattr(config, "megalite_gpu_compile", None) or (None,))[0]
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait()
-    scripts = getattr(config, "megalite_megatron_scripts", None)
-    if scripts is not None:
-        from megatron_scripts_bg import stop
-        stop(scripts)

@@ -104,48 +104,35 @@ def _argv(script, env):
     return out.stdout.decode().split("\0")[:-1]
 
 
-def prepare(root, timeout=540):
-    """The data, then every list under one torchrun job: {"returncode", "stdout", "stderr", "losses", "dirs",
-    "jobs"} (JSON: tests/megatron_scripts_bg.py runs this in the background while the suite runs)."""
-    prefix, vocab, merges, (spm, llama_prefix) = _data(root)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_scripts")
+    prefix, vocab, merges, (spm, llama_prefix) = _data(str(root))
     jobs, dirs = [], {}
     for name, (script, extra) in LISTS.items():
-        d = {k: os.path.join(root, name, k) for k in ("ckpt", "tb", "cache")}
+        d = {k: str(root / name / k) for k in ("ckpt", "tb", "cache")}
         dirs[name] = d
         env = {  # each script's own path variables
             "DATA_PATH": prefix if script in ("gpt3_345m.sh", "gpt3_175b.sh") else llama_prefix
-            if script == "mixtral_8x7b.sh" else root,  # examples: a prefix
+            if script == "mixtral_8x7b.sh" else str(root),  # examples: a prefix
             "VOCAB_FILE": vocab, "MERGE_FILE": merges, "TOKENIZER_MODEL": spm,
             "CHECKPOINT_PATH": d["ckpt"], "CHECKPOINT_SAVE_PATH": d["ckpt"], "CHECKPOINT_LOAD_PATH": d["ckpt"],
             "TENSORBOARD_LOGS_PATH": d["tb"], "TENSORBOARD_PATH": d["tb"], "DATA_CACHE_PATH": d["cache"]}
         jobs.append([name, _argv(script, env) + SHRINK + extra])
-    spec = os.path.join(root, "runs.json")
+    spec = str(root / "runs.json")
     json.dump(jobs, open(spec, "w"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
            os.path.join(SCRIPTS, "run_lists.py"), spec]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,  # (TMPDIR: torchrun's torchelastic_*)
-                       env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=root))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=540,  # (TMPDIR: torchrun's torchelastic_* logs)
+                       env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(root)))
     losses = json.load(open(spec + ".losses")) if os.path.exists(spec + ".losses") else {}
-    return {"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr, "losses": losses, "dirs": dirs,
-            "jobs": jobs}
-
-
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
-    started = getattr(request.config, "megalite_megatron_scripts", None)  # (tests/conftest.py)
-    if started is not None:
-        from megatron_scripts_bg import result
-        out = result(started, timeout=900)
-    else:
-        out = prepare(str(tmp_path_factory.mktemp("megatron_scripts")))
-    return out, out["losses"], out["dirs"], out["jobs"]
+    return p, losses, dirs, jobs
 
 
 @pytest.mark.parametrize("name", list(LISTS))
 def test_megatron_script_trains_three_iterations(runs, name):
     p, losses, dirs, jobs = runs
-    assert name in losses, f"{name} did not finish (exit {p['returncode']}):\n{p['stdout'][-3000:]}\n" \
-                           f"{p['stderr'][-3000:]}"
+    assert name in losses, f"{name} did not finish (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert len(losses[name]) == 3 and all(0 < v < 20 for v in losses[name]), losses[name]
     argv = dict(jobs)[name]
     if "--save" in argv:  # the final state is saved where the script says
@@ -159,7 +146,7 @@ def test_megatron_script_trains_three_iterations(runs, name):
 
 
 def test_implementation_flags_got_notices(runs):
-    out = runs[0]["stdout"]
+    out = runs[0].stdout
     for flag in ("--transformer-impl transformer_engine accepted", "--no-gradient-accumulation-fusion accepted",
                  "--attention-backend auto accepted", "--cross-entropy-loss-fusion accepted",
                  "--use-persistent-ckpt-worker accepted"):
