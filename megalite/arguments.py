@@ -253,14 +253,13 @@ def check_args(argv, world_size, defaults=None, layout=()):
     parser = _PARSER[0]
     if not layout:
         return _parse(argv, world_size, defaults, parser)
+    parser.set_defaults(**{"model_type": "gpt", **(defaults or {})})
     key = (tuple(argv), repr(defaults))
     if _MODEL.get("key") != key:
-        parser.set_defaults(**{"model_type": "gpt", **(defaults or {})})
         _MODEL.update(key=key, parsed=parser.parse_known_args(argv))
     base, unknown = _MODEL["parsed"]
     copied = argparse.Namespace(**{k: copy.deepcopy(v) if isinstance(v, (list, dict, set)) else v
                                    for k, v in vars(base).items()})  # validation may change what it holds
-    parser.set_defaults(**{"model_type": "gpt", **(defaults or {})})
     args, more = parser.parse_known_args(list(layout), namespace=copied)
     return _finish(args, unknown + more, parser, world_size)
 
