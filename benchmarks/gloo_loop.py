@@ -1,4 +1,4 @@
-"""gloo's event-loop threads at the lowest CPU priority (megalite.launch.yield_gloo_event_loops) against their
+"""gloo's event-loop threads at the lowest CPU priority (megalite.launch.gloo_loops_yielding) against their
 default priority, side by side: N CPU ranks on this machine's cores, each step a few small matmuls (a tiny
 layer's work) and one 4 KB all-reduce, the pattern of the test suite's worlds. Prints seconds per arm and the ratio.
 

@@ -3,6 +3,9 @@ every group (--distributed-timeout-minutes) and a store that survives torchrun's
 groups themselves are made by megalite.parallel_state through new_group."""
 
 import os
+import threading
+import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -28,8 +31,8 @@ def initialize_distributed(backend=None, timeout_s=600):
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=_TIMEOUT, **_restart_safe_store())
-    yield_gloo_event_loops()
+    with gloo_loops_yielding():
+        dist.init_process_group(backend=backend, timeout=_TIMEOUT, **_restart_safe_store())
     return True
 
 
@@ -49,30 +52,55 @@ def _restart_safe_store():
 def new_group(ranks=None, backend=None):
     """A process group with the job's timeout (Megatron's --distributed-timeout-minutes)."""
     kw = {"timeout": _TIMEOUT} if _TIMEOUT is not None else {}
-    group = dist.new_group(ranks, backend=backend, **kw)
-    yield_gloo_event_loops()
-    return group
+    with gloo_loops_yielding():
+        return dist.new_group(ranks, backend=backend, **kw)
 
 
 GLOO_LOOP_NICE = 19
+_NAMING_WAIT_S = 1.0  # a thread names itself once it first runs: on busy cores that can take a while
 
 
-def yield_gloo_event_loops():
-    """Lowest CPU priority for gloo's event-loop threads (one per gloo group, named gloo_tcp_loop).
+def _threads():
+    """{thread id: name} of this process's threads; empty where /proc is not there (not Linux)."""
+    names = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return names
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[int(tid)] = f.read().strip()
+        except OSError:
+            pass  # the thread ended
+    return names
+
+
+@contextmanager
+def gloo_loops_yielding():
+    """Around the making of a gloo group: its event-loop thread (named gloo_tcp_loop) gets the lowest
+    CPU priority; nothing else in the process changes.
 
     During a collective that loop polls its sockets without sleeping (measured: about 400 wake-ups per
     4 KB all-reduce between 2 ranks). Where ranks share cores (CPU jobs with more ranks than cores: the
     test suite, a laptop), the spin takes the cores the ranks compute on: 2, 4 and 8 gloo ranks on 2 cores
     ran their steps 1.4x, 2.3x and 1.3x faster with it lowered (benchmarks/gloo_loop.py). At the lowest
-    priority it still runs whenever a core is free. Linux only; elsewhere nothing changes."""
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == "gloo_tcp_loop":
-                    os.setpriority(os.PRIO_PROCESS, int(tid), GLOO_LOOP_NICE)
-        except OSError:
-            pass  # the thread ended, or this system refuses: the loop keeps its priority
+    priority it still runs whenever a core is free. Linux only; elsewhere nothing changes.
+
+    A new thread carries its creator's name until it first runs and names itself, which can be after the
+    group is made; so the threads made inside the block are awaited (a bounded wait) until named."""
+    before = set(_threads())
+    yield
+    unnamed = _threads()[threading.get_native_id()]  # what a new thread is called before it names itself
+    deadline = time.monotonic() + _NAMING_WAIT_S
+    while True:
+        new = {tid: name for tid, name in _threads().items() if tid not in before}
+        if unnamed not in new.values() or time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
+    for tid, name in new.items():
+        if name == "gloo_tcp_loop":
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, GLOO_LOOP_NICE)
+            except OSError:
+                pass  # the thread ended, or this system refuses: the loop keeps its priority

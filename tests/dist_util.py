@@ -137,7 +137,7 @@ def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None):
 
     import kernels
     from megalite import parallel_state as ps
-    from megalite.launch import yield_gloo_event_loops
+    from megalite.launch import gloo_loops_yielding
     kernels.set_backend("auto")
     result = None
     try:
@@ -146,8 +146,8 @@ def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None):
                                "its own group; destroy it in the test that made it")
         ps.destroy_model_parallel()
         store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        yield_gloo_event_loops()  # as megalite's own initialisation does (megalite.launch)
+        with gloo_loops_yielding():  # as megalite's own initialisation does (megalite.launch)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         result = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         result = ("error", traceback.format_exc())
