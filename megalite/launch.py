@@ -91,7 +91,9 @@ def gloo_loops_yielding():
     group is made; so the threads made inside the block are awaited (a bounded wait) until named."""
     before = set(_threads())
     yield
-    unnamed = _threads()[threading.get_native_id()]  # what a new thread is called before it names itself
+    unnamed = _threads().get(threading.get_native_id())  # a new thread's name before it names itself
+    if unnamed is None:
+        return  # no /proc: nothing to lower
     deadline = time.monotonic() + _NAMING_WAIT_S
     while True:
         new = {tid: name for tid, name in _threads().items() if tid not in before}
