@@ -1,8 +1,10 @@
 """gloo's event-loop threads at the lowest CPU priority (megalite.launch.gloo_loops_yielding) against their
 default priority, side by side: N CPU ranks on this machine's cores, each step a few small matmuls (a tiny
 layer's work) and one 4 KB all-reduce, the pattern of the test suite's worlds. Prints seconds per arm and the ratio.
+Then what the lowering adds to the making of a group: milliseconds per group with and without it, each rank making
+--groups groups (a rank of the suite's worlds makes 10-40 per layout; the threads it already has are not read).
 
-    python benchmarks/gloo_loop.py [--steps 500] [--worlds 2 4 8]
+    python benchmarks/gloo_loop.py [--steps 500] [--worlds 2 4 8] [--groups 60]
 """
 
 import argparse
@@ -31,10 +33,22 @@ def _steps(lowered, steps):
     return time.perf_counter() - t
 
 
+def _making(lowered, n):
+    import torch.distributed as dist
+
+    from megalite.launch import new_group
+    make = new_group if lowered else dist.new_group
+    groups, t = [], time.perf_counter()
+    for _ in range(n):
+        groups.append(make(list(range(dist.get_world_size()))))
+    return (time.perf_counter() - t) / n * 1e3
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--groups", type=int, default=60)
     a = p.parse_args()
     print(f"{os.cpu_count()} cores, {a.steps} steps of 5 64x64 layers + one 4 KB all-reduce; best of 2 runs per arm")
     print(f"{'ranks':>5} {'default s':>10} {'lowered s':>10} {'speed-up':>9}")
@@ -45,6 +59,15 @@ def main():
                 t = max(spawn(world, _steps, lowered, a.steps))
                 best[lowered] = min(best.get(lowered, t), t)
         print(f"{world:>5} {best[False]:>10.2f} {best[True]:>10.2f} {best[False] / best[True]:>8.2f}x")
+    print(f"making {a.groups} groups per rank, ms per group (slowest rank, best of 2 runs per arm)")
+    print(f"{'ranks':>5} {'plain':>10} {'lowered':>10} {'added':>9}")
+    for world in a.worlds:
+        best = {}
+        for _ in range(2):
+            for lowered in (False, True):
+                t = max(spawn(world, _making, lowered, a.groups))
+                best[lowered] = min(best.get(lowered, t), t)
+        print(f"{world:>5} {best[False]:>10.2f} {best[True]:>10.2f} {best[True] - best[False]:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -60,20 +60,21 @@ GLOO_LOOP_NICE = 19
 _NAMING_WAIT_S = 1.0  # a thread names itself once it first runs: on busy cores that can take a while
 
 
-def _threads():
-    """{thread id: name} of this process's threads; empty where /proc is not there (not Linux)."""
-    names = {}
+def _thread_ids():
+    """This process's thread ids; None where /proc is not there (not Linux)."""
     try:
-        tids = os.listdir("/proc/self/task")
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
     except OSError:
-        return names
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names[int(tid)] = f.read().strip()
-        except OSError:
-            pass  # the thread ended
-    return names
+        return None
+
+
+def _name(tid):
+    """A thread's name, or None where it has ended."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 @contextmanager
@@ -89,14 +90,17 @@ def gloo_loops_yielding():
 
     A new thread carries its creator's name until it first runs and names itself, which can be after the
     group is made; so the threads made inside the block are awaited (a bounded wait) until named."""
-    before = set(_threads())
+    before = _thread_ids()
     yield
-    unnamed = _threads().get(threading.get_native_id())  # a new thread's name before it names itself
-    if unnamed is None:
+    if before is None:
         return  # no /proc: nothing to lower
+    unnamed = _name(threading.get_native_id())  # a new thread's name before it names itself
+    # only the new threads' names are read: a rank with many groups has as many loop threads, and reading
+    # every one's name for every group made cost more than making the groups (some 50 reads per group)
+    new = {tid: None for tid in _thread_ids() - before}
     deadline = time.monotonic() + _NAMING_WAIT_S
     while True:
-        new = {tid: name for tid, name in _threads().items() if tid not in before}
+        new = {tid: _name(tid) for tid in new}
         if unnamed not in new.values() or time.monotonic() > deadline:
             break
         time.sleep(0.001)
