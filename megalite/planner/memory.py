@@ -65,6 +65,7 @@ def build_chunks(mcfg, grid, model_class=None):
             _STATES.clear()  # (keyed by the built chunks' identity)
             _PLANS.clear()
             _COUNTS.clear()
+            _ROUTERS.clear()
         _BUILT[key] = _build(mcfg, grid, model_class)
     return _BUILT[key]
 
@@ -76,6 +77,7 @@ _SHAPE_FIELDS = {}
 _NOT_SHAPES = ("recompute_granularity", "recompute_method", "recompute_num_layers", "pipeline_layout",
                "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 _COUNTS = {}  # id(chunk) -> chunk_numels(chunk) (cleared with _BUILT, which keeps the chunks alive)
+_ROUTERS = {}  # id(chunk) -> chunk_routers(chunk) (the same)
 
 
 def _shape_key(mcfg):
@@ -92,6 +94,13 @@ def chunk_numels(chunk):
         inside = sum(p.numel() for n, p in chunk.named_parameters() if ".layers." in n)
         _COUNTS[id(chunk)] = inside, sum(p.numel() for p in chunk.parameters()), len(chunk.decoder.layers)
     return _COUNTS[id(chunk)]
+
+
+def chunk_routers(chunk):
+    """The MoE layers (routers) of a chunk from build_chunks (a search asks for every layout it prices)."""
+    if id(chunk) not in _ROUTERS:
+        _ROUTERS[id(chunk)] = sum(1 for name, _ in chunk.named_modules() if name.endswith(".mlp.router"))
+    return _ROUTERS[id(chunk)]
 
 
 def _build(mcfg, grid, model_class):

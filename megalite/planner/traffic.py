@@ -17,7 +17,7 @@ MoE layers' allgather token dispatch (moe/dispatcher.py) counts in the same coll
 micro-batch, over the n = ETP x EP ranks, the T tokens of this rank gathered with their fp32 probabilities and
 routing map, the experts' output reduce-scattered; backward the adjoints (no gradient for the map)."""
 
-from megalite.planner.memory import _buckets, _tied, build_chunks, zero_as_run
+from megalite.planner.memory import _buckets, _tied, build_chunks, chunk_routers, zero_as_run
 from megalite.planner.optimizer_step import muon_plan
 
 
@@ -71,7 +71,7 @@ def data_parallel_bytes(args, mcfg, grid, micro_batches):
 def _dispatch(c, grid, model, e, micro):
     """Wire bytes of one micro-batch's MoE token dispatch (allgather dispatcher) on this chunk."""
     n = grid.ep * grid.expert_tp()[0] if grid.experts else 1
-    layers = sum(1 for name, _ in model.named_modules() if name.endswith(".mlp.router"))
+    layers = chunk_routers(model)
     if n == 1 or not layers or c.moe_token_dispatcher_type != "allgather":
         return {}
     t = c.seq_length // grid.cp * micro
