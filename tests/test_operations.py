@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -163,19 +164,54 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_hung_peer_fails_survivors_within_the_timeout(tmp_path, data):
-    script = tmp_path / "hung.py"
+class _Background:
+    """A job started now and waited for by a thread: its exit code, output and run time for a test that comes
+    later (the hung-peer job mostly waits out its timeout; the module's other jobs use the cores meanwhile)."""
+
+    def __init__(self, cmd, timeout):
+        self.timeout, self.t0 = timeout, time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.thread = threading.Thread(target=self._wait, daemon=True)
+        self.thread.start()
+
+    def _wait(self):
+        self.out, self.err = self.proc.communicate()
+        self.elapsed = time.monotonic() - self.t0
+
+    def result(self):
+        self.thread.join(max(0.0, self.t0 + self.timeout - time.monotonic()))
+        if self.thread.is_alive():
+            self.stop()
+            raise AssertionError(f"the job ran past {self.timeout} s")
+        return self.proc.returncode, self.elapsed
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.thread.join()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hung_job(tmp_path_factory, data):
+    """The hung-peer job, started with the module and checked by its test."""
+    d = tmp_path_factory.mktemp("hung")
+    script = d / "hung.py"
     script.write_text(HUNG)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--redirects", "3", "--log-dir", str(tmp_path / "logs"), str(script),
+           "--redirects", "3", "--log-dir", str(d / "logs"), str(script),
            os.path.join(ROOT, "pretrain_gpt.py"), *MODEL, *data, "--train-iters", "3",
            "--distributed-timeout-minutes", "0.05"]
-    t0 = time.monotonic()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=110)
-    elapsed = time.monotonic() - t0
-    assert r.returncode != 0 and elapsed < 100, (r.returncode, elapsed)  # did not wait for the sleeper
+    job = _Background(cmd, timeout=110)
+    job.logs = d / "logs"
+    yield job
+    job.stop()
+
+
+def test_hung_peer_fails_survivors_within_the_timeout(hung_job):
+    returncode, elapsed = hung_job.result()
+    assert returncode != 0 and elapsed < 100, (returncode, elapsed)  # did not wait for the sleeper
     import glob
-    err = open(glob.glob(str(tmp_path / "logs" / "**" / "attempt_0" / "0" / "stderr.log"), recursive=True)[0]).read()
+    err = open(glob.glob(str(hung_job.logs / "**" / "attempt_0" / "0" / "stderr.log"), recursive=True)[0]).read()
     ours = [ln for ln in err.splitlines() if ln.startswith("megalite: error")]
     assert len(ours) == 1 and "communication failed" in ours[0] and "--distributed-timeout-minutes 0.05" in ours[0], err
     assert "Traceback" not in err, err
