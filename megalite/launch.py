@@ -103,7 +103,7 @@ def gloo_loops_yielding():
         new = {tid: _name(tid) for tid in new}
         if unnamed not in new.values() or time.monotonic() > deadline:
             break
-        time.sleep(0.001)
+        time.sleep(0.0002)
     for tid, name in new.items():
         if name == "gloo_tcp_loop":
             try:
