@@ -3,9 +3,9 @@
 `run_on_ranks(fn, world_size, *args)` starts N processes, each with torch.distributed
 initialised (gloo, a free port, one thread), calls `fn(*args)` and returns the list of the
 ranks' return values. A rank's exception surfaces with its traceback; a run that exceeds
-`timeout` is killed and reported instead of hanging the suite. `start_on_ranks` (same arguments)
-starts the world and returns at once; its `.result()` is run_on_ranks' return value, so worlds
-that do not depend on each other run side by side.
+`timeout` is killed and reported (with where each hung rank waited) instead of hanging the suite.
+`start_on_ranks` (same arguments) starts the world and returns at once; its `.result()` is
+run_on_ranks' return value, so worlds that do not depend on each other run side by side.
 
 The ranks are forked from the test process: a spawned rank re-imports torch, megalite and the
 test module (seconds per rank on the 2-core machine, most of the suite's time). Each rank then
@@ -33,11 +33,13 @@ parallel world, so each run of the suite checks two machines' rounding against e
 """
 
 import atexit
+import faulthandler
 import itertools
 import os
 import pickle
 import random
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -55,6 +57,7 @@ OTHER_CAPABILITY = _BELOW.get(torch.backends.cpu.get_cpu_capability())
 _PRELOAD = ["torch", "torch._dynamo", "numpy", "kernels", "megalite.training", "dist_util", "parity"]
 _forkserver_capability = None
 _IN_FORKSERVER = "DIST_UTIL_IN_FORKSERVER"  # set in the fork server's environment, so its ranks' too
+STACKS_SIGNAL = signal.SIGUSR1  # a rank past its world's timeout writes its Python stacks, then is killed
 
 
 def _forkserver_context(capability):
@@ -127,6 +130,8 @@ def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None):
     if capability is not None:  # (a fork server's rank) check that ATen really rounds as asked
         got = torch.backends.cpu.get_cpu_capability()
         assert got == capability.upper(), f"rank {rank} runs ATen capability {got}, not {capability}"
+    stacks = open(os.path.join(out_dir, f"{rank}.stacks"), "w")  # (kept open: faulthandler writes it at a signal)
+    faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     port, prefix = store_at
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), TORCH_GLOO_LAZY_INIT="1")
@@ -188,8 +193,14 @@ class Ranks:
         procs, world_size, out_dir, timeout = self.procs, self.world_size, self.out_dir, self.timeout
         for p in procs:
             p.join(max(0.0, self.deadline - time.monotonic()))
-        deadline_hit = any(p.is_alive() for p in procs)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        deadline_hit = bool(hung)
         if deadline_hit:
+            for r in hung:
+                os.kill(procs[r].pid, STACKS_SIGNAL)
+            dumps, until = [os.path.join(out_dir, f"{r}.stacks") for r in hung], time.monotonic() + 2.0
+            while time.monotonic() < until and not all(os.path.getsize(d) for d in dumps):
+                time.sleep(0.05)
             for p in procs:
                 if p.is_alive():
                     p.kill()
@@ -208,10 +219,17 @@ class Ranks:
                 errors.append(f"rank {r} raised:\n{value}")
             results.append(value)
         if deadline_hit:
-            errors.insert(0, f"timed out after {timeout}s (a hang?)")
+            where = [f"rank {r} waited in:\n{own_stacks(os.path.join(out_dir, f'{r}.stacks'))}" for r in hung]
+            errors[:0] = [f"timed out after {timeout}s (a hang?)"] + where
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+def own_stacks(path):
+    """A faulthandler dump (a file) cut to the threads in megalite or the tests (not idle helper threads)."""
+    blocks = open(path).read().split("\n\n") if os.path.exists(path) else ["(no dump)"]
+    return "\n".join(b for b in blocks if "/megalite/" in b or "/tests/" in b) or blocks[0]
 
 
 def start_on_ranks(fn, world_size, *args, timeout=180, capability=None):

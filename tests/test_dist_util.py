@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 
 from dist_util import run_on_ranks
@@ -24,3 +25,20 @@ def _late_pair():
 
 def test_a_pair_connects_after_rank_0_has_ended():
     assert run_on_ranks(_late_pair, 4, timeout=60) == [None, None, [5.0] * 3, [5.0] * 3]
+
+
+def _rank_1_never_comes():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    dist.barrier()
+
+
+def test_a_hung_world_reports_where_its_ranks_waited():
+    with pytest.raises(AssertionError) as e:
+        run_on_ranks(_rank_1_never_comes, 2, timeout=3)
+    msg = str(e.value)
+    assert msg.startswith("timed out after 3s"), msg
+    waits = msg.split("rank 1 waited in:")
+    assert len(waits) == 2 and "in _rank_1_never_comes" in waits[0] and "in barrier" in waits[0], msg
+    assert "in _rank_1_never_comes" in waits[1] and "in barrier" not in waits[1], msg

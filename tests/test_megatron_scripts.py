@@ -18,12 +18,15 @@ import sys
 import pytest
 
 from cli_batch import run_tool
-from dist_util import free_port
+from dist_util import free_port, own_stacks
 from test_megatron_configs import fill, functional_configs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPTS = os.path.join(HERE, "megatron_scripts")
+# the whole run takes about 20 s here, 45 s on the slowest machine of the kind; past this it is hung (its ranks
+# then write their stacks and exit, tests/megatron_scripts/run_lists.py)
+STACKS_AFTER_S = 300
 # (two samples per micro-batch: half the micro-batches of one, and so half the TP / PP rounds of 4 ranks on 2 cores)
 SHRINK = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
           "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --eval-iters 1 "
@@ -122,17 +125,26 @@ def runs(tmp_path_factory):
     spec = str(root / "runs.json")
     json.dump(jobs, open(spec, "w"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-           os.path.join(SCRIPTS, "run_lists.py"), spec]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=540,  # (TMPDIR: torchrun's torchelastic_* logs)
-                       env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(root)))
+           os.path.join(SCRIPTS, "run_lists.py"), spec, str(STACKS_AFTER_S)]
+    try:  # (TMPDIR: torchrun's torchelastic_* logs)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=STACKS_AFTER_S + 180,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(root)))
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:  # the ranks ended (or dumped their stacks): torchrun itself did not
+        rc, out, err = "none: torchrun still running, killed", *((b or b"").decode(errors="replace")
+                                                                  for b in (e.stdout, e.stderr))
     losses = json.load(open(spec + ".losses")) if os.path.exists(spec + ".losses") else {}
-    return p, losses, dirs, jobs
+    stacks = "".join(f"rank {r}: {own_stacks(f'{spec}.stacks.{r}')}\n" for r in range(4)
+                     if os.path.exists(f"{spec}.stacks.{r}") and os.path.getsize(f"{spec}.stacks.{r}"))
+    report = (f"exit {rc}; scripts finished: {list(losses)}\n" + (f"the ranks hung; where:\n{stacks}" if stacks
+              else "") + f"stdout:\n{out[-2000:]}\nstderr:\n{err[-2000:]}")
+    return report, out, losses, dirs, jobs
 
 
 @pytest.mark.parametrize("name", list(LISTS))
 def test_megatron_script_trains_three_iterations(runs, name):
-    p, losses, dirs, jobs = runs
-    assert name in losses, f"{name} did not finish (exit {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    report, _, losses, dirs, jobs = runs
+    assert name in losses, f"{name} did not finish: {report}"
     assert len(losses[name]) == 3 and all(0 < v < 20 for v in losses[name]), losses[name]
     argv = dict(jobs)[name]
     if "--save" in argv:  # the final state is saved where the script says
@@ -146,7 +158,7 @@ def test_megatron_script_trains_three_iterations(runs, name):
 
 
 def test_implementation_flags_got_notices(runs):
-    out = runs[0].stdout
+    out = runs[1]
     for flag in ("--transformer-impl transformer_engine accepted", "--no-gradient-accumulation-fusion accepted",
                  "--attention-backend auto accepted", "--cross-entropy-loss-fusion accepted",
                  "--use-persistent-ckpt-worker accepted"):
@@ -155,7 +167,7 @@ def test_implementation_flags_got_notices(runs):
 
 def test_generate_reads_the_gpt2_bpe_tokenizer_from_the_checkpoint(runs):
     """The checkpoint records the vocab/merges it was trained with: a text prompt needs no flags."""
-    ckpt = runs[2]["gpt3_345m"]["ckpt"]
+    ckpt = runs[3]["gpt3_345m"]["ckpt"]
     rc, out, err = run_tool("generate", "--load", ckpt, "--prompt", "The cat sees", "--max-new-tokens", "4", "--greedy")
     assert rc == 0, err[-2000:]
     assert out.strip().startswith("The cat sees"), out

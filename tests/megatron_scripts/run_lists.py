@@ -2,8 +2,11 @@
 pretrain_gpt.py's own providers, one after the other on the same ranks (one interpreter start
 per rank for all scripts: the 2-core machine pays torch's import once). Prints, on the last
 rank, writes {name: losses} to <argv json>.losses (a file: the ranks' interleaved stdout can split
-a printed line); a script that fails stops the run non-zero."""
+a printed line); a script that fails stops the run non-zero. A run still going after <stack seconds>
+(argv[2]) is hung: each rank writes its Python stacks to <argv json>.stacks.<rank> and exits, so the
+test reports where every rank waited instead of only a timeout."""
 
+import faulthandler
 import json
 import os
 import sys
@@ -17,7 +20,9 @@ from megalite.arguments import parse_args  # noqa: E402
 from megalite.training import pretrain  # noqa: E402
 
 
-def main(path):
+def main(path, stack_after_s):
+    stacks = open(f"{path}.stacks.{os.environ['RANK']}", "w")
+    faulthandler.dump_traceback_later(stack_after_s, exit=True, file=stacks)
     runs, done = json.load(open(path)), {}
     ps.initialize_distributed("gloo", 600)  # held across the scripts; each pretrain() builds its grid
     for name, argv in runs:
@@ -30,8 +35,8 @@ def main(path):
             done[name] = losses
             with open(path + ".losses", "w") as f:
                 json.dump(done, f)
-    ps.shutdown_distributed()
+    ps.shutdown_distributed()  # (the dump stays armed: a hang at the interpreter's exit is reported too)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], float(sys.argv[2]))
