@@ -21,7 +21,7 @@ from megalite.training import pretrain  # noqa: E402
 
 
 def main(path, stack_after_s):
-    stacks = open(f"{path}.stacks.{os.environ['RANK']}", "w")
+    stacks = open(f"{path}.stacks.{os.environ['RANK']}", "w")  # (kept open: the dump writes it)
     faulthandler.dump_traceback_later(stack_after_s, exit=True, file=stacks)
     runs, done = json.load(open(path)), {}
     ps.initialize_distributed("gloo", 600)  # held across the scripts; each pretrain() builds its grid
