@@ -1,10 +1,12 @@
-"""Benchmarks' multi-rank runs: `spawn(world, fn, *args, env=None)` forks `world` CPU ranks with gloo
-initialised (one thread each; env: extra environment, e.g. LOCAL_WORLD_SIZE for "nodes"), calls `fn(*args)`
-in each and returns their results. A failed rank stops the others and the script."""
+"""Benchmarks' multi-rank runs: `spawn(world, fn, *args, env=None, backend="gloo")` forks `world` CPU ranks with
+torch.distributed initialised (one thread each; env: extra environment, e.g. LOCAL_WORLD_SIZE for "nodes"; backend:
+gloo, or the test suite's shared-memory groups, tests/shm_group.py), calls `fn(*args)` in each and returns their
+results. A failed rank stops the others and the script."""
 
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 
@@ -18,22 +20,27 @@ def _port():
         return s.getsockname()[1]
 
 
-def _rank(rank, world, port, fn, args, out_dir, env):
+def _rank(rank, world, port, fn, args, out_dir, env, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank % int(env.get("LOCAL_WORLD_SIZE", world))), **env)
     torch.set_num_threads(1)
     import torch.distributed as dist
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend != "gloo":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        import shm_group
+        shm_group.register()
+    dist.init_process_group(backend, rank=rank, world_size=world)
     result = fn(*args)
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    dist.barrier()  # (rank 0 holds the store: it stays until every rank is done with it)
     dist.destroy_process_group()
 
 
-def spawn(world, fn, *args, env=None):
+def spawn(world, fn, *args, env=None, backend="gloo"):
     port = _port()
     with tempfile.TemporaryDirectory() as d:
-        procs = [mp.get_context("fork").Process(target=_rank, args=(r, world, port, fn, args, d, env or {}))
+        procs = [mp.get_context("fork").Process(target=_rank, args=(r, world, port, fn, args, d, env or {}, backend))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -47,7 +47,7 @@ QUICK = (
     "tests/test_readme.py", "tests/test_user_mlp.py",
     "tests/test_planner_priced.py::test_published_runs_stay",  # the planner: published runs, one layer's bytes
     "tests/test_planner_activations.py::test_one_layer_saves",
-    "tests/test_import_direction.py", "tests/test_launch.py",
+    "tests/test_import_direction.py", "tests/test_launch.py", "tests/test_shm_group.py",  # the worlds' groups
 )
 
 

@@ -1,7 +1,7 @@
-"""Run a test body on N CPU ranks (gloo).
+"""Run a test body on N CPU ranks.
 
 `run_on_ranks(fn, world_size, *args)` starts N processes, each with torch.distributed
-initialised (gloo, a free port, one thread), calls `fn(*args)` and returns the list of the
+initialised (shared-memory groups, see BACKEND; one thread), calls `fn(*args)` and returns the list of the
 ranks' return values. A rank's exception surfaces with its traceback; a run that exceeds
 `timeout` is killed and reported (with where each hung rank waited) instead of hanging the suite.
 `start_on_ranks` (same arguments) starts the world and returns at once; its `.result()` is
@@ -13,14 +13,19 @@ starts as a spawned one would: its own parallel state torn down, kernel backend 
 seeded random streams, one thread. Where the test process has initialised CUDA (the GPU machine), a fork
 could not use it, so the ranks are spawned.
 
-The ranks connect their gloo pairs lazily (TORCH_GLOO_LAZY_INIT: a group's pair at its first use). Each rank
-creates every group of a layout's grid and a world runs many layouts: eager connections cost 0.29 s per grid at 8
-ranks on the 2-core machine (0.10 s lazily), about a quarter of a short layout's time; the collectives and what they
-compute are the same. A lazy pair exchanges addresses through the store at first use, possibly after the rank that
-would hold an env:// store has ended, and a store served by a thread of the test process would make every later
-fork unsafe (a rank forked while that thread holds a lock hangs). So one store process serves the whole session, as
-torchrun's agent does a job, and each world keys into it under its own prefix. torchrun jobs (users', and the tests
-of the launcher) connect eagerly as before.
+The worlds' groups live in shared memory (tests/shm_group.py) unless `backend="gloo"` or MEGALITE_TEST_BACKEND=gloo
+says otherwise: a world's time is its collectives' latency, and gloo's is 6-25x the shared-memory groups' with 4-8
+ranks on 2 cores (benchmarks/shm_vs_gloo.py). gloo stays where megalite names it (its checkpoint writer's group, the
+asynchronous outer optimizer's), in the torchrun jobs, and in the tests of gloo itself.
+
+Where gloo runs, the ranks connect their gloo pairs lazily (TORCH_GLOO_LAZY_INIT: a group's pair at its first use).
+Each rank creates every group of a layout's grid and a world runs many layouts: eager connections cost 0.29 s per
+grid at 8 ranks on the 2-core machine (0.10 s lazily), about a quarter of a short layout's time; the collectives and
+what they compute are the same. A lazy pair exchanges addresses through the store at first use, possibly after the
+rank that would hold an env:// store has ended, and a store served by a thread of the test process would make every
+later fork unsafe (a rank forked while that thread holds a lock hangs). So one store process serves the whole
+session, as torchrun's agent does a job, and each world keys into it under its own prefix. torchrun jobs (users',
+and the tests of the launcher) connect eagerly as before.
 
 `capability=` runs the ranks under another ATen CPU capability than the test process (machines
 of the CI kind differ: AVX-512 on some, AVX2 on others, and ATen's vectorised kernels round
@@ -46,6 +51,7 @@ import time
 import traceback
 
 import numpy as np
+import shm_group
 import torch
 import torch._dynamo  # noqa: F401  torch.optim's first optimizer imports it (3.5 s here): once, before the forks
 import torch.distributed as dist
@@ -57,6 +63,10 @@ OTHER_CAPABILITY = _BELOW.get(torch.backends.cpu.get_cpu_capability())
 _PRELOAD = ["torch", "torch._dynamo", "numpy", "kernels", "megalite.training", "dist_util", "parity"]
 _forkserver_capability = None
 _IN_FORKSERVER = "DIST_UTIL_IN_FORKSERVER"  # set in the fork server's environment, so its ranks' too
+# the worlds' backend: shared memory (tests/shm_group.py: collectives ~10x faster than gloo's at 4-8 ranks on 2
+# cores); MEGALITE_TEST_BACKEND=gloo runs every world on gloo instead
+BACKEND = os.environ.get("MEGALITE_TEST_BACKEND") or (shm_group.NAME if shm_group.available() else "gloo")
+atexit.register(shm_group.remove_leftovers)  # (forked ranks leave through os._exit: only the test process runs it)
 STACKS_SIGNAL = signal.SIGUSR1  # a rank past its world's timeout writes its Python stacks, then is killed
 
 
@@ -126,7 +136,7 @@ def _session_store_port():
     return _store_port
 
 
-def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None):
+def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None, backend="gloo"):
     if capability is not None:  # (a fork server's rank) check that ATen really rounds as asked
         got = torch.backends.cpu.get_cpu_capability()
         assert got == capability.upper(), f"rank {rank} runs ATen capability {got}, not {capability}"
@@ -152,7 +162,8 @@ def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None):
         ps.destroy_model_parallel()
         store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False))
         with gloo_loops_yielding():  # as megalite's own initialisation does (megalite.launch)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+            shm_group.register()
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         result = ("error", traceback.format_exc())
@@ -167,7 +178,7 @@ def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None):
 class Ranks:
     """A world started by start_on_ranks; result() waits for it (run_on_ranks' return value or error)."""
 
-    def __init__(self, fn, world_size, args, timeout, capability):
+    def __init__(self, fn, world_size, args, timeout, capability, backend):
         if torch.cuda.is_initialized():
             ctx, capability = mp.get_context("spawn"), None
         elif capability is not None:
@@ -177,7 +188,8 @@ class Ranks:
         store_at = (_session_store_port(), f"world{next(_world_ids)}/")
         self.world_size, self.timeout = world_size, timeout
         self.out_dir = tempfile.mkdtemp()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, store_at, fn, args, self.out_dir, capability))
+        self.procs = [ctx.Process(target=_worker,
+                                  args=(r, world_size, store_at, fn, args, self.out_dir, capability, backend))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -232,15 +244,15 @@ def own_stacks(path):
     return "\n".join(b for b in blocks if "/megalite/" in b or "/tests/" in b) or blocks[0]
 
 
-def start_on_ranks(fn, world_size, *args, timeout=180, capability=None):
+def start_on_ranks(fn, world_size, *args, timeout=180, capability=None, backend=None):
     """run_on_ranks without the wait: the world starts now, `.result()` waits for it and returns
     (or raises) what run_on_ranks would. Worlds that do not depend on each other can so run side
     by side (a world whose ranks wait on each other leaves a core idle on the 2-core machine)."""
-    return Ranks(fn, world_size, args, timeout, capability)
+    return Ranks(fn, world_size, args, timeout, capability, backend or BACKEND)
 
 
-def run_on_ranks(fn, world_size, *args, timeout=180, capability=None):
-    return start_on_ranks(fn, world_size, *args, timeout=timeout, capability=capability).result()
+def run_on_ranks(fn, world_size, *args, timeout=180, capability=None, backend=None):
+    return start_on_ranks(fn, world_size, *args, timeout=timeout, capability=capability, backend=backend).result()
 
 
 def rel_err(a, b):

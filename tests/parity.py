@@ -1,7 +1,7 @@
 """The parity harness: a parallel layout against the single-process run, through pretrain().
 
 Every parity test goes through here. A layout (TP/PP/DP/SP/virtual PP/ZeRO/recompute/dtype,
-plus any Megatron flags) trains on spawned gloo ranks; the single-process reference
+plus any Megatron flags) trains on CPU ranks; the single-process reference
 (TP=PP=DP=1, same seed, same global batches, same dtype) trains in the test process. Both
 record, gathered to full tensors under global parameter names:
   grads   every gradient of step 1 after the DP/SP/embedding reductions and before the

@@ -9,7 +9,7 @@ spans TP x CP x DP inside a stage (EP ranks may sit on different CP ranks).
 
 MLA: its queries and keys (nope + rope parts, YaRN positions by global token index) and values of
 another head size go through every CP comm type: the ring paths carry V zero-padded to the query/key
-head size (or Q/K padded to V's), a2a moves them apart. One spawn of 4 gloo ranks.
+head size (or Q/K padded to V's), a2a moves them apart. One spawn of 4 CPU ranks.
 """
 
 

@@ -1,6 +1,6 @@
 """ZeRO stage 1 / 2 / 3 (megalite.optimizer.distributed_optimizer) against the ordinary optimizer.
 
-Each topology runs once on spawned gloo ranks (module fixtures); every rank trains the same
+Each topology runs once on CPU ranks (module fixtures); every rank trains the same
 tiny GPT with the plain optimizer and with ZeRO and reports how they differ.
 
 Tolerances. Without clipping, ZeRO-1 (and ZeRO-2 with one micro-batch) performs the same

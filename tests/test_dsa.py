@@ -6,7 +6,7 @@
 - (b) gradients: the indexer loss reaches the indexer's parameters (= float64 autograd) and nothing else
   (x, the query latent and MLA's q, k are detached), and the main output's gradient does not reach the
   indexer; the flags, Megatron's defaults and the refusals, one line each;
-- (c) one spawn of 4 gloo ranks: TP2+SP x DP2 and PP2 x DP2 training with DSA (topk 5 of 16 tokens)
+- (c) one spawn of 4 CPU ranks: TP2+SP x DP2 and PP2 x DP2 training with DSA (topk 5 of 16 tokens)
   against the single process, and (d) two injected faults the parity must catch.
 """
 

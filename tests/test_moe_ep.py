@@ -1,6 +1,6 @@
 """Expert parallelism (MoE experts split over ranks) through pretrain(), and its token dispatchers.
 
-One spawn of 4 gloo ranks runs every check: the dispatchers alone (identity experts give back
+One spawn of 4 CPU ranks runs every check: the dispatchers alone (identity experts give back
 their input exactly, token counts conserved, zero-token experts), parity layouts against the
 single process (tests/parity.py: losses with the aux and z losses, every gradient before
 clipping including routers and experts, grad norms, parameters after 6 steps, at DESIGN's fp32

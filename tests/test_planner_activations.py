@@ -1,6 +1,6 @@
 """The planner's activation model (megalite/planner/activations.py) against the bytes autograd saves on
 megalite's CPU path (the "torch" backend): saved-tensor hooks count every distinct storage a forward of one
-micro-batch keeps for backward (parameters excluded), on 4 gloo ranks for TP with and without SP, CP, GQA +
+micro-batch keeps for backward (parameters excluded), on 4 CPU ranks for TP with and without SP, CP, GQA +
 rope + SwiGLU + RMSNorm in bf16, selective and full recomputation, MoE layers (routing as it falls, the
 model assuming it even; with EP2 over TP2 + SP, a shared expert and SwiGLU), multi-latent attention and
 multi-token prediction;

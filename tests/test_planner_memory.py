@@ -3,7 +3,7 @@ and send: for layouts over TP, PP (interleaved too), CP, EP, ZeRO-1/2/3, fp32 an
 Muon, every rank's
 predicted weights + gradients + optimizer bytes equal, to the byte, what optimizer/memory.py's
 training_state_bytes measures after a step, and its predicted data-parallel wire bytes per collective what
-distributed/comm.py counted during that step. One spawn of 4 gloo ranks runs them all."""
+distributed/comm.py counted during that step. One spawn of 4 CPU ranks runs them all."""
 
 import pytest
 

@@ -2,7 +2,7 @@
 
 Proof: delayed Nesterov against torch.optim.SGD in float64 (R arrivals from one base are one synchronous step);
 the slot decisions in a simulation of uneven replicas (every slot trained once, the staleness bound, the faster
-replica trains more); on 4 gloo ranks, S = 0 with equal speeds (TP2, interleaved PP2, CP2, ZeRO-3 with
+replica trains more); on 4 CPU ranks, S = 0 with equal speeds (TP2, interleaved PP2, CP2, ZeRO-3 with
 recompute inside) against the serial DiLoCo reference (as the
 synchronous mode: losses, step-1 gradients, global weights, outer momentum, <= 1e-5), and with one replica
 slowed: pseudo-gradients sent = applied = slots, each slot once, the bound kept, replicas ending identical;

@@ -1,6 +1,6 @@
 """ZeRO-3 (parameters sharded too, gathered unit by unit with prefetch) through pretrain().
 
-One spawn of 4 gloo ranks runs every check: parity layouts against the single process
+One spawn of 4 CPU ranks runs every check: parity layouts against the single process
 (tests/parity.py: losses, every gradient before clipping, parameters after 6 steps, at
 DESIGN's fp32 bound 1e-5, bf16 at its own), the unit schedule's counters, faults that the
 checks must catch, and a checkpoint saved at ZeRO-3 DP4 re-saved at other layouts.
