@@ -294,7 +294,8 @@ def train(lay, collect=None, decided=None):
                                            entry.forward_step, args, return_state=True)
         out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},
                "coords": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                          ps.get_data_parallel_rank(with_context_parallel=True))}
+                          ps.get_data_parallel_rank(with_context_parallel=True)),
+               "capability": torch.backends.cpu.get_cpu_capability()}  # how this process's ATen rounds
         if decided is None:
             out["decided"] = hook.table()
         else:

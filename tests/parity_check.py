@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import math
 
+import torch
+
 from decision_replay import HALF_PRECISION_STEPS
 from dist_util import rel_err
 from megalite.arguments import parse_args
@@ -39,6 +41,13 @@ from parity import TIED, check_reference, reference
 TOLERANCE = {"fp32": 1e-5,
              "bf16": {"losses@1": 1e-5, "norms@1": 2e-4, "grads": 1e-5, "embedding grads": 4e-3},
              "fp16": {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-3}}
+# fp32 across machines: the parallel worlds round as another machine does than the single process (dist_util.
+# OTHER_CAPABILITY), and from step 2 on the difference grows with the training itself: the single process on the
+# two machines is already some distance apart after the steps (params of the Llama base 9.9e-6 after 6 steps,
+# AVX2 against ATen's default kernels, at the edge of DESIGN's 1e-5; the GPT base 2.5e-6). So the later-step
+# kinds are held to DESIGN's bound or ENVELOPE x that distance, whichever is larger (the argument of the
+# half-precision envelope above); measured, in a one-rank world under the ranks' capability, only for a layout
+# whose later steps exceed DESIGN's bound (the verdict is the same as measuring it always).
 ENVELOPE = 4
 LATER = {"losses": "losses@1", "norms": "norms@1", "params": "grads"}  # later-step kind -> its step-1 kind
 KINDS = ("losses@1", "losses", "norms@1", "norms", "grads", "embedding grads", "params", "expert bias", "decisions")
@@ -105,11 +114,30 @@ def envelope(lay):
     return worst(lay, [dict(half, coords=(0, 0, 0))], exact)
 
 
+def _reference_fields(lay):
+    from parity import reference
+    return {k: v for k, v in reference(lay).items() if k in ("losses", "norms", "grads", "params")}
+
+
+_SPREADS = {}
+
+
+def machine_spread(lay, capability):
+    """{kind: the single process's largest relative distance between this process's ATen capability and
+    `capability`} (the other run in a one-rank world under it; cached per reference)."""
+    key = (tuple(lay.reference_argv()), lay.entry, lay.datasets, capability)
+    if key not in _SPREADS:
+        from dist_util import run_on_ranks
+        other = run_on_ranks(_reference_fields, 1, lay, capability=capability, timeout=300)[0]
+        _SPREADS[key] = worst(lay, [dict(other, coords=(0, 0, 0))], reference(lay))
+    return _SPREADS[key]
+
+
 def mismatches(lay, ranks, ref, tol=None):
     """Messages for every error above tol (a number, or {kind: number}; default TOLERANCE of
     the layout's dtype; bf16 / fp16: later steps within half precision's envelope), each naming
     the layout, the rank and the tensor."""
-    tol = TOLERANCE[lay.dtype] if tol is None else tol
+    asked, tol = tol, TOLERANCE[lay.dtype] if tol is None else tol
     bound = dict(tol) if isinstance(tol, dict) else dict.fromkeys(KINDS, tol)
     bound.setdefault("expert bias", TOLERANCE["fp32"])
     if lay.dtype != "fp32":  # later steps: half precision's own envelope (see TOLERANCE)
@@ -117,7 +145,14 @@ def mismatches(lay, ranks, ref, tol=None):
         for kind, first in LATER.items():
             bound[kind] = max(bound[first], ENVELOPE * env[kind])
         bound["expert bias"] = 2 * (len(ref["losses"]) - HALF_PRECISION_STEPS)
-    return [f"{msg}: relative error {e:.2e} > {bound.get(kind, 0.0):.0e}" for kind, msg, e in errors(lay, ranks, ref)
+    found = errors(lay, ranks, ref)
+    other = {r.get("capability") for r in ranks} - {torch.backends.cpu.get_cpu_capability(), None}
+    if lay.dtype == "fp32" and asked is None and len(other) == 1 and any(
+            kind in LATER and e > bound[kind] for kind, _, e in found):  # (see ENVELOPE)
+        spread = machine_spread(lay, other.pop().lower())
+        for kind in LATER:
+            bound[kind] = max(bound[kind], ENVELOPE * spread.get(kind, 0.0))
+    return [f"{msg}: relative error {e:.2e} > {bound.get(kind, 0.0):.1e}" for kind, msg, e in found
             if not e <= bound.get(kind, 0.0)]
 
 

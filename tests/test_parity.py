@@ -4,6 +4,7 @@ model learns. One spawn per world size (2, 3, 4, 8), each running many layouts.
 """
 
 import pytest
+import torch
 
 from megalite.pipeline import schedules
 from parity import EIGHT_LAYERS, LLAMA, check_reference, layout, reference, run_layouts
@@ -141,3 +142,23 @@ def test_tp_pp_dp_mapping_puts_pipeline_stages_next_to_each_other(four):
     coords = [r["coords"] for r in four["pp2_dp2_recompute_block_tp_pp_dp_order"]]  # (tp, pp, dp) by rank
     assert coords == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)], coords
     assert [r["coords"] for r in four["pp2_dp2_no_overlap"]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+
+
+def test_the_machine_envelope_excuses_only_later_steps_by_the_measured_distance(monkeypatch):
+    """fp32 across machines (parity_check.ENVELOPE): later steps may exceed DESIGN's bound by at most ENVELOPE x the
+    single process's own distance between the two machines' rounding, measured; step 1 never."""
+    import parity_check
+    lay = TWO[0]
+    ref = reference(lay)
+    scaled = {k: v * (1 + 2e-5) for k, v in ref["params"].items()}  # params after the steps 2e-5 off
+    here = torch.backends.cpu.get_cpu_capability()
+    run = dict(ref, coords=(0, 0, 0), params=scaled, capability="ELSEWHERE")
+    monkeypatch.setattr(parity_check, "machine_spread", lambda lay, cap: {"params": 1e-5})
+    assert parity_check.mismatches(lay, [run], ref) == []  # 2e-5 <= 4 x 1e-5
+    assert parity_check.mismatches(lay, [dict(run, capability=here)], ref)  # same machine: DESIGN's bound
+    monkeypatch.setattr(parity_check, "machine_spread", lambda lay, cap: {"params": 1e-6})
+    assert parity_check.mismatches(lay, [run], ref)  # 2e-5 > max(1e-5, 4e-6)
+    grads = {k: v * (1 + 2e-5) for k, v in ref["grads"].items()}
+    monkeypatch.setattr(parity_check, "machine_spread", lambda lay, cap: dict.fromkeys(parity_check.KINDS, 1e-3))
+    found = parity_check.mismatches(lay, [dict(run, grads=grads)], ref)  # step 1: never excused
+    assert found and all("step-1 grad" in m for m in found), found
