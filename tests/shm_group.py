@@ -21,23 +21,21 @@ import contextlib
 import ctypes
 import glob
 import mmap
-from collections import deque
 import os
 import platform
 import threading
 import time
 import uuid
+from collections import deque
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
-from torch.futures import Future
 
-NAME = "megalite_shm"
+from shm_messages import _CTRL, NAME, Messages, _nbytes, _padded, _Work
+
 PARTS = 64 << 20  # bytes of a member's posted parts that some member has not yet completed, per group
 _ENTRIES = 1024  # collectives a member can have posted that some member has not yet completed
 RING = 32 << 20  # bytes in flight from one member to another (sent, not yet received)
-_CTRL = 192  # per member: posted, completed, pid; per ring: written, read (a cache line each)
 _POLL_S = 0.2  # how often a waiting member checks that the one it waits for is alive
 _FUTEX = {"x86_64": 202}.get(platform.machine())
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -70,36 +68,7 @@ def remove_leftovers():
             os.unlink(name)
 
 
-class _Work(dist.Work):
-    """A handle whose wait() runs `complete` (once)."""
-
-    def __init__(self, complete, result):
-        super().__init__()
-        self._complete, self._result, self._finished = complete, result, False
-
-    def wait(self, timeout=None):
-        if not self._finished:
-            self._complete()
-            self._finished = True
-        return True
-
-    def is_completed(self):
-        return self._finished
-
-    def get_future(self):
-        self.wait()
-        fut = Future()
-        fut.set_result(self._result)
-        return fut
-
-
-def _done(result):
-    fut = Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
-
-
-class ShmGroup(dist.ProcessGroup):
+class ShmGroup(Messages, dist.ProcessGroup):
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
         self._rank, self._size, self._timeout = rank, size, timeout.total_seconds()
@@ -344,75 +313,6 @@ class ShmGroup(dist.ProcessGroup):
                 self._reduce_into(tensors[0], op, 0, _op(opts))
         return self._collective(tensors[:1], read, tensors)
 
-    # -- point to point: a ring of messages per (source, destination) ----------------------------
-
-    def _ring(self, src, dst):
-        at = self._rings_at + (src * self._size + dst) * (_CTRL + self._ring_bytes)
-        return self._word(at), self._word(at + 64), at + _CTRL  # bytes written, bytes read, the ring
-
-    def send(self, tensors, dst, tag):
-        (t,) = tensors
-        n = _nbytes(t)
-        size = 64 + _padded(n)  # a 64-byte header (tag, byte count), then the bytes
-        if size > self._ring_bytes:
-            raise RuntimeError(f"{NAME}: a send of {size} bytes exceeds the group's ring of {self._ring_bytes} "
-                               "(tests/shm_group.py RING)")
-        with self._lock:
-            written, read, ring = self._ring(self._rank, dst)
-            start = written.value
-            w, pos = start, start % self._ring_bytes
-            if pos + size > self._ring_bytes:  # a message never wraps: the rest of the ring is skipped
-                w, pos = w + self._ring_bytes - pos, 0
-            self._wait_until(read, w + size - self._ring_bytes, dst, "receives, to free ring space")
-            if w != start:
-                (ctypes.c_int64 * 2).from_buffer(self._mm, ring + start % self._ring_bytes)[:] = [-1, 0]
-            (ctypes.c_int64 * 2).from_buffer(self._mm, ring + pos)[:] = [tag, n]
-            self._bytes[ring + pos + 64:ring + pos + 64 + n].view(t.dtype).view(t.shape).copy_(t)
-            self._publish(written, w + size)
-        return _done(tensors)
-
-    def recv(self, tensors, src, tag):
-        (t,) = tensors
-        entry = [t, tag, False]
-        with self._lock:
-            self._receives[src].append(entry)
-        return _Work(lambda: self._complete_receives(src, entry), tensors)
-
-    def _complete_receives(self, src, entry):
-        with self._lock:
-            queue = self._receives[src]
-            while not entry[2]:
-                self._match(src, *queue[0][:2])
-                queue.pop(0)[2] = True
-
-    def _match(self, src, t, tag):
-        stash = self._stash[src]
-        while True:
-            for i, (got, payload) in enumerate(stash):
-                if got == tag:
-                    stash.pop(i)
-                    if payload.numel() != _nbytes(t):
-                        raise RuntimeError(f"{NAME}: received {payload.numel()} bytes from member {src} "
-                                           f"(tag {tag}) into a tensor of {_nbytes(t)}")
-                    t.copy_(payload.view(t.dtype).view(t.shape))
-                    return
-            stash.append(self._pull(src))
-
-    def _pull(self, src):
-        """The next message from src's ring, copied out (so its bytes are free again)."""
-        written, read, ring = self._ring(src, self._rank)
-        while True:
-            r = read.value
-            self._wait_until(written, r + 1, src, "send")
-            pos = r % self._ring_bytes
-            tag, n = (ctypes.c_int64 * 2).from_buffer(self._mm, ring + pos)
-            if tag == -1:  # the sender skipped the rest of the ring
-                self._publish(read, r + self._ring_bytes - pos)
-                continue
-            payload = self._bytes[ring + pos + 64:ring + pos + 64 + n].clone()
-            self._publish(read, r + 64 + _padded(n))
-            return tag, payload
-
     # -- what torch asks of a group ----------------------------------------------------------
 
     def size(self):
@@ -446,14 +346,6 @@ def _alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
     except OSError:
         return False
-
-
-def _nbytes(t):
-    return t.numel() * t.element_size()
-
-
-def _padded(n):
-    return (n + 63) // 64 * 64
 
 
 def _itemsize(dtype):
