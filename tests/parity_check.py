@@ -15,7 +15,7 @@ import math
 import torch
 
 from decision_replay import HALF_PRECISION_STEPS
-from dist_util import rel_err
+from dist_util import rel_err, run_on_ranks
 from megalite.arguments import parse_args
 from parity import TIED, check_reference, reference
 
@@ -127,7 +127,6 @@ def machine_spread(lay, capability):
     `capability`} (the other run in a one-rank world under it; cached per reference)."""
     key = (tuple(lay.reference_argv()), lay.entry, lay.datasets, capability)
     if key not in _SPREADS:
-        from dist_util import run_on_ranks
         other = run_on_ranks(_reference_fields, 1, lay, capability=capability, timeout=300)[0]
         _SPREADS[key] = worst(lay, [dict(other, coords=(0, 0, 0))], reference(lay))
     return _SPREADS[key]
