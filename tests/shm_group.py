@@ -197,7 +197,7 @@ class ShmGroup(Messages, dist.ProcessGroup):
     def _part(self, member, op, dtype, count, byte_offset=0):
         """`count` elements of dtype from member's part of collective `op`, from byte_offset."""
         start = self._at(member, op) + self._meta + byte_offset
-        return self._bytes[start:start + count * _itemsize(dtype)].view(dtype)
+        return self._bytes[start:start + count * dtype.itemsize].view(dtype)
 
     def _splits(self, member, op):
         return list((ctypes.c_int64 * self._size).from_buffer(self._mm, self._at(member, op)))
@@ -346,10 +346,6 @@ def _alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
     except OSError:
         return False
-
-
-def _itemsize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _layout(tensors):
