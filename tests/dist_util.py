@@ -27,14 +27,21 @@ later fork unsafe (a rank forked while that thread holds a lock hangs). So one s
 session, as torchrun's agent does a job, and each world keys into it under its own prefix. torchrun jobs (users',
 and the tests of the launcher) connect eagerly as before.
 
-`capability=` runs the ranks under another ATen CPU capability than the test process (machines
-of the CI kind differ: AVX-512 on some, AVX2 on others, and ATen's vectorised kernels round
-differently on each). ATen fixes its capability at the first operation of a process, so such
-ranks are forked from a fork server started once under ATEN_CPU_CAPABILITY=<capability>, with
-torch and megalite already imported; `fn` and its arguments then travel pickled (module-level
-functions only). `OTHER_CAPABILITY` is the next capability below this process's (AVX512 -> avx2,
-AVX2 -> default; None where there is none below), which the parity harness uses for every
-parallel world, so each run of the suite checks two machines' rounding against each other.
+`capability=` runs the ranks on another machine than the test process. Machines of the CI kind round
+differently on two axes: ATen's vectorised kernels by its CPU capability (AVX-512 on some, AVX2 on others), and
+torch's half-precision matrix products by oneDNN's instruction set (AMX, AVX-512 with BF16, AVX-512, AVX2),
+whatever ATen's capability is. Such ranks emulate the whole machine, both axes as it would set them
+(OTHER_MACHINE: ATEN_CPU_CAPABILITY=<capability> with ONEDNN_MAX_CPU_ISA=AVX2; one axis alone is a machine
+that does not exist, and torch can crash in it). Each axis is fixed at a process's first use (ATen's at its
+first operation, oneDNN's at its first primitive), so such ranks are forked from a fork server started once
+under both variables, with torch and megalite already imported (no oneDNN primitive yet); `fn` and its
+arguments then travel pickled (module-level functions only). `OTHER_CAPABILITY` is the next capability below
+this process's (AVX512 -> avx2: an AVX2 machine; AVX2 -> default: the portable extreme; None where there is
+none below), which the parity harness uses for every fp32 world and for its half-precision layouts made
+`elsewhere`, so each run of the suite checks two machines' rounding.
+Which axis each comparison is robust to: tests/parity_check.py (fp32: both, the later steps by the measured
+spread; half precision: the layout and its reference share both axes, the later steps held to rounding twins
+measured on that machine).
 """
 
 import atexit
@@ -59,6 +66,9 @@ import torch.multiprocessing as mp
 
 _BELOW = {"AVX512": "avx2", "AVX2": "default"}
 OTHER_CAPABILITY = _BELOW.get(torch.backends.cpu.get_cpu_capability())
+ONEDNN_ISA = {"avx2": "AVX2", "default": "AVX2"}  # oneDNN's instruction set on the machine of each capability
+OTHER_MACHINE = None if OTHER_CAPABILITY is None else {"ATEN_CPU_CAPABILITY": OTHER_CAPABILITY,
+                                                       "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[OTHER_CAPABILITY]}
 # what the fork server imports before it forks ranks (the parity harness's world)
 _PRELOAD = ["torch", "torch._dynamo", "numpy", "kernels", "megalite.training", "dist_util", "parity"]
 _forkserver_capability = None
@@ -78,17 +88,17 @@ def _forkserver_context(capability):
     ctx = mp.get_context("forkserver")
     if _forkserver_capability is None:
         ctx.set_forkserver_preload(_PRELOAD)
-        old = os.environ.get("ATEN_CPU_CAPABILITY")
-        os.environ["ATEN_CPU_CAPABILITY"] = capability  # the server inherits the environment as it starts
-        os.environ[_IN_FORKSERVER] = "1"
+        machine = {"ATEN_CPU_CAPABILITY": capability, "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[capability], _IN_FORKSERVER: "1"}
+        old = {k: os.environ.get(k) for k in machine}
+        os.environ.update(machine)  # the server inherits the environment as it starts
         try:
             forkserver.ensure_running()
         finally:
-            del os.environ[_IN_FORKSERVER]
-            if old is None:
-                del os.environ["ATEN_CPU_CAPABILITY"]
-            else:
-                os.environ["ATEN_CPU_CAPABILITY"] = old
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         _forkserver_capability = capability
     assert _forkserver_capability == capability, \
         f"one fork server per process: it runs {_forkserver_capability}, not {capability}"
@@ -137,9 +147,11 @@ def _session_store_port():
 
 
 def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None, backend="gloo"):
-    if capability is not None:  # (a fork server's rank) check that ATen really rounds as asked
+    if capability is not None:  # (a fork server's rank) check that ATen really rounds as asked; oneDNN's set below
         got = torch.backends.cpu.get_cpu_capability()
         assert got == capability.upper(), f"rank {rank} runs ATen capability {got}, not {capability}"
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
+        assert isa == ONEDNN_ISA[capability], f"rank {rank} runs oneDNN's {isa}, not {ONEDNN_ISA[capability]}"
     stacks = open(os.path.join(out_dir, f"{rank}.stacks"), "w")  # (kept open: faulthandler writes it at a signal)
     faulthandler.register(STACKS_SIGNAL, file=stacks, all_threads=True)
     port, prefix = store_at

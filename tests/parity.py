@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from decision_replay import HALF_PRECISION_STEPS, KEY_MATCH, MATCH, Recorder, Replayer
-from dist_util import OTHER_CAPABILITY, start_on_ranks
+from dist_util import OTHER_CAPABILITY, run_on_ranks, start_on_ranks
 from megalite import decisions, parallel_state as ps
 from megalite.arguments import parse_args
 from megalite.distributed.param_facts import data_parallel
@@ -107,6 +107,8 @@ class Layout:
     fault: object = None  # module-level function -> context manager, applied in each rank
     entry: str = "pretrain_gpt"  # module with model_provider and forward_step (Megatron's contract)
     datasets: object = None  # module-level datasets provider; None: learnable_datasets
+    twin: int = 0  # > 0: the single process with its initial weights a rounding away (see rounding_twin)
+    elsewhere: bool = False  # half precision: the layout, its reference and twins all on dist_util.OTHER_MACHINE
 
     def argv(self):
         return list(self.base) + list(DTYPE_FLAGS[self.dtype]) + list(self.flags)
@@ -176,7 +178,7 @@ def moe_collect(chunks, opt):
 
 
 def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dtype="fp32", flags=(),
-           model=(), base=BASE, fault=None, entry="pretrain_gpt", datasets=None, cp=1, cp_comm=None):
+           model=(), base=BASE, fault=None, entry="pretrain_gpt", datasets=None, cp=1, cp_comm=None, elsewhere=False):
     """vp: layers per virtual pipeline stage; zero: 0 (plain optimizer), 1 or 2; cp: context-
     parallel size, cp_comm: its --cp-comm-type (default p2p);
     recompute: None, "full" (uniform, 1 layer per checkpoint) or "selective"; flags: more
@@ -195,8 +197,9 @@ def layout(name, tp=1, pp=1, dp=1, sp=False, vp=None, zero=0, recompute=None, dt
         f += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif recompute is not None:
         f += ["--recompute-granularity", recompute]
+    assert not (elsewhere and dtype == "fp32"), "fp32 worlds always run elsewhere, their references here"
     return Layout(name, tuple(f) + tuple(flags), dtype, tuple(base) + tuple(model), tp * pp * dp * cp, fault, entry,
-                  datasets)
+                  datasets, elsewhere=elsewhere and OTHER_CAPABILITY is not None)
 
 
 # -- learnable data ------------------------------------------------------------------------
@@ -278,6 +281,24 @@ def _cut_vocab(name, t, vocab):
     return t[:vocab] if any(v in name for v in VOCAB_PARAMS) else t
 
 
+def rounding_twin(provider, twin):
+    """provider, whose model's initial weights then move to a neighbouring representable value of their own dtype
+    (the next value up or down in magnitude, each with probability 1/4; zeros stay), drawn from a stream of its
+    own seeded by `twin`: a run that differs from the plain one only by one rounding of each weight, as a layout's
+    sums differ from the single process's only in rounding."""
+    def build(*args, **kwargs):
+        model = provider(*args, **kwargs)
+        g = torch.Generator().manual_seed(7919 * twin)
+        ints = {2: torch.int16, 4: torch.int32}
+        with torch.no_grad():
+            for p in model.parameters():
+                step = torch.randint(-2, 2, p.shape, generator=g).clamp(-1, 1)  # -1, 0, 0, +1
+                bits = p.data.view(ints[p.element_size()])
+                bits.add_(torch.where(p.data != 0, step, 0).to(bits.dtype))
+        return model
+    return build
+
+
 def train(lay, collect=None, decided=None):
     """Run one layout on this process's grid (spawned rank or the test process). decided: the
     reference's recorded top-k choices (reference(lay)["decided"]), which this run takes where its
@@ -290,7 +311,8 @@ def train(lay, collect=None, decided=None):
     fault = lay.fault() if lay.fault is not None else contextlib.nullcontext()
     try:
         with recording(record, hook), fault, decisions.hooked(hook):
-            losses, chunks, opt = pretrain(lay.datasets or learnable_datasets, entry.model_provider,
+            provider = rounding_twin(entry.model_provider, lay.twin) if lay.twin else entry.model_provider
+            losses, chunks, opt = pretrain(lay.datasets or learnable_datasets, provider,
                                            entry.forward_step, args, return_state=True)
         out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},
                "coords": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
@@ -329,23 +351,30 @@ def _run_all(layouts, collect, decided):
     return [train(lay, collect, d) for lay, d in zip(layouts, decided)]
 
 
-def run_layouts(layouts, world_size, collect=None, timeout=420, capability=OTHER_CAPABILITY, side_by_side=True):
+def run_layouts(layouts, world_size, collect=None, timeout=420, capability=OTHER_CAPABILITY, side_by_side=True,
+                backend=None):
     """One spawn of world_size ranks runs every layout; returns [[rank result] per layout].
-    fp32 layouts round as another machine does (dist_util.OTHER_CAPABILITY) than the test process,
-    where the single-process reference runs: a bound that holds only for one machine's rounding
-    fails on every machine. bf16 / fp16 layouts run under the reference's own capability (a second
-    spawn where a world mixes them, side by side with the first): their step 1 is held to identical
-    arithmetic, and ATen's half-precision kernels themselves round at other places under another
-    capability (bf16 step-1 gradients 6e-3 apart between its default and AVX2 kernels).
-    side_by_side: see start_layouts (False where a layout's check is timed)."""
-    return start_layouts(layouts, world_size, collect, timeout, capability, side_by_side).result()
+    fp32 layouts round as another machine does (dist_util.OTHER_MACHINE: its ATen capability and its oneDNN
+    instruction set) than the test process, where the single-process reference runs: a bound that holds only for
+    one machine's rounding fails on every machine. bf16 / fp16 layouts run on their reference's own machine (a
+    second spawn where a world mixes them, side by side with the first): their step 1 is held to identical
+    arithmetic, and half precision rounds at other places on another machine (ATen's half-precision kernels: bf16
+    step-1 gradients 6e-3 apart between its default and AVX2 kernels; oneDNN's matrix products, by instruction
+    set). A half-precision layout made with `elsewhere=True` runs on the other machine with its reference and
+    twins, so the suite checks both machines' half-precision rounding too.
+    capability=None: every layout here (no fork server).
+    side_by_side: see start_layouts (False where a layout's check is timed). backend: the worlds' (dist_util)."""
+    return start_layouts(layouts, world_size, collect, timeout, capability, side_by_side, backend).result()
 
 
 class _Started:
-    def __init__(self, n, worlds):
-        self.n, self.worlds = n, worlds
+    def __init__(self, n, worlds, half):
+        self.n, self.worlds, self.half = n, worlds, half
 
     def result(self):
+        from parity_check import twins
+        for lay in self.half:  # the half-precision verdict's twins, computed here while the worlds run
+            twins(lay)
         out, failed = [None] * self.n, None
         for which, world in self.worlds:  # every world waited for, the first failure raised after
             try:
@@ -360,19 +389,22 @@ class _Started:
         return out
 
 
-def start_layouts(layouts, world_size, collect=None, timeout=420, capability=OTHER_CAPABILITY, side_by_side=True):
+def start_layouts(layouts, world_size, collect=None, timeout=420, capability=OTHER_CAPABILITY, side_by_side=True,
+                  backend=None):
     """run_layouts without the wait: the references run here (the choices the world replays), then
-    the world starts; `.result()` waits for it and returns what run_layouts would. Independent
+    the world starts; `.result()` computes the half-precision layouts' twins (tests/parity_check.py) while it
+    runs, waits for it and returns what run_layouts would. Independent
     worlds can so run side by side, and the test process can compute the next world's references
     (one thread) while this one runs. side_by_side (worlds of up to 4 ranks): the layouts of each
-    capability run as two worlds at once, each started as soon as its references are there (a
+    machine run as two worlds at once, each started as soon as its references are there (a
     world's ranks wait on each other's collectives much of the time, leaving the cores idle: two
     worlds fill them, about 30% less wall time on the 2-core machine)."""
     for lay in layouts:
         assert lay.world_size == world_size, f"{lay.name} needs {lay.world_size} ranks, not {world_size}"
-    groups = [(capability, [i for i, lay in enumerate(layouts) if lay.dtype == "fp32"]),
-              (None, [i for i, lay in enumerate(layouts) if lay.dtype != "fp32"])]
+    elsewhere = [i for i, lay in enumerate(layouts) if lay.dtype == "fp32" or lay.elsewhere]
+    groups = [(capability, elsewhere), (None, [i for i in range(len(layouts)) if i not in elsewhere])]
     if capability is None:
+        assert not any(lay.elsewhere for lay in layouts), "a layout elsewhere needs the other machine's fork server"
         groups = [(None, list(range(len(layouts))))]
     if side_by_side and world_size <= 4:
         groups = [(cap, part) for cap, which in groups for part in (which[::2], which[1::2])]
@@ -381,24 +413,42 @@ def start_layouts(layouts, world_size, collect=None, timeout=420, capability=OTH
         if which:
             decided = [reference(layouts[i])["decided"] for i in which]  # choices replayed where they are ties
             worlds.append((which, start_on_ranks(_run_all, world_size, [layouts[i] for i in which], collect,
-                                                 decided, timeout=timeout, capability=cap)))
-    return _Started(len(layouts), worlds)
+                                                 decided, timeout=timeout, capability=cap, backend=backend)))
+    return _Started(len(layouts), worlds, [lay for lay in layouts if lay.dtype != "fp32"])
 
 
 _REFERENCES = {}
 
 
+def _key(lay):
+    return tuple(lay.reference_argv()), lay.entry, lay.datasets, lay.twin, lay.elsewhere
+
+
+def _train_references(lays):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the spawned ranks; faster for these shapes too
+    try:
+        return [train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None)) for lay in lays]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def references(lays):
+    """The single-process runs for these layouts' base, dtype, twin and machine (cached per process): here, or
+    those of layouts elsewhere in one one-rank world on the other machine."""
+    todo = list({_key(lay): lay for lay in lays if _key(lay) not in _REFERENCES}.values())
+    here = [lay for lay in todo if not lay.elsewhere]
+    away = [lay for lay in todo if lay.elsewhere]
+    got = _train_references(here)
+    if away:
+        got += run_on_ranks(_train_references, 1, away, timeout=300, capability=OTHER_CAPABILITY)[0]
+    _REFERENCES.update(zip(map(_key, here + away), got))
+    return [_REFERENCES[_key(lay)] for lay in lays]
+
+
 def reference(lay):
-    """The single-process run for this layout's base and dtype (cached per process)."""
-    key = (tuple(lay.reference_argv()), lay.entry, lay.datasets)
-    if key not in _REFERENCES:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as the spawned ranks; faster for these shapes too
-        try:
-            _REFERENCES[key] = train(dataclasses.replace(lay, name="reference", flags=(), world_size=1, fault=None))
-        finally:
-            torch.set_num_threads(threads)
-    return _REFERENCES[key]
+    """The single-process run for this layout's base, dtype, twin and machine (cached per process)."""
+    return references([lay])[0]
 
 
 def check_reference(ref, margin=0.5):

@@ -9,7 +9,7 @@ by `Et|t|t|mL`), its experts over EP2 inside each stage, ZeRO-3 and full recompu
   (reference under avx2, ranks under default), gradients 1.7e-6; the MTP shift without its CP exchange gives 596
   mismatches;
 - its checkpoint goes on for two steps at one process and at TP1 x DP4 with EP4 as the straight single-process run;
-- the same in bf16 against one process in bf16, within BF16 at step 1 and half precision's envelope after
+- the same in bf16 against one process in bf16, within BF16 at step 1 and the farthest rounding twin after
   (tests/parity_check.py); each routing choice of step 1 told by its token (decisions.about), later ones each
   run's own (tests/decision_replay.py);
 - its checkpoint goes on for two steps at one process and at TP1 x DP4 with EP4 as the straight single-process run;
@@ -44,7 +44,7 @@ ALL_AXES = _all_axes("fp32", ("--save", CKPT))
 # 4e-2 (10 ulps), the tied embedding's sums 1.6e-2 (4 ulps); the loss averages 128 tokens whose logits differ
 # by ~2^-9 each: 2e-3 / sqrt(128) / 4.85 = 4e-5 at random signs, 1e-4 bound; the step-1 norm, a sum of squares
 # of the grads, 1e-3. Measured over the three ATen capabilities: grads 1.8e-2, embedding 6.0e-3, loss 1.7e-5,
-# norm 1.5e-4; later steps within half precision's envelope (losses 2.3e-3 of 6.2e-3, params 6.4e-2 of 0.15).
+# norm 1.5e-4; later steps within the farthest rounding twin (parity_check.TWINS).
 BF16 = {"losses@1": 1e-4, "norms@1": 1e-3, "grads": 4e-2, "embedding grads": 1.6e-2}
 ALL_AXES_BF16 = _all_axes("bf16")
 MORE = ("--train-iters", str(STEPS + 2), "--lr-decay-iters", str(STEPS))  # (constant LR) as the saved run

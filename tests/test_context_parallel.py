@@ -189,8 +189,8 @@ FOUR = [
 #         norms 5.2e-2, params 1.7e-2
 #   fp16: losses@1 2.1e-6, norms@1 6.0e-5, grads 1.6e-3, embedding grads 8.1e-4, losses 6.2e-4,
 #         norms 7.8e-3, params 3.1e-3
-# Step-1 bounds about 2.5x those; later steps ("losses", "norms", "params") within half precision's
-# envelope, measured in the same run (parity_check.TOLERANCE). Every injected fault is O(1) at step 1.
+# Step-1 bounds about 2.5x those; later steps ("losses", "norms", "params") within the farthest of the single
+# process's rounding twins, measured in the same run (parity_check.TWINS). Every injected fault is O(1) at step 1.
 LOW_PRECISION = {
     "cp2_bf16": {"losses@1": 3e-5, "norms@1": 1e-3, "grads": 4e-2, "embedding grads": 1e-2},
     "cp2_fp16": {"losses@1": 1e-5, "norms@1": 2e-4, "grads": 4e-3, "embedding grads": 2e-3},

@@ -42,3 +42,29 @@ def test_a_hung_world_reports_where_its_ranks_waited():
     waits = msg.split("rank 1 waited in:")
     assert len(waits) == 2 and "in _rank_1_never_comes" in waits[0] and "in barrier" in waits[0], msg
     assert "in _rank_1_never_comes" in waits[1] and "in barrier" not in waits[1], msg
+
+
+def _bf16_product():
+    """A bf16 product's sum, which oneDNN rounds by its instruction set (and ATen's capability does not change)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 512, generator=g).bfloat16(), torch.randn(512, 384, generator=g).bfloat16()
+    return ((a @ b).float().sum().item(), torch.backends.cpu.get_cpu_capability())
+
+
+def test_other_machine_ranks_round_as_that_machine_on_both_axes():
+    """A rank of the other machine (dist_util.OTHER_MACHINE) rounds a bf16 product as a process started with both of
+    that machine's variables does: oneDNN's instruction set is not fixed yet in the fork server it comes from."""
+    import os
+    import subprocess
+    import sys
+
+    from dist_util import OTHER_CAPABILITY, OTHER_MACHINE
+    if OTHER_MACHINE is None:
+        pytest.skip("this machine's ATen capability is the lowest: there is no other machine below it to emulate")
+    code = "import sys; sys.path.insert(0, 'tests'); import test_dist_util as t; print(repr(t._bf16_product()))"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, **OTHER_MACHINE),
+                         capture_output=True, text=True, timeout=120, check=True)
+    want = eval(out.stdout.strip().splitlines()[-1])
+    (got,) = run_on_ranks(_bf16_product, 1, capability=OTHER_CAPABILITY)
+    assert got == want, f"a rank of {OTHER_MACHINE} computes {got}, a process started so computes {want}"

@@ -66,6 +66,20 @@ def loss_not_divided_by_microbatches():
     return patched(Run, "forward", forward)
 
 
+def last_microbatch_dropped():
+    """The last stage's backward of each iteration's last micro-batch starts from a zero gradient (its loss is
+    logged, its gradient never reaches the weights): a pipeline that skips a micro-batch."""
+    import torch
+    from megalite.pipeline.run import Run
+    original = Run._backward
+
+    def backward(self, chunk, input_tensor, output_tensor, output_grad):
+        if output_grad is None and self.bwd_mb[chunk] == self.m - 1:
+            output_grad = torch.zeros_like(output_tensor)
+        return original(self, chunk, input_tensor, output_tensor, output_grad)
+    return patched(Run, "_backward", backward)
+
+
 def zero_shard_update_skipped():
     """DP rank 1 never applies Adam to the slice it owns (its all-gather publishes stale values)."""
     from megalite import parallel_state as ps
@@ -216,6 +230,13 @@ FAULTS = [
     (loss_not_divided_by_microbatches, "pp4_dp2_interleaved_zero1",
      dict(pp=4, dp=2, vp=1, zero=1, model=EIGHT_LAYERS), "step-1 grad"),
     (zero_shard_update_skipped, "tp2_pp2_dp2_sp_zero2", dict(tp=2, pp=2, dp=2, sp=True, zero=2), "param after"),
+    # half precision (tests/parity_check.py: step 1 exact on the reference's machine, later steps within the
+    # farthest rounding twin): the same faults at step 1, and one that shows only in the later steps
+    (no_tied_embedding_sync, "pp2_bf16", dict(pp=2, dtype="bf16"), "embedding.word_embeddings.weight"),
+    (last_microbatch_dropped, "pp2_bf16", dict(pp=2, dtype="bf16"), "step-1 grad"),
+    (last_microbatch_dropped, "pp2_fp16", dict(pp=2, dtype="fp16"), "step-1 grad"),
+    (zero_shard_update_skipped, "dp2_zero1_bf16", dict(dp=2, zero=1, dtype="bf16"), "param after"),
+    (zero_shard_update_skipped, "dp2_zero1_fp16", dict(dp=2, zero=1, dtype="fp16"), "param after"),
 ]
 LAYOUTS = [layout(f"{f.__name__}@{name}", fault=f, **kw) for f, name, kw, _ in FAULTS]
 EXPECTED = {lay.name: expected for lay, (*_, expected) in zip(LAYOUTS, FAULTS)}

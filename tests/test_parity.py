@@ -23,6 +23,10 @@ TWO = [
     layout("dp2_zero2", dp=2, zero=2),
     layout("pp2_bf16", pp=2, dtype="bf16"),
     layout("pp2_fp16", pp=2, dtype="fp16"),
+    # the same on the other machine (dist_util.OTHER_MACHINE), with their reference and twins: each suite run
+    # checks half precision's verdict on two machines' rounding
+    layout("pp2_bf16_other_machine", pp=2, dtype="bf16", elsewhere=True),
+    layout("pp2_fp16_other_machine", pp=2, dtype="fp16", elsewhere=True),
 ]
 # Odd sizes: ZeRO buckets padded to a multiple of 3, three pipeline stages.
 THREE = [
@@ -44,7 +48,7 @@ FOUR = [
     layout("pp2_dp2_no_overlap", pp=2, dp=2, flags=("--no-overlap-grad-reduce",)),
 ]
 # (pp2_dp2_zero1_fp16: DP reorders the fp32 gradient sums, so fp16 weights round differently from step 2
-# on: its later steps are held to half precision's envelope, parity_check.TOLERANCE, as PP's.)
+# on: its later steps are held to the farthest rounding twin, parity_check.TWINS, as PP's.)
 # Eight ranks: the full 3D grid (each world-8 rank costs ~2x a world-4 one on 2 cores, so what a
 # smaller world already covers runs there: PP4 1F1B in FOUR and below, TP4 with SP in
 # tp4_pp2_sp_llama, the non-overlapped DP reduction in pp2_dp2_no_overlap).
@@ -162,3 +166,26 @@ def test_the_machine_envelope_excuses_only_later_steps_by_the_measured_distance(
     monkeypatch.setattr(parity_check, "machine_spread", lambda lay, cap: dict.fromkeys(parity_check.KINDS, 1e-3))
     found = parity_check.mismatches(lay, [dict(run, grads=grads)], ref)  # step 1: never excused
     assert found and all("step-1 grad" in m for m in found), found
+
+
+def test_half_precision_later_steps_are_held_to_the_farthest_rounding_twin():
+    """bf16 (parity_check.TWINS): a run whose later steps are a rounding twin's passes; later steps farther than
+    the farthest twin fail; step 1 is never excused by the twins, and a layout whose step-1 gradients are farther
+    than the nearest twin's is reported (the twins' spread does not cover it)."""
+    from parity_check import mismatches, twin_spread, twins
+    lay = next(lay for lay in TWO if lay.name == "pp2_bf16")
+    ref, spread = reference(lay), twin_spread(lay)
+    near = min(twins(lay), key=lambda t: max(abs(a - b) for a, b in zip(t["losses"], ref["losses"])))
+    later = dict(ref, coords=(0, 0, 0), losses=ref["losses"][:1] + near["losses"][1:],
+                 norms=ref["norms"][:1] + near["norms"][1:], params=near["params"])
+    assert mismatches(lay, [later], ref) == []
+    far = 2 * spread["params"][1]
+    moved = {k: v + far * v.abs().max() for k, v in ref["params"].items()}  # every parameter moved by 2x the farthest
+    found = mismatches(lay, [dict(later, params=moved)], ref)
+    assert found and all("param after" in m for m in found), found
+    grads = {k: v * (1 + 2e-5) for k, v in ref["grads"].items()}
+    found = mismatches(lay, [dict(ref, coords=(0, 0, 0), grads=grads)], ref)
+    assert found and all("step-1 grad" in m for m in found), found
+    grads = {k: v * (1 + 2 * spread["grads"][0]) for k, v in ref["grads"].items()}
+    found = mismatches(lay, [dict(ref, coords=(0, 0, 0), grads=grads)], ref)
+    assert any("the twins do not bound its later steps" in m for m in found), found
