@@ -33,7 +33,7 @@ def _worker(rank, world, port, flags, out_dir, results):
     from megalite import parallel_state as ps
     from megalite.arguments import parse_args
     from megalite.tensor_parallel import model_parallel_manual_seed
-    from megalite.training import setup
+    from megalite.training.setup import setup
 
     args = parse_args(flags + ["--save", out_dir, "--load", out_dir], world_size=world)
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)

@@ -1,6 +1,6 @@
 """Benchmarks' multi-rank runs: `spawn(world, fn, *args, env=None, backend="gloo")` forks `world` CPU ranks with
 torch.distributed initialised (one thread each; env: extra environment, e.g. LOCAL_WORLD_SIZE for "nodes"; backend:
-gloo, or the test suite's shared-memory groups, tests/shm_group.py), calls `fn(*args)` in each and returns their
+gloo, or the test suite's shared-memory groups, tests/support/shm_group.py), calls `fn(*args)` in each and returns their
 results. A failed rank stops the others and the script."""
 
 import os
@@ -26,7 +26,7 @@ def _rank(rank, world, port, fn, args, out_dir, env, backend):
     torch.set_num_threads(1)
     import torch.distributed as dist
     if backend != "gloo":
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
         import shm_group
         shm_group.register()
     dist.init_process_group(backend, rank=rank, world_size=world)

@@ -29,7 +29,9 @@ from megalite.data.mock_dataset import MockGPTDataset
 from megalite.flops import num_floating_point_operations
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.tensor_parallel import model_parallel_manual_seed
-from megalite.training import build_data_iterator, chunk_iterators, setup, train_step
+from megalite.data_iterators import build_data_iterator, chunk_iterators
+from megalite.training.setup import setup
+from megalite.training.step import train_step
 
 import pretrain_gpt
 

@@ -1,4 +1,4 @@
-"""The test suite's shared-memory groups (tests/shm_group.py) against gloo, side by side: N CPU ranks on this
+"""The test suite's shared-memory groups (tests/support/shm_group.py) against gloo, side by side: N CPU ranks on this
 machine's cores. Three patterns of the suite's worlds, each arm best of two alternated runs:
 - steps: five 64x64 layers and one 4 KB all-reduce per step (a tiny layer's work between collectives);
 - all-gather: bare 1 KB all-gathers into one tensor;

@@ -188,7 +188,7 @@ def build_parser():
     a("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json; BertWordPiece*: vocab.txt")
     a("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     a("--vocab-size", type=int, default=None)
-    # operations (megalite/training.py)
+    # operations (megalite/training/)
     a("--distributed-timeout-minutes", type=float, default=10,
       help="a collective waiting longer than this on a dead or hung peer fails (every group)")
     a("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true", default=True,

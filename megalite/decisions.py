@@ -6,7 +6,7 @@ process, or one CPU's rounding and another's) agree to a rounding error, and a c
 values closer than that may go either way, after which the runs differ by far more than a
 rounding. Every such choice goes through `topk` here, so that a test can see each one and, to
 compare two runs, make the second take the first's choices where they are ties within the
-rounding (tests/decision_replay.py). With no hook installed it is torch.topk.
+rounding (tests/support/decision_replay.py). With no hook installed it is torch.topk.
 """
 
 import contextlib

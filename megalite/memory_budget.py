@@ -119,7 +119,7 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     from megalite.data_iterators import data_iterators
     from megalite.distributed import finalize_model_grads
     from megalite.distributed.collectives import max_per_data_parallel_rank
-    from megalite.evaluation import run_forward_backward
+    from megalite.pipeline.schedules import run_forward_backward
     from megalite.iteration_plan import interleaving
     from megalite.optimizer.memory import state_bytes_by_place
     from megalite.pipeline.schedules import pipeline_tensor_shape

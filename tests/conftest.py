@@ -1,7 +1,11 @@
 import os
+import sys
 
 import pytest
 import torch
+
+# the suite's helpers (worlds of ranks, the parity harness, ...) are imported by name from tests/support/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 # Triton kernels decide at decoration time whether to run in the interpreter, so the
 # switch must be set before anything imports `kernels`: on a machine without CUDA the

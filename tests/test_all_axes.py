@@ -3,15 +3,15 @@ dense first layer, then MoE with a shared expert, group-limited sigmoid routing 
 routed scaling factor; one MTP depth) on 8 ranks at TP2 + SP x CP2 x PP2 interleaved (the MTP layer with the loss
 by `Et|t|t|mL`), its experts over EP2 inside each stage, ZeRO-3 and full recompute, in fp32 and in bf16:
 
-- against one process (tests/parity.py: every gradient before clipping, norms, parameters after 6 steps, losses
+- against one process (tests/support/parity.py: every gradient before clipping, norms, parameters after 6 steps, losses
   with the MTP loss; routing ties replayed; two samples per micro-batch). Worst errors over the three ATen
   capabilities (at one sample per micro-batch): parameters 3.5e-6
   (reference under avx2, ranks under default), gradients 1.7e-6; the MTP shift without its CP exchange gives 596
   mismatches;
 - its checkpoint goes on for two steps at one process and at TP1 x DP4 with EP4 as the straight single-process run;
 - the same in bf16 against one process in bf16, within BF16 at step 1 and the farthest rounding twin after
-  (tests/parity_check.py); each routing choice of step 1 told by its token (decisions.about), later ones each
-  run's own (tests/decision_replay.py);
+  (tests/support/parity_check.py); each routing choice of step 1 told by its token (decisions.about), later ones each
+  run's own (tests/support/decision_replay.py);
 - its checkpoint goes on for two steps at one process and at TP1 x DP4 with EP4 as the straight single-process run;
 - exported as DeepseekV3ForCausalLM, transformers' logits equal megalite's.
 """

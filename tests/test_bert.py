@@ -1,4 +1,4 @@
-"""BERT: every parallel layout trains like one process (tests/parity.py); the dataset's masking
+"""BERT: every parallel layout trains like one process (tests/support/parity.py); the dataset's masking
 statistics over 10,000 samples; HF BertForPreTraining conversion both ways.
 
 One 4-rank spawn runs TP2xDP2, PP2xDP2 interleaved (2 chunks per stage, each reading the batch
@@ -246,7 +246,7 @@ def test_bert_hf_export_import_and_round_trips(bert_runs, tmp_path):
 def test_log_line_shows_every_reported_loss(capsys):
     """The loop averages every key the loss function reports; Megatron's line shows them all."""
     from megalite.arguments import parse_args
-    from megalite.evaluation import mean_losses
+    from megalite.training.step import mean_losses
     from megalite.logger import MetricsLogger
     from pretrain_bert import ARGS_DEFAULTS
     ps.initialize_model_parallel(1, 1)

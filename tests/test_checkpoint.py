@@ -1,6 +1,6 @@
 """Checkpoints: exact resume, resume at another topology, crash safety, pickle refusal.
 
-Runs train on the parity harness's learnable data (tests/parity.py: a bigram chain whose
+Runs train on the parity harness's learnable data (tests/support/parity.py: a bigram chain whose
 loss falls fast), so a checkpoint that loses or scrambles state shows in the losses.
 "Straight" runs train 10 iterations; split runs stop after 5 with --exit-interval (the LR
 schedule still spans 10), save, and a fresh process (a new spawn) loads and trains 5 more.

@@ -110,7 +110,7 @@ def _make_files(tmp):
 # error. (Not under torchrun itself: when one rank exits first it kills the others, which may not
 # have printed yet on a loaded machine.) The other cases are checks every rank makes alike before
 # any collective (these three prove that path on all ranks), so they run as one rank each, all in
-# one process (tests/cli_batch.py): every process costs a torch import.
+# one process (tests/support/cli_batch.py): every process costs a torch import.
 MULTI_RANK = ("world_not_divisible", "not_implemented", "missing_required")
 
 
@@ -133,7 +133,7 @@ def runs():
         _make_files(tmp)
         batch = {name: (CASES[name][0], _argv(name, tmp)) for name in CASES if name not in MULTI_RANK}
         json.dump(batch, open(os.path.join(tmp, "batch.json"), "w"))
-        procs = {"batch": [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "cli_batch.py"),
+        procs = {"batch": [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "support", "cli_batch.py"),
                                              os.path.join(tmp, "batch.json"), os.path.join(tmp, "batch.out")],
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]}
         for name in MULTI_RANK:

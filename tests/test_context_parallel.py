@@ -2,7 +2,7 @@
 
 The CP attention paths alone against attention over the whole sequence in float64 (output,
 LSE, dQ, dK, dV) at CP 2, 3 and 4, MHA and GQA with 2 and 1 KV heads; then whole training
-runs against the single process through the parity harness (tests/parity.py): each comm type,
+runs against the single process through the parity harness (tests/support/parity.py): each comm type,
 CP 4, and CP with TP + SP, PP interleaved, DP with ZeRO-2, rope + GQA, full recompute."""
 
 import pytest

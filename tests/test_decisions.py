@@ -1,4 +1,4 @@
-"""megalite/decisions.py and the parity harness's replay of ties (tests/decision_replay.py).
+"""megalite/decisions.py and the parity harness's replay of ties (tests/support/decision_replay.py).
 
 - decisions.topk is torch.topk when nobody hooks it, and takes a hook's indices otherwise;
 - the Replayer takes the single process's choice for a row whose own choice differs by a tie

@@ -257,7 +257,7 @@ def indexer_grads_summed_over_tp():
 MODEL = MB2 + MLA + DSA + ("--init-method-std", "0.1", "--no-dsa-indexer-scoring-relu")
 # The top-k choice is discrete, and the layouts' index scores differ from the single process's by a
 # rounding (ReLU also makes exact ties at 0): the world takes the single process's choice where its own is
-# a tie within that rounding (tests/decision_replay.py), so every layout is held to DESIGN's bound over all
+# a tie within that rounding (tests/support/decision_replay.py), so every layout is held to DESIGN's bound over all
 # six steps. Faults are O(1) at step 1: STEP_ONE holds them to the bound there only.
 STEP_ONE = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-5,
             "losses": math.inf, "norms": math.inf, "params": math.inf}

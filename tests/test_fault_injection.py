@@ -1,6 +1,6 @@
 """Tests of the tests: each fault a real bug would cause, injected alone inside the spawned
-ranks, must make the parity harness (tests/parity.py) report a mismatch naming the tensor; the
-semi-synchronous replicas' faults, their harness (tests/semi_sync_reference.py).
+ranks, must make the parity harness (tests/support/parity.py) report a mismatch naming the tensor; the
+semi-synchronous replicas' faults, their harness (tests/support/semi_sync_reference.py).
 
 The faulty runs share one spawn of two ranks and one of eight.
 """
@@ -201,7 +201,7 @@ SEMI_LAYOUTS = [semi(f"{f.__name__}@{name}", r, steps, dp=2, fault=f,
 
 # (fault, layout name, layout, what the mismatch report must name): each fault on the smallest
 # layout with its code path (two ranks; two samples per micro-batch where no pipeline needs more micro-batches,
-# tests/parity.py's MB2), and again on an eight-rank layout of tests/test_parity.py
+# tests/support/parity.py's MB2), and again on an eight-rank layout of tests/test_parity.py
 # (interleaving, ZeRO-2, SP, TP4, PP4), so those layouts are seen to fail too.
 FAULTS = [
     (no_dp_averaging, "dp2", dict(dp=2, model=MB2), "step-1 grad"),
@@ -230,7 +230,7 @@ FAULTS = [
     (loss_not_divided_by_microbatches, "pp4_dp2_interleaved_zero1",
      dict(pp=4, dp=2, vp=1, zero=1, model=EIGHT_LAYERS), "step-1 grad"),
     (zero_shard_update_skipped, "tp2_pp2_dp2_sp_zero2", dict(tp=2, pp=2, dp=2, sp=True, zero=2), "param after"),
-    # half precision (tests/parity_check.py: step 1 exact on the reference's machine, later steps within the
+    # half precision (tests/support/parity_check.py: step 1 exact on the reference's machine, later steps within the
     # farthest rounding twin): the same faults at step 1, and one that shows only in the later steps
     (no_tied_embedding_sync, "pp2_bf16", dict(pp=2, dtype="bf16"), "embedding.word_embeddings.weight"),
     (last_microbatch_dropped, "pp2_bf16", dict(pp=2, dtype="bf16"), "step-1 grad"),

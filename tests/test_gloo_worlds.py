@@ -1,6 +1,6 @@
-"""Every parallel axis on real gloo, against the single process (tests/parity.py).
+"""Every parallel axis on real gloo, against the single process (tests/support/parity.py).
 
-The suite's worlds talk through its shared-memory groups (tests/shm_group.py: gloo's semantics, 6-25x faster on
+The suite's worlds talk through its shared-memory groups (tests/support/shm_group.py: gloo's semantics, 6-25x faster on
 2 cores); users run gloo and NCCL. One world of four gloo ranks here runs a layout per axis, so each run of the
 suite checks them on gloo's own transport too: TP with SP and interleaved PP (p2p sends, all-gathers and
 reduce-scatters of TP), 1F1B PP with DP and ZeRO-2 (the tied embedding's all-reduce, the buckets' reduce-scatter),

@@ -1,6 +1,6 @@
 """Megatron's batch flags for packed documents: --eod-mask-loss, --reset-position-ids,
 --reset-attention-mask, and --calculate-per-token-loss: the masks equal megatron-core's, a
-document sees only itself, and TP/SP/PP/DP layouts match one process (tests/parity.py)."""
+document sees only itself, and TP/SP/PP/DP layouts match one process (tests/support/parity.py)."""
 
 import itertools
 
@@ -19,7 +19,7 @@ DOC_FLAGS = ("--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"
 
 
 class DocChainDataset(torch.utils.data.Dataset):
-    """Packed documents: bigram chains (as tests/parity.py's) cut by EODs at random places."""
+    """Packed documents: bigram chains (as tests/support/parity.py's) cut by EODs at random places."""
 
     def __init__(self, n, seq, seed):
         self.n, self.seq, self.seed = n, seq, seed
@@ -92,7 +92,7 @@ def test_a_document_sees_only_itself():
 def test_per_token_loss_is_batch_wide():
     """Two micro-batches with 3 and 1 counted tokens: the loss is (s1 + s2) / 4, not the mean of
     the two micro-batch means."""
-    from megalite.evaluation import mean_losses
+    from megalite.training.step import mean_losses
     ps.initialize_model_parallel(1, 1)
     try:
         lm, means = mean_losses([{"lm loss": torch.tensor([6.0, 3.0])}, {"lm loss": torch.tensor([4.0, 1.0])}])

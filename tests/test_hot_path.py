@@ -1,4 +1,4 @@
-"""The training hot path without host synchronisation (tests/sync_count.py counts them):
+"""The training hot path without host synchronisation (tests/support/sync_count.py counts them):
 grad norm, clipping, fp16 unscale + finite check and fused AdamW stay on the device, in
 foreach / fused passes; the forward TP all-reduce of a fresh GEMM output reuses its storage.
 """

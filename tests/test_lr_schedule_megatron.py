@@ -19,7 +19,8 @@ from megalite.config import ConfigError
 from megalite.iteration_plan import batch_schedule
 from megalite.microbatches import BatchSchedule, parse_step_schedule
 from megalite.optimizer.lr_scheduler import LRScheduler
-from megalite.training import build_scheduler, pretrain
+from megalite.training import pretrain
+from megalite.training.setup import build_scheduler
 
 ops = pytest.importorskip("megatron.core.optimizer_param_scheduler",
                           reason="megatron-core not installed (it is in the test extra: pip install -e \".[test]\")")

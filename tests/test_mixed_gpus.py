@@ -2,7 +2,7 @@
 the update is still the single process's on the whole batch (megalite/iteration_plan.py).
 --pipeline-model-parallel-layout: stages with unequal numbers of layers.
 
-Parity (tests/parity.py: losses, every step-1 gradient before clipping, the norms, the
+Parity (tests/support/parity.py: losses, every step-1 gradient before clipping, the norms, the
 parameters after 6 steps, fp32 bound 1e-5 since the DP sums are ordered differently) with TP+SP,
 PP with a per-token loss, interleaved PP with ZeRO-2, DP3, `auto` with one replica slowed down,
 and uneven layouts (one interleaved with an empty chunk); a checkpoint continued with the same

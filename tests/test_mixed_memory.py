@@ -4,7 +4,7 @@ weighs 1/G: a micro-batch loss is divided by the replica's samples / M_r, megali
 --optimizer-cpu-offload: a fraction of the optimizer lives and steps in host memory
 (megalite/optimizer/offload.py), bit for bit the update without offload.
 
-Parity with one process (tests/parity.py: losses, step-1 gradients, norms, parameters after 6
+Parity with one process (tests/support/parity.py: losses, step-1 gradients, norms, parameters after 6
 steps, fp32 bound 1e-5): sizes 4,1 at DP2; 1,2,1 at DP3 with shares 1,2,1; TP2 + SP x DP2 with 2,1
 and ZeRO-2; PP2 x DP2 with 2,1 and a per-token loss; interleaved PP2 x DP2 with ZeRO-1 and full
 recompute; CP2 x DP2; EP2 x DP4 with ZeRO-3 where shares keep the counts equal. A checkpoint resumes
@@ -99,7 +99,7 @@ def not_copied_back():
 def _offload_runs(directory):
     """In two ranks: per layout, the run without offload and with fractions; faults; resumes."""
     out = {}
-    # (two samples per micro-batch, tests/parity.py's MB2: offload is the optimizer's, whatever the micro-batches)
+    # (two samples per micro-batch, tests/support/parity.py's MB2: offload is the optimizer's, whatever the micro-batches)
     cases = {"dp2_zero1": dict(dp=2, zero=1, model=MB2), "dp2_zero2": dict(dp=2, zero=2, model=MB2),
              "dp2_zero3": dict(dp=2, zero=3, model=MB2), "pp2_interleaved": dict(pp=2, vp=1, model=MB2),
              "tp2": dict(tp=2, model=MB2), "tp2_bf16": dict(tp=2, dtype="bf16", model=MB2),

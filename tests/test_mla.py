@@ -6,7 +6,7 @@
   qk dims) against a float64 re-implementation that rotates Megatron's way (de-interleave, then rotate
   halves), forward and gradients;
 - one spawn of 4 CPU ranks: parity of TP2+SP x DP2, PP2 x DP2 (ZeRO-3, selective recompute; and bf16),
-  TP2+SP x PP2 and TP2 x DP2 ZeRO-1 (no SP) against the single process (tests/parity.py: DESIGN's fp32
+  TP2+SP x PP2 and TP2 x DP2 ZeRO-1 (no SP) against the single process (tests/support/parity.py: DESIGN's fp32
   bound, its measured bf16 bounds), two faults the parity must catch, and the TP2 layout's checkpoint
   loaded at TP1 giving the same logits (and resharded offline).
 """

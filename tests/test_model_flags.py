@@ -1,6 +1,6 @@
 """Megatron's model flags: --qk-layernorm, --apply-layernorm-1p, --rotary-percent,
 --rotary-interleaved, --squared-relu, and the run flags --deterministic-mode / --use-flash-attn. Parity against one process through the
-harness (tests/parity.py); the pieces against direct formulas."""
+harness (tests/support/parity.py); the pieces against direct formulas."""
 
 import pytest
 import torch

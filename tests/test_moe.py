@@ -1,6 +1,6 @@
 """Mixture of Experts (megalite/moe/), expert-parallel size 1: the router's formulas against
 hand-written float64 ones, the layer against a dense reference, and MoE GPTs through pretrain()
-against the single process (tests/parity.py), aux and z losses included."""
+against the single process (tests/support/parity.py), aux and z losses included."""
 
 import math
 

@@ -2,7 +2,7 @@
 
 One spawn of 4 CPU ranks runs every check: the dispatchers alone (identity experts give back
 their input exactly, token counts conserved, zero-token experts), parity layouts against the
-single process (tests/parity.py: losses with the aux and z losses, every gradient before
+single process (tests/support/parity.py: losses with the aux and z losses, every gradient before
 clipping including routers and experts, grad norms, parameters after 6 steps, at DESIGN's fp32
 bound 1e-5), faults the checks must catch, and a checkpoint saved at EP2 that is continued
 exactly and re-saved bit for bit at EP4, EP1 and one process.
@@ -160,7 +160,7 @@ def _world(root, decided, part):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe_ep"))
-    decided = {lay.name: reference(lay)["decided"] for lay in LAYOUTS + FAULTS}  # (tests/decision_replay.py)
+    decided = {lay.name: reference(lay)["decided"] for lay in LAYOUTS + FAULTS}  # (tests/support/decision_replay.py)
     parts = [start_on_ranks(_world, 4, root, decided, part, timeout=480, capability=OTHER_CAPABILITY)
              for part in (0, 1)]
     ranks = [{**a, **b} for a, b in zip(*(w.result() for w in parts))]

@@ -3,7 +3,7 @@
 - The loss is its definition: the model's gradients equal those of main + λ/D Σ_k masked-mean CE_k written out
   in float64 with torch.roll (the shifted ids, labels and loss mask, zeros where nothing follows), the depth's modules
   applied one by one, for the mean loss and --calculate-per-token-loss; the recorded per-depth means too.
-- Every layout reproduces the single process (tests/parity.py: every gradient before clipping, norms, parameters
+- Every layout reproduces the single process (tests/support/parity.py: every gradient before clipping, norms, parameters
   after the steps, losses): TP + SP, interleaved PP with the MTP layers placed by `m` in a layout, CP with a
   loss mask whose zeros straddle the chunk boundaries, the tied output layer on the last stage with TP,
   recompute and the per-token loss, ZeRO-1/3, MoE with EP (the MTP layer is MoE as the decoder's last;
@@ -75,7 +75,7 @@ LAYOUTS = [
     layout("tp2_sp_pp2_tied_recompute_per_token", tp=2, sp=True, pp=2, recompute="full",
            model=ROPE_TIED + MTP + ("--calculate-per-token-loss",)),
     # the base's LR here: at 5e-3 some routers' rows of different tokens come within the replay's match of each
-    # other with different choices (ambiguous, tests/decision_replay.py); at 1e-2 none, parameters within 2.7e-6
+    # other with different choices (ambiguous, tests/support/decision_replay.py); at 1e-2 none, parameters within 2.7e-6
     layout("moe_bias_tp2_sp_dp2_ep2", tp=2, sp=True, dp=2, model=LLAMA + MOE + MOE_BIAS + MTP + ("--lr", "1e-2"),
            flags=("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"),
            fault=record_logged),

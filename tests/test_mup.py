@@ -1,5 +1,5 @@
 """muP (--use-mup, megalite/mup.py) against hand-computed values of its formulas, the plain model
-at the base width, and the single process at TP2+SP, PP2 and DP2 ZeRO-2 (tests/parity.py).
+at the base width, and the single process at TP2+SP, PP2 and DP2 ZeRO-2 (tests/support/parity.py).
 
 Width 64 over base 32 (m = 2), --init-method-std 0.02, 2 layers, head dim 16:
   hidden matrices N(0, 0.02 / sqrt 2 = 0.014142), residual writers N(0, 0.02 / (sqrt 4 sqrt 2) = 0.0070711),

@@ -123,7 +123,8 @@ def test_sigterm_saves_and_exits_zero(tmp_path, data):
 
 def test_nan_gradient_stops_before_the_update(tmp_path, data, capsys, monkeypatch):
     import megalite.training as training
-    real, calls = training.finalize_model_grads, []
+    import megalite.training.step as step
+    real, calls = step.finalize_model_grads, []
 
     def poisoned(chunks):
         real(chunks)
@@ -134,7 +135,7 @@ def test_nan_gradient_stops_before_the_update(tmp_path, data, capsys, monkeypatc
             poisoned.weights = {n: q.detach().clone() for n, q in chunks[0].module.named_parameters()}
             poisoned.chunks = chunks
 
-    monkeypatch.setattr(training, "finalize_model_grads", poisoned)
+    monkeypatch.setattr(step, "finalize_model_grads", poisoned)
     args = parse_args(MODEL + data + ["--train-iters", "5"], world_size=1)
     try:
         with pytest.raises(SystemExit) as e:
@@ -152,7 +153,7 @@ def test_nan_gradient_stops_before_the_update(tmp_path, data, capsys, monkeypatc
 
 HUNG = """
 import os, runpy, sys, time
-import megalite.training as t
+import megalite.training.step as t
 real = t.train_step
 def hung(*a, **k):
     if os.environ["RANK"] == "1":

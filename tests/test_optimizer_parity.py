@@ -1,4 +1,4 @@
-"""--optimizer muon / sgd / lion at parallel layouts against the single process (tests/parity.py: losses,
+"""--optimizer muon / sgd / lion at parallel layouts against the single process (tests/support/parity.py: losses,
 step-1 gradients, grad norms, every parameter after 6 steps, DESIGN's fp32 bound 1e-5), and Muon's
 whole-matrix bookkeeping: under ZeRO each matrix is orthogonalised by exactly one rank of its sharding
 group, the Newton-Schulz work balanced over them.

@@ -1,4 +1,4 @@
-"""Every parallel layout trains like the single-process model (tests/parity.py): step-1
+"""Every parallel layout trains like the single-process model (tests/support/parity.py): step-1
 gradients before clipping, grad norms, losses and parameters after several steps, on data the
 model learns. One spawn per world size (2, 3, 4, 8), each running many layouts.
 """

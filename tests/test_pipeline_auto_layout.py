@@ -7,7 +7,7 @@ selective recompute; TP2 + SP x PP2; CP2 x PP2): one
 stage slowed by the tests' own hook (its layers sleep 30 ms per forward, far above a tiny layer's
 compute) loses layers as the arithmetic on the gathered measurements says; one stage whose budget
 holds one layer (the premise checked on the measured bytes) gets one; and each re-cut model keeps
-parity with one process (tests/parity.py: losses, every step-1 gradient, the norms, the parameters
+parity with one process (tests/support/parity.py: losses, every step-1 gradient, the norms, the parameters
 after 6 steps), which also shows the profiling passes left no trace.
 """
 
@@ -143,7 +143,7 @@ def random_state_not_kept():
     return patched(auto_layout, "_random_state_kept", contextlib.nullcontext)
 
 
-# The slowed layouts take two samples per micro-batch (tests/parity.py's MB2: half the micro-batches, and so half
+# The slowed layouts take two samples per micro-batch (tests/support/parity.py's MB2: half the micro-batches, and so half
 # the sleeps); the budgets above are sized for one sample's activations.
 LAYOUTS = [layout("pp2_auto_stage1_slowed", pp=2, model=MB2, fault=slow_last_stage, flags=AUTO),
            layout("pp2_auto_stage0_budget_one_layer", pp=2, flags=AUTO + ("--device-memory-budget", f"{BUDGET},100")),

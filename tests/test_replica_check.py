@@ -24,7 +24,8 @@ TEST_MODE = ["--test-mode", "--sequence-parallel", "--qk-layernorm"]
 
 def _train(corrupt, flags):
     """corrupt: None, or (name, group coordinate that must be 1 for the rank that drifts)."""
-    import megalite.training as training
+    import megalite.training.step as training
+    from megalite.training import pretrain
     real = training.train_step
 
     def step(*a, **kw):
@@ -40,7 +41,7 @@ def _train(corrupt, flags):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            losses = training.pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+            losses = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
                                        parse_args(list(BASE) + FLAGS + flags, world_size=4))
         return "ok", losses, err.getvalue()
     except SystemExit as e:

@@ -101,7 +101,7 @@ def test_one_asynchronous_replica_is_the_ordinary_run():
 # -- on ranks ---------------------------------------------------------------------------------------
 def slow_replica_one():
     """Replica 1's inner steps take 0.25 s longer (a slower GPU)."""
-    import megalite.training as training
+    import megalite.training.step as training
     original = training.train_step
 
     def slow(*a, **k):

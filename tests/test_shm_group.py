@@ -1,4 +1,4 @@
-"""tests/shm_group.py, the shared-memory backend of the suite's worlds: every collective and message megalite uses
+"""tests/support/shm_group.py, the shared-memory backend of the suite's worlds: every collective and message megalite uses
 gives what gloo gives (reductions: the members' tensors added in member order, so every member gets the same bits),
 outputs appear at wait(), the rings wrap, and a member that has ended fails its peers with gloo's words."""
 
@@ -123,7 +123,7 @@ def _deferred_and_wrapping():
             call()
             checks[f"a {what} too big refused"] = False
         except RuntimeError as e:
-            checks[f"a {what} too big refused"] = "exceeds" in str(e) and "tests/shm_group.py" in str(e)
+            checks[f"a {what} too big refused"] = "exceeds" in str(e) and "tests/support/shm_group.py" in str(e)
     dist.barrier(group=small)
     return checks
 

@@ -10,7 +10,7 @@ from megalite.arguments import parse_args
 from megalite.training import pretrain
 from parity import learnable_datasets
 
-# On data a model learns (tests/parity.py's bigram chains), no warm-up, an LR that moves it.
+# On data a model learns (tests/support/parity.py's bigram chains), no warm-up, an LR that moves it.
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --log-interval 1 --vocab-size 250 "
         "--make-vocab-size-divisible-by 8 --hidden-dropout 0 --attention-dropout 0 --lr 1e-2 "

@@ -1,7 +1,7 @@
 """ZeRO-3 (parameters sharded too, gathered unit by unit with prefetch) through pretrain().
 
 One spawn of 4 CPU ranks runs every check: parity layouts against the single process
-(tests/parity.py: losses, every gradient before clipping, parameters after 6 steps, at
+(tests/support/parity.py: losses, every gradient before clipping, parameters after 6 steps, at
 DESIGN's fp32 bound 1e-5, bf16 at its own), the unit schedule's counters, faults that the
 checks must catch, and a checkpoint saved at ZeRO-3 DP4 re-saved at other layouts.
 ZeRO-3 against ZeRO-2 at the same DP (bit-exact where the arithmetic is): test_distributed_optimizer.py.
@@ -98,7 +98,7 @@ def _startup():
     from megalite.arguments import model_config
     from megalite.tensor_parallel import init as init_module
     from megalite.tensor_parallel import model_parallel_manual_seed
-    from megalite.training import build_model
+    from megalite.training.setup import build_model
     args = parse_args(list(BASE) + list(Z3), world_size=4)
     ps.initialize_model_parallel(1, 1)
     model_parallel_manual_seed(args.seed)

@@ -34,7 +34,7 @@ from megalite.config import ConfigError
 
 GIB = 2 ** 30
 last = None  # the latest (stages, counts) for tests and benchmarks
-rebuilt = None  # whether the latest run rebuilt its model at another cut (training_setup.setup)
+rebuilt = None  # whether the latest run rebuilt its model at another cut (training.setup.setup)
 
 
 def free_memory():
@@ -194,7 +194,7 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
     iteration's micro-batches (the fastest pass's times; bytes are the same in every pass)."""
     from megalite.data_iterators import data_iterators
     from megalite.distributed import finalize_model_grads
-    from megalite.evaluation import run_forward_backward
+    from megalite.pipeline.schedules import run_forward_backward
     from megalite.optimizer.memory import state_bytes_by_place
     from megalite.pipeline.schedules import pipeline_tensor_shape
     from megalite.rerun import _reset_model_state, _save_model_state

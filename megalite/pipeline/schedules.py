@@ -101,3 +101,12 @@ def get_forward_backward_func():
         return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving
 
+
+
+def run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
+    """One iteration's micro-batches over this rank's model chunks with the layout's schedule (iters: one data
+    iterator per chunk); returns what the loss function reported per micro-batch (last stage)."""
+    fwd_bwd = get_forward_backward_func()
+    model = chunks if len(chunks) > 1 else chunks[0]
+    data = iters if len(chunks) > 1 else iters[0]
+    return fwd_bwd(forward_step_func, data, model, num_microbatches, tensor_shape=shape, dtype=dtype, **kw)

@@ -22,7 +22,7 @@ from gpu_compile import SMEM_LIMIT, CASES, table  # noqa: E402  (imports triton,
 def results(request):
     """The build started in the background when the suite started (tests/conftest.py), or,
     when this module runs alone, started here."""
-    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "support"))
     from kernels_compile_bg import log_of, start
     proc, out, t0 = getattr(request.config, "megalite_gpu_compile", None) or start()
     if proc is None:

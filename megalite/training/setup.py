@@ -1,8 +1,10 @@
-"""Building what a run trains: the model chunks wrapped for data parallelism, the optimizer, the LR
-schedule, and the state loaded from --load (megalite/training.py runs the loop)."""
+"""Building what a run trains: the grid, the data, the model chunks wrapped for data parallelism, the optimizer,
+the LR schedule, and the state loaded from --load (prepare: everything a Trainer holds; trainer.py runs the loop)."""
 
 import contextlib
 import dataclasses
+import os
+import types
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -10,14 +12,89 @@ from megalite import parallel_state as ps
 from megalite.arguments import model_config, training_config
 from megalite.checkpointing import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
                                   unwrap_checkpoint_error)
+from megalite.config import ConfigError
 from megalite.distributed import DistributedDataParallel
-from megalite.iteration_plan import reduces_once
-from megalite.logger import print_rank_last
+from megalite.distributed.semi_sync_async import semi_sync_for
+from megalite.iteration_plan import batch_schedule, evaluation_plan, reduces_once, training_plan
+from megalite.logger import MetricsLogger, print_rank_last
 from megalite.memory_budget import fit_to_budget, report_fit
 from megalite.mixed_gpu_flags import with_rank_precision
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.lr_scheduler import schedule_steps
+from megalite.pipeline.schedules import pipeline_tensor_shape
+from megalite.rerun import initialize_rerun_state_machine
+from megalite.tensor_parallel import model_parallel_manual_seed
+from megalite.training.evaluation import dataset_sizes, eval_batch, report_splits
+
+
+def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
+    """Everything a run holds before its first iteration, as one namespace: the grid initialised and seeded, the
+    batch schedule and the DP ranks' plan, the datasets, the model, optimizer and schedule (loaded from --load),
+    the semi-synchronous replicas' outer state, the evaluation plan and the tensor shapes the schedules send.
+    abort(message): a user's error (flags, files, sizes) ends the run in one line on every rank."""
+    try:
+        batches = batch_schedule(args)  # each iteration's global batch (ramp-up), checked
+    except (ConfigError, CheckpointError) as e:
+        abort(str(e))
+    try:  # torchrun's LOCAL_WORLD_SIZE: the ranks of one node, for --hierarchical-grad-reduce
+        ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     args.virtual_pipeline_model_parallel_size, args.context_parallel_size,
+                                     args.hierarchical_context_parallel_sizes, args.use_tp_pp_dp_mapping,
+                                     int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size()))
+                                     if args.hierarchical_grad_reduce else None,
+                                     args.expert_model_parallel_size if args.num_experts else None,
+                                     args.expert_tensor_parallel_size, args.semi_sync_replicas)
+    except ValueError as e:
+        abort(str(e))
+    model_parallel_manual_seed(args.seed)
+    initialize_rerun_state_machine(args)
+    r = types.SimpleNamespace(batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
+    r.plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)
+    r.log = MetricsLogger(args)
+    try:
+        # Data errors are the user's (missing/foreign files, bad paths): one line each.
+        wanted = dataset_sizes(args, batches)
+        datasets = datasets_provider(args, wanted)
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
+        abort(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    r.train_ds, r.valid_ds, r.test_ds = report_splits(args, datasets, wanted)  # sizes; an empty split's skip, said once
+    try:
+        sizing = (r.train_ds, forward_step_func) if r.train_ds is not None and not args.skip_train else None
+        r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing)  # by memory too
+        r.semi = semi_sync_for(args, r.optimizer, r.chunks)  # replicas' outer steps (loaded too); None without
+        start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args)
+        align_main_weights(args, r.optimizer)  # replicas of different precisions: one set of fp32 main weights
+        if r.semi is not None:
+            r.semi.begin((start or (0,))[0])
+    except (ConfigError, CheckpointError) as e:
+        abort(str(e))
+    r.start_iter, r.consumed_train, r.consumed_valid = start or (0, 0, 0)
+    r.eval_g, r.eval_mbs = eval_batch(args)
+    r.eval_plan = evaluation_plan(args, r.plan, r.eval_g, r.eval_mbs)
+    r.shape, r.dtype = pipeline_tensor_shape(r.mcfg, r.plan.micro_of(r.dp_rank)), r.mcfg.params_dtype
+    r.eval_shape = pipeline_tensor_shape(r.mcfg, r.eval_plan.micro_of(r.dp_rank))
+    _describe(args, r)
+    if args.skip_train or r.start_iter >= args.train_iters:
+        r.train_ds = None  # nothing left to train on: no iterator (its position may be at the end)
+    return r
+
+
+def _describe(args, r):
+    """The run's one-line summary (grid, parameters, micro-batches per iteration) and the replicas' own."""
+    dp = args.data_parallel_size
+    n_params = sum(p.numel() for c in r.chunks for p in c.parameters())
+    ramp = "" if r.batches.is_constant() else f" now, {args.global_batch_size // (args.micro_batch_size * dp)} at " \
+        f"the full batch {args.global_batch_size}"
+    counts = r.plan.counts(r.consumed_train)
+    counts = f"{counts[0]}" if not r.plan.uneven else f"{','.join(map(str, counts))} (DP ranks' shares)" + (
+        f" of {','.join(map(str, r.plan.micros))} samples" if r.plan.micros else "")
+    cp = ps.get_context_parallel_world_size()
+    print_rank_last(f"megalite: TP={ps.get_tensor_model_parallel_world_size()} {f'CP={cp} ' if cp > 1 else ''}"
+                    f"PP={ps.get_pipeline_model_parallel_world_size()} DP={dp} | parameters on this rank: "
+                    f"{n_params:,} | micro-batches per iteration: {counts}{ramp}")
+    if r.semi is not None:
+        print_rank_last(f"megalite: {r.semi.describe()}")
 
 
 def build_model(mcfg, model_provider, args, plan=None):

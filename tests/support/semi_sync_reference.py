@@ -72,7 +72,9 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
     fragment synced unmixed. Returns losses and step-1 grads per replica, the final global weights and
     momentum."""
     from megalite.pipeline.schedules import pipeline_tensor_shape
-    from megalite.training import data_iterators, setup, train_step
+    from megalite.data_iterators import data_iterators
+    from megalite.training.setup import setup
+    from megalite.training.step import train_step
     from megalite.tensor_parallel import model_parallel_manual_seed
     entry = importlib.import_module(lay.entry)
     g = int(lay.base[lay.base.index("--global-batch-size") + 1])

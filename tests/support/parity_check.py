@@ -1,4 +1,4 @@
-"""The parity harness's verdict: a layout's recorded run against the single process's (tests/parity.py runs
+"""The parity harness's verdict: a layout's recorded run against the single process's (tests/support/parity.py runs
 both). Every compared quantity is a kind (KINDS) with its bound: DESIGN's fp32 bound, or for bf16 / fp16 the
 step-1 bounds and, from step 2 on, the farthest of the single process's rounding twins, run on the same machine
 (TWINS).

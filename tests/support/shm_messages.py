@@ -1,4 +1,4 @@
-"""The messages of tests/shm_group.py's groups (send, recv: a ring per ordered pair of members), and what the
+"""The messages of tests/support/shm_group.py's groups (send, recv: a ring per ordered pair of members), and what the
 group's two halves share: the backend's name, the handles, byte arithmetic.
 
 A sender copies its message into its ring to the receiver and goes on (buffered, as gloo's sends of the sizes the
@@ -58,7 +58,7 @@ class Messages:
         size = 64 + _padded(n)  # a 64-byte header (tag, byte count), then the bytes
         if size > self._ring_bytes:
             raise RuntimeError(f"{NAME}: a send of {size} bytes exceeds the group's ring of {self._ring_bytes} "
-                               "(tests/shm_group.py RING)")
+                               "(tests/support/shm_group.py RING)")
         with self._lock:
             written, read, ring = self._ring(self._rank, dst)
             start = written.value

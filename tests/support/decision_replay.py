@@ -23,7 +23,7 @@ disagree, or a choice that differs by more than a tie. The choice itself is test
 against its float64 definition (tests/test_moe.py, tests/test_dsa.py).
 
 In bf16 / fp16 only the first step's choices are replayed (HALF_PRECISION_STEPS): from step 2 on
-the two runs part by half precision's own chaos (tests/parity_check.py), sigmoid scores that
+the two runs part by half precision's own chaos (tests/support/parity_check.py), sigmoid scores that
 span 0.02 move by most of that, and the bound of the later steps, the farthest of the single process's
 rounding twins, already holds the choices that half precision itself flips.
 """

@@ -27,7 +27,7 @@ API (tests/test_parity.py and tests/test_fault_injection.py use it):
     run_layouts(layouts, world_size, collect=None) -> [[rank result] per layout]
         one spawn of world_size ranks runs every layout in turn (all need that world size), under
         another machine's rounding (dist_util.OTHER_CAPABILITY), taking the reference's top-k
-        choices where its own are ties (tests/decision_replay.py);
+        choices where its own are ties (tests/support/decision_replay.py);
         `collect(chunks, optimizer)` (module-level) adds anything to a rank's result (moe_collect: the
         routers' token counts and, where the record_logged fault slot is on, the logged router / MTP losses;
         logged_by_reference(layout): the single process's, for parity_check.assert_logged_as).
@@ -39,7 +39,7 @@ API (tests/test_parity.py and tests/test_fault_injection.py use it):
         (decided: the reference's recorded choices to replay; None: record them, as "decided").
     reference(layout) -> the single-process result for the layout's base + model + dtype
         (cached); check_reference(ref) asserts it learns.
-The verdict (errors, worst, mismatches, assert_parity and the bounds) is tests/parity_check.py.
+The verdict (errors, worst, mismatches, assert_parity and the bounds) is tests/support/parity_check.py.
 A fault is a module-level function returning a context manager, applied in every rank
 around the layout's run (monkeypatching megalite); see tests/test_fault_injection.py.
 """
@@ -245,7 +245,7 @@ def _full_local_grads(opt, grads):
 @contextlib.contextmanager
 def recording(record, hook=None):
     """Wrap the optimizer's step: grads on entry at step 1, the norm it returns every step; a
-    decisions hook (tests/decision_replay.py) counts the steps."""
+    decisions hook (tests/support/decision_replay.py) counts the steps."""
     original = MixedPrecisionOptimizer.step
 
     def step(self):
@@ -302,7 +302,7 @@ def rounding_twin(provider, twin):
 def train(lay, collect=None, decided=None):
     """Run one layout on this process's grid (spawned rank or the test process). decided: the
     reference's recorded top-k choices (reference(lay)["decided"]), which this run takes where its
-    own are ties within the rounding (tests/decision_replay.py); None: record them instead."""
+    own are ties within the rounding (tests/support/decision_replay.py); None: record them instead."""
     record = {"norms": []}
     hook = Recorder() if decided is None else Replayer(decided, MATCH[lay.dtype], KEY_MATCH[lay.dtype],
                                                        None if lay.dtype == "fp32" else HALF_PRECISION_STEPS)
@@ -392,7 +392,7 @@ class _Started:
 def start_layouts(layouts, world_size, collect=None, timeout=420, capability=OTHER_CAPABILITY, side_by_side=True,
                   backend=None):
     """run_layouts without the wait: the references run here (the choices the world replays), then
-    the world starts; `.result()` computes the half-precision layouts' twins (tests/parity_check.py) while it
+    the world starts; `.result()` computes the half-precision layouts' twins (tests/support/parity_check.py) while it
     runs, waits for it and returns what run_layouts would. Independent
     worlds can so run side by side, and the test process can compute the next world's references
     (one thread) while this one runs. side_by_side (worlds of up to 4 ranks): the layouts of each

@@ -1,51 +1,15 @@
 """Evaluation: forward-only passes over the validation / test data, mean losses over
 micro-batches, iterations and DP ranks (every rank gets the same numbers); which splits there
-are to evaluate (report_splits)."""
+are to evaluate (report_splits), how many samples each needs (dataset_sizes) and one evaluation
+iteration's batch (eval_batch)."""
 
 import torch
 
-from megalite import parallel_state as ps
-from megalite.distributed.collectives import (average_over_data_parallel, broadcast_from_last_rank,
-                                              sum_over_data_parallel)
 from megalite.logger import print_rank_last
-from megalite.pipeline.schedules import get_forward_backward_func
+from megalite.pipeline.schedules import run_forward_backward
+from megalite.training.step import mean_losses
 
 SPLITS = ("train", "validation", "test")
-
-
-def run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
-    fwd_bwd = get_forward_backward_func()
-    model = chunks if len(chunks) > 1 else chunks[0]
-    data = iters if len(chunks) > 1 else iters[0]
-    return fwd_bwd(forward_step_func, data, model, num_microbatches, tensor_shape=shape, dtype=dtype, **kw)
-
-
-def mean_losses(reported, read=True, total=None):
-    """(lm loss on every rank, {key: mean} of every loss the loss function reports, e.g. "lm loss"
-    and "sop loss"): means over micro-batches and DP ranks; the last pipeline stage holds them
-    all, other stages get {"lm loss": ...} (the first key when there is no "lm loss").
-    total: with uneven shares or micro-batch sizes, this rank's loss divisor (IterationPlan.total):
-    each rank's losses are summed and divided by it, then summed over DP ranks."""
-    dev = ps.get_device()
-    out = {}
-    if reported:
-        keys = list(reported[0])
-        if reported[0][keys[0]].numel() == 2:  # [loss sum, token count] (--calculate-per-token-loss)
-            sums = torch.stack([torch.stack([r[k].float().to(dev) for k in keys]) for r in reported]).sum(0)
-            sums = average_over_data_parallel(sums.reshape(-1)).reshape(len(keys), 2)
-            vals = sums[:, 0] / sums[:, 1].clamp(min=1.0)  # sum over tokens / tokens, batch-wide
-        else:
-            vals = torch.stack([torch.stack([r[k].float().reshape(()).to(dev) for k in keys]) for r in reported])
-            vals = (average_over_data_parallel(vals.mean(0)) if total is None else
-                    sum_over_data_parallel(vals.sum(0) / total))
-        out = dict(zip(keys, vals.unbind()))  # device scalars: read when logged, no sync here
-        lm = vals[keys.index("lm loss") if "lm loss" in keys else 0].reshape(1).clone()
-    else:  # a stage without the loss (pipeline)
-        lm = torch.zeros(1, device=dev)
-    lm = broadcast_from_last_rank(lm)
-    if read:  # the training loop passes read=False: it reads its losses once per logging window
-        lm = lm.item()
-    return lm, out or {"lm loss": lm}
 
 
 def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, shape, dtype, total=None):

@@ -12,7 +12,7 @@ code that reads an output before wait() reads stale values here, not a lucky res
 receive completes at its handle's wait(), after the same source's earlier receives, matched by tag. Reductions add
 the members' parts in member order, so every member gets the same bits.
 
-The suite's worlds use it by default (tests/dist_util.py); the groups megalite asks for by name (its checkpoint
+The suite's worlds use it by default (tests/support/dist_util.py); the groups megalite asks for by name (its checkpoint
 writer's, the asynchronous outer optimizer's `backend="gloo"`) stay gloo, and torchrun jobs run gloo throughout.
 x86-64 Linux only: a post relies on x86 keeping plain stores in order (the data, then the counter that publishes it).
 """
@@ -145,7 +145,7 @@ class ShmGroup(Messages, dist.ProcessGroup):
         size = self._meta + end
         if size > self._parts:
             raise RuntimeError(f"{NAME}: a collective part of {size} bytes exceeds the group's {self._parts} "
-                               "(tests/shm_group.py PARTS)")
+                               "(tests/support/shm_group.py PARTS)")
         with self._lock:
             op = self._ops = self._ops + 1
             w = self._written

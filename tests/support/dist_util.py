@@ -13,7 +13,7 @@ starts as a spawned one would: its own parallel state torn down, kernel backend 
 seeded random streams, one thread. Where the test process has initialised CUDA (the GPU machine), a fork
 could not use it, so the ranks are spawned.
 
-The worlds' groups live in shared memory (tests/shm_group.py) unless `backend="gloo"` or MEGALITE_TEST_BACKEND=gloo
+The worlds' groups live in shared memory (tests/support/shm_group.py) unless `backend="gloo"` or MEGALITE_TEST_BACKEND=gloo
 says otherwise: a world's time is its collectives' latency, and gloo's is 6-25x the shared-memory groups' with 4-8
 ranks on 2 cores (benchmarks/shm_vs_gloo.py). gloo stays where megalite names it (its checkpoint writer's group, the
 asynchronous outer optimizer's), in the torchrun jobs, and in the tests of gloo itself.
@@ -39,7 +39,7 @@ arguments then travel pickled (module-level functions only). `OTHER_CAPABILITY` 
 this process's (AVX512 -> avx2: an AVX2 machine; AVX2 -> default: the portable extreme; None where there is
 none below), which the parity harness uses for every fp32 world and for its half-precision layouts made
 `elsewhere`, so each run of the suite checks two machines' rounding.
-Which axis each comparison is robust to: tests/parity_check.py (fp32: both, the later steps by the measured
+Which axis each comparison is robust to: tests/support/parity_check.py (fp32: both, the later steps by the measured
 spread; half precision: the layout and its reference share both axes, the later steps held to rounding twins
 measured on that machine).
 """
@@ -73,7 +73,7 @@ OTHER_MACHINE = None if OTHER_CAPABILITY is None else {"ATEN_CPU_CAPABILITY": OT
 _PRELOAD = ["torch", "torch._dynamo", "numpy", "kernels", "megalite.training", "dist_util", "parity"]
 _forkserver_capability = None
 _IN_FORKSERVER = "DIST_UTIL_IN_FORKSERVER"  # set in the fork server's environment, so its ranks' too
-# the worlds' backend: shared memory (tests/shm_group.py: collectives ~10x faster than gloo's at 4-8 ranks on 2
+# the worlds' backend: shared memory (tests/support/shm_group.py: collectives ~10x faster than gloo's at 4-8 ranks on 2
 # cores); MEGALITE_TEST_BACKEND=gloo runs every world on gloo instead
 BACKEND = os.environ.get("MEGALITE_TEST_BACKEND") or (shm_group.NAME if shm_group.available() else "gloo")
 atexit.register(shm_group.remove_leftovers)  # (forked ranks leave through os._exit: only the test process runs it)

@@ -6,7 +6,7 @@ re-imports torch: seconds on the 2-core machine).
 - run_case(world_size, argv): one `pretrain_gpt.py` command line in the calling process ((exit code, stderr)).
 - As a script, many `pretrain_gpt.py` command lines one after the other in one process, each as
   `python pretrain_gpt.py ...` would run (its own argv, WORLD_SIZE as given, stderr captured):
-      python tests/cli_batch.py CASES.json OUT.json
+      python tests/support/cli_batch.py CASES.json OUT.json
   CASES.json: {name: [world_size, argv]}; OUT.json: {name: [exit code, stderr]}.
 """
 
@@ -18,7 +18,7 @@ import os
 import runpy
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 
 

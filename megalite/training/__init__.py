@@ -1,0 +1,53 @@
+"""pretrain(): set up the grid, model, optimizer and data, then train (trainer.Trainer).
+
+Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in Megatron:
+    datasets_provider(args, num_samples) -> (train, valid, test)   (may set args.vocab_size)
+    model_provider(model_config, pre_process, post_process) -> model
+    forward_step_func(data_iterator, model) -> (output, loss_func)
+
+The package: setup.py builds a run (prepare), trainer.py holds it and runs the loop, step.py is one iteration,
+parts.py the loop's optional behaviours (saving, exit rules, logging, evaluation, replicas, ...), cursor.py the
+training data's position, evaluation.py the forward-only passes.
+"""
+
+import gc
+import time
+
+from megalite import parallel_state as ps
+from megalite.arguments import parse_args
+from megalite.config import fail
+from megalite.training.trainer import Trainer
+
+# Words in the errors gloo / NCCL / the store raise when a peer is gone or too slow.
+COMMUNICATION_ERRORS = ("Timed out", "timed out", "Connection closed", "Connection reset", "NCCL", "gloo",
+                        "Broken pipe", "Socket Timeout")
+
+
+def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
+    """Train per the command line; returns the list of per-iteration lm losses (and, with
+    return_state, the model chunks and optimizer too)."""
+    args = args or parse_args()
+    started = time.time()
+    owns = ps.initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes * 60)
+    gc_enabled = gc.isenabled()
+    if args.manual_gc:  # as Megatron: collections at the same iterations on every rank
+        gc.disable()
+        gc.collect()
+    try:
+        losses, chunks, optimizer = Trainer(datasets_provider, model_provider, forward_step_func, args, started,
+                                            owns).train()
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not any(w in str(e) for w in COMMUNICATION_ERRORS):
+            raise
+        # A dead or hung peer: one line (which operation, how long we waited), not a wall of C++.
+        if owns:
+            ps.shutdown_distributed(barrier=False)
+        fail(f"communication failed ({first[:300]}); a peer rank died or hung past "
+             f"--distributed-timeout-minutes {args.distributed_timeout_minutes}")
+    finally:
+        if args.manual_gc and gc_enabled:
+            gc.enable()
+    if owns and not return_state:
+        ps.shutdown_distributed()  # a finished job exits 0: no communication thread left behind
+    return (losses, chunks, optimizer) if return_state else losses

@@ -1,0 +1,279 @@
+"""The parts of a training run: each optional behaviour of the loop, with the hooks the Trainer calls around every
+iteration (trainer.py). A part's `after` issues its collectives, if any, so every rank must call the parts in one
+order: `Trainer.parts` is that order (DESIGN: the same collectives on every rank). A new behaviour is a new part.
+
+    before(it)             before the iteration's step (an asynchronous replica's new slot)
+    after(it, step) -> why the iteration done (step: trainer.Step); a reason to stop the run after it, or None
+    iterations(its)        the loop's iterations (the asynchronous replicas' come from their slots)
+    idle(it)               this rank sits the iteration out (a replica of fewer inner steps)
+    timed()                the step is to be timed on the device's clock (--data-parallel-shares auto)
+    finish(last) -> last   after the loop (the last iteration run, possibly moved)
+"""
+
+import gc
+import os
+import signal
+import time
+
+from megalite import parallel_state as ps
+from megalite.checkpointing import save_checkpoint
+from megalite.distributed.collectives import any_rank
+from megalite.distributed.replica_check import replicas_differ
+from megalite.flops import num_floating_point_operations
+from megalite.logger import print_rank_last
+from megalite.moe_logging import auxiliary_losses
+from megalite.training.evaluation import evaluate
+from megalite.training.step import grad_stats, mean_losses
+
+
+class Part:
+    def before(self, it):
+        pass
+
+    def after(self, it, step):
+        return None
+
+    def iterations(self, its):
+        return its
+
+    def idle(self, it):
+        return False
+
+    def timed(self):
+        return False
+
+    def finish(self, last):
+        return last
+
+
+def hash_interval(args):
+    return 1 if args.test_mode else args.check_weight_hash_across_dp_replicas_interval
+
+
+class AutoShares(Part):
+    """--data-parallel-shares auto: the first iterations timed, then each DP replica's micro-batches set by its
+    speed (megalite/iteration_plan.py), and the data read on by the new counts."""
+
+    def __init__(self, auto, cursor):
+        self.auto, self.cursor = auto, cursor
+
+    def timed(self):
+        return not self.auto.done
+
+    def after(self, it, step):
+        if step.timed and (chosen := self.auto.observe(step.times["forward-backward"], step.num_micro, step.consumed)):
+            print_rank_last(f"megalite: --data-parallel-shares auto: ms per micro-batch by DP replica "
+                            f"{', '.join(f'{1e3 * t:.1f}' for t in chosen[0])} -> micro-batches per iteration "
+                            f"{','.join(map(str, chosen[1]))} from iteration {it + 1}")
+            self.cursor.rebuild()  # (the cursor stands past this iteration)
+
+
+class ReplicaCheck(Part):
+    """--check-weight-hash-across-dp-replicas-interval (every iteration under --test-mode): the DP replicas'
+    weights (fp32 main weights where replicas compute in different precisions) compared."""
+
+    def __init__(self, args, chunks, optimizer, abort):
+        self.every, self.tp_too, self.chunks, self.abort = hash_interval(args), args.test_mode, chunks, abort
+        self.compared = dict(zip(optimizer.model_params, optimizer.main_params)) \
+            if args.data_parallel_precisions else None
+
+    def after(self, it, step):
+        if it % self.every == 0 and (drifted := replicas_differ(self.chunks, tp_too=self.tp_too, values=self.compared)):
+            self.abort(f"iteration {it}: replicas hold different weights ({', '.join(drifted[:3])}"
+                       f"{', ...' if len(drifted) > 3 else ''}): a gradient reduction or a device is faulty")
+
+
+class Losses(Part):
+    """The iteration's losses (lm loss on every rank; the routers' and DSA's on the last stage) into the window
+    the log line reads."""
+
+    def __init__(self, mcfg, window):
+        self.mcfg, self.window = mcfg, window
+
+    def after(self, it, step):
+        if step.idle:
+            return
+        loss, means = mean_losses(step.reported, read=False, total=step.total)  # lm loss (every rank); all (last)
+        aux = auxiliary_losses(self.mcfg, step.num_micro, step.total)  # MoE routers', DSA's (collective)
+        if aux and ps.is_pipeline_last_stage(ignore_virtual=True):  # the stage that logs every loss
+            means = {**means, **aux}
+        self.window.add(loss, means, step.stepped)
+
+
+class SemiSync(Part):
+    """Semi-synchronous (and asynchronous) replicas: their iterations, idle ticks, outer steps and slots
+    (megalite/distributed/semi_sync*.py)."""
+
+    def __init__(self, semi, args, cursor, scheduler, start_iter, abort):
+        self.semi, self.args, self.cursor, self.scheduler, self.start, self.abort = \
+            semi, args, cursor, scheduler, start_iter, abort
+
+    def iterations(self, its):
+        return self.semi.iterations(its)
+
+    def idle(self, it):
+        return not self.semi.trains(it)  # a replica of fewer inner steps waits for the round's end
+
+    def before(self, it):
+        if (slot := self.semi.slot_start(it)) is not None:  # asynchronous: a slot's data and LR
+            consumed, rank = slot
+            self.cursor.rebuild(consumed, rank)
+            self.scheduler.step(consumed - self.scheduler.num_steps)
+
+    def after(self, it, step):
+        semi = self.semi
+        if not semi.after_iteration(it, step.trained):
+            return
+        # an outer step: the replicas hold the same weights
+        if semi.check_due(it, hash_interval(self.args)) and (drifted := replicas_differ(step.chunks,
+                                                                                        across_replicas=True)):
+            self.abort(f"iteration {it}: semi-synchronous replicas differ after the outer step ({drifted[0]})")
+        if (line := semi.announcement(it)) is not None:  # --semi-sync-steps auto's choice
+            print_rank_last(line)
+        if semi.H < semi.round and it < self.args.train_iters:
+            self.cursor.rebuild()  # past idle ticks
+
+    def finish(self, last):
+        if self.semi.asynchronous and last > self.start:  # every replica holds the final weights
+            last, self.cursor.consumed = self.args.train_iters, self.args.train_iters * self.args.global_batch_size
+            self.scheduler.step(self.cursor.consumed - self.scheduler.num_steps)
+        return last
+
+
+class ManualGC(Part):
+    """--manual-gc-interval: collections at the same iterations on every rank (as Megatron)."""
+
+    def __init__(self, interval):
+        self.interval = interval
+
+    def after(self, it, step):
+        if it % self.interval == 0:
+            gc.collect()
+
+
+class Logging(Part):
+    """The log line every --log-interval iterations (and at the last), with TensorBoard / W&B / JSON."""
+
+    def __init__(self, args, run):
+        self.args, self.run = args, run
+        self.padded = getattr(run.chunks[0].module, "padded_vocab_size", None)
+
+    def after(self, it, step):
+        a, run = self.args, self.run
+        if it % a.log_interval and it != a.train_iters:
+            return
+        run.read_losses()
+        f = run.window.close(it)
+        flops = num_floating_point_operations(run.mcfg, step.batch, self.padded) if self.padded else 0.0
+        run.log.iteration(it, {**f, "consumed": run.cursor.consumed, "batch_size": step.batch, "lr": step.lr,
+                               "tflops": flops / (f["elapsed"] * ps.world_size()) / 1e12,
+                               "loss_scale": run.optimizer.loss_scale, "grad_norm": step.grad_norm,
+                               "timers": run.timers, "max_attention_logit": getattr(
+                                   run.optimizer, "max_attention_logit", None) if a.log_max_attention_logit else None,
+                               **grad_stats(a, run.chunks, run.optimizer)})
+        run.window.restart()
+
+
+class Evaluation(Part):
+    """Validation every --eval-interval iterations (not counted as iteration time), and the validation and test
+    sets after training (as Megatron)."""
+
+    def __init__(self, args, run, data_iterators):
+        self.args, self.run, self.data_iterators = args, run, data_iterators
+        r = run.prepared
+        self.valid_ds, self.test_ds, self.consumed, self.g = r.valid_ds, r.test_ds, r.consumed_valid, r.eval_g
+        self.mbs, self.plan, self.shape = r.eval_mbs, r.eval_plan, r.eval_shape
+        self.micro, self.total = r.eval_plan.num_microbatches(0, r.dp_rank), r.eval_plan.total(0, r.dp_rank)
+        # The validation set is sized for every evaluation of a run; a resumed run's extra final
+        # evaluation (or --skip-train) starts again from its beginning.
+        ds = self.valid_ds
+        self.valid_iters = data_iterators(ds, self.consumed % len(ds) if ds is not None and len(ds) else 0, args,
+                                          run.chunks, self.mbs, self.plan)
+
+    def evaluate(self, its):
+        a, run = self.args, self.run
+        if a.manual_gc and a.manual_gc_eval:
+            gc.collect()
+        out = evaluate(run.forward_step_func, its, run.chunks, self.micro, a.eval_iters, self.shape, run.dtype,
+                       self.total)
+        if run.semi is not None:  # every replica evaluated the global weights on its part of the batches
+            out = run.semi.combine(out, self.plan.replica_samples(0, run.dp_rank))
+        if a.manual_gc and a.manual_gc_eval:
+            gc.collect(generation=0)  # what the evaluation made
+        return out
+
+    def after(self, it, step):
+        if self.valid_ds is None or not self.args.eval_interval or it % self.args.eval_interval:
+            return
+        t = time.perf_counter()
+        self.run.log.evaluation(it, "validation", self.evaluate(self.valid_iters))
+        self.consumed += self.args.eval_iters * self.g
+        self.run.window.t0 += time.perf_counter() - t  # as Megatron: evaluation is not iteration time
+
+    def final(self, last):
+        for split, ds in (("validation", self.valid_ds), ("test", self.test_ds)):
+            if ds is not None:
+                its = self.valid_iters if split == "validation" else \
+                    self.data_iterators(ds, 0, self.args, self.run.chunks, self.mbs, self.plan)
+                self.run.log.evaluation(last, split, self.evaluate(its), final=True)
+
+
+class Saver(Part):
+    """--save: every --save-interval iterations, and the final state (as Megatron, a loaded state is saved again
+    at the end when --save is another directory: nothing trained is a re-shard into this run's layout)."""
+
+    def __init__(self, args, run):
+        self.args, self.run = args, run
+        start, same = run.start_iter, os.path.realpath(args.save or "") == os.path.realpath(args.load or "")
+        self.saved_at = start if not start or same else -1
+
+    def save(self, it):
+        r = self.run
+        save_checkpoint(it, r.chunks, r.optimizer, r.scheduler, r.mcfg, self.args, r.cursor.consumed,
+                        r.evaluation.consumed if r.evaluation is not None else r.prepared.consumed_valid)
+        self.saved_at = it
+
+    def after(self, it, step):
+        if self.args.save_interval and it % self.args.save_interval == 0:
+            self.save(it)
+
+    def finish(self, last):
+        if self.saved_at != last:  # as Megatron: the final state is saved too
+            self.save(last)
+        return last
+
+
+_SIGTERM = {"got": False}
+
+
+def catch_sigterm(args):
+    """--exit-signal-handler: a SIGTERM from the run's start on is remembered (ExitRules stops at the next
+    iteration's end)."""
+    if args.exit_signal_handler:
+        _SIGTERM["got"] = False
+        signal.signal(signal.SIGTERM, lambda *_: _SIGTERM.update(got=True))
+
+
+class ExitRules(Part):
+    """--exit-interval, --exit-signal-handler (SIGTERM), --exit-duration-in-mins: the state saved (with --save),
+    then the run stops; every rank at the same iteration."""
+
+    def __init__(self, args, saver, started):
+        self.args, self.saver, self.started = args, saver, started
+
+    def _stop(self, it, why):
+        if self.saver is not None and self.saver.saved_at != it:
+            self.saver.save(it)
+        print_rank_last(f"megalite: exiting at iteration {it} ({why})")
+        return why
+
+    def after(self, it, step):
+        a = self.args
+        if a.exit_interval and it % a.exit_interval == 0:
+            return self._stop(it, f"--exit-interval {a.exit_interval}")
+        if a.exit_signal_handler or a.exit_duration_in_mins:
+            why = "SIGTERM received" if _SIGTERM["got"] else "--exit-duration-in-mins reached" if \
+                a.exit_duration_in_mins and time.time() - self.started > 60 * a.exit_duration_in_mins else None
+            if any_rank(why is not None):  # every rank stops at the same iteration
+                return self._stop(it, why or "another rank asked to stop")
+        return None

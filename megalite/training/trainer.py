@@ -1,0 +1,139 @@
+"""The Trainer: a run built (setup.prepare) and its loop. Each iteration is the step between its parts' hooks
+(parts.py), in the one order of their collectives; a new behaviour is a new part, not an edit of the loop."""
+
+import dataclasses
+
+from megalite import parallel_state as ps
+from megalite.checkpointing import finish_checkpointing
+from megalite.config import fail
+from megalite.data_iterators import data_iterators
+from megalite.iteration_plan import auto_shares
+from megalite.logger import TrainingWindow, print_rank_last
+from megalite.optimizer.optimizer import NonFiniteGradError
+from megalite.rerun import RerunExit, exit_after
+from megalite.training import parts, setup, step as steps
+from megalite.training.cursor import DataCursor
+
+
+@dataclasses.dataclass
+class Step:
+    """One iteration as the parts see it after the step: its plan (samples consumed before it, global batch,
+    this rank's micro-batches and loss divisor), what the step returned, and what followed (LR, samples trained)."""
+    consumed: int
+    batch: int
+    num_micro: int
+    total: object
+    idle: bool
+    timed: bool
+    times: dict
+    chunks: list
+    reported: list = None
+    stepped: bool = True
+    grad_norm: object = None
+    trained: int = 0
+    lr: float = None
+
+
+class Trainer:
+    def __init__(self, datasets_provider, model_provider, forward_step_func, args, started, owns):
+        self.args, self.owns, self.forward_step_func, self.started = args, owns, forward_step_func, started
+        if args.deterministic_mode:
+            from megalite.determinism import enable_deterministic
+            enable_deterministic()
+        parts.catch_sigterm(args)
+        r = self.prepared = setup.prepare(args, datasets_provider, model_provider, forward_step_func, self.abort)
+        self.mcfg, self.chunks, self.optimizer, self.scheduler = r.mcfg, r.chunks, r.optimizer, r.scheduler
+        self.plan, self.dp_rank, self.semi, self.log, self.dtype = r.plan, r.dp_rank, r.semi, r.log, r.dtype
+        self.start_iter = r.start_iter
+        self.cursor = DataCursor(r.train_ds, r.consumed_train, args, r.chunks, r.plan)
+        self.evaluation = parts.Evaluation(args, self, data_iterators) if r.valid_ds or r.test_ds else None
+        self.window = TrainingWindow(r.start_iter)
+        self.timers = {} if args.log_timers_to_tensorboard else None
+        auto = auto_shares(args, r.plan)
+        self.saver = parts.Saver(args, self) if args.save else None
+        optional = (  # the parts' order: the order of their collectives, the same on every rank
+            auto is not None and parts.AutoShares(auto, self.cursor),
+            parts.hash_interval(args) and parts.ReplicaCheck(args, r.chunks, r.optimizer, self.abort),
+            parts.Losses(r.mcfg, self.window),
+            r.semi is not None and parts.SemiSync(r.semi, args, self.cursor, r.scheduler, r.start_iter, self.abort),
+            args.manual_gc and args.manual_gc_interval and parts.ManualGC(args.manual_gc_interval),
+            parts.Logging(args, self),
+            self.evaluation is not None and self.evaluation.valid_ds is not None and self.evaluation,
+            self.saver,
+            parts.ExitRules(args, self.saver, started))
+        self.parts = [p for p in optional if p]
+
+    def abort(self, msg):
+        """A run that cannot go on: one line per rank, groups released, non-zero exit."""
+        if self.owns:
+            ps.shutdown_distributed(barrier=False)
+        fail(msg)
+
+    def iterations(self):
+        a = self.args
+        its = range(self.start_iter + 1, a.train_iters + 1 if not a.skip_train else self.start_iter + 1)
+        for p in self.parts:
+            its = p.iterations(its)
+        return its
+
+    def train(self):
+        """The loop; returns (lm losses, chunks, optimizer)."""
+        for c in self.chunks:
+            c.train()
+        last = self.start_iter  # the last iteration run (a replica of fewer inner steps has fewer losses)
+        for it in self.iterations():
+            last = it
+            for p in self.parts:
+                p.before(it)
+            done = self.step(it)
+            if any(p.after(it, done) for p in self.parts):  # (a stop skips the parts after the one that stops)
+                break
+        return self.finish(last)
+
+    def step(self, it):
+        """The iteration's step; then the data position and the LR schedule move on."""
+        plan, c, rank = self.plan, self.cursor, self.dp_rank
+        timed = any(p.timed() for p in self.parts)
+        s = Step(c.consumed, plan.global_batch_size(c.consumed), plan.num_microbatches(c.consumed, rank),
+                 plan.total(c.consumed, rank), any(p.idle(it) for p in self.parts), timed,
+                 self.timers if self.timers is not None or not timed else {}, self.chunks)
+        if not s.idle:
+            try:
+                s.reported, s.stepped, s.grad_norm = steps.train_step(
+                    self.forward_step_func, c.iters, self.chunks, self.optimizer, s.num_micro, self.prepared.shape,
+                    self.dtype, s.times, plan.loss_divisor(c.consumed, rank), timed, it)
+            except RerunExit as e:  # as Megatron: the state before this iteration saved, exit 16 / 17
+                self.log.close()
+                exit_after(e, (lambda: self.saver.save(it - 1)) if self.saver else None, self.owns)
+            except NonFiniteGradError as e:
+                where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
+                self.abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped "
+                           "before the optimizer step. Lower --lr, check the data, or use --bf16 / loss scaling")
+        if self.semi is not None and not s.idle and s.stepped:
+            s.trained = plan.replica_samples(c.consumed, rank)
+        c.advance(s.batch)
+        if s.stepped:  # as Megatron: a skipped fp16 iteration does not advance the schedule
+            self.scheduler.step(s.batch)
+        s.lr = self.scheduler.lr  # as Megatron logs it: after the scheduler step (not the decoupled LR)
+        return s
+
+    def read_losses(self):
+        bad = self.window.read_losses()  # a NaN/Inf loss stops the run
+        if bad is not None and self.args.check_for_nan_in_loss_and_grad:
+            self.abort(f"iteration {bad[0]}: the lm loss is {bad[1]}; stopped")
+
+    def finish(self, last):
+        self.read_losses()  # a loop left early (exit flags) still reports every loss
+        for c in self.chunks:
+            c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
+        for p in self.parts:
+            last = p.finish(last)
+        finish_checkpointing()
+        losses = self.window.losses
+        if losses:
+            print_rank_last(f"megalite: done {last} iterations | first lm loss {losses[0]:.4f} | "
+                            f"last lm loss {losses[-1]:.4f}")
+        if self.evaluation is not None:  # as Megatron, after training: the validation and test sets
+            self.evaluation.final(last)
+        self.log.close()
+        return losses, self.chunks, self.optimizer
