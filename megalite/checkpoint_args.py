@@ -6,28 +6,15 @@ training and by tools/convert_checkpoint.py (a Hugging Face import)."""
 import os
 
 from megalite.checkpoint.storage import CheckpointError, read_json
+from megalite.config import CHECKPOINT_ARGS
 from megalite.checkpointing import META, TRACKER, iteration_dir, read_tracker
 
-# Command-line dest -> the ModelConfig field a checkpoint records (Megatron's list for what megalite has, and MLA's;
-# disable_bias_linear is add_bias_linear negated). The checkpoint's value replaces the command line's, as
-# Megatron's _set_arg(force=True) does for the architecture flags. Megatron keeps the sizes a command line
-# gives (its _set_arg without force); megalite keeps --seq-length and --max-position-embeddings that way
-# (fine-tuning at another length), and takes the checkpoint's layers, hidden, heads, FFN and kv-channels,
+# Command-line dest -> the ModelConfig field a checkpoint records (config.Field(restored=True): Megatron's list for
+# what megalite has, and MLA's; disable_bias_linear is add_bias_linear negated). The checkpoint's value replaces
+# the command line's, as Megatron's _set_arg(force=True) does for the architecture flags. Megatron keeps the sizes a
+# command line gives (its _set_arg without force); megalite keeps --seq-length and --max-position-embeddings that
+# way (fine-tuning at another length), and takes the checkpoint's layers, hidden, heads, FFN and kv-channels,
 # since a size other than the checkpoint's could only fail to load (it is named in the notice).
-CHECKPOINT_ARGS = {a: a for a in (
-    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups", "kv_channels",
-    "seq_length", "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent",
-    "rotary_interleaved", "normalization", "swiglu", "squared_relu", "untie_embeddings_and_output_weights",
-    "qk_layernorm", "apply_layernorm_1p", "apply_query_key_layer_scaling", "add_qkv_bias", "hidden_dropout",
-    "attention_dropout", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax",
-    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_load_balancing_type",
-    "moe_aux_loss_coeff", "moe_router_score_function", "moe_router_enable_expert_bias",
-    "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk", "multi_latent_attention",
-    "mtp_num_layers",
-    "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-    "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")}
-CHECKPOINT_ARGS.update(norm_epsilon="layernorm_epsilon", disable_bias_linear="add_bias_linear",
-                       num_experts="num_moe_experts")
 CHECKPOINT_ARGS_IF_UNSET = ("seq_length", "max_position_embeddings")
 
 

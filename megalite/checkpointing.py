@@ -40,6 +40,7 @@ from megalite.checkpoint.state import (
     set_optimizer_step,
     set_rng_state,
 )
+from megalite.config import LAYOUT_FIELDS, SHAPE_FIELDS  # noqa: F401  (SHAPE_FIELDS: read here by tools)
 from megalite.checkpoint.storage import (
     CheckpointError,
     SafetensorsReader,
@@ -53,15 +54,6 @@ from megalite.checkpoint.storage import (
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "megalite.json"
 FORMAT = "megalite-checkpoint"
-# Model fields that decide tensor shapes and meaning: a mismatch is the user's error.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                "ffn_hidden_size", "vocab_size", "position_embedding_type", "normalization", "swiglu",
-                "add_bias_linear", "untie_embeddings_and_output_weights", "model_type", "layernorm_position", "gelu",
-                "num_tokentypes", "bert_binary_head", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
-                "rotary_interleaved", "squared_relu", "add_qkv_bias", "num_moe_experts", "moe_ffn_hidden_size",
-                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "multi_latent_attention", "q_lora_rank",
-                "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-
 _pending = {"future": None, "executor": None, "group": None}
 # A forked process has none of its parent's threads or process groups: it starts its own.
 os.register_at_fork(after_in_child=lambda: _pending.update(future=None, executor=None, group=None))
@@ -96,13 +88,6 @@ def config_json(config):
     return d
 
 
-# what a checkpoint's model_config says of the layout it was trained at, not of the model
-_LAYOUT_FIELDS = dict(sequence_parallel=False, recompute_granularity=None, recompute_method=None,
-                      recompute_num_layers=None, decoder_first_pipeline_num_layers=None,
-                      decoder_last_pipeline_num_layers=None, pipeline_layout=None, cp_comm_type=None,
-                      microbatch_group_size_per_vp_stage=None)
-
-
 def config_for_one_process(saved):
     """The ModelConfig of a checkpoint's model_config (its JSON dict) for a model built whole on one process's
     TP group (generation, logits): unknown fields dropped, the training layout's own fields reset (a pipeline
@@ -110,7 +95,7 @@ def config_for_one_process(saved):
     from megalite.config import ModelConfig
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = {k: v for k, v in saved.items() if k in names}
-    cfg.update(_LAYOUT_FIELDS, params_dtype=getattr(torch, cfg.get("params_dtype", "float32")))
+    cfg.update(LAYOUT_FIELDS, params_dtype=getattr(torch, cfg.get("params_dtype", "float32")))
     return ModelConfig(**cfg)
 
 

@@ -4,8 +4,10 @@ Every check raises ConfigError with one line naming the values and what to chang
 entry points print that line on every rank and exit non-zero before any heavy work.
 """
 
+import dataclasses
+import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 
@@ -22,105 +24,141 @@ def fail(msg):
     sys.exit(2)
 
 
+@dataclass(frozen=True)
+class Field:
+    """What a ModelConfig field is, declared once with its type (`Annotated[type, Field(...)]`); every list of
+    names is derived from these (below): flag: the command-line dest it comes from ("": its own name; None:
+    derived from other flags in config_from_args); shape: it decides tensor shapes or their meaning, so a
+    checkpoint must agree (SHAPE_FIELDS); layout: how this run executes, not what the model is, reset when a
+    checkpoint's model is rebuilt on one process (LAYOUT_FIELDS); restored: --use-checkpoint-args takes it from
+    the checkpoint (CHECKPOINT_ARGS, Megatron's load_args_from_checkpoint)."""
+    flag: Optional[str] = ""
+    shape: bool = False
+    layout: bool = False
+    restored: bool = False
+
+
+PLAIN = Field()
+SHAPE_RESTORED, RESTORED, LAYOUT = Field(shape=True, restored=True), Field(restored=True), Field(layout=True)
+
+
 @dataclass
 class ModelConfig:
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None  # default 4h (or 8h/3 rounded for SwiGLU)
-    num_query_groups: Optional[int] = None  # None: = heads (plain multi-head attention)
-    kv_channels: Optional[int] = None  # default hidden / heads
-    seq_length: int = 128
-    max_position_embeddings: Optional[int] = None
-    vocab_size: int = 1024  # real (unpadded) vocabulary
+    num_layers: Annotated[int, SHAPE_RESTORED] = 2
+    hidden_size: Annotated[int, SHAPE_RESTORED] = 64
+    num_attention_heads: Annotated[int, SHAPE_RESTORED] = 4
+    ffn_hidden_size: Annotated[Optional[int], SHAPE_RESTORED] = None  # default 4h (or 8h/3 rounded for SwiGLU)
+    num_query_groups: Annotated[Optional[int], SHAPE_RESTORED] = None  # None: = heads (plain multi-head attention)
+    kv_channels: Annotated[Optional[int], SHAPE_RESTORED] = None  # default hidden / heads
+    seq_length: Annotated[int, RESTORED] = 128
+    max_position_embeddings: Annotated[Optional[int], RESTORED] = None
+    vocab_size: Annotated[int, Field(flag=None, shape=True)] = 1024  # real (unpadded) vocabulary
     make_vocab_size_divisible_by: int = 128
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: float = 10000.0
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    layernorm_epsilon: float = 1e-5
-    swiglu: bool = False
-    squared_relu: bool = False  # MLP activation relu(x)^2 instead of GeLU (Megatron's --squared-relu)
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False  # a bias on the QKV projection only (Qwen); implied by add_bias_linear
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
+    position_embedding_type: Annotated[str, SHAPE_RESTORED] = "learned_absolute"  # or "rope"
+    rotary_base: Annotated[float, RESTORED] = 10000.0
+    normalization: Annotated[str, SHAPE_RESTORED] = "LayerNorm"  # or "RMSNorm"
+    layernorm_epsilon: Annotated[float, Field("norm_epsilon", restored=True)] = 1e-5
+    swiglu: Annotated[bool, SHAPE_RESTORED] = False
+    # MLP activation relu(x)^2 instead of GeLU (Megatron's --squared-relu)
+    squared_relu: Annotated[bool, SHAPE_RESTORED] = False
+    add_bias_linear: Annotated[bool, Field(flag=None, shape=True, restored=True)] = True
+    # a bias on the QKV projection only (Qwen); implied by add_bias_linear
+    add_qkv_bias: Annotated[bool, SHAPE_RESTORED] = False
+    hidden_dropout: Annotated[float, RESTORED] = 0.1
+    attention_dropout: Annotated[float, RESTORED] = 0.1
     init_method_std: float = 0.02
-    untie_embeddings_and_output_weights: bool = False
-    sequence_parallel: bool = False
-    recompute_granularity: Optional[str] = None  # None, "full" or "selective"
-    recompute_method: Optional[str] = None  # with "full": "uniform" (chunks of N layers) or "block" (first N)
-    recompute_num_layers: Optional[int] = None
-    params_dtype: torch.dtype = torch.float32
-    decoder_first_pipeline_num_layers: Optional[int] = None  # uneven pipeline split
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    pipeline_layout: Optional[tuple] = None  # layers per (virtual) stage (--pipeline-model-parallel-layout)
-    microbatch_group_size_per_vp_stage: Optional[int] = None  # interleaved: contiguous micro-batches (default PP)
-    fused_kernels: bool = True  # Triton kernels on CUDA; CPU always uses the torch path
+    untie_embeddings_and_output_weights: Annotated[bool, SHAPE_RESTORED] = False
+    sequence_parallel: Annotated[bool, LAYOUT] = False
+    recompute_granularity: Annotated[Optional[str], LAYOUT] = None  # None, "full" or "selective"
+    # with "full": "uniform" (chunks of N layers) or "block" (first N)
+    recompute_method: Annotated[Optional[str], LAYOUT] = None
+    recompute_num_layers: Annotated[Optional[int], LAYOUT] = None
+    params_dtype: Annotated[torch.dtype, Field(flag=None)] = torch.float32
+    decoder_first_pipeline_num_layers: Annotated[Optional[int], LAYOUT] = None  # uneven pipeline split
+    decoder_last_pipeline_num_layers: Annotated[Optional[int], LAYOUT] = None
+    # layers per (virtual) stage (--pipeline-model-parallel-layout)
+    pipeline_layout: Annotated[Optional[tuple], Field(flag=None, layout=True)] = None
+    # interleaved: contiguous micro-batches (default PP)
+    microbatch_group_size_per_vp_stage: Annotated[Optional[int], Field(
+        "microbatch_group_size_per_virtual_pipeline_stage", layout=True)] = None
+    fused_kernels: Annotated[bool, Field(flag=None)] = True  # Triton kernels on CUDA; CPU always uses the torch path
     seed: int = 1234  # initialisation seed (topology independent)
-    model_type: str = "gpt"  # "gpt" or "bert": which model (and HF architecture) the weights are
-    layernorm_position: str = "pre"  # "pre" (x + f(norm(x))) or "post" (norm(x + f(x)), original BERT)
-    gelu: str = "tanh"  # "tanh" (approximation, as GPT-2) or "exact" (erf, as BERT)
-    num_tokentypes: int = 0  # segment (token-type) embeddings; BERT uses 2
-    bert_binary_head: bool = True  # BERT: pooler + sentence-order / next-sentence head
-    rotary_percent: float = 1.0  # fraction of each head's dims that rotary embeddings rotate
-    rotary_interleaved: bool = False  # rotate adjacent pairs (2i, 2i+1), not the two halves (GPT-J / Megatron)
-    apply_layernorm_1p: bool = False  # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
-    qk_layernorm: bool = False  # normalize queries and keys per head before attention
+    # "gpt" or "bert": which model (and HF architecture) the weights are
+    model_type: Annotated[str, Field(shape=True)] = "gpt"
+    # "pre" (x + f(norm(x))) or "post" (norm(x + f(x)), original BERT)
+    layernorm_position: Annotated[str, Field(shape=True)] = "pre"
+    # "tanh" (approximation, as GPT-2) or "exact" (erf, as BERT)
+    gelu: Annotated[str, Field(flag=None, shape=True)] = "tanh"
+    num_tokentypes: Annotated[int, Field(flag=None, shape=True)] = 0  # segment (token-type) embeddings; BERT uses 2
+    # BERT: pooler + sentence-order / next-sentence head
+    bert_binary_head: Annotated[bool, Field(flag=None, shape=True)] = True
+    rotary_percent: Annotated[float, SHAPE_RESTORED] = 1.0  # fraction of each head's dims that rotary embeddings rotate
+    # rotate adjacent pairs (2i, 2i+1), not the two halves (GPT-J / Megatron)
+    rotary_interleaved: Annotated[bool, SHAPE_RESTORED] = False
+    # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
+    apply_layernorm_1p: Annotated[bool, SHAPE_RESTORED] = False
+    qk_layernorm: Annotated[bool, SHAPE_RESTORED] = False  # normalize queries and keys per head before attention
     qk_clip: bool = False  # MuonClip: attention records its largest logit per head (optimizer/qk_clip.py)
     log_max_attention_logit: bool = False  # ... recorded (and logged) without clipping
     # fp16 attention scores computed / layer_number, multiplied back inside the fp32 softmax (Megatron)
-    apply_query_key_layer_scaling: bool = False
+    apply_query_key_layer_scaling: Annotated[bool, RESTORED] = False
     use_flash_attn: bool = False  # flash attention even with fused_kernels off
-    cp_comm_type: Optional[list] = None  # context parallelism's attention: p2p/a2a/allgather/a2a+p2p, or one per layer
-    deterministic: bool = False  # deterministic algorithms only
+    # context parallelism's attention: p2p/a2a/allgather/a2a+p2p, or one per layer
+    cp_comm_type: Annotated[Optional[list], Field(flag=None, layout=True)] = None
+    deterministic: Annotated[bool, Field("deterministic_mode")] = False  # deterministic algorithms only
     reset_attention_mask: bool = False  # document masks: attention on every pipeline stage needs the batch
     calculate_per_token_loss: bool = False  # loss summed over tokens, divided by the global batch's count
     # Mixture of Experts (Megatron's --num-experts, --moe-*; megalite/moe/)
-    num_moe_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None  # default: ffn_hidden_size
-    moe_layer_freq: object = 1  # every k-th layer is MoE, or a 0/1 list per layer
-    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss, seq_aux_loss or none
-    moe_aux_loss_coeff: float = 0.0
+    num_moe_experts: Annotated[Optional[int], Field("num_experts", shape=True, restored=True)] = None
+    moe_router_topk: Annotated[int, RESTORED] = 2
+    moe_ffn_hidden_size: Annotated[Optional[int], SHAPE_RESTORED] = None  # default: ffn_hidden_size
+    moe_layer_freq: Annotated[object, RESTORED] = 1  # every k-th layer is MoE, or a 0/1 list per layer
+    moe_router_load_balancing_type: Annotated[str, RESTORED] = "aux_loss"  # aux_loss, seq_aux_loss or none
+    moe_aux_loss_coeff: Annotated[float, RESTORED] = 0.0
     moe_z_loss_coeff: Optional[float] = None
-    moe_router_score_function: str = "softmax"  # or sigmoid
-    moe_router_pre_softmax: bool = False
-    moe_router_topk_scaling_factor: Optional[float] = None
-    mtp_num_layers: Optional[int] = None  # multi-token prediction depths (DeepSeek-V3), on the last stage
+    moe_router_score_function: Annotated[str, RESTORED] = "softmax"  # or sigmoid
+    moe_router_pre_softmax: Annotated[bool, RESTORED] = False
+    moe_router_topk_scaling_factor: Annotated[Optional[float], RESTORED] = None
+    # multi-token prediction depths (DeepSeek-V3), on the last stage
+    mtp_num_layers: Annotated[Optional[int], SHAPE_RESTORED] = None
     mtp_loss_scaling_factor: float = 0.1  # λ: the MTP loss, averaged over the depths, times this
-    moe_router_num_groups: Optional[int] = None  # group-limited routing (DeepSeek-V3): experts in groups,
-    moe_router_group_topk: Optional[int] = None  # each token's top-k chosen within its best group-topk groups
+    # group-limited routing (DeepSeek-V3): experts in groups,
+    moe_router_num_groups: Annotated[Optional[int], RESTORED] = None
+    # each token's top-k chosen within its best group-topk groups
+    moe_router_group_topk: Annotated[Optional[int], RESTORED] = None
     moe_router_dtype: Optional[str] = None  # fp32 (default) or fp64 routing
     moe_expert_capacity_factor: Optional[float] = None  # None: dropless
     moe_token_drop_policy: str = "probs"  # or position
     moe_pad_expert_input_to_capacity: bool = False
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_shared_expert_gate: bool = False
-    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (sigmoid scores)
+    moe_shared_expert_intermediate_size: Annotated[Optional[int], SHAPE_RESTORED] = None
+    moe_shared_expert_gate: Annotated[bool, SHAPE_RESTORED] = False
+    moe_router_enable_expert_bias: Annotated[bool, SHAPE_RESTORED] = False  # aux-loss-free balancing (sigmoid scores)
     moe_router_bias_update_rate: float = 1e-3
     moe_token_dispatcher_type: str = "allgather"  # or alltoall (the same result; other collectives)
     moe_per_layer_logging: bool = False  # each MoE layer's losses to TensorBoard / --log-json
     moe_grouped_gemm: bool = False  # the experts as two Triton grouped GEMMs on CUDA (a loop on CPU)
     # Multi-latent attention (DeepSeek-V2/V3, Megatron's --multi-latent-attention; megalite/transformer/mla.py):
     # Megatron's flag defaults; YaRN's original context and betas are MLATransformerConfig's (no flag reaches them)
-    multi_latent_attention: bool = False
-    q_lora_rank: Optional[int] = None  # None: queries straight from the hidden state (linear_q_proj)
-    kv_lora_rank: int = 32
-    qk_head_dim: int = 128
-    qk_pos_emb_head_dim: int = 64  # the rotated part of each q/k head (k's shared by all heads)
-    v_head_dim: int = 128
-    rope_type: Optional[str] = None  # MLA's rotary: "yarn" (its default) or "rope"
-    rotary_scaling_factor: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    multi_latent_attention: Annotated[bool, SHAPE_RESTORED] = False
+    # None: queries straight from the hidden state (linear_q_proj)
+    q_lora_rank: Annotated[Optional[int], SHAPE_RESTORED] = None
+    kv_lora_rank: Annotated[int, SHAPE_RESTORED] = 32
+    qk_head_dim: Annotated[int, SHAPE_RESTORED] = 128
+    # the rotated part of each q/k head (k's shared by all heads)
+    qk_pos_emb_head_dim: Annotated[int, SHAPE_RESTORED] = 64
+    v_head_dim: Annotated[int, SHAPE_RESTORED] = 128
+    rope_type: Annotated[Optional[str], RESTORED] = None  # MLA's rotary: "yarn" (its default) or "rope"
+    rotary_scaling_factor: Annotated[float, RESTORED] = 1.0
+    mscale: Annotated[float, RESTORED] = 1.0
+    mscale_all_dim: Annotated[float, RESTORED] = 0.0
+    original_max_position_embeddings: Annotated[int, Field(flag=None)] = 4096
+    beta_fast: Annotated[float, Field(flag=None)] = 32.0
+    beta_slow: Annotated[float, Field(flag=None)] = 1.0
     # DeepSeek sparse attention on MLA (Megatron's --experimental-attention-variant dsa; transformer/dsa.py)
-    experimental_attention_variant: Optional[str] = None
-    dsa_indexer_n_heads: Optional[int] = None
-    dsa_indexer_head_dim: Optional[int] = None
-    dsa_indexer_topk: Optional[int] = None
+    experimental_attention_variant: Annotated[Optional[str], SHAPE_RESTORED] = None
+    dsa_indexer_n_heads: Annotated[Optional[int], SHAPE_RESTORED] = None
+    dsa_indexer_head_dim: Annotated[Optional[int], SHAPE_RESTORED] = None
+    dsa_indexer_topk: Annotated[Optional[int], RESTORED] = None
     dsa_indexer_topk_freq: int = 1
     dsa_indexer_skip_topk_offset: int = 0
     dsa_indexer_loss_coeff: Optional[float] = None
@@ -269,6 +307,21 @@ class ModelConfig:
         if self.sequence_parallel and tp > 1 and self.seq_length % tp:
             raise ConfigError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by "
                               f"--tensor-model-parallel-size {tp}")
+
+
+def model_fields():
+    """{field name: its Field} of ModelConfig, in declaration order (un-annotated fields: PLAIN)."""
+    hints = typing.get_type_hints(ModelConfig, include_extras=True)
+    return {f.name: next((m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, Field)), PLAIN)
+            for f in dataclasses.fields(ModelConfig)}
+
+
+SHAPE_FIELDS = tuple(n for n, f in model_fields().items() if f.shape)
+LAYOUT_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if model_fields()[f.name].layout}
+# command-line dest -> the field a checkpoint records (add_bias_linear: --disable-bias-linear, negated)
+CHECKPOINT_ARGS = {("disable_bias_linear" if n == "add_bias_linear" else f.flag or n): n
+                   for n, f in model_fields().items() if f.restored}
+FLAG_FIELDS = {n: f.flag or n for n, f in model_fields().items() if f.flag is not None}  # field -> its dest
 
 
 @dataclass

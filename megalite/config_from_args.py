@@ -1,67 +1,23 @@
-"""Parsed command-line arguments to the configuration dataclasses (config.py): the one mapping from flag
-names to config fields, imported by the parser (arguments.py) and the checks (validation.py) alike."""
+"""Parsed command-line arguments to the configuration dataclasses (config.py): ModelConfig's fields come from the
+flags their declarations name (config.Field), the derived ones are here; imported by the parser (arguments.py)
+and the checks (validation.py) alike."""
 
-from megalite.config import ModelConfig, TrainingConfig
-from megalite.mup import MUP_FLAGS
+from megalite.config import FLAG_FIELDS, ModelConfig, TrainingConfig
 from megalite.optimizer_flags import OPTIMIZER_FIELDS
 
 
 def model_config(args, vocab_size):
-    """The ModelConfig of parsed arguments (its vocabulary given: the tokenizer's, or the checkpoint's)."""
-    return ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
-        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings, vocab_size=vocab_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
-        squared_relu=args.squared_relu,
-        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        qk_clip=args.qk_clip, log_max_attention_logit=args.log_max_attention_logit,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        sequence_parallel=args.sequence_parallel, recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
-        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-        pipeline_layout=getattr(args, "pipeline_layout", None),
-        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
-        params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels, seed=args.seed,
-        rotary_percent=args.rotary_percent, apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
-        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling, rotary_interleaved=args.rotary_interleaved,
-        use_flash_attn=args.use_flash_attn, deterministic=args.deterministic_mode,
-        cp_comm_type=list(args.cp_comm_type) if args.context_parallel_size > 1 else None,
-        reset_attention_mask=args.reset_attention_mask, calculate_per_token_loss=args.calculate_per_token_loss,
-        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_layer_freq=args.moe_layer_freq,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        moe_z_loss_coeff=args.moe_z_loss_coeff, moe_router_score_function=args.moe_router_score_function,
-        moe_router_pre_softmax=args.moe_router_pre_softmax,
-        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor, moe_router_dtype=args.moe_router_dtype,
-        mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
-        moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk,
-        moe_expert_capacity_factor=args.moe_expert_capacity_factor, moe_token_drop_policy=args.moe_token_drop_policy,
-        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_shared_expert_gate=args.moe_shared_expert_gate, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=args.moe_router_bias_update_rate, moe_per_layer_logging=args.moe_per_layer_logging,
-        moe_grouped_gemm=args.moe_grouped_gemm, multi_latent_attention=args.multi_latent_attention,
-        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
-        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, rope_type=args.rope_type,
-        rotary_scaling_factor=args.rotary_scaling_factor, mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
-        use_mup=args.use_mup,
-        **{k: getattr(args, k) for k in vars(args) if k.startswith("dsa_indexer_")},
-        experimental_attention_variant=args.experimental_attention_variant,
-        **{dest: getattr(args, dest) for dest in MUP_FLAGS}, **_bert_fields(args))
-
-
-def _bert_fields(args):
+    """The ModelConfig of parsed arguments (its vocabulary given: the tokenizer's, or the checkpoint's): every field
+    from the flag its declaration names (config.Field), the rest derived here."""
     bert = args.model_type == "bert"
-    return dict(model_type=args.model_type, layernorm_position=args.layernorm_position,
-                gelu="exact" if bert and not args.openai_gelu else "tanh", num_tokentypes=2 if bert else 0,
-                bert_binary_head=bert and args.bert_binary_head)
+    derived = dict(
+        vocab_size=vocab_size, add_bias_linear=not args.disable_bias_linear,
+        params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels,
+        pipeline_layout=getattr(args, "pipeline_layout", None),  # (set by validation: the layers per stage)
+        cp_comm_type=list(args.cp_comm_type) if args.context_parallel_size > 1 else None,
+        gelu="exact" if bert and not args.openai_gelu else "tanh", num_tokentypes=2 if bert else 0,
+        bert_binary_head=bert and args.bert_binary_head)
+    return ModelConfig(**{field: getattr(args, dest) for field, dest in FLAG_FIELDS.items()}, **derived)
 
 
 def training_config(args):
