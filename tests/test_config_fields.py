@@ -1,4 +1,4 @@
-"""ModelConfig's fields declare what they are once (megalite/config.py, Field): the flag they come from, whether they
+"""ModelConfig's fields declare what they are once (megalite/config/model.py, Field): the flag they come from, whether they
 shape the model's tensors (a checkpoint must agree: SHAPE_FIELDS), whether they describe the run's layout (reset for
 a one-process rebuild: LAYOUT_FIELDS), whether --use-checkpoint-args restores them (CHECKPOINT_ARGS). The lists are
 derived; what keeps the declarations honest is measured here: every field whose change changes a parameter's name

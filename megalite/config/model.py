@@ -1,4 +1,5 @@
-"""Configuration dataclasses and their validation.
+"""The model's configuration: ModelConfig (architecture, and for now the runtime fields that DESIGN's execution
+config will take), each field's declared role (Field) and the name lists derived from the roles.
 
 Every check raises ConfigError with one line naming the values and what to change; the
 entry points print that line on every rank and exit non-zero before any heavy work.
@@ -13,15 +14,6 @@ import torch
 
 from megalite.errors import ConfigError
 from megalite.mup import finalize as finalize_mup
-
-
-def fail(msg):
-    """A user error: one line on stderr naming the rank, then a non-zero exit (every rank
-    reaches this on its own, before any collective, so nothing hangs)."""
-    import os
-    import sys
-    print(f"megalite: error (rank {os.environ.get('RANK', '0')}): {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 @dataclass(frozen=True)
@@ -322,81 +314,3 @@ LAYOUT_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if m
 CHECKPOINT_ARGS = {("disable_bias_linear" if n == "add_bias_linear" else f.flag or n): n
                    for n, f in model_fields().items() if f.restored}
 FLAG_FIELDS = {n: f.flag or n for n, f in model_fields().items() if f.flag is not None}  # field -> its dest
-
-
-@dataclass
-class TrainingConfig:
-    micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None
-    train_iters: int = 10
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"  # constant, linear, cosine
-    lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    optimizer: str = "adam"  # adam, sgd, lion, muon (megalite/optimizer_flags.py has the flags' meaning)
-    sgd_momentum: float = 0.9
-    lion_beta1: float = 0.95
-    lion_beta2: float = 0.98
-    muon_momentum: float = 0.9
-    muon_split_qkv: bool = True
-    muon_nesterov: bool = False
-    muon_scale_mode: str = "spectral"
-    muon_fp32_matmul_prec: str = "medium"
-    muon_coefficient_type: str = "quintic"
-    muon_num_ns_steps: int = 5
-    muon_tp_mode: str = "duplicated"
-    muon_extra_scale_factor: float = 1.0
-    muon_scalar_optimizer: str = "adam"
-    qk_clip_threshold: float = 100.0  # --qk-clip (megalite/optimizer/qk_clip.py)
-    qk_clip_alpha: float = 0.5
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: Optional[float] = None  # constant fp16 scale; None = dynamic
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    log_interval: int = 1
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    seed: int = 1234
-    fused_kernels: bool = True  # fused AdamW (Triton) on CUDA
-    check_for_nan_in_grad: bool = True  # stop before an update with a NaN/Inf grad norm
-    # --optimizer-cpu-offload: a fraction (one, or one per DP replica) of the optimizer on the host
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: object = 1.0
-    overlap_cpu_optimizer_d2h_h2d: bool = False
-    # one dynamic loss scale for every replica when any computes in fp16 (--data-parallel-precisions)
-    loss_scaling: Optional[bool] = None
-    train_samples: Optional[int] = None  # sample-based training (train_iters derived from it)
-    lr_warmup_fraction: Optional[float] = None
-    lr_warmup_samples: int = 0
-    lr_decay_samples: Optional[int] = None
-    lr_warmup_init: float = 0.0
-    rampup_batch_size: Optional[list] = None  # [start, increment, ramp-up samples]
-    use_checkpoint_opt_param_scheduler: bool = False
-    override_opt_param_scheduler: bool = False
-    decoupled_lr: Optional[float] = None  # the input embedding's and output layer's own peak LR
-    decoupled_min_lr: Optional[float] = None  # ... and floor (default --min-lr)
-
-    @property
-    def params_dtype(self):
-        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
-
-    @property
-    def scaled(self):
-        """The loss is scaled (and each step checked for overflow): fp16, or a replica of a mixed run."""
-        return self.fp16 if self.loss_scaling is None else self.loss_scaling
-
-    def num_microbatches(self, dp):
-        g, m = self.global_batch_size, self.micro_batch_size
-        if g % (m * dp):
-            raise ConfigError(f"--global-batch-size {g} is not divisible by --micro-batch-size {m} x "
-                              f"data-parallel size {dp} = {m * dp}")
-        return g // (m * dp)
