@@ -36,7 +36,19 @@ def build_parser():
     p = _Parser(description="megalite pretraining (Megatron-LM flags)", allow_abbrev=False)
     a = p.add_argument
     add_model_flags(a)  # the model's own flags (megalite/model_flags.py)
-    # parallelism
+    _parallel_flags(a)
+    add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/semi_sync_flags.py)
+    add_mixed_gpu_flags(a)  # per-replica micro-batches, optimizer offload (megalite/mixed_gpu_flags.py)
+    _training_flags(a)
+    _logging_flags(a)
+    _data_flags(a)
+    _operations_flags(a)
+    _checkpoint_flags(a)
+    return p
+
+
+def _parallel_flags(a):
+    """Parallelism: TP, PP (virtual, uneven, layouts), SP, CP, DP and its reductions, ZeRO / FSDP, shares."""
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--pipeline-model-parallel-size", type=int, default=1)
     a("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
@@ -98,9 +110,10 @@ def build_parser():
            "weighted exactly; auto: measured over the first iterations and balanced")
     a("--data-parallel-shares-profile-iters", type=int, default=3,
       help="with --data-parallel-shares auto: iterations timed (at equal shares) before balancing")
-    add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/semi_sync_flags.py)
-    add_mixed_gpu_flags(a)  # per-replica micro-batches, optimizer offload (megalite/mixed_gpu_flags.py)
-    # training and the LR schedule (Megatron's defaults: no warmup, linear decay to 0)
+
+
+def _training_flags(a):
+    """Training and the LR schedule (Megatron's defaults: no warmup, linear decay to 0)."""
     a("--micro-batch-size", type=int, default=None)
     a("--global-batch-size", type=int, default=None)
     a("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
@@ -144,7 +157,10 @@ def build_parser():
     a("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every N iterations (0: never)")
     a("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
       help="with --manual-gc: no collection around evaluations")
-    # logging / evaluation
+
+
+def _logging_flags(a):
+    """Logging and evaluation."""
     a("--log-interval", type=int, default=100)
     a("--eval-interval", type=int, default=None, help="validate every N iterations (default: only at the end)")
     a("--eval-iters", type=int, default=100)
@@ -164,7 +180,10 @@ def build_parser():
     a("--log-memory-to-tensorboard", action="store_true", help="peak device memory (CUDA) or peak RSS (CPU)")
     a("--log-timers-to-tensorboard", action="store_true", help="forward-backward and optimizer times")
     a("--skip-train", action="store_true", help="no training: evaluate (validation and test) and exit")
-    # data
+
+
+def _data_flags(a):
+    """Data: paths, splits, FIM, masks, tokenizers."""
     a("--data-path", nargs="*", default=None)
     a("--split", default=None, help="train,valid,test weights (commas or slashes; default 969,30,1)")
     a("--data-cache-path", default=None)
@@ -188,7 +207,10 @@ def build_parser():
     a("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json; BertWordPiece*: vocab.txt")
     a("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     a("--vocab-size", type=int, default=None)
-    # operations (megalite/training/)
+
+
+def _operations_flags(a):
+    """Operations: timeouts, NaN checks, Megatron's re-run state machine, exit signals."""
     a("--distributed-timeout-minutes", type=float, default=10,
       help="a collective waiting longer than this on a dead or hung peer fails (every group)")
     a("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true", default=True,
@@ -206,7 +228,10 @@ def build_parser():
     a("--exit-signal-handler", action="store_true",
       help="on SIGTERM: save (with --save) at the next iteration boundary on every rank and exit 0")
     a("--exit-duration-in-mins", type=float, default=None, help="save (with --save) and exit after this long")
-    # checkpoints (megalite/checkpointing.py)
+
+
+def _checkpoint_flags(a):
+    """Checkpoints (megalite/checkpointing.py), exit interval, replica checks."""
     a("--save", default=None, help="directory to save checkpoints in")
     a("--load", default=None, help="directory to resume from (no checkpoint there: train from scratch)")
     a("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
@@ -228,7 +253,7 @@ def build_parser():
     a("--test-mode", action="store_true", help="Megatron's real-time checks: every iteration, the replicas' "
       "weights compared bit for bit over DP, and the weights every TP rank holds whole over TP")
     a("--async-save", action="store_true", help="write checkpoints in the background; the next save waits")
-    return p
+
 
 
 def parse_args(argv=None, world_size=None, defaults=None):

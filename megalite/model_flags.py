@@ -34,7 +34,14 @@ def add_model_flags(a):
       help="fp16: attention scores computed divided by the layer number and multiplied back in the fp32 "
            "softmax (same function, no fp16 overflow of large scores)")
     a("--swiglu", action="store_true")
-    # Mixture of Experts (megalite/moe/)
+    _moe_flags(a)
+    _mup_flags(a)
+    _mla_flags(a)
+    _bert_flags(a)
+
+
+def _moe_flags(a):
+    """Mixture of Experts (megalite/moe/)."""
     a("--num-experts", type=int, default=None, help="experts per MoE layer")
     a("--moe-router-topk", type=int, default=2, help="experts per token")
     a("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
@@ -69,11 +76,18 @@ def add_model_flags(a):
     a("--moe-shared-expert-intermediate-size", type=int, default=None, help="a shared expert of this FFN size")
     a("--moe-shared-expert-gate", action="store_true", help="scale the shared expert by sigmoid(x·g) (Qwen2-MoE)")
     a("--moe-shared-expert-overlap", action="store_true", help="accepted: the shared expert runs in line")
-    # muP (the flags' meanings and defaults: megalite/mup.py)
+
+
+def _mup_flags(a):
+    """muP (the flags' meanings and defaults: megalite/mup.py)."""
     a("--use-mup", action="store_true", help="Maximal Update Parameterization, by hidden / --mup-base-hidden-size")
     for dest, (kind, default, why) in MUP_FLAGS.items():
         a("--" + dest.replace("_", "-"), type=kind, default=default, help=why)
-    # Multi-latent attention (DeepSeek-V2/V3, megalite/transformer/mla.py); Megatron's defaults
+
+
+def _mla_flags(a):
+    """Multi-latent attention (DeepSeek-V2/V3, megalite/transformer/mla.py) and DeepSeek sparse attention on it
+    (megalite/transformer/dsa.py): Megatron's names and defaults."""
     a("--multi-latent-attention", action="store_true", help="low-rank q/kv projections, rope on a shared key part")
     a("--q-lora-rank", type=int, default=None, help="MLA: rank of the query latent (default: no query latent)")
     a("--kv-lora-rank", type=int, default=32)
@@ -115,7 +129,10 @@ def add_model_flags(a):
     a("--use-flash-attn", action="store_true",
       help="megalite's Triton flash attention (the default on CUDA; this also overrides --no-fused-kernels)")
     a("--deterministic-mode", action="store_true", help="deterministic algorithms only (bitwise-repeatable runs)")
-    # BERT (pretrain_bert.py)
+
+
+def _bert_flags(a):
+    """BERT (pretrain_bert.py)."""
     a("--bert-binary-head", dest="bert_binary_head", action="store_true", default=True,
       help="BERT: pooler + sentence-order head (default, as Megatron)")
     a("--bert-no-binary-head", dest="bert_binary_head", action="store_false", help="BERT: MLM only")
@@ -124,6 +141,8 @@ def add_model_flags(a):
     a("--layernorm-position", default=None, choices=["pre", "post"],
       help="post: norm(x + f(x)) (original BERT; pretrain_bert's default); pre: x + f(norm(x)) (GPT's default)")
     a("--openai-gelu", action="store_true", help="BERT: tanh-approximated GeLU (GPT always uses it) instead of erf")
+
+
 
 
 def moe_layer_freq(text):

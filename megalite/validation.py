@@ -11,36 +11,16 @@ from megalite.mup import validate_args as validate_mup
 from megalite.mixed_gpu_flags import check_uneven_composes, is_auto, validate_mixed_gpus, validate_precisions
 from megalite.semi_sync_flags import validate_semi_sync
 from megalite.optimizer_flags import validate_optimizer
-from megalite.validation_features import validate_features
+from megalite.validation_features import validate_data_parallel_reduction, validate_features
 
 # Flags Megatron has no default for: a launch script always passes them.
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
 
 
 def validate_args(args):
-    missing = [f"--{f.replace('_', '-')}" for f in REQUIRED if getattr(args, f) is None]
-    if args.train_iters is None and args.train_samples is None and not args.skip_train:
-        missing.append("--train-iters (or --train-samples)")
-    if missing:
-        raise ConfigError(f"missing required flag{'s' * (len(missing) > 1)} {', '.join(missing)} "
-                          "(Megatron has no defaults for these)")
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    if tp < 1 or pp < 1 or cp < 1:
-        raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp}, CP={cp})")
-    if args.eval_interval == 0:
-        args.eval_interval = None  # megalite's older spelling of "no periodic evaluation"
-    if args.wandb_project and not args.wandb_exp_name:
-        raise ConfigError("--wandb-project needs --wandb-exp-name (the W&B run's name), as in Megatron")
-    for flag, minimum in (("micro_batch_size", 1), ("train_iters", 1), ("train_samples", 1), ("log_interval", 1),
-                          ("num_layers", 1), ("seq_length", 1), ("eval_interval", 1), ("eval_iters", 0),
-                          ("num_workers", 0), ("manual_gc_interval", 0)):
-        if getattr(args, flag) is not None and getattr(args, flag) < minimum:
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= {minimum}")
-    if args.world_size % (tp * cp * pp):
-        raise ConfigError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {tp * cp * pp}; "
-                          "change --nproc-per-node or the sizes")
-    args.data_parallel_size = args.world_size // (tp * cp * pp)
+    """Megatron's checks and derived values, in their order (later checks read what earlier ones derived)."""
+    _validate_required_and_sizes(args)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _validate_shares(args)
     validate_mixed_gpus(args)
     validate_semi_sync(args)
@@ -57,35 +37,10 @@ def validate_args(args):
     validate_precisions(args)
     validate_mup(args)
     validate_optimizer(args)
-    if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
-        raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
-    if args.hierarchical_grad_reduce and args.use_distributed_optimizer:
-        raise ConfigError("--hierarchical-grad-reduce splits the plain data-parallel all-reduce; the distributed "
-                          "optimizer's reduce-scatter is flat: drop one of --hierarchical-grad-reduce and "
-                          "--use-distributed-optimizer")
-    if args.grad_compression != "none":
-        if args.use_distributed_optimizer or args.hierarchical_grad_reduce:
-            raise ConfigError(f"--grad-compression {args.grad_compression} compresses the plain data-parallel "
-                              "all-reduce; it does not compose with --use-distributed-optimizer (reduce-scatter) or "
-                              "--hierarchical-grad-reduce: drop one")
-        if args.fp16:  # an overflow left in a rank's error buffer would outlive the skipped step
-            raise ConfigError(f"--grad-compression {args.grad_compression} does not compose with --fp16's loss scaling "
-                              "(an unsent overflow would stay in the error feedback); use --bf16")
-        if not 0 < args.grad_compression_ratio <= 1 or args.grad_compression_start_iter < 0:
-            raise ConfigError(f"--grad-compression-ratio {args.grad_compression_ratio} must be in (0, 1] and "
-                              f"--grad-compression-start-iter {args.grad_compression_start_iter} >= 0")
-    if args.use_distributed_optimizer and args.zero_stage is None:
-        args.zero_stage = 1
+    validate_data_parallel_reduction(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if (args.recompute_method is not None or args.recompute_num_layers is not None) and \
-            args.recompute_granularity != "full":
-        if args.recompute_granularity is not None:
-            raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
-        # Megatron ignores them without a granularity (its scripts pass --recompute-num-layers 1): so do we, aloud
-        print_notices(["--recompute-method / --recompute-num-layers without --recompute-granularity: "
-                       "no activation recomputation (as Megatron)"])
-        args.recompute_method = args.recompute_num_layers = None
+    _validate_recompute(args)
     if args.skip_train and args.eval_iters <= 0:
         raise ConfigError("--skip-train evaluates only: it needs --eval-iters > 0")
     if args.recompute_activations:
@@ -109,6 +64,56 @@ def validate_args(args):
         args.num_query_groups = None
     if args.mock_data and args.vocab_size is None and args.tokenizer_type is None:
         args.vocab_size = 1024
+    _validate_micro_batches(args, pp)
+    _validate_eval_batch(args)
+    # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
+    # loads) does not enter them.
+    model_config(args, args.vocab_size or 1).check_parallel(tp)
+
+
+def _validate_required_and_sizes(args):
+    """The flags Megatron requires (all missing ones in one line), sizes and counts in range, the data-parallel size
+    derived from the world size."""
+    missing = [f"--{f.replace('_', '-')}" for f in REQUIRED if getattr(args, f) is None]
+    if args.train_iters is None and args.train_samples is None and not args.skip_train:
+        missing.append("--train-iters (or --train-samples)")
+    if missing:
+        raise ConfigError(f"missing required flag{'s' * (len(missing) > 1)} {', '.join(missing)} "
+                          "(Megatron has no defaults for these)")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ConfigError(f"parallel sizes must be >= 1 (TP={tp}, PP={pp}, CP={cp})")
+    if args.eval_interval == 0:
+        args.eval_interval = None  # megalite's older spelling of "no periodic evaluation"
+    if args.wandb_project and not args.wandb_exp_name:
+        raise ConfigError("--wandb-project needs --wandb-exp-name (the W&B run's name), as in Megatron")
+    for flag, minimum in (("micro_batch_size", 1), ("train_iters", 1), ("train_samples", 1), ("log_interval", 1),
+                          ("num_layers", 1), ("seq_length", 1), ("eval_interval", 1), ("eval_iters", 0),
+                          ("num_workers", 0), ("manual_gc_interval", 0)):
+        if getattr(args, flag) is not None and getattr(args, flag) < minimum:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= {minimum}")
+    if args.world_size % (tp * cp * pp):
+        raise ConfigError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                          f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {tp * cp * pp}; "
+                          "change --nproc-per-node or the sizes")
+    args.data_parallel_size = args.world_size // (tp * cp * pp)
+
+
+def _validate_recompute(args):
+    """--recompute-method / --recompute-num-layers: with full recomputation only; without a granularity ignored
+    aloud, as Megatron."""
+    if (args.recompute_method is not None or args.recompute_num_layers is not None) and \
+            args.recompute_granularity != "full":
+        if args.recompute_granularity is not None:
+            raise ConfigError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+        # Megatron ignores them without a granularity (its scripts pass --recompute-num-layers 1): so do we, aloud
+        print_notices(["--recompute-method / --recompute-num-layers without --recompute-granularity: "
+                       "no activation recomputation (as Megatron)"])
+        args.recompute_method = args.recompute_num_layers = None
+
+
+def _validate_micro_batches(args, pp):
+    """Every reachable global batch against uneven shares / sizes, or the micro-batch count against interleaving."""
     from megalite.iteration_plan import batch_schedule, interleaving
     from megalite.microbatches import interleaving_problem
     if args.data_parallel_shares is not None or args.data_parallel_micro_batch_sizes is not None:
@@ -118,10 +123,6 @@ def validate_args(args):
         num_micro = training_config(args).num_microbatches(args.data_parallel_size)  # the full batch's count
         if interleaving(args) and (why := interleaving_problem(num_micro, pp, interleaving(args))):
             raise ConfigError(f"{why}; change --global-batch-size")
-    _validate_eval_batch(args)
-    # Shape checks live in ModelConfig; the vocabulary (maybe unknown until the tokenizer
-    # loads) does not enter them.
-    model_config(args, args.vocab_size or 1).check_parallel(tp)
 
 
 def _validate_shares(args):

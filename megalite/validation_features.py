@@ -164,3 +164,26 @@ def _validate_fsdp(args):
     if not args.torch_fsdp2_reshard_after_forward and args.zero_stage != 3:
         raise ConfigError("--torch-fsdp2-no-reshard-after-forward needs ZeRO-3 (--use-torch-fsdp2, "
                           "--use-megatron-fsdp or --use-distributed-optimizer --zero-stage 3)")
+
+
+def validate_data_parallel_reduction(args):
+    """ZeRO's flags, the hierarchical and compressed DP reductions and what they do not compose with."""
+    if (args.zero_stage is not None or args.overlap_param_gather) and not args.use_distributed_optimizer:
+        raise ConfigError("--zero-stage and --overlap-param-gather need --use-distributed-optimizer")
+    if args.hierarchical_grad_reduce and args.use_distributed_optimizer:
+        raise ConfigError("--hierarchical-grad-reduce splits the plain data-parallel all-reduce; the distributed "
+                          "optimizer's reduce-scatter is flat: drop one of --hierarchical-grad-reduce and "
+                          "--use-distributed-optimizer")
+    if args.grad_compression != "none":
+        if args.use_distributed_optimizer or args.hierarchical_grad_reduce:
+            raise ConfigError(f"--grad-compression {args.grad_compression} compresses the plain data-parallel "
+                              "all-reduce; it does not compose with --use-distributed-optimizer (reduce-scatter) or "
+                              "--hierarchical-grad-reduce: drop one")
+        if args.fp16:  # an overflow left in a rank's error buffer would outlive the skipped step
+            raise ConfigError(f"--grad-compression {args.grad_compression} does not compose with --fp16's loss scaling "
+                              "(an unsent overflow would stay in the error feedback); use --bf16")
+        if not 0 < args.grad_compression_ratio <= 1 or args.grad_compression_start_iter < 0:
+            raise ConfigError(f"--grad-compression-ratio {args.grad_compression_ratio} must be in (0, 1] and "
+                              f"--grad-compression-start-iter {args.grad_compression_start_iter} >= 0")
+    if args.use_distributed_optimizer and args.zero_stage is None:
+        args.zero_stage = 1

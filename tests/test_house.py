@@ -15,10 +15,7 @@ OWN = {"megalite/parallel_state.py", "megalite/grid.py", "megalite/process_group
 GRID_READS = {"distributed": 65, "pipeline": 17, "checkpointing.py": 16, "training": 12, "moe_logging.py": 8,
               "optimizer": 8, "data_iterators.py": 7, "logger.py": 4, "rerun.py": 3, "memory_budget.py": 2,
               "checkpoint": 2}
-LONG_FUNCTIONS = {  # function: its reason to be long (the next step of the redesign splits it)
-    "megalite/arguments.py:build_parser": "the parser's flag groups; they move into cli/features with the command line",
-    "megalite/model_flags.py:add_model_flags": "the model flags; cli/features/model.py splits them by family",
-    "megalite/validation.py:validate_args": "the checks' order; cli/validate.py splits them by feature",
+LONG_FUNCTIONS = {  # function: its reason to be long
     "megalite/pipeline/interleaved.py:forward_backward_pipelining_with_interleaving":
         "Megatron's interleaved schedule as one reading: warm-up, steady state and cool-down share their state",
 }
