@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.distributed.cp_comm import cp_size, slice_for_cp_rank, sum_over_cp
 from megalite.config import ConfigError
 from megalite.models import BertModel

@@ -93,7 +93,7 @@ def forward_step(data_iterator, model):
 
 
 if __name__ == "__main__":
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     args = parse_args()  # a bad command line fails here, before the training stack is imported
     from megalite.training import pretrain
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

@@ -56,7 +56,7 @@ def _rank(rank, world, port, argv, out):
     import torch
     torch.set_num_threads(1)
     import pretrain_gpt
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.optimizer.memory import training_state_bytes
     from megalite.training import pretrain
     args = parse_args(argv, world_size=world)

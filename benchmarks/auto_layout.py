@@ -72,7 +72,7 @@ def _timed(a, modes, log_dir):
     """In each rank: one pretrain per mode, the slow stage emulated; median ms per iteration (last rank)."""
     import pretrain_gpt
     from megalite import parallel_state as ps
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.pipeline import auto_layout
     from megalite.training import pretrain
     out = {}

@@ -31,7 +31,7 @@ def _worker(rank, world, port, flags, out_dir, results):
     import pretrain_gpt
     from megalite import checkpointing as ck
     from megalite import parallel_state as ps
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.tensor_parallel import model_parallel_manual_seed
     from megalite.training.setup import setup
 

@@ -24,7 +24,7 @@ import time
 import torch
 
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.data.mock_dataset import MockGPTDataset
 from megalite.flops import num_floating_point_operations
 from megalite.pipeline.schedules import pipeline_tensor_shape

@@ -42,7 +42,7 @@ def _timed_runs(a, modes, log_dir):
     """In each rank: one pretrain per mode; rank 1 sleeps per micro-batch. Median ms/iteration."""
     import pretrain_gpt
     from megalite import parallel_state as ps
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.training import pretrain
     original = pretrain_gpt.forward_step
 
@@ -67,7 +67,7 @@ def _timed_runs(a, modes, log_dir):
 def _counted_runs(a, modes):
     """In each rank: bytes per iteration of the DP reduction, total and crossing nodes."""
     import pretrain_gpt
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.distributed import comm
     from megalite import parallel_state as ps
     from megalite.training import pretrain

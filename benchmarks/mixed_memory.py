@@ -48,7 +48,7 @@ def _runs(a, modes, log_dir):
     state bytes by place and offload statistics."""
     import pretrain_gpt
     from megalite import parallel_state as ps
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.optimizer.memory import state_bytes_by_place
     from megalite.training import pretrain
     def launch_bound(it, model):
@@ -83,7 +83,7 @@ def _single(a):
     import pretrain_gpt
     import torch
     from megalite import parallel_state as ps
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.memory_budget import GIB, Profile
     from megalite.training import pretrain
     cuda = torch.cuda.is_available()

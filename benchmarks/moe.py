@@ -124,7 +124,7 @@ def _bytes(a):
 # -- 2. step time ---------------------------------------------------------------------------------
 def _time_job(a):
     import pretrain_gpt
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.training import pretrain
     base = (f"--num-layers 2 --hidden-size {a.hidden} --num-attention-heads 4 --seq-length 128 "
             f"--max-position-embeddings 128 --vocab-size 512 --micro-batch-size 2 --global-batch-size 8 --lr 1e-4 "

@@ -117,7 +117,7 @@ def _prepare(a, work):
     hf, init = os.path.join(work, "hf"), os.path.join(work, "megalite_init")
     batches_file = os.path.join(work, "batches.pt")
     import pretrain_gpt
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     model = ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
              "--max-position-embeddings", str(a.seq)]
     args = parse_args(model + _megalite_flags(a, init, a.iters, "fsdp", os.devnull)[4:], world_size=1)  # samples only

@@ -60,7 +60,7 @@ def _run(argv, steps):
     import pretrain_gpt
     from megalite import parallel_state as ps
     from megalite import training
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     times, original = [], training.train_step
 
     def timed(*a, **k):

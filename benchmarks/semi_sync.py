@@ -118,7 +118,7 @@ def _runs(a, cache):
     import pretrain_gpt
     from megalite import parallel_state as ps
     from megalite import training
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.logger import MetricsLogger
     link = SlowLink(a.link_gbit, 2)
     original = pretrain_gpt.forward_step

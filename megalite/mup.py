@@ -32,7 +32,7 @@ So at the base width (m = 1) muP differs from the plain model only in the attent
 import math
 
 from megalite.errors import ConfigError
-from megalite.megatron_compat import print_notices
+from megalite.cli.compat import print_notices
 
 # Megatron's --mup-* flags besides --use-mup: dest -> (type, default, help)
 MUP_FLAGS = {"mup_base_hidden_size": (int, None, "the base model's width (default --hidden-size)"),

@@ -4,7 +4,7 @@ import pytest
 
 import pretrain_gpt
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.training import pretrain
 
 OK = "--mock-data --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1 " \

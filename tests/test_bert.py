@@ -245,7 +245,7 @@ def test_bert_hf_export_import_and_round_trips(bert_runs, tmp_path):
 
 def test_log_line_shows_every_reported_loss(capsys):
     """The loop averages every key the loss function reports; Megatron's line shows them all."""
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.training.step import mean_losses
     from megalite.logger import MetricsLogger
     from pretrain_bert import ARGS_DEFAULTS

@@ -18,7 +18,7 @@ import torch
 import pretrain_gpt
 from dist_util import run_on_ranks, start_on_ranks
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.training import pretrain
 from parity import BASE, MB2, learnable_datasets
 
@@ -295,7 +295,7 @@ def _metadata_only_checkpoint(root, model_config):
     "--v-head-dim 16 --position-embedding-type rope --normalization RMSNorm --qk-layernorm"], ids=["llama", "moe", "mla"])
 def test_use_checkpoint_args_gives_back_every_model_field(tmp_path, flags):
     """A command line with no model flag at all builds the model the checkpoint recorded, field for field."""
-    from megalite.arguments import model_config
+    from megalite.cli.parser import model_config
     from megalite.checkpointing import config_json
     sizes = "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 32".split()
     a = parse_args(sizes + flags.split() + ARGS_ONLY, world_size=1)

@@ -93,7 +93,7 @@ def test_every_field_that_changes_a_shape_is_a_shape_field(grid, family):
 def test_the_derived_lists():
     """The lists the checkpoint code reads come from the declarations: the layout fields reset to their defaults,
     every restored field's flag exists on the command line, and no field is both shape and layout."""
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     args = parse_args("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
                       "--lr 1e-3 --train-iters 1 --mock-data".split(), world_size=1)
     assert "sequence_parallel" in LAYOUT_FIELDS and LAYOUT_FIELDS["sequence_parallel"] is False

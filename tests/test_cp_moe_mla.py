@@ -91,7 +91,7 @@ def test_faults_are_caught(world, lay):
 
 
 def test_dsa_under_context_parallelism_is_one_line():
-    from megalite.arguments import check_args
+    from megalite.cli.parser import check_args
     from megalite.config import ConfigError
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",

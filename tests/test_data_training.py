@@ -9,7 +9,7 @@ import pytest
 
 import pretrain_gpt
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.training import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,7 +27,7 @@ import torch
 
 from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.config import TrainingConfig
 from megalite.distributed import DistributedDataParallel, comm, finalize_model_grads
 from megalite.models import GPTModel

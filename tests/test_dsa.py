@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.config import ModelConfig
 from megalite.moe.router import AuxLossScaler, aux_losses
 from megalite.tensor_parallel import model_parallel_manual_seed

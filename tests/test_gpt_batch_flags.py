@@ -63,7 +63,7 @@ def test_masks_equal_megatron_cores():
 def test_a_document_sees_only_itself():
     """With --reset-attention-mask --reset-position-ids, the logits of the second document do
     not change when the first is rewritten, and equal the second document run alone."""
-    from megalite.arguments import model_config, parse_args
+    from megalite.cli.parser import model_config, parse_args
     from megalite.models import GPTModel
     from parity import BASE
     from megalite.tensor_parallel import model_parallel_manual_seed

@@ -132,7 +132,7 @@ def _syncs_per_iteration(argv):
     """Synchronising calls of each training iteration (train step + the loop's own work)."""
     import pretrain_gpt
     from megalite import training
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
 
     counter = SyncCounter()
     real_step = training.train_step

@@ -12,7 +12,7 @@ import pytest
 
 import pretrain_gpt
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.training import pretrain
 

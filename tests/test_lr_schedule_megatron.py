@@ -14,7 +14,7 @@ import pytest
 
 import pretrain_gpt
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args, training_config
+from megalite.cli.parser import parse_args, training_config
 from megalite.config import ConfigError
 from megalite.iteration_plan import batch_schedule
 from megalite.microbatches import BatchSchedule, parse_step_schedule

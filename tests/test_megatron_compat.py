@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from megalite.arguments import build_parser, parse_args
-from megalite.megatron_compat import megatron_flags
-from megalite.validation import normalize_split
+from megalite.cli.parser import build_parser, parse_args
+from megalite.cli.compat import megatron_flags
+from megalite.cli.validate import normalize_split
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 --lr 1e-3 "
@@ -75,7 +75,7 @@ def test_named_defaults(flag, value):
 
 def test_swiglu_ffn_is_megatrons():
     """int(8h/3 / 64) * 64 (rounded down), so the same flags build Megatron's (and HF Llama's) shape."""
-    from megalite.arguments import model_config
+    from megalite.cli.parser import model_config
     for h, ffn in ((64, 128), (256, 640), (2048, 5440), (4096, 10880), (5120, 13632)):
         args = parse_args(SMALL + ["--swiglu", "--hidden-size", str(h), "--num-attention-heads", "4"], world_size=1)
         assert model_config(args, 128).ffn_hidden_size == int((4 * h * 2 / 3) / 64) * 64 == ffn

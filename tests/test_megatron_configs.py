@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH": "/ckpt",

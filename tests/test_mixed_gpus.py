@@ -301,7 +301,7 @@ def test_plan_weights_and_counts():
     (("--grad-compression", "topk", "--fp16"), "does not compose with --fp16's loss scaling"),
 ])
 def test_bad_shares_and_layouts_fail_in_one_line(argv, message):
-    from megalite.arguments import _parse
+    from megalite.cli.parser import _parse
     base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
             "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data"]
     with pytest.raises(ConfigError) as e:
@@ -312,7 +312,7 @@ def test_bad_shares_and_layouts_fail_in_one_line(argv, message):
 def test_shares_with_a_tunable_interleaving_group_are_checked_per_rank():
     """Shares 3,1 of 20 samples at PP2 interleaved in groups of 5: ranks get 15 and 5 micro-batches,
     both whole groups (the check is per share, not on an equal split)."""
-    from megalite.arguments import _parse
+    from megalite.cli.parser import _parse
     argv = ["--num-layers", "4", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
             "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data", "--global-batch-size", "20",
             "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",

@@ -282,7 +282,7 @@ def test_plan_with_sizes_weighs_each_sample_once():
     (("--optimizer-offload-fraction", "auto", "--device-memory-budget", "1"), "need --optimizer-cpu-offload"),
 ])
 def test_bad_flags_one_line(flags, message):
-    from megalite.arguments import _parse
+    from megalite.cli.parser import _parse
     from parity import BASE
     with pytest.raises(ConfigError, match=message) as e:
         _parse(list(BASE) + list(flags), world_size=2)

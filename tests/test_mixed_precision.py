@@ -168,7 +168,7 @@ def test_a_replica_skipping_alone_is_caught(runs):
     (precisions("bf16", "fp32") + ("--use-distributed-optimizer",), "all-gathers parameters in the model's dtype"),
 ])
 def test_bad_precisions_one_line(flags, message):
-    from megalite.arguments import _parse
+    from megalite.cli.parser import _parse
     from parity import BASE
     with pytest.raises(ConfigError, match=message) as e:
         _parse(list(BASE) + list(flags), world_size=2)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import kernels
 import pretrain_gpt
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.checkpoint.convert import Reader, export_hf, find_checkpoint, reshard
 from megalite.checkpoint.storage import CheckpointError
 from megalite.config import ModelConfig

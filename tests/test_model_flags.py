@@ -10,7 +10,7 @@ import pretrain_gpt
 from cli_batch import convert
 from dist_util import rel_err
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.models import GPTModel
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.training import pretrain
@@ -172,7 +172,7 @@ def test_squared_relu_mlp_against_formula():
 
 def test_qk_layernorm_normalizes_each_head(monkeypatch):
     """q and k reach core attention RMS-normalized per head (times 1 + w with 1p)."""
-    from megalite.arguments import model_config
+    from megalite.cli.parser import model_config
     from megalite.transformer import attention
     ps.initialize_model_parallel(1, 1)
     try:

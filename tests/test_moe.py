@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.config import ModelConfig
 from megalite.moe.layer import MoELayer
 from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, sinkhorn, sinkhorn_routing, topk_routing
@@ -305,7 +305,7 @@ def test_group_limited_routing_is_its_definition(score, bias):
     (["--moe-router-num-groups", "4", "--moe-router-group-topk", "3"], "must be >= --moe-router-group-topk 3"),
 ])
 def test_group_limited_routing_flags_are_checked(extra, message):
-    from megalite.arguments import _parse
+    from megalite.cli.parser import _parse
     from megalite.config import ConfigError
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--vocab-size",

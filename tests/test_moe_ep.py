@@ -16,7 +16,7 @@ import torch
 import pretrain_gpt
 from dist_util import OTHER_CAPABILITY, start_on_ranks
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.distributed import param_facts
 from megalite.moe import experts as experts_module

@@ -132,7 +132,7 @@ def test_a_pp2_zero3_checkpoint_goes_on_in_one_process(world):
 
 # -- the definition, in one process ------------------------------------------------------------------
 def _model(extra=()):
-    from megalite.arguments import check_args, model_config
+    from megalite.cli.parser import check_args, model_config
     from megalite.models.gpt import GPTModel
     argv = ["--num-layers", "2", "--hidden-size", "16", "--ffn-hidden-size", "24", "--seq-length", "8",
             "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2",
@@ -225,7 +225,7 @@ def test_generation_and_evaluation_skip_the_heads(grid):
     (("--mtp-num-layers", "1", "--mtp-detach-heads"), "this multi-token prediction option is not implemented"),
 ])
 def test_misuse_is_one_line(argv, message):
-    from megalite.arguments import _parse
+    from megalite.cli.parser import _parse
     from megalite.config import ConfigError
     base = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "16",
             "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data"]
@@ -238,7 +238,7 @@ def test_misuse_is_one_line(argv, message):
 def test_flops_count_the_mtp_layers_as_megatron():
     """Megatron's num_floating_point_operations with --mtp-num-layers D: D more layers (built as the last), D more
     logits, and each depth's norms and eh_proj, 6 B s D (3h + 2h^2)."""
-    from megalite.arguments import check_args, model_config
+    from megalite.cli.parser import check_args, model_config
     from megalite.flops import num_floating_point_operations as flops
     argv = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "1",

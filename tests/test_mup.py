@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megalite import mup, parallel_state as ps
-from megalite.arguments import model_config, parse_args, training_config
+from megalite.cli.parser import model_config, parse_args, training_config
 from megalite.checkpoint.convert import export_hf
 
 from megalite.checkpointing import META, TRACKER, config_json

@@ -18,7 +18,7 @@ import pytest
 
 import pretrain_gpt
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,7 +24,7 @@ import pytest
 import pretrain_gpt
 from dist_util import start_on_ranks
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.optimizer.newton_schulz import flops
 from megalite.training import pretrain

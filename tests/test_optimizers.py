@@ -216,7 +216,7 @@ def test_muon_takes_hidden_matrices_only(grid):
     (["--qk-clip", "--disable-bias-linear", "--qk-layernorm"], "--qk-clip with --qk-layernorm"),
 ])
 def test_bad_optimizer_flags_fail_in_one_line(argv, message):
-    from megalite.arguments import check_args
+    from megalite.cli.parser import check_args
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
             "--micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-3 --vocab-size 64").split()
     with pytest.raises(ConfigError) as e:

@@ -11,7 +11,7 @@ import sys
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_FILES = ("megalite/megatron_flags.json",)
+DATA_FILES = ("megalite/cli/megatron_flags.json",)
 
 
 def test_every_source_directory_is_a_package():

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from megalite.arguments import _parse, parse_args
+from megalite.cli.parser import _parse, parse_args
 from megalite.config import ConfigError
 from megalite.pipeline.auto_layout import GIB, Stage, balanced_counts, initial_counts, layout_string
 from megalite.transformer.pipeline_layers import parse_pipeline_layout

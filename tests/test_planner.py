@@ -186,7 +186,7 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16"
                          ids=["mha", "gqa_swiglu", "mla"])
 def test_the_time_models_flops_are_megalites(extra):
     """The step-time model's split of a layer's FLOPs (projections, scores, FFN) adds up to megalite/flops.py."""
-    from megalite.arguments import model_config
+    from megalite.cli.parser import model_config
     from megalite.flops import num_floating_point_operations
     args = validated(GPT + extra, Layout(), 1)
     c = model_config(args, args.vocab_size)
@@ -229,7 +229,7 @@ def test_review_findings_stay_fixed():
 
 
 def test_predict_keeps_the_users_layout_or_says_why_not():
-    from megalite.arguments import check_args
+    from megalite.cli.parser import check_args
     args = check_args(GPT + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 8)
     assert layout_from_args(args).vp == 2  # 8 layers, PP2, 2 chunks each: 2 layers per virtual stage
     args = check_args(GPT + ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"], 8)
@@ -251,7 +251,7 @@ def test_what_the_planner_does_not_model_is_one_line():
 def test_layout_flags_parsed_over_the_model_flags_are_the_whole_parse():
     """validated() parses the model's flags once and each layout's over a copy: the same arguments as one parse of
     both, whatever layout came before (validation of one layout leaves nothing in the next one's copy)."""
-    from megalite.arguments import check_args
+    from megalite.cli.parser import check_args
     moe = ["--moe-layer-freq", "[1,0,1,0,1,0,1,0]", "--num-experts", "4", "--disable-bias-linear"]  # a list flag
     model = GPT + moe
     layouts = [["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2"],

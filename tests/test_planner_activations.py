@@ -62,7 +62,7 @@ SP_LAYER_CASES = {
 def _saved_bytes(cases, layer_cases=()):
     import torch
     from megalite import parallel_state as ps
-    from megalite.arguments import model_config, parse_args
+    from megalite.cli.parser import model_config, parse_args
     from megalite.models.gpt import GPTModel
     from megalite.memory_budget import saved_activation_bytes
     from megalite.planner.activations import chunk_bytes, layer_bytes
@@ -128,7 +128,7 @@ LAYER_CASES = {
 def _one_process_saved(flags, layers):
     import torch
     from megalite import parallel_state as ps
-    from megalite.arguments import model_config, parse_args
+    from megalite.cli.parser import model_config, parse_args
     from megalite.memory_budget import saved_activation_bytes
     from megalite.models.gpt import GPTModel
     from megalite.tensor_parallel import model_parallel_manual_seed

@@ -54,7 +54,7 @@ LAYOUTS = {
 def _measure_and_predict(layouts):
     import pretrain_gpt
     from megalite import parallel_state as ps
-    from megalite.arguments import model_config, parse_args
+    from megalite.cli.parser import model_config, parse_args
     from megalite.optimizer.memory import state_bytes_by_place, training_state_bytes
     from megalite.distributed import comm
     from megalite.planner.memory import training_state

@@ -20,7 +20,7 @@ def test_the_overlap_flags_are_priced():
     """--no-overlap-grad-reduce leaves the whole ZeRO-0/1 reduction after the backward (ZeRO-2 reduces each
     micro-batch's either way); --overlap-param-gather hides ZeRO-1/2's gather behind the next forward."""
     from megalite import parallel_state as ps
-    from megalite.arguments import model_config
+    from megalite.cli.parser import model_config
     from megalite.planner import traffic
     cluster = parse_cluster("16xA100-80GB")  # DP across two nodes: the reduction outlasts a backward
     dp = {}
@@ -46,7 +46,7 @@ def test_per_replica_micro_batch_sizes_are_priced():
     micro-batch count from the run's iteration plan; the flags round-trip; auto (measured at start) is one line."""
     import dataclasses
 
-    from megalite.arguments import check_args
+    from megalite.cli.parser import check_args
     cluster = parse_cluster("1xA100-40GB,1xRTX3090-24GB", gpus_per_node=1)
     same = Layout(1, 1, 1, 2, None, None, 1, None, 16, False)
     sized = dataclasses.replace(same, micros=(16, 4))
@@ -84,7 +84,7 @@ def test_gemm_tiles_run_in_waves_over_the_sms():
     assert utilisation(16384, 6912, 108) == 1.0
     assert utilisation(300, 128, 1) == pytest.approx(300 / 512, rel=1e-12)  # 2 tiles of 256 rows, one SM
     assert utilisation(2048, 3840, None) == 1.0 and time_factor([(7, 5, 3)], 2, None) == 4
-    from megalite.arguments import model_config
+    from megalite.cli.parser import model_config
     args = validated(GPT, Layout(8, 1, 1, 1, None, None, 0, None, 1, True), 8)
     narrow = time_factor(layer_gemms(model_config(args, args.vocab_size), 1024, 8), 1, GPUS["A100-80GB"].sms)
     assert narrow > 3.5  # TP 8 of hidden 1024: 48 to 128 columns per rank, few tiles for 108 SMs
@@ -113,7 +113,7 @@ def test_optimizer_offload_is_priced():
     the device's part with --overlap-cpu-optimizer-d2h-h2d); a fraction per replica; auto is one line."""
     import dataclasses
 
-    from megalite.arguments import check_args
+    from megalite.cli.parser import check_args
     from megalite.planner.optimizer_step import HOST_GBPS
     cluster = parse_cluster("2xA100-80GB")
     lay = Layout(1, 1, 1, 2, None, None, 1, None, 1, False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megalite import parallel_state as ps
-from megalite.arguments import model_config, parse_args
+from megalite.cli.parser import model_config, parse_args
 from megalite.models import GPTModel
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.transformer import attention

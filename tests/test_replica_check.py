@@ -12,7 +12,7 @@ import pytest
 import pretrain_gpt
 from dist_util import run_on_ranks
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from parity import BASE, learnable_datasets
 
 FLAGS = ["--tensor-model-parallel-size", "2", "--train-iters", "4", "--check-weight-hash-across-dp-replicas-interval", "2"]

@@ -15,7 +15,7 @@ import torch
 import pretrain_gpt
 from dist_util import run_on_ranks
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.rerun import ErrorInjector
 from megalite.training import pretrain
 from parity import BASE, STEPS, learnable_datasets

@@ -154,7 +154,7 @@ def test_replicas_match_the_serial_reference(world, i):
     (DILOCO + ("--outer-momentum", "1.5"), 2, "--outer-momentum 1.5 in [0, 1)"),
 ])
 def test_bad_combinations_are_one_line(flags, world, message):
-    from megalite.arguments import _parse
+    from megalite.cli.parser import _parse
     with pytest.raises(ConfigError) as e:
         _parse(list(BASE) + list(flags), world_size=world)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -164,7 +164,7 @@ def test_bad_combinations_are_one_line(flags, world, message):
 def _run(flags):
     """pretrain on this rank's grid with BASE + flags: (losses, {name: full parameter})."""
     import pretrain_gpt
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     from megalite.training import pretrain
     from model_util import gather_full
     from parity import _named, learnable_datasets

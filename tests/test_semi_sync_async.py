@@ -190,7 +190,7 @@ def test_an_asynchronous_checkpoint_loads_into_synchronous_training(tmp_path):
     (ASYNC + ("--semi-sync-steps", "2", "--semi-sync-max-staleness", "-1"), "must be >= 0"),
 ])
 def test_bad_combinations_are_one_line(flags, message):
-    from megalite.arguments import _parse
+    from megalite.cli.parser import _parse
     with pytest.raises(ConfigError) as e:
         _parse(list(BASE) + list(DILOCO) + list(flags), world_size=2)
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

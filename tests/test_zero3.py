@@ -16,7 +16,7 @@ import pretrain_gpt
 from cli_batch import convert
 from dist_util import start_on_ranks
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.distributed.param_units import ParamUnits
 from megalite.distributed.sharded_bucket import ShardedBucket
@@ -95,7 +95,7 @@ def _pretrain(argv):
 def _startup():
     """Elements of seeded weights each rank generates while building ZeRO-3 DP4, against its
     shard (plus at most two partial rows per piece) and the model."""
-    from megalite.arguments import model_config
+    from megalite.cli.parser import model_config
     from megalite.tensor_parallel import init as init_module
     from megalite.tensor_parallel import model_parallel_manual_seed
     from megalite.training.setup import build_model

@@ -59,7 +59,7 @@ def main(argv=None):
     try:
         cluster = parse_cluster(ours.cluster, ours.gpus_per_node, ours.intra_node_bandwidth, ours.inter_node_bandwidth)
         if ours.predict:
-            from megalite.arguments import check_args
+            from megalite.cli.parser import check_args
             lay = layout_from_args(check_args(model_argv, cluster.size))
             found = [predict(validated(model_argv, lay, cluster.size), lay, cluster)]
             tried = 1

@@ -23,7 +23,7 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    optimizer: str = "adam"  # adam, sgd, lion, muon (megalite/optimizer_flags.py has the flags' meaning)
+    optimizer: str = "adam"  # adam, sgd, lion, muon (megalite/cli/features/optimizer.py has the flags' meaning)
     sgd_momentum: float = 0.9
     lion_beta1: float = 0.95
     lion_beta2: float = 0.98

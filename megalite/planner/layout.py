@@ -3,7 +3,7 @@ pretrain_gpt.py flags that launch it, and megalite's own validation of it (argum
 
 import dataclasses
 
-from megalite.arguments import check_args
+from megalite.cli.parser import check_args
 from megalite.config import ConfigError
 
 # flags a layout sets: stripped from the user's own before the layout's are added

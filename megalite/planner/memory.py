@@ -22,7 +22,7 @@ from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
 from megalite.iteration_plan import batch_schedule, reduces_once, training_plan
-from megalite.mixed_gpu_flags import with_rank_precision
+from megalite.cli.features.mixed_gpu import with_rank_precision
 from megalite.optimizer.muon import is_muon_matrix
 from megalite.optimizer.offload import host_split
 from megalite.optimizer.optimizer import no_weight_decay

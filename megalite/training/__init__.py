@@ -14,7 +14,7 @@ import gc
 import time
 
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.config import fail
 from megalite.training.trainer import Trainer
 

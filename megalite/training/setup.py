@@ -9,7 +9,7 @@ import types
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import parallel_state as ps
-from megalite.arguments import model_config, training_config
+from megalite.cli.parser import model_config, training_config
 from megalite.checkpointing import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
                                   unwrap_checkpoint_error)
 from megalite.config import ConfigError
@@ -18,7 +18,7 @@ from megalite.distributed.semi_sync_async import semi_sync_for
 from megalite.iteration_plan import batch_schedule, evaluation_plan, reduces_once, training_plan
 from megalite.logger import MetricsLogger, print_rank_last
 from megalite.memory_budget import fit_to_budget, report_fit
-from megalite.mixed_gpu_flags import with_rank_precision
+from megalite.cli.features.mixed_gpu import with_rank_precision
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.lr_scheduler import schedule_steps

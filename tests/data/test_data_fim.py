@@ -115,7 +115,7 @@ def test_split_sample_and_no_prefix(tok):
 def test_missing_tokens_and_bad_flags_are_one_line(tok):
     with pytest.raises(ValueError, match="NullTokenizer has no token '<fim_prefix>' .--fim-prefix-token."):
         fim_token_ids(NullTokenizer(100), TOKENS)
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     req = "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1 --lr 1e-3 " \
           "--train-iters 1".split()
     for bad, msg in ((["--fim-data", "--mock-data"], "does not compose with --mock-data"),
@@ -135,7 +135,7 @@ def test_pretrain_gpt_trains_on_fim_samples(tok, corpus_jsonl, tmp_path, capsys)
     tool("preprocess_data").main(["--input", corpus_jsonl, "--output-prefix", prefix, "--tokenizer-type",
                                   "SentencePieceTokenizer", "--tokenizer-model", tok.model_file, "--append-eod",
                                   "--workers", "1"])
-    from megalite.arguments import parse_args
+    from megalite.cli.parser import parse_args
     args = parse_args(("--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 64 "
                        "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 2 --lr 1e-3 "
                        "--train-iters 2 --eval-iters 0 --log-interval 1 --fim-data --fim-rate 1 --fim-eod-token <EOD> "

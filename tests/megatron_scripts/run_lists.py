@@ -16,7 +16,7 @@ sys.path.insert(0, ROOT)
 
 import pretrain_gpt  # noqa: E402
 from megalite import parallel_state as ps  # noqa: E402
-from megalite.arguments import parse_args  # noqa: E402
+from megalite.cli.parser import parse_args  # noqa: E402
 from megalite.training import pretrain  # noqa: E402
 
 

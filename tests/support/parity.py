@@ -55,7 +55,7 @@ import torch.distributed as dist
 from decision_replay import HALF_PRECISION_STEPS, KEY_MATCH, MATCH, Recorder, Replayer
 from dist_util import OTHER_CAPABILITY, run_on_ranks, start_on_ranks
 from megalite import decisions, parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from megalite.distributed.param_facts import data_parallel
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 from megalite.training import pretrain

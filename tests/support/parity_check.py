@@ -17,7 +17,7 @@ import torch
 
 from decision_replay import HALF_PRECISION_STEPS
 from dist_util import rel_err, run_on_ranks
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from parity import TIED, check_reference, reference, references
 
 # fp32 on CPU: DESIGN's bound, for every kind. bf16 and fp16 against the single process in the

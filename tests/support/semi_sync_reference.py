@@ -11,7 +11,7 @@ import torch
 import parity
 from dist_util import rel_err
 from megalite import parallel_state as ps
-from megalite.arguments import parse_args
+from megalite.cli.parser import parse_args
 from model_util import gather_full
 from parity import STEPS, learnable_datasets
 

@@ -3,7 +3,7 @@ flags their declarations name (config.Field), the derived ones are here; importe
 and the checks (validation.py) alike."""
 
 from megalite.config import FLAG_FIELDS, ModelConfig, TrainingConfig
-from megalite.optimizer_flags import OPTIMIZER_FIELDS
+from megalite.cli.features.optimizer import OPTIMIZER_FIELDS
 
 
 def model_config(args, vocab_size):

@@ -1,5 +1,5 @@
 """The model's Megatron flags: sizes and architecture (norms, positions, attention variants: MLA and
-DSA), Mixture of Experts, muP and BERT, with Megatron's names and defaults. megalite/arguments.py
+DSA), Mixture of Experts, muP and BERT, with Megatron's names and defaults. megalite/cli/parser.py
 adds them to its parser and maps them to ModelConfig (model_config)."""
 
 import argparse

@@ -1,10 +1,10 @@
 """Megatron-LM-compatible command line -> args namespace -> config dataclasses.
 
-The model's flags are registered by megalite/model_flags.py, the rest here. Flags megalite
+The model's flags are registered by megalite/cli/features/model.py, the rest here. Flags megalite
 implements keep Megatron's names, defaults and meanings (flags Megatron requires, megalite
 requires too). Everything else a command passes is sorted by
 megatron_compat: accepted with a notice (implementation choices), or reported, all in one
-message (renamed, not implemented, unrecognized). Validation (megalite/validation.py) runs
+message (renamed, not implemented, unrecognized). Validation (megalite/cli/validate.py) runs
 on every rank from the environment alone (WORLD_SIZE), before any process group exists, so
 a bad command fails fast everywhere instead of hanging.
 """
@@ -14,12 +14,12 @@ import copy
 import os
 
 from megalite.config import ConfigError, fail
-from megalite.config_from_args import model_config, training_config  # noqa: F401 (imported from here too)
-from megalite.megatron_compat import print_notices, sort_unknown
-from megalite.model_flags import add_model_flags
-from megalite.mixed_gpu_flags import add_mixed_gpu_flags
-from megalite.semi_sync_flags import add_semi_sync_flags
-from megalite.optimizer_flags import add_optimizer_flags
+from megalite.cli.to_config import model_config, training_config  # noqa: F401 (imported from here too)
+from megalite.cli.compat import print_notices, sort_unknown
+from megalite.cli.features.model import add_model_flags
+from megalite.cli.features.mixed_gpu import add_mixed_gpu_flags
+from megalite.cli.features.semi_sync import add_semi_sync_flags
+from megalite.cli.features.optimizer import add_optimizer_flags
 
 TOKENIZER_CHOICES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                      "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
@@ -35,10 +35,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     p = _Parser(description="megalite pretraining (Megatron-LM flags)", allow_abbrev=False)
     a = p.add_argument
-    add_model_flags(a)  # the model's own flags (megalite/model_flags.py)
+    add_model_flags(a)  # the model's own flags (megalite/cli/features/model.py)
     _parallel_flags(a)
-    add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/semi_sync_flags.py)
-    add_mixed_gpu_flags(a)  # per-replica micro-batches, optimizer offload (megalite/mixed_gpu_flags.py)
+    add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/cli/features/semi_sync.py)
+    add_mixed_gpu_flags(a)  # per-replica micro-batches, optimizer offload (megalite/cli/features/mixed_gpu.py)
     _training_flags(a)
     _logging_flags(a)
     _data_flags(a)
@@ -142,7 +142,7 @@ def _training_flags(a):
     a("--adam-beta1", type=float, default=0.9)
     a("--adam-beta2", type=float, default=0.999)
     a("--adam-eps", type=float, default=1e-8)
-    add_optimizer_flags(a)  # --optimizer sgd|muon|lion and their flags (megalite/optimizer_flags.py)
+    add_optimizer_flags(a)  # --optimizer sgd|muon|lion and their flags (megalite/cli/features/optimizer.py)
     a("--bf16", action="store_true")
     a("--fp16", action="store_true")
     a("--loss-scale", type=float, default=None, help="constant fp16 loss scale (default: dynamic)")
@@ -308,7 +308,7 @@ def _finish(args, unknown, parser, world_size):
     args.world_size = world_size
     if args.use_checkpoint_args:  # as Megatron: the checkpoint's model flags first, then validation
         _take_checkpoint_args(args, parser)
-    from megalite.validation import validate_args  # it maps args through this module's configs
+    from megalite.cli.validate import validate_args  # it maps args through this module's configs
     validate_args(args)
     print_notices(notices)
     return args
@@ -316,7 +316,7 @@ def _finish(args, unknown, parser, world_size):
 
 def _take_checkpoint_args(args, parser):
     from megalite.checkpoint.storage import CheckpointError
-    from megalite.checkpoint_args import use_checkpoint_args  # imported only with the flag (torch's DCP)
+    from megalite.cli.checkpoint_args import use_checkpoint_args  # imported only with the flag (torch's DCP)
     try:
         path, replaced = use_checkpoint_args(args, {a.dest: a.default for a in parser._actions})
     except CheckpointError as e:

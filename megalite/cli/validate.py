@@ -4,14 +4,14 @@ one line naming the values and what to change (all missing required flags in one
 import os
 import re
 
-from megalite.config_from_args import model_config, training_config
+from megalite.cli.to_config import model_config, training_config
 from megalite.config import ConfigError
-from megalite.megatron_compat import print_notices
+from megalite.cli.compat import print_notices
 from megalite.mup import validate_args as validate_mup
-from megalite.mixed_gpu_flags import check_uneven_composes, is_auto, validate_mixed_gpus, validate_precisions
-from megalite.semi_sync_flags import validate_semi_sync
-from megalite.optimizer_flags import validate_optimizer
-from megalite.validation_features import validate_data_parallel_reduction, validate_features
+from megalite.cli.features.mixed_gpu import check_uneven_composes, is_auto, validate_mixed_gpus, validate_precisions
+from megalite.cli.features.semi_sync import validate_semi_sync
+from megalite.cli.features.optimizer import validate_optimizer
+from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features
 
 # Flags Megatron has no default for: a launch script always passes them.
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")

@@ -4,7 +4,7 @@ fill-in-the-middle data, Mixture of Experts (validation.py calls them in this or
 import torch
 
 from megalite.config import ConfigError
-from megalite.megatron_compat import print_notices
+from megalite.cli.compat import print_notices
 
 
 def validate_features(args):
