@@ -61,19 +61,20 @@ def _run(argv, steps):
     from megalite import parallel_state as ps
     from megalite import training
     from megalite.cli.parser import parse_args
-    times, original = [], training.train_step
+    from megalite.training import step
+    times, original = [], step.train_step
 
     def timed(*a, **k):
         t = time.perf_counter()
         out = original(*a, **k)
         times.append(time.perf_counter() - t)
         return out
-    training.train_step = timed
+    step.train_step = timed
     try:
         args = parse_args(argv + ["--train-iters", str(steps)], world_size=WORLD)
         training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
     finally:
-        training.train_step = original
+        step.train_step = original
         ps.destroy_model_parallel()
     return statistics.median(times[1:])
 

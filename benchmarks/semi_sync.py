@@ -118,6 +118,7 @@ def _runs(a, cache):
     import pretrain_gpt
     from megalite import parallel_state as ps
     from megalite import training
+    from megalite.training import parts
     from megalite.cli.parser import parse_args
     from megalite.logger import MetricsLogger
     link = SlowLink(a.link_gbit, 2)
@@ -128,7 +129,7 @@ def _runs(a, cache):
         time.sleep(device_ms / 1e3)
         return original(it, model)
     evals, clock = [], {}
-    evaluate = training.evaluate
+    evaluate = parts.evaluate
 
     def timed_evaluate(*args, **kw):
         t = time.perf_counter()
@@ -140,7 +141,7 @@ def _runs(a, cache):
     def evaluation(self, it, split, losses, final=False):
         if split == "validation" and (not final or not evals or evals[-1][0] != it):  # (streaming: the end only)
             evals.append((it, time.perf_counter() - clock["t0"] - clock["eval"], losses["lm loss"]))
-    training.evaluate, MetricsLogger.evaluation = timed_evaluate, evaluation
+    parts.evaluate, MetricsLogger.evaluation = timed_evaluate, evaluation
     clock.update(t0=time.perf_counter(), eval=0.0)  # untimed warm-up: builds the default corpus, fills caches
     warm = _flags(a, cache)
     warm[warm.index("--train-iters") + 1] = "2"

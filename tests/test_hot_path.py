@@ -133,20 +133,21 @@ def _syncs_per_iteration(argv):
     import pretrain_gpt
     from megalite import training
     from megalite.cli.parser import parse_args
+    from megalite.training import step
 
     counter = SyncCounter()
-    real_step = training.train_step
+    real_step = step.train_step
 
     def marked_step(*a, **k):
         counter.calls.append(("<iteration>", ""))
         return real_step(*a, **k)
-    training.train_step = marked_step
+    step.train_step = marked_step
     try:
         with counter:
             training.pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
                               pretrain_gpt.forward_step, parse_args(argv, world_size=1))
     finally:
-        training.train_step = real_step
+        step.train_step = real_step
         ps.destroy_model_parallel()
     per_iter, cur = [], None
     for name, where in counter.calls:
