@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -126,6 +127,7 @@ def runs(tmp_path_factory):
     json.dump(jobs, open(spec, "w"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
            os.path.join(SCRIPTS, "run_lists.py"), spec, str(STACKS_AFTER_S)]
+    started = time.monotonic()
     try:  # (TMPDIR: torchrun's torchelastic_* logs)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=STACKS_AFTER_S + 180,
                            env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(root)))
@@ -138,12 +140,12 @@ def runs(tmp_path_factory):
                      if os.path.exists(f"{spec}.stacks.{r}") and os.path.getsize(f"{spec}.stacks.{r}"))
     report = (f"exit {rc}; scripts finished: {list(losses)}\n" + (f"the ranks hung; where:\n{stacks}" if stacks
               else "") + f"stdout:\n{out[-2000:]}\nstderr:\n{err[-2000:]}")
-    return report, out, losses, dirs, jobs
+    return report, out, losses, dirs, jobs, rc, stacks, time.monotonic() - started
 
 
 @pytest.mark.parametrize("name", list(LISTS))
 def test_megatron_script_trains_three_iterations(runs, name):
-    report, _, losses, dirs, jobs = runs
+    report, _, losses, dirs, jobs = runs[:5]
     assert name in losses, f"{name} did not finish: {report}"
     assert len(losses[name]) == 3 and all(0 < v < 20 for v in losses[name]), losses[name]
     argv = dict(jobs)[name]
@@ -155,6 +157,16 @@ def test_megatron_script_trains_three_iterations(runs, name):
     if "--tensorboard-dir" in argv:  # where the script says (its last --tensorboard-dir)
         tb = argv[len(argv) - argv[::-1].index("--tensorboard-dir")]
         assert any(f.startswith("events.out.tfevents") for f in os.listdir(tb))
+
+
+def test_the_job_ends_by_itself(runs):
+    """Every rank returns from its last script and exits by itself: none is ended by the stack dump, and none waits
+    at its end. (A run's data loaders left to the garbage collector once kept every rank's exit waiting about
+    300 s, after its scripts had finished and with nothing dumped: the job takes about 25 s here, 45 s on the
+    slowest machine of the kind, so half of STACKS_AFTER_S is a hang, not a slow machine.)"""
+    report, rc, stacks, seconds = runs[0], runs[5], runs[6], runs[7]
+    assert rc == 0 and not stacks, f"the job did not end by itself: {report}"
+    assert seconds < STACKS_AFTER_S / 2, f"the job took {seconds:.0f} s: a rank waited at its end. {report}"
 
 
 def test_implementation_flags_got_notices(runs):

@@ -135,5 +135,7 @@ class Trainer:
                             f"last lm loss {losses[-1]:.4f}")
         if self.evaluation is not None:  # as Megatron, after training: the validation and test sets
             self.evaluation.final(last)
+            self.evaluation.valid_iters = None
+        self.cursor.iters = None  # the data loaders' worker processes end now, not when a collection finds them
         self.log.close()
         return losses, self.chunks, self.optimizer
