@@ -15,26 +15,27 @@ def _collate(samples):
 
 
 def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micro_batch_size=None, plan=None,
-                        rank=None):
+                        rank=None, grid=None):
     """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
     for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
     labels (first and last) read data, unless every_stage. micro_batch_size: default
     --micro-batch-size (evaluation passes its own). plan: the IterationPlan; with uneven shares
     each rank reads its contiguous slice of every global batch. rank: the DP rank (across replicas) whose
-    part is read (default this rank's; asynchronous replicas read the part of the slot they train)."""
-    if dataset is None or not (every_stage or ps.is_pipeline_first_stage(ignore_virtual=True)
-                               or ps.is_pipeline_last_stage(ignore_virtual=True)):
+    part is read (default this rank's; asynchronous replicas read the part of the slot they train). grid: the
+    layout whose ranks read (default the global one)."""
+    g = ps.current_grid(grid)
+    if dataset is None or not (every_stage or g.first_stage() or g.last_stage()):
         return None
     from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
     if rank is None:  # semi-synchronous replicas read their own parts
-        rank = ps.get_data_parallel_rank_across_replicas()
+        rank = g.data_rank()
     if plan is not None and plan.uneven:
         sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro_of(rank), rank, plan)
     else:
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
-                                             rank, ps.get_data_parallel_world_size() * ps.get_replica_world_size())
+                                             rank, g.data_ranks())
     device = ps.get_device()
-    reader = ps.get_tensor_and_context_parallel_rank() == 0  # one reader per TP x CP group
+    reader = g.tp_cp_rank() == 0  # one reader per TP x CP group
     workers = getattr(args, "num_workers", 0)
 
     # Started here, not at the first batch: the workers prefetch while the model is built.
@@ -56,22 +57,24 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
     return gen()
 
 
-def chunk_iterators(it, num_chunks):
+def chunk_iterators(it, num_chunks, grid=None):
     """Per model chunk: the first chunk of the first stage and the last chunk of the last
     stage read the data; other chunks get None."""
-    its = [None] * num_chunks
-    if ps.is_pipeline_first_stage(ignore_virtual=True):
+    g, its = ps.current_grid(grid), [None] * num_chunks
+    if g.first_stage():
         its[0] = it
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
+    if g.last_stage():
         its[-1] = it
     return its
 
 
 def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None, plan=None, rank=None):
     """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask,
-    GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage."""
+    GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage. The grid: the chunks'
+    own (their modules'), else the global one."""
+    grid = getattr(chunks[0].module, "grid", None)
     if getattr(chunks[0].module, "input_on_every_stage", False):
-        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan, rank)
+        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan, rank, grid)
                 for _ in chunks]
-    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size, plan, rank),
-                           len(chunks))
+    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size, plan, rank,
+                                               grid), len(chunks), grid)

@@ -48,6 +48,26 @@ class Grid:
             g.etp_rank, g.ep_rank, g.edp_rank = j % etp, (j // etp) % ep, j // (etp * ep)
         return g
 
+    def first_stage(self):
+        """This rank holds the pipeline's first stage (whatever its virtual chunk)."""
+        return self.pp_rank == 0
+
+    def last_stage(self):
+        """This rank holds the pipeline's last stage (whatever its virtual chunk)."""
+        return self.pp_rank == self.pp - 1
+
+    def data_rank(self):
+        """This rank's DP index over every replica (replica x inner DP): what it reads of each global batch."""
+        return self.dp_rank + self.dp * self.replica_rank
+
+    def data_ranks(self):
+        """How many parts each global batch is read in: inner DP x replicas."""
+        return self.dp * self.replicas
+
+    def tp_cp_rank(self):
+        """This rank's index in its TP x CP group (TP fastest)."""
+        return self.cp_rank * self.tp + self.tp_rank
+
     def expert_tp(self):
         """(size, rank) an MoE expert's weights are sharded over: expert-TP, or TP without an expert grid."""
         return (self.etp, self.etp_rank) if self.experts else (self.tp, self.tp_rank)

@@ -179,8 +179,7 @@ def get_data_parallel_world_size(with_context_parallel=False):
 
 def get_data_parallel_rank_across_replicas():
     """This rank's DP index over every replica (replica x inner DP): what it reads of each global batch."""
-    g = _grid()
-    return g.dp_rank + g.dp * g.replica_rank
+    return _grid().data_rank()
 
 
 def get_replica_rank():
@@ -324,8 +323,7 @@ def get_tensor_and_context_parallel_group():
 
 
 def get_tensor_and_context_parallel_rank():
-    g = _grid()
-    return g.cp_rank * g.tp + g.tp_rank
+    return _grid().tp_cp_rank()
 
 
 def get_model_parallel_group():
@@ -356,14 +354,14 @@ def is_pipeline_first_stage(ignore_virtual=False):
     g = _grid()
     if not ignore_virtual and g.vpp is not None and g.virtual_rank != 0:
         return False
-    return g.pp_rank == 0
+    return g.first_stage()
 
 
 def is_pipeline_last_stage(ignore_virtual=False):
     g = _grid()
     if not ignore_virtual and g.vpp is not None and g.virtual_rank != g.vpp - 1:
         return False
-    return g.pp_rank == g.pp - 1
+    return g.last_stage()
 
 
 _BUILD_ON_META = []
