@@ -17,6 +17,7 @@ import time
 
 from megalite import parallel_state as ps
 from megalite.checkpointing import save_checkpoint
+from megalite.data_iterators import data_iterators
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.flops import num_floating_point_operations
@@ -104,9 +105,9 @@ class SemiSync(Part):
     """Semi-synchronous (and asynchronous) replicas: their iterations, idle ticks, outer steps and slots
     (megalite/distributed/semi_sync*.py)."""
 
-    def __init__(self, semi, args, cursor, scheduler, start_iter, abort):
-        self.semi, self.args, self.cursor, self.scheduler, self.start, self.abort = \
-            semi, args, cursor, scheduler, start_iter, abort
+    def __init__(self, semi, args, chunks, cursor, scheduler, start_iter, abort):
+        self.semi, self.args, self.chunks, self.cursor, self.scheduler, self.start, self.abort = \
+            semi, args, chunks, cursor, scheduler, start_iter, abort
 
     def iterations(self, its):
         return self.semi.iterations(its)
@@ -125,7 +126,7 @@ class SemiSync(Part):
         if not semi.after_iteration(it, step.trained):
             return
         # an outer step: the replicas hold the same weights
-        if semi.check_due(it, hash_interval(self.args)) and (drifted := replicas_differ(step.chunks,
+        if semi.check_due(it, hash_interval(self.args)) and (drifted := replicas_differ(self.chunks,
                                                                                         across_replicas=True)):
             self.abort(f"iteration {it}: semi-synchronous replicas differ after the outer step ({drifted[0]})")
         if (line := semi.announcement(it)) is not None:  # --semi-sync-steps auto's choice
@@ -178,8 +179,8 @@ class Evaluation(Part):
     """Validation every --eval-interval iterations (not counted as iteration time), and the validation and test
     sets after training (as Megatron)."""
 
-    def __init__(self, args, run, data_iterators):
-        self.args, self.run, self.data_iterators = args, run, data_iterators
+    def __init__(self, args, run):
+        self.args, self.run = args, run
         r = run.prepared
         self.valid_ds, self.test_ds, self.consumed, self.g = r.valid_ds, r.test_ds, r.consumed_valid, r.eval_g
         self.mbs, self.plan, self.shape = r.eval_mbs, r.eval_plan, r.eval_shape
@@ -214,7 +215,7 @@ class Evaluation(Part):
         for split, ds in (("validation", self.valid_ds), ("test", self.test_ds)):
             if ds is not None:
                 its = self.valid_iters if split == "validation" else \
-                    self.data_iterators(ds, 0, self.args, self.run.chunks, self.mbs, self.plan)
+                    data_iterators(ds, 0, self.args, self.run.chunks, self.mbs, self.plan)
                 self.run.log.evaluation(last, split, self.evaluate(its), final=True)
 
 

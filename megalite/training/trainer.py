@@ -6,7 +6,6 @@ import dataclasses
 from megalite import parallel_state as ps
 from megalite.checkpointing import finish_checkpointing
 from megalite.config import fail
-from megalite.data_iterators import data_iterators
 from megalite.iteration_plan import auto_shares
 from megalite.logger import TrainingWindow, print_rank_last
 from megalite.optimizer.optimizer import NonFiniteGradError
@@ -26,7 +25,6 @@ class Step:
     idle: bool
     timed: bool
     times: dict
-    chunks: list
     reported: list = None
     stepped: bool = True
     grad_norm: object = None
@@ -46,7 +44,7 @@ class Trainer:
         self.plan, self.dp_rank, self.semi, self.log, self.dtype = r.plan, r.dp_rank, r.semi, r.log, r.dtype
         self.start_iter = r.start_iter
         self.cursor = DataCursor(r.train_ds, r.consumed_train, args, r.chunks, r.plan)
-        self.evaluation = parts.Evaluation(args, self, data_iterators) if r.valid_ds or r.test_ds else None
+        self.evaluation = parts.Evaluation(args, self) if r.valid_ds is not None or r.test_ds is not None else None
         self.window = TrainingWindow(r.start_iter)
         self.timers = {} if args.log_timers_to_tensorboard else None
         auto = auto_shares(args, r.plan)
@@ -55,7 +53,8 @@ class Trainer:
             auto is not None and parts.AutoShares(auto, self.cursor),
             parts.hash_interval(args) and parts.ReplicaCheck(args, r.chunks, r.optimizer, self.abort),
             parts.Losses(r.mcfg, self.window),
-            r.semi is not None and parts.SemiSync(r.semi, args, self.cursor, r.scheduler, r.start_iter, self.abort),
+            r.semi is not None and parts.SemiSync(r.semi, args, r.chunks, self.cursor, r.scheduler, r.start_iter,
+                                                  self.abort),
             args.manual_gc and args.manual_gc_interval and parts.ManualGC(args.manual_gc_interval),
             parts.Logging(args, self),
             self.evaluation is not None and self.evaluation.valid_ds is not None and self.evaluation,
@@ -96,7 +95,7 @@ class Trainer:
         timed = any(p.timed() for p in self.parts)
         s = Step(c.consumed, plan.global_batch_size(c.consumed), plan.num_microbatches(c.consumed, rank),
                  plan.total(c.consumed, rank), any(p.idle(it) for p in self.parts), timed,
-                 self.timers if self.timers is not None or not timed else {}, self.chunks)
+                 self.timers if self.timers is not None or not timed else {})
         if not s.idle:
             try:
                 s.reported, s.stepped, s.grad_norm = steps.train_step(
