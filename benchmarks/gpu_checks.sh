@@ -11,10 +11,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-PARTS=(env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu bench-ring bench-moe bench-mixed-memory bench-muon bench-peers)
+PARTS=(first-light env cuda-kernels cuda-model compile bench-kernels-rowwise bench-kernels-attention bench-adamw bench-mfu bench-ring bench-moe bench-mixed-memory bench-muon bench-peers)
 
 describe() {
     case "$1" in
+        first-light) echo "python benchmarks/first_light.py (env, CUDA tests, MFU vs plain PyTorch, flash vs SDPA, FP8 GEMM, bandwidth; 8 min)" ;;
         env) echo "pip install --no-deps -e . ; versions, GPU name, nvidia-smi" ;;
         cuda-kernels) echo "pytest -m cuda tests/kernels (every kernel vs a float reference on the GPU)" ;;
         cuda-model) echo "pytest -m cuda tests --ignore=tests/kernels (GPT on the GPU: fused vs unfused, ...)" ;;
@@ -35,6 +36,7 @@ describe() {
 run_part() {
     local part=$1 out=$2
     case "$part" in
+        first-light) python benchmarks/first_light.py --out "$out/first-light" --budget 450 ;;
         env) pip install --no-deps -e . -q && python -c "import torch, triton; print('torch', torch.__version__, \
 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() \
 else 'NO GPU')" && (nvidia-smi || true) && python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ;;

@@ -63,7 +63,9 @@ def matmul_ceiling(n=8192, reps=20):
     return 2 * n ** 3 * reps / (time.perf_counter() - t)
 
 
-def run(config_flags, micro, steps, extra):
+def run(config_flags, micro, steps, extra, profile=False, model_out=None):
+    """(FLOP/s, median step seconds) of `steps` training steps; with profile=True, also the torch
+    profiler's top kernels of one more step (a list of (name, self device ms) lines)."""
     argv = (config_flags + f" --mock-data --micro-batch-size {micro} --global-batch-size {micro} "
             f"--hidden-dropout 0 --attention-dropout 0 --train-iters {steps} --lr 1e-4 --eval-iters 0 --num-workers 0 "
             + extra).split()
@@ -83,13 +85,37 @@ def run(config_flags, micro, steps, extra):
             sched.step()
             sync()
             times.append(time.perf_counter() - t)
+        if model_out is not None:
+            model_out.update(mcfg=mcfg, vocab=chunks[0].module.padded_vocab_size)
         step = sorted(times[2:])[len(times[2:]) // 2] if len(times) > 3 else min(times)
         flops = num_floating_point_operations(mcfg, micro, chunks[0].module.padded_vocab_size)
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with torch_profile(activities=acts) as prof:
+                train_step(pretrain_gpt.forward_step, its, chunks, opt, 1, shape, mcfg.params_dtype)
+                sync()
+            return flops / step, step, top_kernels(prof)
         return flops / step, step
     finally:
         ps.destroy_model_parallel()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def top_kernels(prof, n=5):
+    """The n kernels with the most self device time (CPU time where no device ran), as text lines."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if not torch.cuda.is_available():
+            t = e.self_cpu_time_total
+        rows.append((t, e.key))
+    total = sum(t for t, _ in rows) or 1
+    rows.sort(reverse=True)
+    return [f"{t / 1e3:9.2f} ms {100 * t / total:5.1f}%  {k[:90]}" for t, k in rows[:n]]
 
 
 def fit_micro(flags, start, extra):
