@@ -5,6 +5,7 @@
 Steps, in order, each in its own process with its own time limit (a step that fails or hangs does
 not stop the next), each writing DIR/STEP.txt as it goes and one line to DIR/summary.txt:
   env        install megalite over the machine's torch/triton (no dependencies); versions, GPU name
+  selfcheck  every kernel's self-check (kernels/self_check.py) on this GPU, bf16 and fp32: verdicts, seconds
   tests      every CUDA-marked test (pytest -m cuda), failures listed, not stopping at the first
   mfu        whole training steps of the 1.7B GPT of Megatron's H100 table, bf16: megalite (fused),
              megalite --no-fused-kernels, a plain PyTorch GPT (SDPA, autocast, fused AdamW); MFU
@@ -23,7 +24,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = {  # name: the seconds it may take at most
-    "env": 60, "tests": 170, "mfu": 150, "attention": 45, "fp8": 25, "bandwidth": 70,
+    "env": 60, "selfcheck": 60, "tests": 170, "mfu": 150, "attention": 45, "fp8": 25, "bandwidth": 70,
 }
 
 
@@ -77,7 +78,10 @@ def _summary(out, name):
 
 
 def step_env():
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", ROOT],
+    # no registry there: build with the machine's own setuptools (--use-pep517: setup.py develop re-runs pip
+    # with build isolation, which fetches setuptools)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--use-pep517", "--no-build-isolation",
+                          "-e", ROOT],
                          capture_output=True, text=True)
     print(pip.stdout + pip.stderr)
     import torch
@@ -90,6 +94,25 @@ def step_env():
           f"python {sys.version.split()[0]} torch {torch.__version__} cuda {torch.version.cuda} triton "
           f"{triton.__version__} | pip install -e: {'ok' if pip.returncode == 0 else 'FAILED (PYTHONPATH used)'}")
     return 0
+
+
+def step_selfcheck():
+    import torch
+    from kernels import self_check
+    from kernels.self_check import KERNELS
+    bad, times = [], {}
+    for dtype in (torch.bfloat16, torch.float32):
+        start = time.perf_counter()
+        for name in KERNELS:
+            t = time.perf_counter()
+            why = self_check._check(name, torch.device("cuda"), dtype)
+            print(f"{name:<16}{str(dtype)[6:]:<10}{time.perf_counter() - t:7.2f}s  {why or 'trusted'}", flush=True)
+            if why:
+                bad.append(f"{name} {str(dtype)[6:]}: {why}")
+        times[str(dtype)[6:]] = time.perf_counter() - start
+    print(f"SUMMARY {len(KERNELS)} kernels x 2 dtypes in " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
+          + (" | NOT TRUSTED: " + "; ".join(bad) if bad else " | all trusted"))
+    return 1 if bad else 0
 
 
 def step_tests():
@@ -126,17 +149,17 @@ def step_fp8():
 
 
 def step_bandwidth():
-    names = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy"]
+    names = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy", "adamw"]
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), "--no-compile", "--only", *names],
                        capture_output=True, text=True)
     print(r.stdout + r.stderr[-20000:])
-    rows = [ln.split("|") for ln in r.stdout.splitlines() if ln.startswith("| ") and "%" in ln]
-    pct = [f"{c[1].strip()} {c[3].strip()} {c[6].strip()}" for c in rows]
+    rows = [c for c in (ln.split("|") for ln in r.stdout.splitlines() if ln.startswith("| ")) if c[6].strip().endswith("%")]
+    pct = [f"{c[1].strip()} {c[3].strip()} {c[6].strip()} (x{c[8].strip()} eager)" for c in rows]
     print("SUMMARY % of copy bandwidth: " + ("; ".join(pct) if pct else "no rows"))
     return r.returncode
 
 
-STEP_FNS = {"env": step_env, "tests": step_tests, "mfu": step_mfu, "attention": step_attention, "fp8": step_fp8,
+STEP_FNS = {"env": step_env, "selfcheck": step_selfcheck, "tests": step_tests, "mfu": step_mfu, "attention": step_attention, "fp8": step_fp8,
             "bandwidth": step_bandwidth}
 
 if __name__ == "__main__":

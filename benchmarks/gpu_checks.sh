@@ -37,7 +37,7 @@ run_part() {
     local part=$1 out=$2
     case "$part" in
         first-light) python benchmarks/first_light.py --out "$out/first-light" --budget 450 ;;
-        env) pip install --no-deps -e . -q && python -c "import torch, triton; print('torch', torch.__version__, \
+        env) pip install --no-deps --use-pep517 --no-build-isolation -e . -q && python -c "import torch, triton; print('torch', torch.__version__, \
 'triton', triton.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() \
 else 'NO GPU')" && (nvidia-smi || true) && python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ;;
         cuda-kernels) python -m pytest -q -m cuda tests/kernels --junitxml="$out/$part.junit.xml" ;;

@@ -14,8 +14,9 @@ from .rotary import rotary
 from .cross_entropy import cross_entropy
 from .flash_attention import flash_attention, flash_attention_block, flash_attention_block_backward
 from .adamw import adamw_step
+from .self_check import set_self_check
 # not re-exported: `kernels.grouped_gemm` stays the module (benchmarks/moe.py imports it as one)
 
 __all__ = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy",
            "flash_attention", "flash_attention_block", "flash_attention_block_backward", "adamw_step", "set_backend",
-           "get_backend", "use_backend", "use_triton"]
+           "get_backend", "use_backend", "use_triton", "set_self_check"]

@@ -42,20 +42,21 @@ def use_backend(name):
         set_backend(old)
 
 
-def use_triton(*tensors):
-    """True when the Triton path should run for these tensors (None entries ignored)."""
+def use_triton(*tensors, kernel=None):
+    """True when the Triton path should run for these tensors (None entries ignored). With `kernel`
+    named, the Triton path must also have passed its self-check on this device (self_check.py)."""
     if _backend == "torch":
         return False
     ts = [t for t in tensors if isinstance(t, torch.Tensor)]
     on_cuda = bool(ts) and all(t.is_cuda for t in ts)
     if _backend == "auto":
-        return HAVE_TRITON and on_cuda and not INTERPRET
+        return HAVE_TRITON and on_cuda and not INTERPRET and (kernel is None or _self_check.trusted(kernel, ts[0]))
     if not HAVE_TRITON:
         raise RuntimeError("kernels backend 'triton' was forced but triton is not installed")
     if not on_cuda and not INTERPRET:
         raise RuntimeError("kernels backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 "
                            "set before `kernels` is imported; use backend 'torch' or CUDA tensors")
-    return True
+    return kernel is None or _self_check.trusted(kernel, ts[0])
 
 
 def num_warps(block):
@@ -80,3 +81,6 @@ def empty(shape, device, dtype):
 
 def empty_like(t):
     return _poison(torch.empty_like(t, memory_format=torch.contiguous_format))
+
+
+from . import self_check as _self_check  # noqa: E402  (it uses use_backend, defined above)

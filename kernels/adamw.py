@@ -56,7 +56,7 @@ def adamw_step(params, grads, exp_avg, exp_avg_sq, *, step, lr=1e-3, beta1=0.9, 
     bc1 = 1 - beta1 ** step
     bc2_sqrt = (1 - beta2 ** step) ** 0.5  # as torch: pow and math.sqrt differ in the last bit for some steps
     step_size = lr / bc1
-    if use_triton(params, grads, exp_avg, exp_avg_sq, model_params):
+    if use_triton(params, grads, exp_avg, exp_avg_sq, model_params, kernel="adamw_step"):
         if n:
             _adamw_kernel[(triton.cdiv(n, BLOCK),)](
                 params, grads, exp_avg, exp_avg_sq, model_params if model_params is not None else params, n,

@@ -57,6 +57,6 @@ def bias_gelu(x, bias):
     """gelu(x + bias, approximate='tanh'); bias [N] broadcast over x [..., N]."""
     if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
         raise ValueError(f"kernels.bias_gelu: bias must be [{x.shape[-1]}], got {tuple(bias.shape)}")
-    if use_triton(x, bias):
+    if use_triton(x, bias, kernel="bias_gelu"):
         return _BiasGeluFn.apply(x, bias)
     return F.gelu(x + bias, approximate="tanh")

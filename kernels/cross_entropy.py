@@ -100,7 +100,7 @@ class _CrossEntropyFn(torch.autograd.Function):
         n = x2.shape[0]
         v_real = max(0, min(v, vocab_size - vocab_start))
         smooth = ls > 0
-        triton_path = use_triton(x2)
+        triton_path = use_triton(x2, kernel="cross_entropy")
         if triton_path:
             stats = empty((4 if smooth else 3, n), x2.device, torch.float32)
             if n:
@@ -158,7 +158,7 @@ def cross_entropy(logits, target, label_smoothing=0.0, vocab_start_index=0, voca
         raise ValueError(f"kernels.cross_entropy: target {tuple(target.shape)} must match "
                          f"logits {tuple(logits.shape)} without the vocab dim")
     if (allreduce_max is None and allreduce_sum is None and vocab_start_index == 0 and not inplace_backward
-            and not use_triton(logits)):
+            and not use_triton(logits, kernel="cross_entropy")):
         # One rank on the torch path: torch's fused log-softmax is the fastest exact route
         # (about 3x fewer passes over the logits than the vocab-parallel algorithm).
         x = logits[..., :vocab_size] if vocab_size < logits.shape[-1] else logits

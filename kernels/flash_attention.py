@@ -328,7 +328,7 @@ def flash_attention_block(q, k, v, causal=True, softmax_scale=None):
     fp32, natural log, -inf where a query sees no key). Inputs as flash_attention's (strided
     views allowed; the last dim contiguous). Triton on CUDA (d <= 256), else torch in fp32."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v):
+    if q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v, kernel="flash_attention"):
         o, lse, _ = _forward(q, k, v, bool(causal), float(scale), None, 0.0)
         return o, torch.where(torch.isinf(lse), torch.full_like(lse, float("-inf")), lse / LOG2E)
     lse, p = _block_probs(q, k, causal, scale)
@@ -341,7 +341,7 @@ def flash_attention_block_backward(dout, q, k, v, out, lse, causal=True, softmax
     the block is part of (ring attention merges them over blocks): the recomputed
     probabilities exp(s - lse) are the block's share; dk, dv summed over each KV head's queries."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v):
+    if q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v, kernel="flash_attention"):
         lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
         return _backward(dout.contiguous(), q, k, v, out.contiguous(), lse2, None, None, bool(causal), float(scale),
                          0.0)
@@ -383,7 +383,7 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, dropout_p=0.0, key
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"kernels.flash_attention: dropout_p must be in [0, 1), got {dropout_p}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v, kpm):
+    if q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v, kpm, kernel="flash_attention"):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         return _FlashAttnFn.apply(q, k, v, bool(causal), float(scale), kpm, float(dropout_p))
     return _attention_torch(q, k, v, causal, scale, kpm, float(dropout_p))

@@ -187,7 +187,7 @@ def grouped_gemm(x, w, counts):
     stacked = isinstance(w, torch.Tensor)
     ws = [w] if stacked else list(w)
     _check(x, ws, stacked, counts)
-    if use_triton(x, *ws):
+    if use_triton(x, *ws, kernel="grouped_gemm"):
         m, k = ws[0].shape[-2:]
         if m * k >= 2 ** 31:  # one expert's weight is addressed with int32 offsets
             raise ValueError(f"kernels.grouped_gemm: one expert's weight [{m}, {k}] has 2**31 elements or more")

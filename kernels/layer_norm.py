@@ -183,6 +183,6 @@ class _NormFn(torch.autograd.Function):
 
 def layer_norm(x, weight, bias, eps=1e-5):
     """LayerNorm over the last dim of x; weight [N]; bias [N] or None. Output dtype = x.dtype."""
-    if use_triton(x, weight, bias):
+    if use_triton(x, weight, bias, kernel="layer_norm"):
         return _NormFn.apply(x, weight, bias, eps, False)
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

@@ -13,6 +13,6 @@ def _rms_norm_torch(x, weight, eps):
 
 def rms_norm(x, weight, eps=1e-5):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; weight [N]."""
-    if use_triton(x, weight):
+    if use_triton(x, weight, kernel="rms_norm"):
         return _NormFn.apply(x, weight, None, eps, True)
     return _rms_norm_torch(x, weight, eps)

@@ -117,6 +117,6 @@ def rotary(x, cos, sin, inplace=False):
     if x.dim() != 4 or r % 2 or r > x.shape[-1] or cos.shape != sin.shape:
         raise ValueError(f"kernels.rotary: need x [b, s, h, d] and cos/sin of one shape with even last dim "
                          f"<= d; got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    if use_triton(x, cos, sin):
+    if use_triton(x, cos, sin, kernel="rotary"):
         return _RotaryFn.apply(x, cos, sin, inplace)
     return _rotary_torch(x, cos, sin, inplace)

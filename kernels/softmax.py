@@ -113,6 +113,6 @@ def softmax(x, scale=1.0, mask=None, causal=False):
     """softmax(masked(x * scale)) over the last dim of x [b, h, sq, sk]; see module docstring."""
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"kernels.softmax: mask must be bool (True = masked out), got {mask.dtype}")
-    if x.dim() == 4 and x.shape[-1] <= MAX_TRITON_SK and use_triton(x, mask):
+    if x.dim() == 4 and x.shape[-1] <= MAX_TRITON_SK and use_triton(x, mask, kernel="softmax"):
         return _SoftmaxFn.apply(x, float(scale), mask, bool(causal))
     return _softmax_torch(x, scale, mask, causal)

@@ -60,7 +60,7 @@ def swiglu(x):
     """silu(gate) * up where gate, up = x.chunk(2, dim=-1) (Megatron's --swiglu layout)."""
     if x.shape[-1] % 2:
         raise ValueError(f"kernels.swiglu: last dim must be even ([gate | up]), got {x.shape[-1]}")
-    if use_triton(x):
+    if use_triton(x, kernel="swiglu"):
         return _SwigluFn.apply(x)
     g, u = torch.chunk(x, 2, dim=-1)
     return F.silu(g) * u

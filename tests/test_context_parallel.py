@@ -32,7 +32,8 @@ def _reference(q, k, v, mask=None):
     rep = hq // k.shape[2]
     qt, kt, vt = (t.double().transpose(1, 2) for t in (q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)))
     scores = qt @ kt.transpose(-1, -2) * d ** -0.5
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1) if mask is None else mask, float("-inf"))
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1) if mask is None else mask,
+                                float("-inf"))
     lse = torch.logsumexp(scores, -1)
     return (torch.softmax(scores, -1) @ vt).transpose(1, 2), lse
 

@@ -68,3 +68,16 @@ def test_a_trained_model_is_freed_when_dropped():
         ps.destroy_model_parallel()
     gc.collect()
     assert all(r() is None for r in refs), "the model outlives its last reference"
+
+
+def test_no_kernel_self_check_turns_the_check_off():
+    """--no-kernel-self-check reaches the kernels (their self-check: tests/kernels/test_kernel_self_check.py)."""
+    from kernels import self_check
+    one = [a if a != "10" else "1" for a in BASE]  # --train-iters 1
+    try:
+        _train(one + ["--no-kernel-self-check"], 1)
+        assert self_check.get_self_check() == "off"
+        _train(one, 1)
+        assert self_check.get_self_check() == "cuda"
+    finally:
+        self_check.set_self_check("cuda")

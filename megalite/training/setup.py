@@ -8,6 +8,7 @@ import types
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+import kernels
 from megalite import parallel_state as ps
 from megalite.cli.parser import model_config, training_config
 from megalite.checkpointing import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
@@ -48,6 +49,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
     except ValueError as e:
         abort(str(e))
     model_parallel_manual_seed(args.seed)
+    kernels.set_self_check("off" if args.no_kernel_self_check else "cuda")
     initialize_rerun_state_machine(args)
     r = types.SimpleNamespace(batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
     r.plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)

@@ -37,7 +37,7 @@ def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=Fa
     softmax_scale: default 1/sqrt(q's head dim). v may have another head dim than q and k (MLA): the
     flash kernel, which takes one, gets zero-padded heads and the output is cut back."""
     p = dropout_p if training else 0.0
-    triton = fused and kernels.use_triton(q)
+    triton = fused and kernels.use_triton(q, kernel="flash_attention")
     key_padding = attn_mask is not None and attn_mask.shape[1:3] == (1, 1)  # [b, 1, 1, sk]: BERT's padding
     scaled = layer_scale is not None and q.dtype == torch.float16
     if not scaled and (triton or flash and q.is_cuda) and (attn_mask is None or key_padding):

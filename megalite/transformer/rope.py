@@ -35,7 +35,7 @@ def apply_rotary(x, cos, sin, fused=False, interleaved=False):
     """x [b, s, heads, dim]; cos/sin [s, rot] with rot <= dim (Megatron's --rotary-percent): the
     first rot dims of each head rotate, the rest pass through. Triton on CUDA unless fused is False
     (the kernel has the rotate-half layout; interleaved pairs run in torch)."""
-    if fused and not interleaved and kernels.use_triton(x):
+    if fused and not interleaved and kernels.use_triton(x, kernel="rotary"):
         return kernels.rotary(x, cos, sin)  # rotates cos.shape[-1] dims, copies the rest in the same pass
     rot = cos.shape[-1]
     if rot < x.shape[-1]:

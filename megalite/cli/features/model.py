@@ -126,6 +126,9 @@ def _mla_flags(a):
     a("--recompute-num-layers", type=int, default=None)
     a("--recompute-activations", action="store_true", help="= --recompute-granularity selective (as Megatron)")
     a("--no-fused-kernels", action="store_true", help="use plain torch ops instead of Triton kernels on CUDA")
+    a("--no-kernel-self-check", action="store_true",
+      help="trust each Triton kernel on a CUDA device without first running it once against its torch fallback "
+           "there (the check replaces a kernel that fails on that device; kernels/self_check.py)")
     a("--use-flash-attn", action="store_true",
       help="megalite's Triton flash attention (the default on CUDA; this also overrides --no-fused-kernels)")
     a("--deterministic-mode", action="store_true", help="deterministic algorithms only (bitwise-repeatable runs)")

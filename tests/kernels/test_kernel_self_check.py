@@ -1,0 +1,123 @@
+"""The kernels' self-check (kernels/self_check.py), through the Triton interpreter on CPU: every healthy
+kernel passes it, a broken one is caught and replaced by its fallback with one line naming it, a run
+with a broken kernel trains exactly as the fallback does, and the check can be turned off."""
+
+import importlib
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import kernels
+from kernels import self_check
+from megalite import parallel_state as ps
+from megalite.models import GPTModel
+from megalite.tensor_parallel import model_parallel_manual_seed
+from model_util import batch, tiny_config
+
+LN = importlib.import_module("kernels.layer_norm")  # the modules (the package's names are the functions)
+SWIGLU = importlib.import_module("kernels.swiglu")
+
+
+@pytest.fixture
+def checked():
+    """Triton forced (the interpreter) and every kernel checked on first use, from a clean slate."""
+    self_check.reset()
+    self_check.set_self_check("always")
+    with kernels.use_backend("triton"):
+        yield
+    self_check.set_self_check("cuda")
+    self_check.reset()
+
+
+@triton.jit
+def _broken_norm_fwd(X, W, B, Y, MEAN, RSTD, N, eps, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Writes y = x: the normalisation and the weight forgotten."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + row * N + cols, mask=cols < N, other=0.0)
+    tl.store(Y + row * N + cols, x, mask=cols < N)
+    if not IS_RMS:
+        tl.store(MEAN + row, 0.0)
+    tl.store(RSTD + row, 1.0)
+
+
+def test_every_healthy_kernel_passes(checked):
+    for name in self_check.KERNELS:
+        assert self_check._check(name, torch.device("cpu"), torch.float32) is None, name
+
+
+def test_a_wrong_kernel_is_replaced_with_one_line(checked, monkeypatch, capfd):
+    monkeypatch.setattr(LN, "_norm_fwd", _broken_norm_fwd)
+    x, w = torch.randn(8, 64), torch.rand(64) + 0.5
+    y = kernels.rms_norm(x, w)
+    assert torch.equal(y, torch.nn.functional.rms_norm(x, (64,), w, 1e-5))  # the fallback's result, this very call
+    kernels.rms_norm(x, w)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megalite kernels: rms_norm on cpu (Triton interpreter, float32) "
+                                               "disagrees with its fallback (output: relative error"), err
+    assert self_check.verdicts()[("rms_norm", "cpu", torch.float32)] is not None
+
+
+def test_a_kernel_that_raises_is_replaced(checked, monkeypatch, capfd):
+    def no_build(*a, **k):
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_70")
+    monkeypatch.setattr(SWIGLU, "_SwigluFn", type("Broken", (), {"apply": staticmethod(no_build)}))
+    x = torch.randn(4, 32)
+    g, u = x.chunk(2, -1)
+    assert torch.allclose(kernels.swiglu(x), torch.nn.functional.silu(g) * u)
+    assert "swiglu on cpu (Triton interpreter, float32) raised RuntimeError: PTX .version 8.7" in capfd.readouterr().err
+
+
+def test_off_means_unchecked(checked, monkeypatch):
+    self_check.set_self_check("off")
+    monkeypatch.setattr(LN, "_norm_fwd", _broken_norm_fwd)
+    x, w = torch.randn(8, 64), torch.ones(64)
+    assert torch.equal(kernels.rms_norm(x, w), x)  # the broken kernel ran: nothing stood in its way
+    assert self_check.verdicts() == {}
+
+
+def _losses(steps=2):
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_manual_seed(0)
+    try:
+        cfg = tiny_config("llama", num_layers=1, fused_kernels=True)
+        model = GPTModel(cfg)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        ids, labels = batch(cfg)
+        out = []
+        for _ in range(steps):
+            loss = model(ids, labels=labels).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_run_with_a_broken_kernel_trains_as_the_fallback(checked, monkeypatch):
+    """The caught kernel's first call already returns the fallback's result: the losses are the
+    losses of the run where that kernel was never trusted (every other kernel on Triton in both)."""
+    monkeypatch.setattr(LN, "_norm_fwd", _broken_norm_fwd)
+    caught = _losses()
+    assert self_check.verdicts()[("rms_norm", "cpu", torch.float32)] is not None
+    assert self_check.verdicts()[("flash_attention", "cpu", torch.float32)] is None
+    self_check.reset()
+    self_check.distrust("rms_norm", "cpu", torch.float32, "set by the test")
+    assert caught == _losses()
+    self_check.set_self_check("off")
+    assert caught[:1] != _losses(1), "the broken kernel, run unchecked, must change the losses (else this proves nothing)"
+
+
+def test_every_checked_call_names_a_kernel_with_a_check():
+    """A kernel added without a check would be distrusted on every GPU (its check raises KeyError)."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2]
+    names = {m for d in ("kernels", "megalite") for f in (root / d).rglob("*.py")
+             for m in re.findall(r'use_triton\([^)]*kernel="(\w+)"', f.read_text())}
+    assert names == set(self_check.KERNELS)
