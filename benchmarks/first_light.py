@@ -23,6 +23,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # before this folder: its kernels.py would shadow the `kernels` package
 STEPS = {  # name: the seconds it may take at most
     "env": 60, "selfcheck": 60, "tests": 170, "mfu": 150, "attention": 45, "fp8": 25, "bandwidth": 70,
 }
@@ -101,16 +102,17 @@ def step_selfcheck():
     from kernels import self_check
     from kernels.self_check import KERNELS
     bad, times = [], {}
-    for dtype in (torch.bfloat16, torch.float32):
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter, fp32 only
+    for dtype in (torch.bfloat16, torch.float32) if dev.type == "cuda" else (torch.float32,):
         start = time.perf_counter()
         for name in KERNELS:
             t = time.perf_counter()
-            why = self_check._check(name, torch.device("cuda"), dtype)
+            why = self_check._check(name, dev, dtype)
             print(f"{name:<16}{str(dtype)[6:]:<10}{time.perf_counter() - t:7.2f}s  {why or 'trusted'}", flush=True)
             if why:
                 bad.append(f"{name} {str(dtype)[6:]}: {why}")
         times[str(dtype)[6:]] = time.perf_counter() - start
-    print(f"SUMMARY {len(KERNELS)} kernels x 2 dtypes in " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
+    print(f"SUMMARY {len(KERNELS)} kernels on {dev} in " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
           + (" | NOT TRUSTED: " + "; ".join(bad) if bad else " | all trusted"))
     return 1 if bad else 0
 

@@ -30,7 +30,7 @@ def test_without_a_gpu_it_stops_at_once(tmp_path):
 def test_its_steps_run_on_cpu_shapes():
     for argv in (["benchmarks/first_light_kernels.py", "attention", "--cpu-smoke"],
                  ["benchmarks/first_light_kernels.py", "fp8", "--cpu-smoke"],
-                 ["benchmarks/first_light_mfu.py", "--cpu-smoke"]):
+                 ["benchmarks/first_light_mfu.py", "--cpu-smoke"], ["benchmarks/first_light.py", "--step", "selfcheck"]):
         r = _py(*argv)
         assert r.returncode == 0, r.stdout + r.stderr
         summary = [ln for ln in r.stdout.splitlines() if ln.startswith("SUMMARY ")]
