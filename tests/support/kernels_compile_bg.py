@@ -25,6 +25,8 @@ def start():
     d = tempfile.mkdtemp(prefix="megalite_gpu_compile_")
     out = os.path.join(d, "results.json")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real build, not the interpreter
+    # the checkout's kernels, installed or not (a GPU machine runs the suite from a bare copy)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(HERE), env.get("PYTHONPATH")) if p)
     # output to a file, not a pipe nobody reads until the end (a full pipe would stall the build)
     with open(os.path.join(d, "log.txt"), "w") as log:
         proc = subprocess.Popen(command(out), env=env, stdout=log, stderr=subprocess.STDOUT,
