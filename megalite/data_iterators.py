@@ -52,7 +52,7 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
             batch = None
             if reader:
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            batch, layout = broadcast_batch(batch, layout)  # TP > 1: rank 0's batch to the others
+            batch, layout = broadcast_batch(batch, layout, g)  # TP > 1: rank 0's batch to the others
             yield batch
     return gen()
 

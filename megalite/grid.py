@@ -68,6 +68,30 @@ class Grid:
         """This rank's index in its TP x CP group (TP fastest)."""
         return self.cp_rank * self.tp + self.tp_rank
 
+    def dp_cp(self):
+        """(group, size, rank) over DP x CP: where dense gradients are reduced and ZeRO shards them."""
+        return (self.dp_cp_group if self.cp > 1 else self.dp_group), self.dp * self.cp, self.dp_rank * self.cp + self.cp_rank
+
+    def expert_dp(self):
+        """(group, size, rank) over expert-DP (DP x CP without an expert grid)."""
+        return (self.edp_group, self.edp, self.edp_rank) if self.experts else self.dp_cp()
+
+    def stage_dp_group(self, with_context_parallel=True):
+        """TP x CP x DP: the ranks of one pipeline stage (an MoE job's; without an expert grid, TP = 1)."""
+        if self.experts:
+            return self.stage_group
+        if self.tp > 1:
+            raise RuntimeError("the tensor-and-data-parallel group is built with the expert grid "
+                               "(initialize_model_parallel(..., expert_model_parallel_size=...))")
+        return self.dp_cp()[0] if with_context_parallel else self.dp_group
+
+    def expert_tp_group(self):
+        return self.etp_group if self.experts else self.tp_group
+
+    def expert_model_group(self):
+        """The group of one expert's copies over ETP x EP x PP (TP x PP without an expert grid)."""
+        return self.emp_group if self.experts else self.mp_group
+
     def expert_tp(self):
         """(size, rank) an MoE expert's weights are sharded over: expert-TP, or TP without an expert grid."""
         return (self.etp, self.etp_rank) if self.experts else (self.tp, self.tp_rank)

@@ -163,18 +163,15 @@ def get_pipeline_model_parallel_ranks():
 
 def get_data_parallel_group(with_context_parallel=False):
     """DP; with_context_parallel: DP x CP (gradient reduction and ZeRO shards, as Megatron)."""
-    g = _grid()
-    return g.dp_cp_group if with_context_parallel and g.cp > 1 else g.dp_group
+    return _grid().dp_cp()[0] if with_context_parallel else _grid().dp_group
 
 
 def get_data_parallel_rank(with_context_parallel=False):
-    g = _grid()
-    return g.dp_rank * g.cp + g.cp_rank if with_context_parallel else g.dp_rank
+    return _grid().dp_cp()[2] if with_context_parallel else _grid().dp_rank
 
 
 def get_data_parallel_world_size(with_context_parallel=False):
-    g = _grid()
-    return g.dp * g.cp if with_context_parallel else g.dp
+    return _grid().dp_cp()[1] if with_context_parallel else _grid().dp
 
 
 def get_data_parallel_rank_across_replicas():
@@ -286,13 +283,11 @@ def get_expert_tensor_and_model_parallel_world_size():
 
 def get_expert_data_parallel_group():
     """The ranks that hold the same experts: expert gradients are reduced, and ZeRO shards, here."""
-    g = _grid()
-    return g.edp_group if g.experts else get_data_parallel_group(with_context_parallel=True)
+    return _grid().expert_dp()[0]
 
 
 def get_expert_data_parallel_rank():
-    g = _grid()
-    return g.edp_rank if g.experts else get_data_parallel_rank(with_context_parallel=True)
+    return _grid().expert_dp()[2]
 
 
 def get_expert_data_parallel_world_size():
@@ -300,14 +295,7 @@ def get_expert_data_parallel_world_size():
 
 
 def get_tensor_and_data_parallel_group(with_context_parallel=True):
-    """TP x CP x DP: the ranks of one pipeline stage (an MoE job's; without an expert grid, TP = 1)."""
-    g = _grid()
-    if g.experts:
-        return g.stage_group
-    if g.tp > 1:
-        raise RuntimeError("the tensor-and-data-parallel group is built with the expert grid "
-                           "(initialize_model_parallel(..., expert_model_parallel_size=...))")
-    return get_data_parallel_group(with_context_parallel)
+    return _grid().stage_dp_group(with_context_parallel)
 
 
 def get_expert_tensor_model_pipeline_parallel_group():

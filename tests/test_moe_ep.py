@@ -52,8 +52,8 @@ def expert_norm_counted_twice():
     from megalite.optimizer import clip_grads
     original = param_facts.sum_over_model
 
-    def twice(dense, expert, sharded):
-        return original(dense, expert, True)
+    def twice(dense, expert, sharded, grid=None):
+        return original(dense, expert, True, grid)
     return patched(clip_grads, "sum_over_model", twice)
 
 

@@ -1,4 +1,5 @@
-"""Small collectives the training loop needs (so it never touches process groups itself)."""
+"""Small collectives the training loop needs (so it never touches process groups itself). Each takes the
+grid whose groups it uses (`grid=None`: the global one, parallel_state.current_grid)."""
 
 import torch
 import torch.distributed as dist
@@ -6,18 +7,19 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 
 
-def sum_over_data_parallel(values):
+def sum_over_data_parallel(values, grid=None):
     """Sum over the DP group of a 1-D float tensor (--data-parallel-shares: losses over the global count)."""
-    if ps.get_data_parallel_world_size() > 1:
+    g = ps.current_grid(grid)
+    if g.dp > 1:
         values = values.clone()
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
+        dist.all_reduce(values, group=g.dp_group)
     return values
 
 
-def average_over_data_parallel(values):
+def average_over_data_parallel(values, grid=None):
     """Mean over the DP group of a 1-D float tensor (e.g. the micro-batch losses)."""
-    dp = ps.get_data_parallel_world_size()
-    return sum_over_data_parallel(values) / dp if dp > 1 else values
+    dp = ps.current_grid(grid).dp
+    return sum_over_data_parallel(values, grid) / dp if dp > 1 else values
 
 
 def gather_rows(row):
@@ -30,19 +32,21 @@ def gather_rows(row):
     return [g.tolist() for g in gathered]
 
 
-def max_per_data_parallel_rank(value):
+def max_per_data_parallel_rank(value, grid=None):
     """[largest `value` over the ranks of DP replica r, for each r], the same list on every rank."""
-    out = [0.0] * ps.get_data_parallel_world_size()
-    for v, r in gather_rows([value, ps.get_data_parallel_rank()]):
+    g = ps.current_grid(grid)
+    out = [0.0] * g.dp
+    for v, r in gather_rows([value, g.dp_rank]):
         out[int(r)] = max(out[int(r)], v)
     return out
 
 
-def broadcast_from_last_rank(values):
+def broadcast_from_last_rank(values, grid=None):
     """Give every rank its replica's last rank's tensor (the last pipeline stage holds the loss; without
     semi-synchronous replicas: the world's last rank)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        group, ranks = ps.get_replica_world_group() if ps.model_parallel_is_initialized() else (None, None)
+        g = grid if grid is not None or not ps.model_parallel_is_initialized() else ps.current_grid()
+        group, ranks = (g.replica_world_group, g.replica_world_ranks) if g is not None else (None, None)
         dist.broadcast(values, src=ranks[-1] if ranks else dist.get_world_size() - 1, group=group)
     return values
 
@@ -55,16 +59,17 @@ def any_rank(flag):
     return bool(t.item())
 
 
-def broadcast_batch(batch, layout=None):
+def broadcast_batch(batch, layout=None, grid=None):
     """The first rank's batch ({key: tensor}) to the other ranks of its TP x CP group (TP ranks
     use the same samples; CP ranks each keep their part of them); returns (batch, layout). The
     layout (keys, shapes, dtypes) goes once per data iterator as an object (pass back the
     returned one); after that a micro-batch is one broadcast per key, no host read."""
-    if ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size() == 1:
+    g = ps.current_grid(grid)
+    if g.tp * g.cp == 1:
         return batch, layout
-    group = ps.get_tensor_and_context_parallel_group()
-    rank = ps.get_tensor_and_context_parallel_rank()
-    src = ps.global_rank() - rank  # TP x CP ranks are neighbours
+    group = g.tp_cp_group if g.cp > 1 else g.tp_group
+    rank = g.tp_cp_rank()
+    src = g.rank - rank  # TP x CP ranks are neighbours
     if layout is None:
         obj = [None if batch is None else tuple((k, tuple(v.shape), v.dtype) for k, v in batch.items())]
         dist.broadcast_object_list(obj, src=src, group=group)

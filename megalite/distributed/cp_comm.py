@@ -39,12 +39,13 @@ def global_token_index(local_len, device=None, grid=None):
     return local_token_index(local_len, grid.cp_rank, grid.cp, device)
 
 
-def slice_for_cp_rank(t, dim, rank=None, size=None):
-    """This CP rank's part of a full-sequence tensor: chunks r and 2CP-1-r along `dim`."""
-    size = cp_size() if size is None else size
+def slice_for_cp_rank(t, dim, rank=None, size=None, grid=None):
+    """This CP rank's part of a full-sequence tensor: chunks r and 2CP-1-r along `dim` (rank and size: the
+    grid's by default)."""
+    size = cp_size(grid) if size is None else size
     if size == 1:
         return t
-    rank = ps.get_context_parallel_rank() if rank is None else rank
+    rank = ps.current_grid(grid).cp_rank if rank is None else rank
     parts = t.chunk(2 * size, dim=dim)
     return torch.cat([parts[i] for i in cp_chunks(rank, size)], dim=dim)
 
@@ -53,9 +54,10 @@ class Ring:
     """Exchanges with the CP ring's neighbours: send to rank r+1, receive from rank r-1, both
     posted at once (no deadlock whoever posts first), waited on when the data is needed."""
 
-    def __init__(self, group=None, ranks=None):
-        self.group = ps.get_context_parallel_group() if group is None else group
-        ranks = ps.get_context_parallel_global_ranks() if ranks is None else ranks
+    def __init__(self, group=None, ranks=None, grid=None):
+        g = ps.current_grid(grid) if group is None or ranks is None else None
+        self.group = g.cp_group if group is None else group
+        ranks = list(g.cp_ranks) if ranks is None else ranks
         self.rank = ranks.index(dist.get_rank())
         self.size = len(ranks)
         self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
@@ -124,8 +126,8 @@ def all_to_all_over_cp(x, split_dim, cat_dim, group=None, grid=None):
     return _AllToAll.apply(x, split_dim, cat_dim, ps.current_grid(grid).cp_group if group is None else group)
 
 
-def sum_over_cp(t):
+def sum_over_cp(t, grid=None):
     """Sum a tensor over the CP group, in place, outside autograd (loss sums and token counts)."""
-    if cp_size() > 1:
-        dist.all_reduce(t, group=ps.get_context_parallel_group())
+    if cp_size(grid) > 1:
+        dist.all_reduce(t, group=ps.current_grid(grid).cp_group)
     return t

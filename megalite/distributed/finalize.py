@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.distributed.collectives import broadcast_from_last_rank
+from megalite.distributed.param_facts import grid_of
 
 
 def _grad(p):
@@ -15,25 +16,25 @@ def _grad(p):
     return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
 
 
-def allreduce_sequence_parallel_grads(params):
+def allreduce_sequence_parallel_grads(params, grid=None):
     """Params applied to sequence-sharded activations (norms, row biases, position
-    embeddings under SP) hold partial gradients on each TP rank: sum them over TP."""
-    if ps.get_tensor_model_parallel_world_size() == 1:
+    embeddings under SP) hold partial gradients on each TP rank: sum them over TP (of `grid`, default the global one)."""
+    g = ps.current_grid(grid)
+    if g.tp == 1:
         return
     grads = [_grad(p) for p in params if getattr(p, "sequence_parallel", False) and _grad(p) is not None]
     if not grads:
         return
     flat = dist_flatten(grads)
-    dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+    dist.all_reduce(flat, group=g.tp_group)
     dist_unflatten(flat, grads)
 
 
 def allreduce_embedding_grads(model_chunks):
     """A word embedding with copies on the first and last pipeline stages (tied to the output layer, or
     looked up by multi-token prediction on the last stage): sum their grads."""
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return
-    if ps.global_rank() not in ps.get_embedding_ranks():
+    g = grid_of(model_chunks)
+    if g.pp == 1 or g.rank not in g.emb_ranks:
         return
     for m in model_chunks:
         m = getattr(m, "module", m)
@@ -41,7 +42,7 @@ def allreduce_embedding_grads(model_chunks):
             continue
         w = m.shared_embedding_or_output_weight()
         if w is not None:
-            dist.all_reduce(_grad(w), group=ps.get_embedding_group())
+            dist.all_reduce(_grad(w), group=g.emb_group)
 
 
 def dist_flatten(tensors):
@@ -63,7 +64,7 @@ def finalize_model_grads(model_chunks):
         if hasattr(m, "finish_grad_sync"):
             m.finish_grad_sync()
         params.extend(p for p in m.parameters() if p.requires_grad)
-    allreduce_sequence_parallel_grads(params)
+    allreduce_sequence_parallel_grads(params, grid_of(model_chunks))
     allreduce_embedding_grads(model_chunks)
     update_expert_biases(model_chunks)
 
@@ -79,7 +80,7 @@ def update_expert_biases(model_chunks):
                           else torch.zeros(r.expert_bias.numel(), dtype=torch.int64, device=r.expert_bias.device)
                           for r in routers])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(counts, group=grid_of(model_chunks).stage_dp_group())
     for r, c in zip(routers, counts):
         r.update_expert_bias(c)
 
@@ -90,10 +91,12 @@ def scale_grads_by_token_count(model_chunks, count):
     it). The DP reduction divided by the chunks' grad_divisor (DP: averaged; 1 with uneven
     shares: summed), so the factor is that divisor / count. No host read."""
     count = count.reshape(1).float().clone()
-    if ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(count, group=ps.get_data_parallel_group())
-    broadcast_from_last_rank(count)
+    g = grid_of(model_chunks)
+    if g.dp > 1:
+        dist.all_reduce(count, group=g.dp_group)
+    broadcast_from_last_rank(count, g)
     grads = [_grad(p) for m in model_chunks for p in m.parameters() if p.requires_grad and _grad(p) is not None]
     if grads:
-        divisor = getattr(model_chunks[0], "grad_divisor", ps.get_data_parallel_world_size())
+        divisor = getattr(model_chunks[0], "grad_divisor", g.dp)
         torch._foreach_mul_(grads, (divisor / count.clamp(min=1.0)).reshape(()))
+

@@ -22,7 +22,7 @@ from torch import nn
 
 from megalite import parallel_state as ps
 from megalite.distributed import comm
-from megalite.distributed.param_facts import data_parallel, is_expert
+from megalite.distributed.param_facts import data_parallel, is_expert, stamp
 from megalite.distributed.param_units import ParamUnits, Unit, plan_units
 from megalite.distributed.sharded_bucket import ShardedBucket, adopt
 from megalite.tensor_parallel.init import materialize
@@ -30,7 +30,7 @@ from megalite.tensor_parallel.init import materialize
 
 class _Bucket:
     """A bucket all-reduced (averaged) over DP: every rank holds the full result.
-    nodes (--hierarchical-grad-reduce, ps.get_gradient_node_groups()): the all-reduce runs as a
+    nodes (--hierarchical-grad-reduce, the grid's grad_nodes): the all-reduce runs as a
     reduce-scatter among the ranks of a node, an all-reduce of each shard across the nodes
     (1/k of the bucket crosses nodes, k ranks per node) and an all-gather within the node."""
     reduce_every_microbatch = False
@@ -157,23 +157,25 @@ def _weak_hook(ddp):
 class DistributedDataParallel(nn.Module):
     def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True,
                  use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False, grad_divisor=None,
-                 reduce_once=False, hierarchical=False, compressor=None, prefetch=True, reshard_after_forward=True):
+                 reduce_once=False, hierarchical=False, compressor=None, prefetch=True, reshard_after_forward=True,
+                 grid=None):
         """grad_divisor: what the reduction divides the summed gradients by (default DP: the
         average; 1 with uneven data-parallel shares, whose losses carry the weights).
         reduce_once: ZeRO-2 reduces once per iteration too (ranks that run different numbers
         of micro-batches must issue the same collectives). hierarchical: the plain DP all-reduce
         through the node groups (--hierarchical-grad-reduce). compressor: --grad-compression's
         (megalite/distributed/grad_compression.py) for the plain DP all-reduce. prefetch,
-        reshard_after_forward: ZeRO-3's unit schedule (param_units.py)."""
+        reshard_after_forward: ZeRO-3's unit schedule (param_units.py). grid: the module's (its `grid`;
+        default the global one); each parameter's facts are set in it here, once (param_facts.stamp)."""
         super().__init__()
         self.module = module
+        self.grid = grid = ps.current_grid(grid if grid is not None else getattr(module, "grid", None))
         self.overlap_grad_reduce = overlap_grad_reduce
         self.sync_enabled = True
         # Gradients reduce (and ZeRO shards) over DP x CP; CP ranks hold parts of one sequence,
         # so their gradients are parts of one sum: averaged over DP only.
-        self.dp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        self.grad_divisor = ps.get_data_parallel_world_size() if grad_divisor is None else grad_divisor
+        self.dp_group, self.dp, _ = grid.dp_cp()
+        self.grad_divisor = grid.dp if grad_divisor is None else grad_divisor
         self.compressor = compressor
         if use_distributed_optimizer and zero_stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage {zero_stage} is not supported; use 1, 2 or 3")
@@ -183,13 +185,14 @@ class DistributedDataParallel(nn.Module):
         # ZeRO-3 gathers unit by unit as the forward reaches them (with prefetch): always overlapped.
         self.overlap_param_gather = overlap_param_gather and self.zero_stage in (1, 2)
         params = [p for p in module.parameters() if p.requires_grad]
+        stamp(module.parameters(), grid)
         device = params[0].device if params else torch.device("cpu")
         if device.type == "meta":  # built in ps.meta_init(): ZeRO-3 makes this rank's shards
             device = ps.get_device()
             if not (use_distributed_optimizer and zero_stage == 3):
                 raise ValueError("a model built on the meta device needs ZeRO-3 (--zero-stage 3)")
-        nodes = ps.get_gradient_node_groups() if hierarchical and not self.zero_stage and self.dp > 1 else None
-        tied = tied_weight(module, ps.get_pipeline_model_parallel_world_size()) if self.zero_stage else None
+        nodes = grid.grad_nodes if hierarchical and not self.zero_stage and self.dp > 1 else None
+        tied = tied_weight(module, grid.pp) if self.zero_stage else None
         units = plan_units(module) if self.zero_stage == 3 else None
         plan = plan_reduction(module, params, bucket_size, self.zero_stage, data_parallel, is_expert, nodes, tied,
                               units)

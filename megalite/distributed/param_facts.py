@@ -11,46 +11,91 @@ which group a parameter belongs to and never re-derive it from names.
 Without an expert grid experts are dense parameters (expert-parallel size 1).
 """
 
+import dataclasses
+
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
 
 
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """One parameter's place in its grid, derived once (DistributedDataParallel stamps it at wrap time)."""
+    grid: object
+    expert: bool
+    data_parallel: tuple  # (group, size, rank): where its gradient is reduced and ZeRO shards it
+    tensor_parallel: tuple  # (size, rank, group): what its weight is sharded over (experts: expert-TP)
+    counted_once: bool  # counted in whole-model sums on this rank
+    first_replica: bool  # this rank holds its first data-parallel replica
+
+    def __deepcopy__(self, memo):  # a copied model keeps its parameters' place (groups are handles)
+        return self
+
+
+def derive(p, grid):
+    """p's facts in `grid` (the one derivation: everything else reads them)."""
+    expert = bool(getattr(p, "expert_parallel", False)) and grid.experts
+    dp = grid.expert_dp() if expert else grid.dp_cp()
+    if expert:
+        tp = (grid.etp, grid.etp_rank, grid.expert_tp_group())
+    else:
+        tp = (grid.tp, grid.tp_rank, grid.tp_group)
+    tied_copy = getattr(p, "shared_embedding", False) and not grid.first_stage()
+    counted = not tied_copy and (getattr(p, "tensor_model_parallel", False) or tp[1] == 0)
+    return Facts(grid, expert, dp, tp, counted, dp[2] == 0)
+
+
+def stamp(params, grid):
+    """Set each parameter's facts in `grid` (DistributedDataParallel's wrap)."""
+    for p in params:
+        p.megalite_facts = derive(p, grid)
+
+
+def facts(p):
+    """p's stamped facts; a parameter never wrapped (a bare model, a planner's) in the global grid."""
+    f = getattr(p, "megalite_facts", None)
+    return f if f is not None else derive(p, ps.current_grid())
+
+
+def grid_of(modules):
+    """The grid model chunks were built in (a DDP wrapper's, else the module's own `grid`; default the global one)."""
+    for m in modules:
+        g = getattr(m, "grid", None) or getattr(getattr(m, "module", None), "grid", None)
+        if g is not None:
+            return g
+    return ps.current_grid()
+
+
+def grid_of_params(params):
+    """The grid of these parameters' facts (all of one model), the global one for none."""
+    params = list(params)
+    return facts(params[0]).grid if params else ps.current_grid()
+
+
 def is_expert(p):
-    return bool(getattr(p, "expert_parallel", False)) and ps.has_expert_grid()
+    return facts(p).expert
 
 
 def data_parallel(p):
     """(group, size, rank) over which p's gradient is reduced and ZeRO shards it."""
-    if is_expert(p):
-        return (ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size(),
-                ps.get_expert_data_parallel_rank())
-    return (ps.get_data_parallel_group(with_context_parallel=True),
-            ps.get_data_parallel_world_size(with_context_parallel=True),
-            ps.get_data_parallel_rank(with_context_parallel=True))
+    return facts(p).data_parallel
 
 
 def tensor_parallel(p):
     """(size, rank, group) of the tensor-parallel group p is sharded over (experts: expert-TP)."""
-    if is_expert(p):
-        return (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
-                ps.get_expert_tensor_parallel_group())
-    return (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_group())
+    return facts(p).tensor_parallel
 
 
 def counted_once(p):
     """Whether this rank counts p in whole-model sums: TP-replicated parameters on TP rank 0 only,
     the last pipeline stage's copy of tied word embeddings not at all."""
-    if getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True):
-        return False
-    return getattr(p, "tensor_model_parallel", False) or tensor_parallel(p)[1] == 0
+    return facts(p).counted_once
 
 
 def first_replica(p):
     """Whether this rank holds the first of p's data-parallel replicas (it writes p's checkpoint
     chunks unless ZeRO-3 shards them; TP ownership is the layout's)."""
-    return data_parallel(p)[2] == 0
+    return facts(p).first_replica
 
 
 def split_dense_expert(params, values):
@@ -66,22 +111,20 @@ def _all_reduce(t, group, size):
         dist.all_reduce(t, group=group)
 
 
-def sum_over_model(dense, expert, sharded):
+def sum_over_model(dense, expert, sharded, grid=None):
     """World totals of per-rank partial sums (any shape, e.g. squared norms, zero counts) of this
     rank's dense and expert parameters, each element counted once (the caller skips TP duplicates
     and the tied copy). sharded: each rank holds a disjoint ZeRO slice (sum over its DP group too).
-    The same on every rank."""
-    if not ps.has_expert_grid():
+    grid: the parameters' (facts(p).grid; default the global one). The same on every rank."""
+    g = ps.current_grid(grid)
+    if not g.experts:
         dense, expert = dense + expert, None
     if sharded:
-        _all_reduce(dense, ps.get_data_parallel_group(with_context_parallel=True),
-                    ps.get_data_parallel_world_size(with_context_parallel=True))
+        _all_reduce(dense, *g.dp_cp()[:2])
         if expert is not None:
-            _all_reduce(expert, ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size())
-    mp = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
-    _all_reduce(dense, ps.get_model_parallel_group(), mp)
+            _all_reduce(expert, *g.expert_dp()[:2])
+    _all_reduce(dense, g.mp_group, g.tp * g.pp)
     if expert is None:
         return dense
-    emp = ps.get_expert_tensor_and_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
-    _all_reduce(expert, ps.get_expert_tensor_model_pipeline_parallel_group(), emp)
+    _all_reduce(expert, g.expert_model_group(), g.etp * g.ep * g.pp)
     return dense + expert

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
-from megalite.distributed.param_facts import is_expert
+from megalite.distributed.param_facts import grid_of, is_expert
 
 
 def _weights(chunk):
@@ -63,19 +63,16 @@ def replicas_differ(chunks, tp_too=False, across_replicas=False, values=None):
     for chunk in chunks:
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    hashes, out = weight_hashes(chunks, values), []
+    hashes, out, g = weight_hashes(chunks, values), [], grid_of(chunks)
     if across_replicas:
-        r = ps.get_replica_world_size()
-        differ = _differ(hashes, list(hashes), ps.get_replica_group(), r) if r > 1 else []
+        differ = _differ(hashes, list(hashes), g.replica_group, g.replicas) if g.replicas > 1 else []
         return [f"{n} (over replicas)" for n in differ]
-    groups = ((False, ps.get_data_parallel_group(with_context_parallel=True),  # CP ranks are replicas too
-               ps.get_data_parallel_world_size(with_context_parallel=True)),
-              (True, ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size()))
+    groups = ((False,) + g.dp_cp()[:2],  # CP ranks are replicas too
+              (True,) + g.expert_dp()[:2])
     for expert, group, size in groups:  # experts: their expert-DP replicas (param_facts)
-        if size > 1 and (not expert or ps.has_expert_grid()):
+        if size > 1 and (not expert or g.experts):
             out += _differ(hashes, [n for n, h in hashes.items() if h[2] and h[3] == expert], group, size)
-    if tp_too and ps.get_tensor_model_parallel_world_size() > 1:
+    if tp_too and g.tp > 1:
         whole = [n for n, (_, tp_replicated, _, _) in hashes.items() if tp_replicated]
-        out += [f"{n} (over TP)" for n in _differ(hashes, whole, ps.get_tensor_model_parallel_group(),
-                                                  ps.get_tensor_model_parallel_world_size())]
+        out += [f"{n} (over TP)" for n in _differ(hashes, whole, g.tp_group, g.tp)]
     return out

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.distributed import comm, quantize
+from megalite.distributed.param_facts import grid_of
 
 BUCKET = 1 << 24  # elements per outer all-reduce
 
@@ -44,7 +45,8 @@ class SemiSync:
         # so no pseudo-gradient; each outer step sets them to the replicas' sample-weighted mean (Local SGD's rule)
         self.biases = [m.expert_bias for c in chunks for m in c.modules() if getattr(m, "expert_bias", None) is not None]
         optimizer.semi_sync = self  # the optimizer carries the outer state it belongs to (tests read it there)
-        self.replicas, self.replica = ps.get_replica_world_size(), ps.get_replica_rank()
+        self.grid = grid_of(chunks)  # the replicas' groups: the chunks' grid
+        self.replicas, self.replica = self.grid.replicas, self.grid.replica_rank
         self.steps = list(args.semi_sync_steps)
         self.H, self.round = self.steps[self.replica], max(self.steps)
         self.lr, self.momentum, self.nesterov = args.outer_lr, args.outer_momentum, args.outer_nesterov
@@ -200,7 +202,7 @@ class SemiSync:
     def _start(self, idx, samples, async_op=False):
         """This rank's weighted contribution for the main params idx, summed over the replicas (async_op:
         returned with the pending work)."""
-        mains, group = self.optimizer.main_params, ps.get_replica_group()
+        mains, group = self.optimizer.main_params, self.grid.replica_group
         frac, parts = self._weight(group, samples), []
         for f in {self.frag_of[i] for i in idx}:
             self.frag_syncs[f] += 1
@@ -267,7 +269,7 @@ class SemiSync:
 
     def _average_biases(self, frac):
         """The expert biases: sum_r w_r bias_r in float64, one all-reduce over the replicas."""
-        group = ps.get_replica_group()
+        group = self.grid.replica_group
         if not self.biases or group is None:
             return
         flat = torch.cat([b.detach().reshape(-1).double() for b in self.biases]) * frac
@@ -302,7 +304,7 @@ class SemiSync:
 
     def combine(self, values, weight):
         """{key: value} of this replica (evaluation) -> the weight-averaged values over the replicas."""
-        group = ps.get_replica_group()
+        group = self.grid.replica_group
         if group is None or not values:
             return values
         keys = list(values)

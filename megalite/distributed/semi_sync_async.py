@@ -30,7 +30,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megalite import parallel_state as ps
 from megalite.distributed.semi_sync import SemiSync
 from megalite.launch import new_group
 
@@ -109,8 +108,8 @@ class AsyncSemiSync(SemiSync):
         self.run = next(_RUNS)
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self.group, self.counterparts, self.new_slot, self.server = None, None, False, None
-        self.draws_tickets = replicas_first_rank() and self.replicas > 1  # (one replica: no order to keep)
-        for ranks in ps.get_replica_counterparts():  # every rank creates every group, in order
+        self.draws_tickets = replicas_first_rank(self.grid) and self.replicas > 1  # (one replica: no order to keep)
+        for ranks in self.grid.replica_counterparts:  # every rank creates every group, in order
             g = new_group(ranks, backend="gloo")
             if dist.get_rank() in ranks:
                 self.group, self.counterparts = g, ranks  # (in replica order: the server is the first)
@@ -145,7 +144,7 @@ class AsyncSemiSync(SemiSync):
         if not self.new_slot:
             return None
         self.new_slot = False
-        return (it - 1) * self.batch, self.slot[1] * ps.get_data_parallel_world_size() + ps.get_data_parallel_rank()
+        return (it - 1) * self.batch, self.slot[1] * self.grid.dp + self.grid.dp_rank
 
     def check_due(self, it, every):
         return bool(every)  # only at the end, where every replica holds the final weights
@@ -273,10 +272,9 @@ class _Server(threading.Thread):
         dist.send(weights, dst, group=self.owner.group)
 
 
-def replicas_first_rank():
+def replicas_first_rank(grid):
     """Whether this rank is its replica's first (TP, CP, inner DP and PP rank 0)."""
-    return ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and \
-        ps.get_context_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    return grid.dp_rank == 0 and grid.tp_rank == 0 and grid.cp_rank == 0 and grid.pp_rank == 0
 
 
 def unflatten(flat, like):

@@ -14,7 +14,7 @@ applied with one torch._foreach_mul_. Only get_grad_norm (the float for logging)
 import torch
 
 from megalite import parallel_state as ps
-from megalite.distributed.param_facts import counted_once, split_dense_expert, sum_over_model
+from megalite.distributed.param_facts import counted_once, grid_of_params, split_dense_expert, sum_over_model
 
 
 def _foreach_sq_norm(grads, device):
@@ -34,10 +34,12 @@ def grad_norm_tensor(params, grads, sharded_over_dp=False):
     """L2 norm of the gradients of `params` (parallel lists) over the model-parallel group (experts:
     over EP x PP), as a 1-element device tensor (no host sync); with sharded_over_dp (ZeRO: each DP
     rank holds a disjoint slice) summed over DP (experts: expert-DP) too."""
+    params = list(params)
     kept = [(p, g) for p, g in zip(params, grads) if counted_once(p)]
     dense, expert = split_dense_expert([p for p, _ in kept], [g for _, g in kept])
     dev = ps.get_device()
-    return sum_over_model(_foreach_sq_norm(dense, dev), _foreach_sq_norm(expert, dev), sharded_over_dp).sqrt()
+    return sum_over_model(_foreach_sq_norm(dense, dev), _foreach_sq_norm(expert, dev), sharded_over_dp,
+                          grid_of_params(params)).sqrt()
 
 
 def get_grad_norm(params, grads, sharded_over_dp=False):
