@@ -21,6 +21,7 @@ import operator
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
+from megalite.distributed.param_facts import derive
 from megalite.iteration_plan import batch_schedule, reduces_once, training_plan
 from megalite.cli.features.mixed_gpu import with_rank_precision
 from megalite.optimizer.muon import is_muon_matrix
@@ -132,15 +133,9 @@ def _buckets(model, grid, zero, bucket_size):
 
 
 def _plan_buckets(model, grid, zero, bucket_size):
-    def group_of(p):
-        if expert(p):
-            return None, grid.edp, grid.edp_rank
-        return None, grid.dp * grid.cp, grid.dp_rank * grid.cp + grid.cp_rank
-
-    def expert(p):
-        return bool(getattr(p, "expert_parallel", False)) and grid.experts
-    plan = plan_reduction(model, [p for p in model.parameters() if p.requires_grad], bucket_size, zero, group_of,
-                          expert, None, _tied(model, grid) if zero else None)
+    facts = {p: derive(p, grid) for p in model.parameters() if p.requires_grad}  # as DDP stamps them in this grid
+    plan = plan_reduction(model, list(facts), bucket_size, zero, lambda p: facts[p].data_parallel,
+                          lambda p: facts[p].expert, None, _tied(model, grid) if zero else None)
     return [(b, n, d, r) for b, n, (_, d, r) in plan]
 
 
