@@ -21,8 +21,8 @@ from megalite.models import BertModel
 ARGS_DEFAULTS = {"model_type": "bert", "tokenizer_type": "BertWordPieceLowerCase"}
 
 
-def model_provider(config, pre_process=True, post_process=True):
-    return BertModel(config, pre_process=pre_process, post_process=post_process)
+def model_provider(config, pre_process=True, post_process=True, *, grid=None, vp_stage=None):
+    return BertModel(config, pre_process=pre_process, post_process=post_process, grid=grid, vp_stage=vp_stage)
 
 
 def datasets_provider(args, num_samples):

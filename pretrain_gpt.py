@@ -14,8 +14,8 @@ from megalite.distributed.cp_comm import cp_size, slice_for_cp_rank, sum_over_cp
 from megalite.models import GPTModel
 
 
-def model_provider(config, pre_process=True, post_process=True):
-    return GPTModel(config, pre_process=pre_process, post_process=post_process)
+def model_provider(config, pre_process=True, post_process=True, *, grid=None, vp_stage=None):
+    return GPTModel(config, pre_process=pre_process, post_process=post_process, grid=grid, vp_stage=vp_stage)
 
 
 def _tokenizer(args):

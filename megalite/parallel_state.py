@@ -133,6 +133,15 @@ def current_grid(grid=None):
     return _grid() if grid is None else grid
 
 
+def grid_of(modules):
+    """The grid model chunks were built in (a DDP wrapper's, else the module's own `grid`; default the global one)."""
+    for m in modules:
+        g = getattr(m, "grid", None) or getattr(getattr(m, "module", None), "grid", None)
+        if g is not None:
+            return g
+    return current_grid()
+
+
 def get_tensor_model_parallel_group():
     return _grid().tp_group
 

@@ -5,7 +5,6 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.distributed.collectives import broadcast_from_last_rank
-from megalite.distributed.param_facts import grid_of
 
 
 def _grad(p):
@@ -33,7 +32,7 @@ def allreduce_sequence_parallel_grads(params, grid=None):
 def allreduce_embedding_grads(model_chunks):
     """A word embedding with copies on the first and last pipeline stages (tied to the output layer, or
     looked up by multi-token prediction on the last stage): sum their grads."""
-    g = grid_of(model_chunks)
+    g = ps.grid_of(model_chunks)
     if g.pp == 1 or g.rank not in g.emb_ranks:
         return
     for m in model_chunks:
@@ -64,7 +63,7 @@ def finalize_model_grads(model_chunks):
         if hasattr(m, "finish_grad_sync"):
             m.finish_grad_sync()
         params.extend(p for p in m.parameters() if p.requires_grad)
-    allreduce_sequence_parallel_grads(params, grid_of(model_chunks))
+    allreduce_sequence_parallel_grads(params, ps.grid_of(model_chunks))
     allreduce_embedding_grads(model_chunks)
     update_expert_biases(model_chunks)
 
@@ -80,7 +79,7 @@ def update_expert_biases(model_chunks):
                           else torch.zeros(r.expert_bias.numel(), dtype=torch.int64, device=r.expert_bias.device)
                           for r in routers])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts, group=grid_of(model_chunks).stage_dp_group())
+        dist.all_reduce(counts, group=ps.grid_of(model_chunks).stage_dp_group())
     for r, c in zip(routers, counts):
         r.update_expert_bias(c)
 
@@ -91,7 +90,7 @@ def scale_grads_by_token_count(model_chunks, count):
     it). The DP reduction divided by the chunks' grad_divisor (DP: averaged; 1 with uneven
     shares: summed), so the factor is that divisor / count. No host read."""
     count = count.reshape(1).float().clone()
-    g = grid_of(model_chunks)
+    g = ps.grid_of(model_chunks)
     if g.dp > 1:
         dist.all_reduce(count, group=g.dp_group)
     broadcast_from_last_rank(count, g)

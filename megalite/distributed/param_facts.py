@@ -57,15 +57,6 @@ def facts(p):
     return f if f is not None else derive(p, ps.current_grid())
 
 
-def grid_of(modules):
-    """The grid model chunks were built in (a DDP wrapper's, else the module's own `grid`; default the global one)."""
-    for m in modules:
-        g = getattr(m, "grid", None) or getattr(getattr(m, "module", None), "grid", None)
-        if g is not None:
-            return g
-    return ps.current_grid()
-
-
 def grid_of_params(params):
     """The grid of these parameters' facts (all of one model), the global one for none."""
     params = list(params)

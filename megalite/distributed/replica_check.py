@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
-from megalite.distributed.param_facts import grid_of, is_expert
+from megalite.distributed.param_facts import is_expert
 
 
 def _weights(chunk):
@@ -63,7 +63,7 @@ def replicas_differ(chunks, tp_too=False, across_replicas=False, values=None):
     for chunk in chunks:
         if hasattr(chunk, "finish_param_sync"):
             chunk.finish_param_sync()
-    hashes, out, g = weight_hashes(chunks, values), [], grid_of(chunks)
+    hashes, out, g = weight_hashes(chunks, values), [], ps.grid_of(chunks)
     if across_replicas:
         differ = _differ(hashes, list(hashes), g.replica_group, g.replicas) if g.replicas > 1 else []
         return [f"{n} (over replicas)" for n in differ]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.distributed import comm, quantize
-from megalite.distributed.param_facts import grid_of
+
 
 BUCKET = 1 << 24  # elements per outer all-reduce
 
@@ -45,7 +45,7 @@ class SemiSync:
         # so no pseudo-gradient; each outer step sets them to the replicas' sample-weighted mean (Local SGD's rule)
         self.biases = [m.expert_bias for c in chunks for m in c.modules() if getattr(m, "expert_bias", None) is not None]
         optimizer.semi_sync = self  # the optimizer carries the outer state it belongs to (tests read it there)
-        self.grid = grid_of(chunks)  # the replicas' groups: the chunks' grid
+        self.grid = ps.grid_of(chunks)  # the replicas' groups: the chunks' grid
         self.replicas, self.replica = self.grid.replicas, self.grid.replica_rank
         self.steps = list(args.semi_sync_steps)
         self.H, self.round = self.steps[self.replica], max(self.steps)

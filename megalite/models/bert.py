@@ -99,7 +99,8 @@ class BertLMHead(nn.Module):
 class BertModel(nn.Module):
     input_on_every_stage = True  # every pipeline stage needs the padding mask: all read the data
 
-    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None, grid=None):
+    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None, grid=None,
+                 vp_stage=None):
         super().__init__()
         c = config
         self.grid = grid = ps.current_grid(grid)
@@ -112,7 +113,7 @@ class BertModel(nn.Module):
             raise ConfigError(f"BERT uses learned absolute positions, not --position-embedding-type "
                               f"{c.position_embedding_type}")
         if num_layers is None:
-            num_layers, layer_offset = chunk_layers(c, grid=grid)
+            num_layers, layer_offset = chunk_layers(c, vrank=vp_stage, grid=grid)
         self.config = c
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = self.shares_embedding_across_stages = True

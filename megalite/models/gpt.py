@@ -81,16 +81,18 @@ class GPTEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """grid: the layout this rank's model is built for (parallel_state.Grid; default the global one)."""
+    """grid: the layout this rank's model is built for (parallel_state.Grid; default the global one); vp_stage: which
+    of this rank's virtual pipeline chunks it is (interleaving; its layers follow from it)."""
 
-    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None, grid=None):
+    def __init__(self, config, pre_process=True, post_process=True, num_layers=None, layer_offset=None, grid=None,
+                 vp_stage=None):
         super().__init__()
         c = config
         self.grid = grid = ps.current_grid(grid)
         tp = grid.tp
         c.check_parallel(tp)
         if num_layers is None:  # this pipeline stage's (and virtual chunk's) share
-            num_layers, layer_offset = chunk_layers(c, grid=grid)
+            num_layers, layer_offset = chunk_layers(c, vrank=vp_stage, grid=grid)
         self.config = c
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = not c.untie_embeddings_and_output_weights

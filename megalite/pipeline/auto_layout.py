@@ -198,7 +198,8 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
     from megalite.optimizer.memory import state_bytes_by_place
     from megalite.pipeline.schedules import pipeline_tensor_shape
     from megalite.rerun import _reset_model_state, _save_model_state
-    dp_rank = ps.get_data_parallel_rank_across_replicas()
+    grid = ps.grid_of(chunks)
+    dp_rank = grid.data_rank()
     micro, count = plan.micro_of(dp_rank), plan.counts_of(plan.schedule.final)[dp_rank]
     best, saved = None, _save_model_state(chunks)
     for _ in range(args.pipeline_layout_profile_iters):
@@ -207,7 +208,7 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
         its = [None if it is None else iter(list(itertools.islice(it, count)))
                for it in data_iterators(dataset, 0, args, chunks, micro_batch_size=micro)]
         with _random_state_kept(), probe.installed():
-            run_forward_backward(forward_step_func, its, chunks, count, pipeline_tensor_shape(mcfg, micro),
+            run_forward_backward(forward_step_func, its, chunks, count, pipeline_tensor_shape(mcfg, micro, grid),
                                  mcfg.params_dtype, loss_scale=optimizer.loss_scale, loss_divisor=count)
         finalize_model_grads(chunks)  # the reductions it started end here, as after a training step
         _reset_model_state(chunks, saved)  # --grad-compression's error feedback as before
@@ -221,7 +222,7 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
     states = state_bytes_by_place(chunks, optimizer)[0]
     numel = [sum(p.numel() for p in m.parameters()) for m in (*best.layers, *chunks)]
     in_layers = sum(numel[:n]) / max(sum(numel[n:]), 1)
-    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    pp, stage = grid.pp, grid.pp_rank
     budget = (args.device_memory_budget[stage] * GIB if args.device_memory_budget else  # CUDA: all it may use
               0.9 * (torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()) if ps.get_device().type == "cuda"
               else 0)
@@ -234,7 +235,7 @@ def measure_and_choose(args, plan, mcfg, chunks, optimizer, dataset, forward_ste
     from megalite.distributed.collectives import gather_rows
     global last
     rows = gather_rows(measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func))
-    stages = stages_from_rows(rows, ps.get_pipeline_model_parallel_world_size())
+    stages = stages_from_rows(rows, ps.grid_of(chunks).pp)
     counts = balanced_counts(stages, args.num_layers)
     last = (stages, counts)
     return counts

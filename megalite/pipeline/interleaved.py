@@ -16,45 +16,54 @@ from megalite.pipeline.p2p import P2P
 from megalite.pipeline.run import Run, free_output
 
 
+class _Plan:
+    """The interleaved schedule's arithmetic on one rank: which chunk virtual step k runs, how many steps
+    are warm-up, and what arrives after each step."""
+
+    def __init__(self, m, v, pp, rank, group, first_stage, last_stage, forward_only):
+        # Chunk of each virtual micro-batch: G micro-batches on chunk 0, the same on chunk 1, ... per group.
+        self.table = [c for lo in range(0, m, group) for c in range(v) for _ in range(min(group, m - lo))]
+        self.v, self.pp, self.first_stage, self.last_stage = v, pp, first_stage, last_stage
+        self.total = m * v
+        self.all_warmup = forward_only or m == pp
+        self.warmup = self.total if self.all_warmup else min((pp - rank - 1) * 2 + (v - 1) * group, self.total)
+
+    def chunk_id(self, k, forward):
+        c = self.table[k % self.total]
+        return c if forward else self.v - 1 - c
+
+    def recv_plan(self, k, forward):
+        """After virtual step k: whether a tensor arrives (forward: from the previous stage; backward:
+        from the next) and for which chunk. The leading stage (first in forward, last in backward)
+        is PP - 1 steps ahead of the stage that sends to it around the ring."""
+        if self.first_stage if forward else self.last_stage:
+            if k < self.pp - 1:
+                return False, self.chunk_id(k + 1, forward)
+            c = self.chunk_id(k - (self.pp - 1), forward)
+            return c != (self.v - 1 if forward else 0), c + (1 if forward else -1)
+        return True, self.chunk_id(k + 1, forward)
+
+
 def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator, model, num_microbatches,
                                                   forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
                                                   loss_divisor=None):
     chunks = model if isinstance(model, list) else [model]
-    v, pp, rank = len(chunks), ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    m = num_microbatches
+    grid = ps.grid_of(chunks)
+    v, pp, m = len(chunks), grid.pp, num_microbatches
     config = getattr(chunks[0], "module", chunks[0]).config
     group = getattr(config, "microbatch_group_size_per_vp_stage", None)
     if why := interleaving_problem(m, pp, group):
         raise ValueError(f"{why}; change --global-batch-size or --micro-batch-size")
-    group = group or pp
-    # Chunk of each virtual micro-batch: G micro-batches on chunk 0, the same on chunk 1, ... per group.
-    table = [c for lo in range(0, m, group) for c in range(v) for _ in range(min(group, m - lo))]
-    p2p = P2P(tensor_shape, dtype, ps.get_device())
-    run = Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale, loss_divisor)
-    total = m * v
-    all_warmup = forward_only or m == pp
-    warmup = total if all_warmup else min((pp - rank - 1) * 2 + (v - 1) * group, total)
+    first_stage, last_stage = grid.first_stage(), grid.last_stage()
+    plan = _Plan(m, v, pp, grid.pp_rank, group or pp, first_stage, last_stage, forward_only)
+    chunk_id, recv_plan, total, warmup, all_warmup = (plan.chunk_id, plan.recv_plan, plan.total, plan.warmup,
+                                                      plan.all_warmup)
     remaining = total - warmup
-    first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
-    last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    p2p = P2P(tensor_shape, dtype, ps.get_device(), grid)
+    run = Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale, loss_divisor)
     inputs = [[] for _ in range(v)]
     outputs = [[] for _ in range(v)]
     out_grads = [[] for _ in range(v)]
-
-    def chunk_id(k, forward):
-        c = table[k % total]
-        return c if forward else v - 1 - c
-
-    def recv_plan(k, forward):
-        """After virtual step k: whether a tensor arrives (forward: from the previous stage; backward:
-        from the next) and for which chunk. The leading stage (first in forward, last in backward)
-        is PP - 1 steps ahead of the stage that sends to it around the ring."""
-        if first_stage if forward else last_stage:
-            if k < pp - 1:
-                return False, chunk_id(k + 1, forward)
-            c = chunk_id(k - (pp - 1), forward)
-            return c != (v - 1 if forward else 0), c + (1 if forward else -1)
-        return True, chunk_id(k + 1, forward)
 
     def fwd(k):
         c = chunk_id(k, True)
@@ -73,7 +82,6 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
         return run.backward(c, inputs[c].pop(0), outputs[c].pop(0), out_grads[c].pop(0))
 
     try:
-        ps.set_virtual_pipeline_model_parallel_rank(0)
         inputs[0].append(None if first_stage else p2p.recv_forward())
         for k in range(warmup):
             out = fwd(k)
@@ -123,5 +131,4 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
                     out_grads[nb].append(g)
     finally:
         run.restore()
-        ps.set_virtual_pipeline_model_parallel_rank(0)
     return run.reported

@@ -22,12 +22,12 @@ _ACT, _GRAD = 0, 1
 class P2P:
     """Sends/receives tensors of one fixed shape and dtype between adjacent stages."""
 
-    def __init__(self, shape, dtype, device):
+    def __init__(self, shape, dtype, device, grid=None):
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        ranks = ps.get_pipeline_model_parallel_ranks()
-        r, n = ps.get_pipeline_model_parallel_rank(), len(ranks)
-        self.next, self.prev = ranks[(r + 1) % n], ranks[(r - 1) % n]
-        self.group = ps.get_pipeline_model_parallel_group()
+        g = ps.current_grid(grid)
+        ranks, r = list(g.pp_ranks), g.pp_rank
+        self.next, self.prev = ranks[(r + 1) % len(ranks)], ranks[(r - 1) % len(ranks)]
+        self.group = g.pp_group
 
     def _empty(self):
         return torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=False)

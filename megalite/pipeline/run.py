@@ -22,6 +22,9 @@ class Run:
     def __init__(self, forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale,
                  loss_divisor=None):
         self.chunks = model if isinstance(model, list) else [model]
+        # whether each chunk is the model's last (virtual) stage: it computes the loss
+        self.grid = ps.grid_of(self.chunks)
+        self.last = [self.grid.last_stage() and i == len(self.chunks) - 1 for i in range(len(self.chunks))]
         its = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(self.chunks)
         self.iters, self.func = its, forward_step_func
         self.m, self.forward_only, self.loss_scale = num_microbatches, forward_only, loss_scale
@@ -57,7 +60,6 @@ class Run:
             return self._backward(chunk, input_tensor, output_tensor, output_grad)
 
     def _forward(self, chunk, input_tensor):
-        ps.set_virtual_pipeline_model_parallel_rank(chunk)
         if input_tensor is not None:
             input_tensor.requires_grad_(not self.forward_only)
         model = self.chunks[chunk]
@@ -66,7 +68,7 @@ class Run:
         self.next_mb[chunk] += 1
         last_run["ops"].append(("F", chunk, mb))
         output, loss_func = self.func(self.iters[chunk], model)
-        if ps.is_pipeline_last_stage():
+        if self.last[chunk]:
             out = loss_func(output)
             loss, reported = out[0], out[-1]
             self.reported.append(reported)
@@ -77,7 +79,6 @@ class Run:
         return output
 
     def _backward(self, chunk, input_tensor, output_tensor, output_grad):
-        ps.set_virtual_pipeline_model_parallel_rank(chunk)
         mb = self.bwd_mb[chunk]
         self.bwd_mb[chunk] += 1
         last_run["ops"].append(("B", chunk, mb))
@@ -95,7 +96,7 @@ class Run:
         return None if input_tensor is None else input_tensor.grad
 
 
-def free_output(t):
-    """Release an output's activation memory once sent; autograd keeps its graph."""
-    if t is not None and t._base is None and not ps.is_pipeline_last_stage():
+def free_output(t, last=False):
+    """Release an output's activation memory once sent (not the last stage's: the loss); autograd keeps its graph."""
+    if t is not None and t._base is None and not last:
         t.data = torch.empty((1,), dtype=t.dtype, device=t.device)

@@ -19,10 +19,11 @@ from megalite.pipeline.p2p import P2P
 from megalite.pipeline.run import Run, free_output, last_run  # noqa: F401 (last_run: read here by tests)
 
 
-def pipeline_tensor_shape(model_config, micro_batch_size):
+def pipeline_tensor_shape(model_config, micro_batch_size, grid=None):
     """What travels between stages: [seq (/CP) (/TP under SP), micro-batch, hidden]."""
-    c, tp = model_config, ps.get_tensor_model_parallel_world_size()
-    seq = c.seq_length // ps.get_context_parallel_world_size()
+    g = ps.current_grid(grid)
+    c, tp = model_config, g.tp
+    seq = c.seq_length // g.cp
     seq = seq // tp if c.sequence_parallel and tp > 1 else seq
     return (seq, micro_batch_size, c.hidden_size)
 
@@ -47,10 +48,11 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
                                                      loss_divisor=None):
     """1F1B: warm-up = min(PP - stage - 1, M) forwards, then one forward / one backward,
     then the remaining backwards. Stage s holds at most PP - s micro-batches' activations."""
-    pp, rank, m = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(), num_microbatches
-    p2p = P2P(tensor_shape, dtype, ps.get_device())
-    run = Run(forward_step_func, data_iterator, model, m, forward_only, loss_scale, loss_divisor)
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    run = Run(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale, loss_divisor)
+    g, m = run.grid, num_microbatches
+    pp, rank = g.pp, g.pp_rank
+    p2p = P2P(tensor_shape, dtype, ps.get_device(), g)
+    first, last = g.first_stage(), g.last_stage()
     warmup = min(pp - rank - 1, m)
     remaining = m - warmup
     inputs, outputs = [], []
@@ -60,7 +62,7 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
             out = run.forward(0, inp)
             if not last:
                 p2p.send_forward(out)
-            free_output(out)
+            free_output(out, last)
             inputs.append(inp)
             outputs.append(out)
         inp = None if first or remaining == 0 else p2p.recv_forward()
@@ -73,7 +75,7 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
                 inp = None if first or is_last else p2p.recv_forward()
                 continue
             out_grad = None if last else p2p.send_forward_recv_backward(out)
-            free_output(out)
+            free_output(out, last)
             inputs.append(inp)
             outputs.append(out)
             in_grad = run.backward(0, inputs.pop(0), outputs.pop(0), out_grad)
@@ -94,10 +96,11 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
     return run.reported
 
 
-def get_forward_backward_func():
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+def get_forward_backward_func(grid=None):
+    g = ps.current_grid(grid)
+    if g.pp == 1:
         return forward_backward_no_pipelining
-    if ps.get_virtual_pipeline_model_parallel_world_size() is not None:
+    if g.vpp is not None:
         return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving
 

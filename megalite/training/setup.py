@@ -3,6 +3,7 @@ the LR schedule, and the state loaded from --load (prepare: everything a Trainer
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import types
 
@@ -102,17 +103,17 @@ def _describe(args, r):
 def build_model(mcfg, model_provider, args, plan=None):
     """This rank's model chunks (v of them with interleaving), each wrapped for DP (plan: the
     IterationPlan, whose shares set how the DP reduction weighs; default equal shares)."""
-    v = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    grid = ps.current_grid()
+    v = grid.vpp or 1
     chunks = []
     from megalite.distributed.grad_compression import build_compressor
     compressor = build_compressor(args.grad_compression, args.grad_compression_ratio, args.grad_compression_start_iter,
                                   args.seed)
     for j in range(v):
-        ps.set_virtual_pipeline_model_parallel_rank(j)
         # ZeRO-3: parameters built on the meta device; each rank makes only its shards (O(shard))
         with ps.meta_init() if args.use_distributed_optimizer and args.zero_stage == 3 else contextlib.nullcontext():
-            m = model_provider(mcfg, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
-        chunks.append(DistributedDataParallel(m, bucket_size=args.ddp_bucket_size,
+            m = provide(model_provider, mcfg, grid.first_stage() and j == 0, grid.last_stage() and j == v - 1, grid, j)
+        chunks.append(DistributedDataParallel(m, grid=grid, bucket_size=args.ddp_bucket_size,
                                               overlap_grad_reduce=args.overlap_grad_reduce,
                                               use_distributed_optimizer=args.use_distributed_optimizer,
                                               zero_stage=args.zero_stage or 1,
@@ -122,8 +123,22 @@ def build_model(mcfg, model_provider, args, plan=None):
                                               hierarchical=args.hierarchical_grad_reduce,
                                               compressor=compressor,
                                               reshard_after_forward=args.torch_fsdp2_reshard_after_forward))
-    ps.set_virtual_pipeline_model_parallel_rank(0)
     return chunks
+
+
+def provide(model_provider, config, pre, post, grid, vp_stage):
+    """model_provider(config, pre, post, grid=, vp_stage=) as Megatron's builders take them; a provider of
+    (config, pre, post) alone builds chunk vp_stage from the grid's virtual rank, set while it runs."""
+    params = inspect.signature(model_provider).parameters
+    anything = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kw = {k: v for k, v in (("grid", grid), ("vp_stage", vp_stage)) if k in params or anything}
+    if "vp_stage" in kw:
+        return model_provider(config, pre, post, **kw)
+    grid.virtual_rank = vp_stage
+    try:
+        return model_provider(config, pre, post, **kw)
+    finally:
+        grid.virtual_rank = 0
 
 
 def setup(args, model_provider, plan=None, sizing=None):
