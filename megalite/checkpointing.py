@@ -186,7 +186,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
     wait_for_pending_save()
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: parameters must be whole
-    root, rank = args.save, ps.global_rank()
+    g = ps.grid_of(chunks)
+    root, rank = args.save, g.rank
     tmp = iteration_dir(root, iteration) + ".tmp"
     group = _group()
     if rank == 0:
@@ -195,16 +196,12 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
         meta = {"format": FORMAT, "version": 1, "megalite_version": __version__, "iteration": iteration,
                 "consumed_train_samples": consumed_train, "consumed_valid_samples": consumed_valid,
                 "model_config": config_json(model_config), "dtype": config_json(model_config)["params_dtype"],
-                "parallel": {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-                             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-                             "data_parallel_size": ps.get_data_parallel_world_size(),  # (per replica)
-                             "semi_sync_replicas": ps.get_replica_world_size(),
-                             "context_parallel_size": ps.get_context_parallel_world_size(),
-                             "use_tp_pp_dp_mapping": ps.uses_tp_pp_dp_mapping(),
-                             "virtual_pipeline_model_parallel_size":
-                                 ps.get_virtual_pipeline_model_parallel_world_size(),
+                "parallel": {"tensor_model_parallel_size": g.tp, "pipeline_model_parallel_size": g.pp,
+                             "data_parallel_size": g.dp,  # (per replica)
+                             "semi_sync_replicas": g.replicas, "context_parallel_size": g.cp,
+                             "use_tp_pp_dp_mapping": g.pp_before_dp, "virtual_pipeline_model_parallel_size": g.vpp,
                              "use_distributed_optimizer": bool(args.use_distributed_optimizer),
-                             "zero_stage": args.zero_stage, "world_size": ps.world_size()},
+                             "zero_stage": args.zero_stage, "world_size": g.world_size()},
                 "has_optimizer": not args.no_save_optim, "has_rng": not args.no_save_rng,
                 "optimizer": {"step": optimizer_step(optimizer), "kind": optimizer_kind(args)},
                 "semi_sync": semi.state() if (semi := getattr(optimizer, "semi_sync", None)) else None,
@@ -220,7 +217,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
         fsync_write(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), json.dumps(rng_state()).encode())
     entries = model_entries(chunks, for_save=True)
     if not args.no_save_optim:  # each semi-synchronous replica its own inner state, the first the outer one
-        entries.update(optimizer_entries(optimizer, chunks, for_save=True, prefix=_replica_prefix()))
+        entries.update(optimizer_entries(optimizer, chunks, for_save=True, prefix=_replica_prefix(g)))
         entries.update(outer_momentum_entries(optimizer, chunks, for_save=True))
     kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration, args.verify_integrity,
                                                getattr(args, "save_retain_interval", None)),
@@ -268,8 +265,9 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"--load {root} is a file; give the checkpoint directory (the one holding {TRACKER})")
     it = read_tracker(root) if os.path.isdir(root) else None
+    g = ps.grid_of(chunks)
     if it is None:
-        if ps.global_rank() == 0:
+        if g.rank == 0:
             print(f"megalite: no checkpoint in --load {root}; training from scratch", flush=True)
         return None
     path = iteration_dir(root, it)
@@ -289,7 +287,7 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     optional = set()
     if load_optim:  # a replica the checkpoint has not (another count, or a synchronous run) takes the first's
         saved = (meta.get("parallel") or {}).get("semi_sync_replicas", 1)
-        prefix = _replica_prefix() if ps.get_replica_rank() < saved else ""
+        prefix = _replica_prefix(g) if g.replica_rank < saved else ""
         opt = optimizer_entries(optimizer, chunks, for_save=False, prefix=prefix)
         optional = {k for k in opt if k.startswith(f"{prefix}optimizer.main_param.")}  # absent in fp32 checkpoints
         momentum = outer_momentum_entries(optimizer, chunks, for_save=False)
@@ -315,7 +313,7 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
     else:
         main_params_from_model(optimizer)
-    _restore_rng(meta, path, args, weights_only)
+    _restore_rng(meta, path, args, weights_only, g)
     if getattr(optimizer, "semi_sync", None) is not None:  # saved at an outer step: the weights are global
         optimizer.semi_sync.loaded(meta.get("semi_sync"), [k for k in planner.missing if k.startswith("semi_sync.")])
     if weights_only:
@@ -323,10 +321,10 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
     return meta["iteration"], meta["consumed_train_samples"], meta["consumed_valid_samples"]
 
 
-def _replica_prefix():
+def _replica_prefix(grid):
     """Checkpoint names of this semi-synchronous replica's inner optimizer state (the first's are the
     ordinary ones, which a synchronous run loads)."""
-    r = ps.get_replica_rank()
+    r = grid.replica_rank
     return f"replica{r}." if r else ""
 
 
@@ -356,19 +354,17 @@ def _drop_gathered(chunks):
             c.units.release_all()
 
 
-def _restore_rng(meta, path, args, weights_only):
+def _restore_rng(meta, path, args, weights_only, g):
     if weights_only or args.no_load_rng:
         return
     par = meta.get("parallel", {})
     # Per-rank streams belong to grid coordinates: the same TP, CP, PP, world and rank order.
     same = (par.get("tensor_model_parallel_size"), par.get("pipeline_model_parallel_size"),
             par.get("context_parallel_size", 1), par.get("use_tp_pp_dp_mapping", False),
-            par.get("world_size")) == (ps.get_tensor_model_parallel_world_size(),
-                                       ps.get_pipeline_model_parallel_world_size(),
-                                       ps.get_context_parallel_world_size(), ps.uses_tp_pp_dp_mapping(), ps.world_size())
+            par.get("world_size")) == (g.tp, g.pp, g.cp, g.pp_before_dp, g.world_size())
     if not (same and meta.get("has_rng")):
-        if ps.global_rank() == 0:
+        if g.rank == 0:
             print("megalite: checkpoint RNG states not restored (saved at another layout or without them); "
                   "random streams restart from --seed", flush=True)
         return
-    set_rng_state(read_json(os.path.join(path, "rng", f"rank_{ps.global_rank():05d}.json"), "RNG state"))
+    set_rng_state(read_json(os.path.join(path, "rng", f"rank_{g.rank:05d}.json"), "RNG state"))

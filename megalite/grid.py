@@ -56,6 +56,10 @@ class Grid:
         """This rank holds the pipeline's last stage (whatever its virtual chunk)."""
         return self.pp_rank == self.pp - 1
 
+    def world_size(self):
+        """Every rank of the run: TP x CP x PP x DP x semi-synchronous replicas."""
+        return self.tp * self.cp * self.pp * self.dp * self.replicas
+
     def data_rank(self):
         """This rank's DP index over every replica (replica x inner DP): what it reads of each global batch."""
         return self.dp_rank + self.dp * self.replica_rank

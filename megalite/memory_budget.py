@@ -123,20 +123,21 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     from megalite.iteration_plan import interleaving
     from megalite.optimizer.memory import state_bytes_by_place
     from megalite.pipeline.schedules import pipeline_tensor_shape
-    dp_rank = ps.get_data_parallel_rank_across_replicas()
+    grid = ps.grid_of(chunks)
+    dp_rank = grid.data_rank()
     samples = plan.samples_of(plan.schedule.final)[dp_rank]
     params = [p for c in chunks for p in c.parameters()]
     at = {}
     for m in (1, 2) if samples >= 2 else (1,):
         its = data_iterators(dataset, 0, args, chunks, micro_batch_size=m)
         at[m] = saved_activation_bytes(lambda: run_forward_backward(
-            forward_step_func, its, chunks, 1, pipeline_tensor_shape(mcfg, m), mcfg.params_dtype,
+            forward_step_func, its, chunks, 1, pipeline_tensor_shape(mcfg, m, grid), mcfg.params_dtype,
             loss_scale=optimizer.loss_scale, loss_divisor=1), params)
         finalize_model_grads(chunks)  # the reductions it started end here, as after a training step
         for c in chunks:
             c.zero_grad_buffer()
     profile = Profile(state_bytes_by_place(chunks, optimizer)[0], at[1], at.get(2, 2 * at[1]),
-                      ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())
+                      grid.pp, grid.pp_rank)
     profile.offloadable = offloadable_bytes(optimizer)
     profile.any_count = args.data_parallel_shares == "auto"
     budget = args.device_memory_budget[dp_rank] * GIB if args.device_memory_budget else \
@@ -146,7 +147,7 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
                          args.optimizer_offload_fraction == "auto", profile.offloadable,
                          args.pipeline_model_parallel_size, interleaving(args), dp_rank)
     if auto_sizes:  # every rank of a replica takes the smallest size any of them fits
-        plan.micros = [round(1 / v) for v in max_per_data_parallel_rank(1 / m)]
+        plan.micros = [round(1 / v) for v in max_per_data_parallel_rank(1 / m, grid)]
     Profile.last = (profile, budget, plan.micros, fraction)  # for tests and benchmarks
     return fraction
 

@@ -24,7 +24,7 @@ def moe_loss_names(config):
     return names
 
 
-def moe_losses(config, num_microbatches, total=None):
+def moe_losses(config, num_microbatches, total=None, grid=None):
     """{name: device scalar}; total: this rank's loss divisor when uneven. With
     --moe-per-layer-logging also {"moe/<name>_layer_<i>": scalar} per MoE layer (Megatron writes those to
     TensorBoard only; the console line skips names with a "/")."""
@@ -41,19 +41,18 @@ def moe_losses(config, num_microbatches, total=None):
             if layer in aux_losses.get(n, {}):
                 vals[j, i] = aux_losses[n][layer].to(dev)
     aux_losses.clear()
-    vals = _over_batch_and_stages(vals, num_microbatches, total)
-    tp = ps.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
-    cp = ps.get_context_parallel_world_size()
-    if tp * cp > 1:  # each TP (under SP) and CP rank's part
-        dist.all_reduce(vals, group=ps.get_tensor_and_context_parallel_group() if cp > 1
-                        else ps.get_tensor_model_parallel_group())
+    g = ps.current_grid(grid)
+    vals = _over_batch_and_stages(vals, num_microbatches, total, g)
+    tp = g.tp if config.sequence_parallel else 1
+    if tp * g.cp > 1:  # each TP (under SP) and CP rank's part
+        dist.all_reduce(vals, group=g.tp_cp_group if g.cp > 1 else g.tp_group)
     out = dict(zip(names, (vals.sum(dim=1) / len(layers)).unbind()))
     if config.moe_per_layer_logging:
         out.update({f"moe/{n}_layer_{layer}": vals[j, i] for j, n in enumerate(names) for i, layer in enumerate(layers)})
     return out
 
 
-def dsa_indexer_loss(config, num_microbatches, total=None):
+def dsa_indexer_loss(config, num_microbatches, total=None, grid=None):
     """{"indexer loss": device scalar}: each layer's coeff-scaled KL loss. Every TP rank holds the whole
     loss (the indexer sees the whole sequence): no sum over TP."""
     per_layer = aux_losses.pop("indexer loss", {})
@@ -62,39 +61,41 @@ def dsa_indexer_loss(config, num_microbatches, total=None):
     vals = torch.zeros(config.num_layers, device=ps.get_device())
     for layer, value in per_layer.items():
         vals[layer - 1] = value.to(vals.device)
-    return {"indexer loss": _over_batch_and_stages(vals, num_microbatches, total).sum() / config.num_layers}
+    return {"indexer loss": _over_batch_and_stages(vals, num_microbatches, total, ps.current_grid(grid)).sum()
+            / config.num_layers}
 
 
-def mtp_losses(config, num_microbatches, total=None):
+def mtp_losses(config, num_microbatches, total=None, grid=None):
     """{"mtp_<k> loss": device scalar} per depth k: the masked mean cross-entropy k tokens further ahead."""
     per_depth = aux_losses.pop("mtp loss", {})
     vals = torch.zeros(config.mtp_num_layers, device=ps.get_device())
     for k, value in per_depth.items():
         vals[k - 1] = value.to(vals.device)
-    if ps.get_context_parallel_world_size() > 1:
-        dist.all_reduce(vals, group=ps.get_context_parallel_group())
-    vals = _over_batch_and_stages(vals, num_microbatches, total)
+    g = ps.current_grid(grid)
+    if g.cp > 1:
+        dist.all_reduce(vals, group=g.cp_group)
+    vals = _over_batch_and_stages(vals, num_microbatches, total, g)
     return {f"mtp_{k + 1} loss": v for k, v in enumerate(vals.unbind())}
 
 
-def _over_batch_and_stages(vals, num_microbatches, total):
+def _over_batch_and_stages(vals, num_microbatches, total, g):
     """Per-layer sums over this rank's micro-batches -> averaged over the batch (total: this rank's
     loss divisor with uneven DP shares or micro-batch sizes, IterationPlan.total), summed over the
     pipeline stages (each holds its layers)."""
-    vals = sum_over_data_parallel(vals / total) if total is not None else \
-        average_over_data_parallel(vals / num_microbatches)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(vals, group=ps.get_pipeline_model_parallel_group())
+    vals = sum_over_data_parallel(vals / total, g) if total is not None else \
+        average_over_data_parallel(vals / num_microbatches, g)
+    if g.pp > 1:
+        dist.all_reduce(vals, group=g.pp_group)
     return vals
 
 
-def auxiliary_losses(config, num_microbatches, total=None):
-    """Every auxiliary loss of the log line (collective on every rank when the model has any)."""
+def auxiliary_losses(config, num_microbatches, total=None, grid=None):
+    """Every auxiliary loss of the log line (collective on every rank of `grid` when the model has any)."""
     out = {}
     if config.mtp_num_layers:
-        out.update(mtp_losses(config, num_microbatches, total))
+        out.update(mtp_losses(config, num_microbatches, total, grid))
     if config.experimental_attention_variant == "dsa":  # first: moe_losses clears every recorded value
-        out.update(dsa_indexer_loss(config, num_microbatches, total))
+        out.update(dsa_indexer_loss(config, num_microbatches, total, grid))
     if config.num_moe_experts:
-        out.update(moe_losses(config, num_microbatches, total))
+        out.update(moe_losses(config, num_microbatches, total, grid))
     return out

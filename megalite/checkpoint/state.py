@@ -52,7 +52,7 @@ def model_entries(chunks, for_save):
     # The first replica over DP x CP (experts: expert-DP) writes (CP ranks hold the same weights);
     # a ZeRO-3 shard's owner; of semi-synchronous replicas (saved at outer steps: the same global
     # weights in each) the first.
-    entries, first_of_replicas = {}, ps.get_replica_rank() == 0
+    entries, first_of_replicas = {}, ps.grid_of(chunks).replica_rank == 0
     for lay, t, start, end, sharded in _weight_slots(chunks):
         if for_save and not (lay.owner and (sharded or lay.first_replica) and first_of_replicas):
             continue
@@ -100,7 +100,7 @@ def outer_momentum_entries(optimizer, chunks, for_save):
     """DiLoCo's outer momentum ("semi_sync.momentum.<name>", laid out as the main params; the same in
     every replica: the first writes it). Created (zeros) to load into when there is none yet."""
     semi = getattr(optimizer, "semi_sync", None)
-    if semi is None or not semi.momentum or (for_save and (semi.buf is None or ps.get_replica_rank() != 0)):
+    if semi is None or not semi.momentum or (for_save and (semi.buf is None or ps.grid_of(chunks).replica_rank != 0)):
         return {}
     if semi.buf is None:
         semi.buf = [torch.zeros_like(g) for g in semi.glob]

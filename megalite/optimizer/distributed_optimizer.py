@@ -42,6 +42,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         c = config
         self.config = c
         self.model_chunks = list(model_chunks)
+        self.grid = ps.grid_of(self.model_chunks)
         self._mup_width = mup.width_mult(self.model_chunks)
         for m in self.model_chunks:
             if not getattr(m, "zero_stage", 0):
@@ -96,7 +97,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _inf_groups(self):
         # Only the owner of a slice sees its inf: reduce over DP and TP x PP (= every rank).
-        return (ps.get_data_parallel_group(with_context_parallel=True), ps.get_model_parallel_group())
+        return (self.grid.dp_cp()[0], self.grid.mp_group)
 
     def _grad_norm(self, grads):
         return grad_norm_tensor([pc.param for pc in self.pieces], grads, sharded_over_dp=True)
@@ -125,8 +126,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for k in entry["keys"]:
                 entry[k] = st[k].detach().clone() if k in st else torch.zeros_like(entry["main_param"])
             shards.append(entry)
-        return {"format": "megalite-zero-shard", "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
-                "dp_size": ps.get_data_parallel_world_size(with_context_parallel=True),
+        _, dp_size, dp_rank = self.grid.dp_cp()
+        return {"format": "megalite-zero-shard", "dp_rank": dp_rank, "dp_size": dp_size,
                 "scaler": self.scaler.state_dict(),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "shards": shards}
@@ -137,9 +138,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         mine = [(e["name"], e["start"], e["end"]) for e in sd["shards"]]
         have = [(n, pc.start, pc.end) for n, pc in zip(self.names, self.pieces)]
         if mine != have:
+            _, dp_size, dp_rank = self.grid.dp_cp()
             raise ValueError(f"optimizer shard from DP rank {sd['dp_rank']}/{sd['dp_size']} does not match this rank's "
-                             f"slices (DP x CP {ps.get_data_parallel_rank(with_context_parallel=True)}/"
-                             f"{ps.get_data_parallel_world_size(with_context_parallel=True)}); "
+                             f"slices (DP x CP {dp_rank}/{dp_size}); "
                              "re-shard with reassemble_full_state() + load_full_state()")
         self._load_entries(sd["shards"], sd)
 

@@ -103,6 +103,7 @@ class MixedPrecisionOptimizer:
         c = config
         self.config = c
         named = [(n, p) for m in model_chunks for n, p in m.named_parameters() if p.requires_grad]
+        self.grid = ps.grid_of(model_chunks)
         self._mup_width = mup.width_mult(model_chunks)
         self.model_params = [p for _, p in named]
         self.names = [n for n, _ in named]  # aligned with _grads(), for error messages
@@ -145,7 +146,7 @@ class MixedPrecisionOptimizer:
             decoupled = split and getattr(param, "is_embedding_or_output_parameter", False)
             opt = kinds[0] if not muon or is_muon_matrix(param) else kinds[1]
             return opt, not no_weight_decay(name, param), decoupled, mup.lr_mult(name, param, width)
-        fraction, device = offload.fraction_for_rank(c), triples[0][2].device if triples else ps.get_device()
+        fraction, device = offload.fraction_for_rank(c, self.grid), triples[0][2].device if triples else ps.get_device()
         self.offload, self._host = offload.OffloadStats(), None
         with torch.no_grad():
             for key in itertools.product(kinds, (True, False), (False, True) if split else (False,), mults):
@@ -246,7 +247,7 @@ class MixedPrecisionOptimizer:
         return flag
 
     def _inf_groups(self):
-        return (ps.get_model_parallel_group(),)
+        return (self.grid.mp_group,)
 
     def _grad_norm(self, grads):
         return grad_norm_tensor(self.model_params, grads)

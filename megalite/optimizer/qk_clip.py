@@ -37,7 +37,7 @@ def clip_qk(chunks, optimizer, threshold, alpha, clip=True):
     scales, top = [], torch.full((1,), float("-inf"), device=dev)
     if layers:  # every layer's maxima in one all-reduce over DP x CP (its ranks hold the same layers)
         maxima = torch.cat([a.max_logits for a in layers])
-        _all_reduce_max(maxima, ps.get_data_parallel_group(with_context_parallel=True))
+        _all_reduce_max(maxima, ps.grid_of(chunks).dp_cp()[0])
         for attn, m in zip(layers, maxima.split([a.max_logits.numel() for a in layers])):
             attn.max_logits = None
             grouped = m.view(attn.groups_local, attn.q_per_group).amax(dim=1)

@@ -88,15 +88,15 @@ class Losses(Part):
     """The iteration's losses (lm loss on every rank; the routers' and DSA's on the last stage) into the window
     the log line reads."""
 
-    def __init__(self, mcfg, window):
-        self.mcfg, self.window = mcfg, window
+    def __init__(self, mcfg, window, grid):
+        self.mcfg, self.window, self.grid = mcfg, window, grid
 
     def after(self, it, step):
         if step.idle:
             return
         loss, means = mean_losses(step.reported, read=False, total=step.total)  # lm loss (every rank); all (last)
-        aux = auxiliary_losses(self.mcfg, step.num_micro, step.total)  # MoE routers', DSA's (collective)
-        if aux and ps.is_pipeline_last_stage(ignore_virtual=True):  # the stage that logs every loss
+        aux = auxiliary_losses(self.mcfg, step.num_micro, step.total, self.grid)  # MoE routers', DSA's (collective)
+        if aux and self.grid.last_stage():  # the stage that logs every loss
             means = {**means, **aux}
         self.window.add(loss, means, step.stepped)
 
@@ -167,7 +167,7 @@ class Logging(Part):
         f = run.window.close(it)
         flops = num_floating_point_operations(run.mcfg, step.batch, self.padded) if self.padded else 0.0
         run.log.iteration(it, {**f, "consumed": run.cursor.consumed, "batch_size": step.batch, "lr": step.lr,
-                               "tflops": flops / (f["elapsed"] * ps.world_size()) / 1e12,
+                               "tflops": flops / (f["elapsed"] * ps.grid_of(run.chunks).world_size()) / 1e12,
                                "loss_scale": run.optimizer.loss_scale, "grad_norm": step.grad_norm,
                                "timers": run.timers, "max_attention_logit": getattr(
                                    run.optimizer, "max_attention_logit", None) if a.log_max_attention_logit else None,
