@@ -2,7 +2,7 @@
 4096, vocab 131072, RMSNorm, rope, SwiGLU, untied, no biases), bf16, whole training steps, in one process:
 a plain PyTorch GPT of the same shape (SDPA, torch.autocast, fused AdamW, clipping), megalite
 --no-fused-kernels, megalite with its fused kernels; then the torch profiler's top kernels of one
-megalite step. Every TFLOP/s figure counts the same model FLOPs (megalite.flops, Megatron's formula).
+megalite step. Every TFLOP/s figure counts the same model FLOPs (megalite.planner.flops, Megatron's formula).
 
     python benchmarks/first_light_mfu.py [--micro 4] [--steps 7]
     python benchmarks/first_light_mfu.py --cpu-smoke      # tiny shapes on CPU: checks the script runs
@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mfu
-from megalite.flops import num_floating_point_operations
+from megalite.planner.flops import num_floating_point_operations
 
 
 class Block(nn.Module):

@@ -26,7 +26,7 @@ import torch
 from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
 from megalite.data.mock_dataset import MockGPTDataset
-from megalite.flops import num_floating_point_operations
+from megalite.planner.flops import num_floating_point_operations
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.data_iterators import build_data_iterator, chunk_iterators

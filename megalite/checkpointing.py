@@ -258,10 +258,10 @@ def _check_compatible(meta, model_config, path):
                               f" but this run has {mine['max_position_embeddings']}")
 
 
-def load_checkpoint(chunks, optimizer, scheduler, model_config, args):
+def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None):
     """Returns (iteration, consumed_train, consumed_valid), or None when --load holds no
     checkpoint (training starts from scratch, as in Megatron)."""
-    root = args.load
+    root = args.load if root is None else root
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"--load {root} is a file; give the checkpoint directory (the one holding {TRACKER})")
     it = read_tracker(root) if os.path.isdir(root) else None

@@ -100,6 +100,18 @@ class Grid:
         """(size, rank) an MoE expert's weights are sharded over: expert-TP, or TP without an expert grid."""
         return (self.etp, self.etp_rank) if self.experts else (self.tp, self.tp_rank)
 
+    def freeze(self):
+        """From now on the grid is a value: parallel_state freezes the one it builds, so nothing it is handed to can
+        change the run's layout. The virtual-pipeline rank stays settable: Megatron's accessor
+        (set_virtual_pipeline_model_parallel_rank) and a model provider without vp_stage build chunk by chunk."""
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False) and name != "virtual_rank":
+            raise AttributeError(f"Grid.{name} cannot change: the run's grid is a value once built "
+                                 "(parallel_state.initialize_model_parallel builds a new one)")
+        object.__setattr__(self, name, value)
+
     def __deepcopy__(self, memo):
         """Modules hold their grid: a copied model shares it (a handle on process groups, not model state)."""
         return self

@@ -78,6 +78,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     if ep is not None:
         grid.experts, grid.ep, grid.etp, grid.edp = True, ep, etp, tp * cp * dp // (ep * etp)
     if not dist.is_initialized():
+        grid.freeze()
         _GRID = grid
         return
     rank = grid.rank = dist.get_rank()
@@ -105,6 +106,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
         build_groups(grid, rank, at_replica(r), make, hierarchical_context_parallel_sizes, ranks_per_node)
     if replicas > 1:
         build_replica_groups(grid, at_replica, make)
+    grid.freeze()
     _GRID = grid
 
 

@@ -42,7 +42,7 @@ def no_tied_embedding_sync():
 
 def no_sequence_parallel_allreduce():
     from megalite.distributed import finalize
-    return patched(finalize, "allreduce_sequence_parallel_grads", lambda params: None)
+    return patched(finalize, "allreduce_sequence_parallel_grads", lambda params, grid=None: None)
 
 
 def tp_duplicates_counted_tp_times():

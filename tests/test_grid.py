@@ -106,3 +106,17 @@ def test_a_copied_model_shares_its_grid(no_global_grid):
         model = GPTModel(config(), grid=grid)
     twin = copy.deepcopy(model)
     assert twin.grid is grid and twin.decoder.layers["0"].self_attention.linear_qkv.grid is grid
+
+
+def test_the_runs_grid_is_a_value():
+    """The grid parallel_state builds cannot be changed by what it is handed to (only the virtual-pipeline rank,
+    Megatron's accessor, moves)."""
+    ps.initialize_model_parallel(1, 1)
+    try:
+        grid = ps.current_grid()
+        with pytest.raises(AttributeError, match="Grid.tp cannot change"):
+            grid.tp = 2
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+        assert grid.tp == 1
+    finally:
+        ps.destroy_model_parallel()

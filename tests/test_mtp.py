@@ -239,7 +239,7 @@ def test_flops_count_the_mtp_layers_as_megatron():
     """Megatron's num_floating_point_operations with --mtp-num-layers D: D more layers (built as the last), D more
     logits, and each depth's norms and eh_proj, 6 B s D (3h + 2h^2)."""
     from megalite.cli.parser import check_args, model_config
-    from megalite.flops import num_floating_point_operations as flops
+    from megalite.planner.flops import num_floating_point_operations as flops
     argv = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "1",
             "--train-iters", "1", "--lr", "1e-3", "--vocab-size", "100", "--swiglu", "--ffn-hidden-size", "96"]

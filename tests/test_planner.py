@@ -187,7 +187,7 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16"
 def test_the_time_models_flops_are_megalites(extra):
     """The step-time model's split of a layer's FLOPs (projections, scores, FFN) adds up to megalite/flops.py."""
     from megalite.cli.parser import model_config
-    from megalite.flops import num_floating_point_operations
+    from megalite.planner.flops import num_floating_point_operations
     args = validated(GPT + extra, Layout(), 1)
     c = model_config(args, args.vocab_size)
     proj, score = cost._attention_terms(c)

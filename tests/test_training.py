@@ -81,3 +81,29 @@ def test_no_kernel_self_check_turns_the_check_off():
         assert self_check.get_self_check() == "cuda"
     finally:
         self_check.set_self_check("cuda")
+
+
+def test_nothing_below_the_command_line_changes_args(tmp_path):
+    """Validation derives every flag's value once; training setup, the loop and checkpoints read the arguments and
+    never change them (what they derive lives in the run's own state: the directory a restarted job resumes
+    from, a measured pipeline layout). The second run resumes from its own --save by itself."""
+    import argparse
+
+    class Watched(argparse.Namespace):
+        changed = []
+
+        def __setattr__(self, key, value):
+            Watched.changed.append(key)
+            super().__setattr__(key, value)
+    argv = [a if a != "10" else "2" for a in BASE] + ["--save", str(tmp_path), "--save-interval", "2"]
+    _train(argv, 1)
+    args = Watched()
+    resume = argv + ["--train-iters", "3", "--use-checkpoint-opt_param-scheduler"]
+    for k, v in vars(parse_args(resume, world_size=1)).items():
+        object.__setattr__(args, k, v)
+    try:
+        losses = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+    finally:
+        ps.destroy_model_parallel()
+    assert len(losses) == 1, f"the run did not resume at iteration 2: {losses}"
+    assert Watched.changed == [], f"arguments changed after validation: {sorted(set(Watched.changed))}"

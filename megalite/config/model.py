@@ -1,5 +1,5 @@
-"""The model's configuration: ModelConfig (architecture, and for now the runtime fields that DESIGN's execution
-config will take), each field's declared role (Field) and the name lists derived from the roles.
+"""The model's configuration: ModelConfig (the architecture; how it runs: ExecutionConfig, execution.py, inherited),
+and the name lists derived from each field's declared role (fields.py).
 
 Every check raises ConfigError with one line naming the values and what to change; the
 entry points print that line on every rank and exit non-zero before any heavy work.
@@ -10,32 +10,17 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Optional
 
-import torch
-
+from megalite.config.execution import ExecutionConfig
+from megalite.config.fields import LAYOUT, PLAIN, RESTORED, SHAPE_RESTORED, Field  # noqa: F401 (re-exported)
 from megalite.errors import ConfigError
 from megalite.mup import finalize as finalize_mup
 
 
-@dataclass(frozen=True)
-class Field:
-    """What a ModelConfig field is, declared once with its type (`Annotated[type, Field(...)]`); every list of
-    names is derived from these (below): flag: the command-line dest it comes from ("": its own name; None:
-    derived from other flags in cli/to_config.py); shape: it decides tensor shapes or their meaning, so a
-    checkpoint must agree (SHAPE_FIELDS); layout: how this run executes, not what the model is, reset when a
-    checkpoint's model is rebuilt on one process (LAYOUT_FIELDS); restored: --use-checkpoint-args takes it from
-    the checkpoint (CHECKPOINT_ARGS, Megatron's load_args_from_checkpoint)."""
-    flag: Optional[str] = ""
-    shape: bool = False
-    layout: bool = False
-    restored: bool = False
-
-
-PLAIN = Field()
-SHAPE_RESTORED, RESTORED, LAYOUT = Field(shape=True, restored=True), Field(restored=True), Field(layout=True)
-
-
 @dataclass
-class ModelConfig:
+class ModelConfig(ExecutionConfig):
+    """What the model is (its architecture); how it runs is ExecutionConfig's, inherited as Megatron's
+    TransformerConfig inherits ModelParallelConfig, so model code reads one object."""
+
     num_layers: Annotated[int, SHAPE_RESTORED] = 2
     hidden_size: Annotated[int, SHAPE_RESTORED] = 64
     num_attention_heads: Annotated[int, SHAPE_RESTORED] = 4
@@ -60,21 +45,6 @@ class ModelConfig:
     attention_dropout: Annotated[float, RESTORED] = 0.1
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: Annotated[bool, SHAPE_RESTORED] = False
-    sequence_parallel: Annotated[bool, LAYOUT] = False
-    recompute_granularity: Annotated[Optional[str], LAYOUT] = None  # None, "full" or "selective"
-    # with "full": "uniform" (chunks of N layers) or "block" (first N)
-    recompute_method: Annotated[Optional[str], LAYOUT] = None
-    recompute_num_layers: Annotated[Optional[int], LAYOUT] = None
-    params_dtype: Annotated[torch.dtype, Field(flag=None)] = torch.float32
-    decoder_first_pipeline_num_layers: Annotated[Optional[int], LAYOUT] = None  # uneven pipeline split
-    decoder_last_pipeline_num_layers: Annotated[Optional[int], LAYOUT] = None
-    # layers per (virtual) stage (--pipeline-model-parallel-layout)
-    pipeline_layout: Annotated[Optional[tuple], Field(flag=None, layout=True)] = None
-    # interleaved: contiguous micro-batches (default PP)
-    microbatch_group_size_per_vp_stage: Annotated[Optional[int], Field(
-        "microbatch_group_size_per_virtual_pipeline_stage", layout=True)] = None
-    fused_kernels: Annotated[bool, Field(flag=None)] = True  # Triton kernels on CUDA; CPU always uses the torch path
-    seed: int = 1234  # initialisation seed (topology independent)
     # "gpt" or "bert": which model (and HF architecture) the weights are
     model_type: Annotated[str, Field(shape=True)] = "gpt"
     # "pre" (x + f(norm(x))) or "post" (norm(x + f(x)), original BERT)
@@ -90,16 +60,9 @@ class ModelConfig:
     # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
     apply_layernorm_1p: Annotated[bool, SHAPE_RESTORED] = False
     qk_layernorm: Annotated[bool, SHAPE_RESTORED] = False  # normalize queries and keys per head before attention
-    qk_clip: bool = False  # MuonClip: attention records its largest logit per head (optimizer/qk_clip.py)
-    log_max_attention_logit: bool = False  # ... recorded (and logged) without clipping
     # fp16 attention scores computed / layer_number, multiplied back inside the fp32 softmax (Megatron)
     apply_query_key_layer_scaling: Annotated[bool, RESTORED] = False
-    use_flash_attn: bool = False  # flash attention even with fused_kernels off
-    # context parallelism's attention: p2p/a2a/allgather/a2a+p2p, or one per layer
-    cp_comm_type: Annotated[Optional[list], Field(flag=None, layout=True)] = None
-    deterministic: Annotated[bool, Field("deterministic_mode")] = False  # deterministic algorithms only
     reset_attention_mask: bool = False  # document masks: attention on every pipeline stage needs the batch
-    calculate_per_token_loss: bool = False  # loss summed over tokens, divided by the global batch's count
     # Mixture of Experts (Megatron's --num-experts, --moe-*; megalite/moe/)
     num_moe_experts: Annotated[Optional[int], Field("num_experts", shape=True, restored=True)] = None
     moe_router_topk: Annotated[int, RESTORED] = 2
@@ -126,9 +89,6 @@ class ModelConfig:
     moe_shared_expert_gate: Annotated[bool, SHAPE_RESTORED] = False
     moe_router_enable_expert_bias: Annotated[bool, SHAPE_RESTORED] = False  # aux-loss-free balancing (sigmoid scores)
     moe_router_bias_update_rate: float = 1e-3
-    moe_token_dispatcher_type: str = "allgather"  # or alltoall (the same result; other collectives)
-    moe_per_layer_logging: bool = False  # each MoE layer's losses to TensorBoard / --log-json
-    moe_grouped_gemm: bool = False  # the experts as two Triton grouped GEMMs on CUDA (a loop on CPU)
     # Multi-latent attention (DeepSeek-V2/V3, Megatron's --multi-latent-attention; megalite/transformer/mla.py):
     # Megatron's flag defaults; YaRN's original context and betas are MLATransformerConfig's (no flag reaches them)
     multi_latent_attention: Annotated[bool, SHAPE_RESTORED] = False

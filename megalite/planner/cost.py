@@ -29,7 +29,7 @@ import dataclasses
 from megalite import parallel_state as ps
 from megalite.cli.parser import model_config
 from megalite.config import ConfigError
-from megalite.flops import num_floating_point_operations
+from megalite.planner.flops import num_floating_point_operations
 from megalite.iteration_plan import batch_schedule, training_plan
 from megalite.cli.features.mixed_gpu import with_rank_precision
 from megalite.planner import activations, memory, optimizer_step, shares, stages, traffic

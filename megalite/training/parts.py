@@ -20,7 +20,7 @@ from megalite.checkpointing import save_checkpoint
 from megalite.data_iterators import data_iterators
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
-from megalite.flops import num_floating_point_operations
+from megalite.planner.flops import num_floating_point_operations
 from megalite.logger import print_rank_last
 from megalite.moe_logging import auxiliary_losses
 from megalite.training.evaluation import evaluate
@@ -225,7 +225,7 @@ class Saver(Part):
 
     def __init__(self, args, run):
         self.args, self.run = args, run
-        start, same = run.start_iter, os.path.realpath(args.save or "") == os.path.realpath(args.load or "")
+        start, same = run.start_iter, os.path.realpath(args.save or "") == os.path.realpath(run.prepared.load or "")
         self.saved_at = start if not start or same else -1
 
     def save(self, it):

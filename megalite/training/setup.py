@@ -66,7 +66,8 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
         sizing = (r.train_ds, forward_step_func) if r.train_ds is not None and not args.skip_train else None
         r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing)  # by memory too
         r.semi = semi_sync_for(args, r.optimizer, r.chunks)  # replicas' outer steps (loaded too); None without
-        start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args)
+        r.load = load_root(args)
+        start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args, r.load)
         align_main_weights(args, r.optimizer)  # replicas of different precisions: one set of fp32 main weights
         if r.semi is not None:
             r.semi.begin((start or (0,))[0])
@@ -165,7 +166,7 @@ def setup(args, model_provider, plan=None, sizing=None):
         if auto_layout.rebuilt:  # rebuilt at the cut (initialisation is layout-independent)
             del chunks, optimizer
             auto_layout.free_memory()  # (DDP's gradient hooks hold reference cycles: the old model goes now)
-            args.pipeline_layout = mcfg.pipeline_layout = tuple(counts)
+            mcfg.pipeline_layout = tuple(counts)  # (the model's; the flags stay what the user gave)
             chunks = build_model(mcfg, model_provider, args, plan)
             optimizer = build_optimizer(args, chunks, tcfg)
     elif args.pipeline_model_parallel_layout == "auto":
@@ -196,22 +197,28 @@ def build_scheduler(optimizer, tcfg):
                        decoupled=(tcfg.decoupled_lr, tcfg.decoupled_min_lr))
 
 
-def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args):
-    """Check --save early; load --load. Returns (iteration, consumed train, consumed valid) or None."""
+def load_root(args):
+    """What this run loads: --load, or --save when it already holds a checkpoint (a restarted job resumes by
+    itself: torchrun --max-restarts); None for neither. Checks --save early."""
     if args.save:
         check_save_dir(args.save)
         if not args.load and read_tracker(args.save) is not None:
-            args.load = args.save  # a restarted job resumes by itself (torchrun --max-restarts)
-    if not args.load:
+            return args.save
+    return args.load
+
+
+def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root):
+    """Load `root` (load_root's). Returns (iteration, consumed train, consumed valid) or None."""
+    if not root:
         return None
     try:
-        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args)
+        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args, root)
     except CheckpointException as e:  # DCP wraps every rank's error; ours is one line
         raise unwrap_checkpoint_error(e) from None
     if loaded is None and args.exit_on_missing_checkpoint:
-        raise CheckpointError(f"--load {args.load} holds no checkpoint and --exit-on-missing-checkpoint is set")
+        raise CheckpointError(f"--load {root} holds no checkpoint and --exit-on-missing-checkpoint is set")
     if loaded is not None:
-        print_rank_last(f"megalite: loaded checkpoint from {args.load} at iteration {loaded[0]}")
+        print_rank_last(f"megalite: loaded checkpoint from {root} at iteration {loaded[0]}")
     return loaded
 
 

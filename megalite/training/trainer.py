@@ -36,7 +36,7 @@ class Trainer:
     def __init__(self, datasets_provider, model_provider, forward_step_func, args, started, owns):
         self.args, self.owns, self.forward_step_func, self.started = args, owns, forward_step_func, started
         if args.deterministic_mode:
-            from megalite.determinism import enable_deterministic
+            from megalite.training.determinism import enable_deterministic
             enable_deterministic()
         parts.catch_sigterm(args)
         r = self.prepared = setup.prepare(args, datasets_provider, model_provider, forward_step_func, self.abort)
