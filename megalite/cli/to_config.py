@@ -1,6 +1,6 @@
-"""Parsed command-line arguments to the configuration dataclasses (config.py): ModelConfig's fields come from the
-flags their declarations name (config.Field), the derived ones are here; imported by the parser (arguments.py)
-and the checks (validation.py) alike."""
+"""Parsed command-line arguments to the configuration dataclasses (megalite/config/): ModelConfig's fields (and the
+ExecutionConfig's it inherits) come from the flags their declarations name (config/fields.py: Field), the derived
+ones are here; imported by the parser (cli/parser.py) and the checks (cli/validate.py) alike."""
 
 from megalite.config import FLAG_FIELDS, ModelConfig, TrainingConfig
 from megalite.cli.features.optimizer import OPTIMIZER_FIELDS
