@@ -22,10 +22,12 @@ setup(
         # (tests/data/test_data_megatron_compat.py); its core needs only torch, numpy, packaging.
         # transformers: the HF conversion tests load real GPT2LMHeadModel / LlamaForCausalLM.
         # tensorboard: Megatron's launch scripts pass --tensorboard-dir (tests/test_megatron_scripts.py).
-        "test": ["pytest", "megatron-core>=0.16", "transformers", "matplotlib", "tensorboard"],
+        # torchft: the fault-tolerant replicas' tests (tests/test_ft.py).
+        "test": ["pytest", "megatron-core>=0.16", "transformers", "matplotlib", "tensorboard", "torchft>=0.2"],
         "hf": ["transformers", "safetensors"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],  # tools/plot_metrics.py
         "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging, megalite/logger.py)
+        "ft": ["torchft>=0.2"],  # --ft-lighthouse: fault-tolerant replicas (megalite/training/ft.py)
     },
 )

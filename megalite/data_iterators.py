@@ -15,14 +15,15 @@ def _collate(samples):
 
 
 def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micro_batch_size=None, plan=None,
-                        rank=None, grid=None):
+                        rank=None, grid=None, ranks=None):
     """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
     for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
     labels (first and last) read data, unless every_stage. micro_batch_size: default
     --micro-batch-size (evaluation passes its own). plan: the IterationPlan; with uneven shares
     each rank reads its contiguous slice of every global batch. rank: the DP rank (across replicas) whose
     part is read (default this rank's; asynchronous replicas read the part of the slot they train). grid: the
-    layout whose ranks read (default the global one)."""
+    layout whose ranks read (default the global one). ranks: how many parts each global batch is read in (default
+    the grid's DP ranks over its replicas; fault-tolerant replicas: the live ones')."""
     g = ps.current_grid(grid)
     if dataset is None or not (every_stage or g.first_stage() or g.last_stage()):
         return None
@@ -33,7 +34,7 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
         sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro_of(rank), rank, plan)
     else:
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
-                                             rank, g.data_ranks())
+                                             rank, g.data_ranks() if ranks is None else ranks)
     device = ps.get_device()
     reader = g.tp_cp_rank() == 0  # one reader per TP x CP group
     workers = getattr(args, "num_workers", 0)
@@ -68,13 +69,13 @@ def chunk_iterators(it, num_chunks, grid=None):
     return its
 
 
-def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None, plan=None, rank=None):
+def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None, plan=None, rank=None, ranks=None):
     """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask,
     GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage. The grid: the chunks'
     own (their modules'), else the global one."""
     grid = getattr(chunks[0].module, "grid", None)
     if getattr(chunks[0].module, "input_on_every_stage", False):
-        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan, rank, grid)
+        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan, rank, grid, ranks)
                 for _ in chunks]
     return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size, plan, rank,
-                                               grid), len(chunks), grid)
+                                               grid, ranks), len(chunks), grid)

@@ -17,6 +17,11 @@ BAD = {
     "--decoder-first-pipeline-num-layers 1": "need --pipeline-model-parallel-size > 1",
     "--bf16 --fp16": "--bf16 and --fp16 are exclusive",
     "--zero-stage 2": "need --use-distributed-optimizer",
+    # fault-tolerant replicas (megalite/cli/features/ft.py)
+    "--ft-replica-id 0": "--ft-replica-id 0 needs --ft-lighthouse HOST:PORT",
+    "--ft-lighthouse localhost:29510": "--ft-lighthouse needs --ft-replica-id",
+    "--ft-lighthouse localhost:29510 --ft-replica-id 0 --ft-min-replicas 0": "--ft-min-replicas 0 must be at least 1",
+    "--ft-lighthouse localhost:29510 --ft-replica-id 0 --use-distributed-optimizer": "is not built yet in megalite",
 }
 
 

@@ -11,12 +11,14 @@ class DataCursor:
         self.iters = None
         self.rebuild()
 
-    def rebuild(self, consumed=None, rank=None):
+    def rebuild(self, consumed=None, rank=None, ranks=None):
         """Iterators from `consumed` samples (default: where the cursor stands) of DP rank `rank`'s part (default
-        this rank's; an asynchronous replica reads the part of the slot it trains)."""
+        this rank's; an asynchronous replica reads the part of the slot it trains) of `ranks` parts (default the
+        grid's; fault-tolerant replicas: the live replicas' DP ranks)."""
         if consumed is not None:
             self.consumed = consumed
-        self.iters = data_iterators(self.dataset, self.consumed, self.args, self.chunks, plan=self.plan, rank=rank)
+        self.iters = data_iterators(self.dataset, self.consumed, self.args, self.chunks, plan=self.plan, rank=rank,
+                                    ranks=ranks)
 
     def advance(self, samples):
         """One iteration's global batch read (the iterators moved by it themselves)."""

@@ -17,10 +17,16 @@ from megalite.pipeline.schedules import run_forward_backward
 from megalite.rerun import get_rerun_state_machine
 
 
+class StepNotCommitted(Exception):
+    """The vote after the gradients were reduced went against this step (a fault-tolerant replica failed during it:
+    training/ft.py): nothing was applied; the step is run again."""
+
+
 def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None,
-               loss_divisor=None, sync=False, iteration=None):
+               loss_divisor=None, sync=False, iteration=None, vote=None):
     """One iteration; timers gets the host-side times (sync: after a device sync, for
-    --data-parallel-shares auto)."""
+    --data-parallel-shares auto). vote(chunks), between the gradients' finalisation and the optimizer step: False
+    raises StepNotCommitted (fault-tolerant replicas' cross-replica reduction and commit vote)."""
     if sync and ps.get_device().type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -42,6 +48,8 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
         dev = ps.get_device()
         count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only
         scale_grads_by_token_count(chunks, count)
+    if vote is not None and not vote(chunks):
+        raise StepNotCommitted(iteration)
     stepped, grad_norm = optimizer.step()
     if mcfg.qk_clip or mcfg.log_max_attention_logit:  # MuonClip (and the logged maximum), after the update
         after_step(chunks, optimizer, stepped, clip=mcfg.qk_clip)

@@ -30,6 +30,7 @@ class Step:
     grad_norm: object = None
     trained: int = 0
     lr: float = None
+    committed: bool = True  # fault-tolerant replicas: False when the quorum voted the step away (it runs again)
 
 
 class Trainer:
@@ -49,7 +50,12 @@ class Trainer:
         self.timers = {} if args.log_timers_to_tensorboard else None
         auto = auto_shares(args, r.plan)
         self.saver = parts.Saver(args, self) if args.save else None
+        self.ft = None
+        if args.ft_lighthouse:  # fault-tolerant replicas on torchft (training/ft.py): its quorum comes first
+            from megalite.training.ft import FaultTolerance
+            self.ft = FaultTolerance(args, self, self.abort)
         optional = (  # the parts' order: the order of their collectives, the same on every rank
+            self.ft,
             auto is not None and parts.AutoShares(auto, self.cursor),
             parts.hash_interval(args) and parts.ReplicaCheck(args, r.chunks, r.optimizer, self.abort),
             parts.Losses(r.mcfg, self.window, ps.grid_of(r.chunks)),
@@ -85,6 +91,8 @@ class Trainer:
             for p in self.parts:
                 p.before(it)
             done = self.step(it)
+            if not done.committed:  # voted away (a replica failed): the same batch again, after a new quorum
+                continue
             if any(p.after(it, done) for p in self.parts):  # (a stop skips the parts after the one that stops)
                 break
         return self.finish(last)
@@ -100,7 +108,11 @@ class Trainer:
             try:
                 s.reported, s.stepped, s.grad_norm = steps.train_step(
                     self.forward_step_func, c.iters, self.chunks, self.optimizer, s.num_micro, self.prepared.shape,
-                    self.dtype, s.times, plan.loss_divisor(c.consumed, rank), timed, it)
+                    self.dtype, s.times, plan.loss_divisor(c.consumed, rank), timed, it,
+                    self.ft.vote if self.ft is not None else None)
+            except steps.StepNotCommitted:
+                s.committed = False
+                return s
             except RerunExit as e:  # as Megatron: the state before this iteration saved, exit 16 / 17
                 self.log.close()
                 exit_after(e, (lambda: self.saver.save(it - 1)) if self.saver else None, self.owns)

@@ -1,0 +1,123 @@
+"""Fault-tolerant replicas on torchft (--ft-lighthouse): each replica is a whole model copy (its own TP x CP x PP and
+inner DP, its own torchrun job); torchft's Lighthouse forms a quorum of the live replicas before every iteration.
+The global batch is split equally over the quorum, each replica reduces its gradients inside itself and then with
+the others (torchft's process group, reconfigured when the quorum changes), and the step is applied only when every
+replica of the quorum votes that it went through (torchft's should_commit). A step that did not commit is run again,
+over the new quorum, on the same global batch: every batch is trained exactly once. A replica that starts (restarted
+or new) heals from a live peer through torchft's checkpoint transport: optimizer state and fp32 main weights, LR
+schedule, iteration, samples consumed and RNG streams.
+
+The part's hooks: iterations() runs the quorum before each iteration (and heals), vote() reduces across replicas
+and votes between the gradient finalisation and the optimizer step (training/step.py), finish() leaves."""
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megalite import parallel_state as ps
+from megalite.iteration_plan import IterationPlan
+from megalite.microbatches import BatchSchedule
+from megalite.rerun import _capture_rng, _restore_rng
+from megalite.training.parts import Part
+
+
+class FaultTolerance(Part):
+    def __init__(self, args, trainer, abort):
+        import torchft
+        self.args, self.run, self.abort = args, trainer, abort
+        self.grid = g = ps.grid_of(trainer.chunks)
+        self.split, self.healed, self.committed, self.done = None, None, True, trainer.start_iter
+        if dist.is_initialized():  # torchrun's store, shared by the replica's ranks (torchft keys its own prefix)
+            self.store, addr, port = None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:  # a replica of one process: its own store
+            self.store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            addr, port = "localhost", self.store.port
+        try:
+            self.manager = torchft.Manager(
+                pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=args.ft_timeout)),
+                load_state_dict=self._load, state_dict=self._state, min_replica_size=args.ft_min_replicas,
+                use_async_quorum=False, timeout=timedelta(seconds=args.ft_timeout),
+                quorum_timeout=timedelta(seconds=args.ft_quorum_timeout),
+                connect_timeout=timedelta(seconds=args.ft_connect_timeout), rank=g.rank, world_size=g.world_size(),
+                store_addr=addr, store_port=port, lighthouse_addr=_url(args.ft_lighthouse),
+                replica_id=f"megalite_replica_{args.ft_replica_id}",
+                heartbeat_interval=timedelta(milliseconds=args.ft_heartbeat_ms), init_sync=False)
+        except Exception as e:  # noqa: BLE001 - torchft's errors are many; the user's one line names the address
+            abort(f"--ft-lighthouse {args.ft_lighthouse}: cannot join the Lighthouse within --ft-connect-timeout "
+                  f"{args.ft_connect_timeout:g} s ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+
+    def iterations(self, its):
+        """Each iteration after a quorum (which may heal this replica to a later one); an iteration that did not
+        commit is run again."""
+        its = list(its)
+        it, end = (its[0], its[-1]) if its else (1, 0)
+        while it <= end:
+            self._quorum()
+            if self.healed is not None:
+                it, self.healed = self.healed + 1, None
+                if it > end:
+                    break
+            self.committed = None
+            yield it
+            if self.committed is not False:
+                self.done, it = it, it + 1
+
+    def _quorum(self):
+        self.manager.start_quorum()  # synchronous: a replica that must heal has loaded its peer's state on return
+        if self.manager.errored() is not None:
+            return  # this step will not commit; the next quorum reconfigures
+        split = (self.manager.participating_rank(), self.manager.num_participants())
+        if split != self.split:
+            self._resplit(*split)
+
+    def _resplit(self, rank, replicas):
+        """The global batch in equal parts over the live replicas' DP ranks: this rank's plan and data."""
+        g, t, a = self.grid, self.run, self.args
+        parts = g.dp * replicas
+        if a.global_batch_size % (a.micro_batch_size * parts):
+            self.abort(f"--global-batch-size {a.global_batch_size} does not split over {replicas} live replicas x "
+                       f"{g.dp} data-parallel ranks x --micro-batch-size {a.micro_batch_size}; pick a global batch "
+                       "every replica count down to --ft-min-replicas divides")
+        t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, parts))
+        t.dp_rank = (rank or 0) * g.dp + g.dp_rank
+        t.cursor.plan = t.plan
+        t.cursor.rebuild(rank=t.dp_rank, ranks=parts)
+        if self.split is not None:
+            print(f"megalite: fault tolerance: {replicas} live replica{'s' if replicas > 1 else ''}; this one reads "
+                  f"part {rank} (replica {self.args.ft_replica_id})", flush=True)
+        self.split = (rank, replicas)
+
+    def vote(self, chunks):
+        """The replica's reduced gradients averaged over the quorum, then the commit vote: True when every replica
+        went through this step (the optimizer steps), False when one failed (nothing is applied)."""
+        for c in chunks:
+            if c.grad_data is not None and c.grad_data.numel():
+                self.manager.allreduce(c.grad_data).wait()
+        self.committed = self.manager.should_commit()
+        if not self.committed:
+            for c in chunks:
+                c.zero_grad_buffer()
+        return self.committed
+
+    def _state(self):
+        t = self.run
+        return {"iteration": self.done, "consumed": t.cursor.consumed, "optimizer": t.optimizer.state_dict(),
+                "scheduler": t.scheduler.state_dict(), "rng": _capture_rng()}
+
+    def _load(self, sd):
+        t = self.run
+        t.optimizer.load_state_dict(sd["optimizer"])
+        t.scheduler.load_state_dict(sd["scheduler"])
+        _restore_rng(sd["rng"])
+        t.cursor.consumed, self.done, self.healed, self.split = sd["consumed"], sd["iteration"], sd["iteration"], None
+        print(f"megalite: fault tolerance: replica {self.args.ft_replica_id} healed from a live peer at iteration "
+              f"{sd['iteration']}", flush=True)
+
+    def finish(self, last):
+        self.manager.shutdown(wait=False)
+        return last
+
+
+def _url(address):
+    return address if "://" in address else f"http://{address}"

@@ -1,0 +1,113 @@
+"""Fault-tolerant replicas for the tests (tests/test_ft.py): torchft's Lighthouse in the test process and each
+replica a process of its own (spawned: a fresh interpreter, as a torchrun job would be), training megalite's
+parity model on learnable data; what each returns comes back through a queue."""
+
+import multiprocessing as mp
+import os
+import traceback
+
+from parity_models import BASE
+
+_SCHEDULER = [None]
+# torchft's timeouts, short: a dead replica is noticed within a second
+FAST = ["--ft-timeout", "10", "--ft-quorum-timeout", "30", "--ft-connect-timeout", "10", "--ft-heartbeat-ms", "50"]
+
+
+def lighthouse(min_replicas):
+    """torchft's Lighthouse: a replica unheard of for 1 s is dead; a quorum waits up to 2 s for heartbeating
+    replicas that have not asked yet (the replicas of a test start together)."""
+    from torchft._torchft import LighthouseServer
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
+
+
+def _replica(argv, out, die_at=None, hold=(), announce=None, start=None):
+    """One replica's run. die_at: the process ends (as SIGKILL would: no goodbye) in the middle of that iteration,
+    after its forward-backward, before the cross-replica reduction. hold: [(iteration, paths)]: before that iteration
+    the replica waits for those files (its peers' announces: they heartbeat to the Lighthouse). announce: the file
+    written once this replica heartbeats. start: a barrier the first replicas pass together."""
+    import time
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from megalite.training import ft
+    vote, init, quorum = ft.FaultTolerance.vote, ft.FaultTolerance.__init__, ft.FaultTolerance._quorum
+
+    def dying(self, chunks):
+        if die_at is not None and self.done + 1 == die_at:
+            os._exit(17)
+        return vote(self, chunks)
+
+    def announcing(self, *a, **k):
+        init(self, *a, **k)
+        if announce:
+            open(announce, "w").close()
+
+    def holding(self):
+        for it, paths in hold:
+            while self.done + 1 == it and not all(os.path.exists(p) for p in paths):
+                time.sleep(0.05)
+        return quorum(self)
+    ft.FaultTolerance.vote, ft.FaultTolerance.__init__, ft.FaultTolerance._quorum = dying, announcing, holding
+    if start is not None:
+        start.wait(timeout=120)
+    try:
+        import torch
+        import pretrain_gpt
+        from megalite import parallel_state as ps
+        from megalite.cli.parser import parse_args
+        from megalite.training import pretrain
+        from parity_models import learnable_datasets
+        args = parse_args(argv, world_size=1)
+        from megalite.training import trainer as trainer_module
+        build = trainer_module.Trainer.__init__
+
+        def keeping(self, *a, **k):  # the run's LR schedule, to compare after a heal
+            build(self, *a, **k)
+            _SCHEDULER[:] = [self.scheduler]
+        trainer_module.Trainer.__init__ = keeping
+        losses, chunks, optimizer = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                                             args, return_state=True)
+        # numpy, not tensors: a tensor crosses the queue as a shared-memory handle that dies with this process
+        weights = {n: p.detach().numpy().copy() for c in chunks for n, p in c.module.named_parameters()}
+        state = optimizer.state_dict()["optimizer"]["state"]
+        moments = {k: {n: v.numpy().copy() for n, v in st.items() if torch.is_tensor(v)} for k, st in state.items()}
+        out.put((args.ft_replica_id, losses, weights, moments, _SCHEDULER[0].state_dict()))
+        ps.destroy_model_parallel()
+        del torch
+    except BaseException:  # noqa: BLE001 - the test prints it
+        out.put(("error", traceback.format_exc()))
+
+
+def run_replicas(address, n, tmp, extra=(), iters=4, die=None, rejoin_at=None):
+    """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
+    {replica id: (losses, weights, Adam's moments)}. die: (replica, iteration) that replica's process ends in the
+    middle of; rejoin_at: it is then started again (as its torchrun would restart it), and the others wait before
+    that iteration until it heartbeats (a file under `tmp` says so), so it heals while they train."""
+    ctx = mp.get_context("spawn")
+    out, barrier = ctx.Queue(), ctx.Barrier(n)
+    argv = list(BASE) + ["--train-iters", str(iters), "--ft-lighthouse", address] + FAST + list(extra)
+    joined = [os.path.join(str(tmp), f"joined{i}") for i in range(n)]  # the first quorum waits for every replica
+    flag = os.path.join(str(tmp), "rejoined")
+
+    def start(i, **kw):
+        p = ctx.Process(target=_replica, args=(argv + ["--ft-replica-id", str(i)], out), kwargs=kw)
+        p.start()
+        return p
+    procs = [start(i, die_at=die[1] if die and die[0] == i else None, start=barrier, announce=joined[i],
+                   hold=[(1, joined)] + ([(rejoin_at, [flag])] if rejoin_at and die[0] != i else []))
+             for i in range(n)]
+    if die is not None and rejoin_at is not None:
+        procs[die[0]].join(timeout=120)
+        assert procs[die[0]].exitcode == 17, f"replica {die[0]} did not die as planned: {procs[die[0]].exitcode}"
+        procs.append(start(die[0], announce=flag))
+    got = {}
+    try:
+        for _ in range(n):
+            item = out.get(timeout=180)
+            if item[0] == "error":
+                raise AssertionError(f"a replica failed:\n{item[1]}")
+            got[item[0]] = item[1:]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return got

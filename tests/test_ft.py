@@ -1,0 +1,48 @@
+"""Fault-tolerant replicas on torchft (megalite/training/ft.py): replicas as processes of their own around torchft's
+Lighthouse, held to the uninterrupted one-process run (fp32, no dropout: the gradient sums run in another order, so
+within the 1e-5 the parity harness holds reordered sums to) and to each other (bit for bit)."""
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="fault-tolerant replicas need torchft (pip install 'megalite[ft]')")
+
+import pretrain_gpt  # noqa: E402
+from ft_replicas import lighthouse, run_replicas  # noqa: E402
+from megalite import parallel_state as ps  # noqa: E402
+from megalite.cli.parser import parse_args  # noqa: E402
+from megalite.training import pretrain  # noqa: E402
+from parity_models import BASE, learnable_datasets  # noqa: E402
+
+ITERS = 4
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def test_a_replica_that_dies_stops_nobody_and_heals(tmp_path):
+    """Replica 1 dies in the middle of iteration 2 (after its backward, before the cross-replica reduction) and is
+    started again: the survivor does not apply that step (the vote), runs the batch again alone, and goes on; the
+    restarted replica heals from it and trains the rest with it. Both end with the same weights and Adam state, bit
+    for bit, and those are the uninterrupted run's (every global batch trained exactly once)."""
+    lh = lighthouse(min_replicas=1)
+    try:
+        got = run_replicas(lh.address(), 2, tmp_path, iters=ITERS + 2, die=(1, 2), rejoin_at=4)
+    finally:
+        lh.shutdown()
+    args = parse_args(list(BASE) + ["--train-iters", str(ITERS + 2)], world_size=1)
+    try:
+        ref_losses, chunks, _ = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                                         args, return_state=True)
+        ref = {n: p.detach().clone() for c in chunks for n, p in c.module.named_parameters()}
+    finally:
+        ps.destroy_model_parallel()
+    (l0, w0, s0, lr0), (l1, w1, s1, lr1) = got[0], got[1]
+    assert len(l0) == ITERS + 2 and len(l1) < ITERS + 2, (len(l0), len(l1))  # replica 1 healed past some
+    for n in ref:
+        assert (w0[n] == w1[n]).all(), f"the healed replica's {n} differs from the survivor's"
+        assert _rel(torch.from_numpy(w0[n]), ref[n]) <= 1e-5, f"{n} differs from the uninterrupted run"
+    for k in s0:
+        assert all((s0[k][n] == s1[k][n]).all() for n in s0[k]), f"the healed replica's optimizer state {k} differs"
+    assert lr0 == lr1 and lr0["num_steps"] == (ITERS + 2) * 8, (lr0, lr1)  # the LR schedule healed too
