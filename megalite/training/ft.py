@@ -100,6 +100,18 @@ class FaultTolerance(Part):
                 c.zero_grad_buffer()
         return self.committed
 
+    def after(self, it, step):
+        step.across = self._mean  # the log line's losses: the quorum's (each replica trained a part of the batch)
+
+    def _mean(self, t):
+        self.manager.allreduce(t).wait()  # (averaged over the quorum's replicas)
+        return t
+
+    def writes_checkpoints(self):
+        """Whether this replica writes the checkpoints: the first of the live ones (replicas hold the same state
+        after every committed step; one writer, and another takes over when it dies)."""
+        return self.split is not None and (self.split[0] or 0) == 0
+
     def _state(self):
         t = self.run
         return {"iteration": self.done, "consumed": t.cursor.consumed, "optimizer": t.optimizer.state_dict(),

@@ -15,6 +15,8 @@ import os
 import signal
 import time
 
+import torch
+
 from megalite import parallel_state as ps
 from megalite.checkpointing import save_checkpoint
 from megalite.data_iterators import data_iterators
@@ -95,6 +97,11 @@ class Losses(Part):
         if step.idle:
             return
         loss, means = mean_losses(step.reported, read=False, total=step.total)  # lm loss (every rank); all (last)
+        if step.across is not None:  # fault-tolerant replicas: the mean over the quorum (one collective)
+            parts = [loss, *means.values()]
+            flat = step.across(torch.cat([v.detach().float().reshape(-1) for v in parts]))
+            parts = [f.view_as(v).to(v.dtype) for f, v in zip(flat.split([v.numel() for v in parts]), parts)]
+            loss, means = parts[0], dict(zip(means, parts[1:]))
         aux = auxiliary_losses(self.mcfg, step.num_micro, step.total, self.grid)  # MoE routers', DSA's (collective)
         if aux and self.grid.last_stage():  # the stage that logs every loss
             means = {**means, **aux}
@@ -230,6 +237,9 @@ class Saver(Part):
 
     def save(self, it):
         r = self.run
+        if getattr(r, "ft", None) is not None and not r.ft.writes_checkpoints():  # one live replica writes
+            self.saved_at = it
+            return
         save_checkpoint(it, r.chunks, r.optimizer, r.scheduler, r.mcfg, self.args, r.cursor.consumed,
                         r.evaluation.consumed if r.evaluation is not None else r.prepared.consumed_valid)
         self.saved_at = it

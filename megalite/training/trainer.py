@@ -31,6 +31,7 @@ class Step:
     trained: int = 0
     lr: float = None
     committed: bool = True  # fault-tolerant replicas: False when the quorum voted the step away (it runs again)
+    across: object = None  # fault-tolerant replicas: averages a tensor over the quorum (the logged losses)
 
 
 class Trainer:

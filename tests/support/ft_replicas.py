@@ -46,6 +46,13 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None):
                 time.sleep(0.05)
         return quorum(self)
     ft.FaultTolerance.vote, ft.FaultTolerance.__init__, ft.FaultTolerance._quorum = dying, announcing, holding
+    from megalite.training import parts
+    save, saves = parts.save_checkpoint, []
+
+    def recording(it, *a, **k):  # which iterations this replica wrote
+        saves.append(it)
+        return save(it, *a, **k)
+    parts.save_checkpoint = recording
     if start is not None:
         start.wait(timeout=120)
     try:
@@ -69,7 +76,7 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None):
         weights = {n: p.detach().numpy().copy() for c in chunks for n, p in c.module.named_parameters()}
         state = optimizer.state_dict()["optimizer"]["state"]
         moments = {k: {n: v.numpy().copy() for n, v in st.items() if torch.is_tensor(v)} for k, st in state.items()}
-        out.put((args.ft_replica_id, losses, weights, moments, _SCHEDULER[0].state_dict()))
+        out.put((args.ft_replica_id, losses, weights, moments, _SCHEDULER[0].state_dict(), saves))
         ps.destroy_model_parallel()
         del torch
     except BaseException:  # noqa: BLE001 - the test prints it
