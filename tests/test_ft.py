@@ -74,3 +74,22 @@ def test_an_unreachable_lighthouse_is_one_line(capsys):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("megalite: error")]
     assert len(err) == 1 and "--ft-lighthouse localhost:1: cannot join the Lighthouse within --ft-connect-timeout 1 s" \
         in err[0], err
+
+
+def test_replicas_launched_differently_are_named():
+    """The first quorum compares every replica's model and inner layout (their mean must equal each one's): what
+    differs is named in the one line that stops them."""
+    from megalite.cli.parser import model_config
+    from megalite.training.ft import disagreement, fingerprint
+    ps.initialize_model_parallel(1, 1)
+    try:
+        def values(*flags):
+            args = parse_args(list(BASE) + list(flags), world_size=1)
+            return fingerprint(args, ps.current_grid(), model_config(args, args.vocab_size))
+        names, mine = values()
+        for flags, named in ((("--hidden-size", "64"), ["model architecture"]),
+                             (("--global-batch-size", "16"), ["--global-batch-size"]), ((), [])):
+            other = values(*flags)[1]
+            assert disagreement(names, mine, [(a + b) / 2 for a, b in zip(mine, other)]) == named, flags
+    finally:
+        ps.destroy_model_parallel()

@@ -10,12 +10,16 @@ schedule, iteration, samples consumed and RNG streams.
 The part's hooks: iterations() runs the quorum before each iteration (and heals), vote() reduces across replicas
 and votes between the gradient finalisation and the optimizer step (training/step.py), finish() leaves."""
 
+import dataclasses
+import hashlib
 import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
+from megalite.config import ExecutionConfig
 from megalite.iteration_plan import IterationPlan
 from megalite.microbatches import BatchSchedule
 from megalite.rerun import _capture_rng, _restore_rng
@@ -72,8 +76,15 @@ class FaultTolerance(Part):
             self._resplit(*split)
 
     def _resplit(self, rank, replicas):
-        """The global batch in equal parts over the live replicas' DP ranks: this rank's plan and data."""
+        """The global batch in equal parts over the live replicas' DP ranks: this rank's plan and data (after the
+        check that the quorum's replicas run the same model at the same inner layout)."""
         g, t, a = self.grid, self.run, self.args
+        names, mine = fingerprint(a, g, t.mcfg)
+        mean = torch.tensor(mine, dtype=torch.float64)
+        self.manager.allreduce(mean).wait()  # (the mean over the quorum: equal to ours iff every replica's is)
+        if self.manager.errored() is None and (different := disagreement(names, mine, mean.tolist())):
+            self.abort(f"replica {a.ft_replica_id}: the live replicas were launched with different "
+                       f"{', '.join(different)}; every replica needs the same model, inner layout and batch flags")
         parts = g.dp * replicas
         if a.global_batch_size % (a.micro_batch_size * parts):
             self.abort(f"--global-batch-size {a.global_batch_size} does not split over {replicas} live replicas x "
@@ -129,6 +140,24 @@ class FaultTolerance(Part):
     def finish(self, last):
         self.manager.shutdown(wait=False)
         return last
+
+
+def fingerprint(args, grid, mcfg):
+    """(names, values) every replica of a quorum must share: the model's architecture (a 40-bit digest), the inner
+    layout and the batch flags; values exact in float64, so their mean over the quorum equals them iff all agree."""
+    runtime = {f.name for f in dataclasses.fields(ExecutionConfig)}
+    arch = repr(sorted((f.name, repr(getattr(mcfg, f.name))) for f in dataclasses.fields(mcfg) if f.name not in runtime))
+    digest = int.from_bytes(hashlib.sha256(arch.encode()).digest()[:5], "little")
+    pairs = (("model architecture", digest), ("--tensor-model-parallel-size", grid.tp),
+             ("--pipeline-model-parallel-size", grid.pp), ("--context-parallel-size", grid.cp),
+             ("data-parallel size inside a replica", grid.dp), ("--micro-batch-size", args.micro_batch_size),
+             ("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length))
+    return [n for n, _ in pairs], [float(v) for _, v in pairs]
+
+
+def disagreement(names, mine, mean):
+    """The names whose value is not the quorum's mean: where some replica differs."""
+    return [n for n, a, b in zip(names, mine, mean) if a != b]
 
 
 def _url(address):
