@@ -32,6 +32,7 @@ class FaultTolerance(Part):
         self.args, self.run, self.abort = args, trainer, abort
         self.grid = g = ps.grid_of(trainer.chunks)
         self.split, self.healed, self.committed, self.done = None, None, True, trainer.start_iter
+        self.fingerprint = fingerprint(args, g, trainer.mcfg)
         if dist.is_initialized():  # torchrun's store, shared by the replica's ranks (torchft keys its own prefix)
             self.store, addr, port = None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # a replica of one process: its own store
@@ -71,20 +72,23 @@ class FaultTolerance(Part):
         self.manager.start_quorum()  # synchronous: a replica that must heal has loaded its peer's state on return
         if self.manager.errored() is not None:
             return  # this step will not commit; the next quorum reconfigures
+        self._check_same()  # every quorum, on every replica: the same collectives whoever joined or left
         split = (self.manager.participating_rank(), self.manager.num_participants())
         if split != self.split:
             self._resplit(*split)
 
-    def _resplit(self, rank, replicas):
-        """The global batch in equal parts over the live replicas' DP ranks: this rank's plan and data (after the
-        check that the quorum's replicas run the same model at the same inner layout)."""
-        g, t, a = self.grid, self.run, self.args
-        names, mine = fingerprint(a, g, t.mcfg)
+    def _check_same(self):
+        """The quorum's replicas run the same model at the same inner layout with the same batch flags."""
+        names, mine = self.fingerprint
         mean = torch.tensor(mine, dtype=torch.float64)
         self.manager.allreduce(mean).wait()  # (the mean over the quorum: equal to ours iff every replica's is)
         if self.manager.errored() is None and (different := disagreement(names, mine, mean.tolist())):
-            self.abort(f"replica {a.ft_replica_id}: the live replicas were launched with different "
+            self.abort(f"replica {self.args.ft_replica_id}: the live replicas were launched with different "
                        f"{', '.join(different)}; every replica needs the same model, inner layout and batch flags")
+
+    def _resplit(self, rank, replicas):
+        """The global batch in equal parts over the live replicas' DP ranks: this rank's plan and data."""
+        g, t, a = self.grid, self.run, self.args
         parts = g.dp * replicas
         if a.global_batch_size % (a.micro_batch_size * parts):
             self.abort(f"--global-batch-size {a.global_batch_size} does not split over {replicas} live replicas x "
