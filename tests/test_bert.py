@@ -24,7 +24,7 @@ from megalite.config import ModelConfig
 from megalite.data.bert_dataset import build_bert_datasets, mask_tokens
 from megalite.models import BertModel
 from megalite.tensor_parallel import model_parallel_manual_seed
-from parity import ALPHABET, VOCAB, layout, reference, run_layouts
+from parity import ALPHABET, VOCAB, BigramChainDataset, layout, reference, run_layouts
 from parity_check import assert_parity, worst
 from test_checkpoint_hf import tensors
 
@@ -35,17 +35,10 @@ CLS, SEP, MASK, PAD = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
 SPECIALS = np.array([CLS, SEP, MASK, PAD])
 
 
-class BigramBertDataset:
+class BigramBertDataset(BigramChainDataset):  # (its size, seed and bijection)
     """Sample i: a bigram chain (parity.py's rule) of 9-13 tokens cut into A and B, swapped with
     probability 0.5 (is_random), `[CLS] A [SEP] B [SEP]`, padded to seq_length, masked by the
     dataset's own mask_tokens."""
-
-    def __init__(self, num_samples, seq_length, seed):
-        self.n, self.seq, self.seed = int(num_samples), int(seq_length), int(seed)
-        self.perm = np.random.default_rng([seed, 99]).permutation(ALPHABET)
-
-    def __len__(self):
-        return self.n
 
     def __getitem__(self, i):
         rng = np.random.RandomState((self.seed + i) % 2 ** 32)
