@@ -267,19 +267,16 @@ def get_expert_model_parallel_world_size():
 
 
 def get_expert_tensor_parallel_group():
-    g = _grid()
-    return g.etp_group if g.experts else g.tp_group
+    return _grid().expert_tp_group()
 
 
 def get_expert_tensor_parallel_rank():
-    g = _grid()
-    return g.etp_rank if g.experts else g.tp_rank
+    return _grid().expert_tp()[1]
 
 
 def get_expert_tensor_parallel_world_size():
     """Without an expert grid: the dense TP size (experts are then dense parameters)."""
-    g = _grid()
-    return g.etp if g.experts else g.tp
+    return _grid().expert_tp()[0]
 
 
 def get_expert_tensor_and_model_parallel_group():
@@ -311,8 +308,7 @@ def get_tensor_and_data_parallel_group(with_context_parallel=True):
 
 def get_expert_tensor_model_pipeline_parallel_group():
     """ETP x EP x PP (Megatron's name): every expert element once; the norms sum over it."""
-    g = _grid()
-    return g.emp_group if g.experts else g.mp_group
+    return _grid().expert_model_group()
 
 
 def get_tensor_and_context_parallel_group():
