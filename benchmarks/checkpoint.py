@@ -38,14 +38,14 @@ def _worker(rank, world, port, flags, out_dir, results):
     args = parse_args(flags + ["--save", out_dir, "--load", out_dir], world_size=world)
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     model_parallel_manual_seed(args.seed)
-    args.vocab_size = 32000
+    args = args.replace(vocab_size=32000)
     mcfg, _, chunks, opt, sched = setup(args, pretrain_gpt.model_provider)
     row = {}
     for mode in ("sync", "async"):
-        args.async_save = mode == "async"
         dist.barrier()
         t0 = time.perf_counter()
-        ck.save_checkpoint(1 if mode == "sync" else 2, chunks, opt, sched, mcfg, args, 0, 0)
+        ck.save_checkpoint(1 if mode == "sync" else 2, chunks, opt, sched, mcfg,
+                           args.replace(async_save=mode == "async"), 0, 0)
         row[f"{mode}_blocked"] = time.perf_counter() - t0
         ck.wait_for_pending_save()
         dist.barrier()

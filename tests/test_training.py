@@ -83,27 +83,31 @@ def test_no_kernel_self_check_turns_the_check_off():
         self_check.set_self_check("cuda")
 
 
-def test_nothing_below_the_command_line_changes_args(tmp_path):
-    """Validation derives every flag's value once; training setup, the loop and checkpoints read the arguments and
-    never change them (what they derive lives in the run's own state: the directory a restarted job resumes
-    from, a measured pipeline layout). The second run resumes from its own --save by itself."""
-    import argparse
-
-    class Watched(argparse.Namespace):
-        changed = []
-
-        def __setattr__(self, key, value):
-            Watched.changed.append(key)
-            super().__setattr__(key, value)
+def test_nothing_below_the_command_line_changes_args(tmp_path, capsys):
+    """Validation derives every flag's value once and hands down a frozen run configuration: training setup, the
+    loop and checkpoints read it and cannot change it (what they derive lives in the run's own state: the directory
+    a restarted job resumes from, a measured pipeline layout). The second run resumes from its own --save by
+    itself; a datasets provider may set only what the data decides (its vocabulary), on its own draft."""
+    from megalite.config.run import FrozenConfigError, RunConfig
     argv = [a if a != "10" else "2" for a in BASE] + ["--save", str(tmp_path), "--save-interval", "2"]
     _train(argv, 1)
-    args = Watched()
-    resume = argv + ["--train-iters", "3", "--use-checkpoint-opt_param-scheduler"]
-    for k, v in vars(parse_args(resume, world_size=1)).items():
-        object.__setattr__(args, k, v)
-    try:
+    args = parse_args(argv + ["--train-iters", "3", "--use-checkpoint-opt_param-scheduler"], world_size=1)
+    assert isinstance(args, RunConfig)
+    with pytest.raises(FrozenConfigError, match="cannot set 'load'"):
+        args.load = str(tmp_path)
+    try:  # (an assignment anywhere below would raise)
         losses = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
     finally:
         ps.destroy_model_parallel()
     assert len(losses) == 1, f"the run did not resume at iteration 2: {losses}"
-    assert Watched.changed == [], f"arguments changed after validation: {sorted(set(Watched.changed))}"
+
+    def meddling(draft, sizes):
+        draft.vocab_size, draft.lr = 128, 1.0
+        return learnable_datasets(draft, sizes)
+    with pytest.raises(SystemExit):
+        try:
+            pretrain(meddling, pretrain_gpt.model_provider, pretrain_gpt.forward_step, parse_args(BASE, world_size=1))
+        finally:
+            ps.destroy_model_parallel()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("megalite: error")]
+    assert len(err) == 1 and "the datasets provider changed lr; it may set only vocab_size" in err[0], err

@@ -14,6 +14,7 @@ import copy
 import os
 
 from megalite.config import ConfigError, fail
+from megalite.config.run import freeze
 from megalite.cli.to_config import model_config, training_config  # noqa: F401 (imported from here too)
 from megalite.cli.compat import print_notices, sort_unknown
 from megalite.cli.features.model import add_model_flags
@@ -313,7 +314,7 @@ def _finish(args, unknown, parser, world_size):
     from megalite.cli.validate import validate_args  # it maps args through this module's configs
     validate_args(args)
     print_notices(notices)
-    return args
+    return freeze(args)  # nothing below the command line changes a flag (megalite/config/run.py)
 
 
 def _take_checkpoint_args(args, parser):

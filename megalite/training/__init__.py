@@ -1,7 +1,7 @@
 """pretrain(): set up the grid, model, optimizer and data, then train (trainer.Trainer).
 
 Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in Megatron:
-    datasets_provider(args, num_samples) -> (train, valid, test)   (may set args.vocab_size)
+    datasets_provider(args, num_samples) -> (train, valid, test)   (may set args.vocab_size on its draft)
     model_provider(model_config, pre_process, post_process) -> model
     forward_step_func(data_iterator, model) -> (output, loss_func)
 
@@ -16,6 +16,7 @@ import time
 from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
 from megalite.config import fail
+from megalite.config.run import freeze
 from megalite.training.trainer import Trainer
 
 # Words in the errors gloo / NCCL / the store raise when a peer is gone or too slow.
@@ -26,7 +27,7 @@ COMMUNICATION_ERRORS = ("Timed out", "timed out", "Connection closed", "Connecti
 def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
     """Train per the command line; returns the list of per-iteration lm losses (and, with
     return_state, the model chunks and optimizer too)."""
-    args = args or parse_args()
+    args = freeze(args or parse_args())  # the run configuration: nothing below changes it (config/run.py)
     started = time.time()
     owns = ps.initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes * 60)
     gc_enabled = gc.isenabled()

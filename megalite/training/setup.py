@@ -52,13 +52,15 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
     model_parallel_manual_seed(args.seed)
     kernels.set_self_check("off" if args.no_kernel_self_check else "cuda")
     initialize_rerun_state_machine(args)
-    r = types.SimpleNamespace(batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
+    r = types.SimpleNamespace(args=args, batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
     r.plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)
     r.log = MetricsLogger(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
         wanted = dataset_sizes(args, batches)
-        datasets = datasets_provider(args, wanted)
+        draft = args.draft()  # Megatron's contract: the provider may set the vocab size (config/run.py)
+        datasets = datasets_provider(draft, wanted)
+        r.args = args = args.with_data(draft)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         abort(str(e).splitlines()[0] if str(e) else type(e).__name__)
     r.train_ds, r.valid_ds, r.test_ds = report_splits(args, datasets, wanted)  # sizes; an empty split's skip, said once

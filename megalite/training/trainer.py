@@ -42,6 +42,7 @@ class Trainer:
             enable_deterministic()
         parts.catch_sigterm(args)
         r = self.prepared = setup.prepare(args, datasets_provider, model_provider, forward_step_func, self.abort)
+        args = self.args = r.args  # with the vocabulary the data decided (config/run.py)
         self.mcfg, self.chunks, self.optimizer, self.scheduler = r.mcfg, r.chunks, r.optimizer, r.scheduler
         self.plan, self.dp_rank, self.semi, self.log, self.dtype = r.plan, r.dp_rank, r.semi, r.log, r.dtype
         self.start_iter = r.start_iter

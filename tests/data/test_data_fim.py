@@ -142,7 +142,7 @@ def test_pretrain_gpt_trains_on_fim_samples(tok, corpus_jsonl, tmp_path, capsys)
                        f"--data-path {prefix}_text_document --tokenizer-type SentencePieceTokenizer "
                        f"--tokenizer-model {tok.model_file} --data-cache-path {tmp_path / 'cache'} --split 1,0,0 "
                        "--num-workers 0").split(), world_size=1)
-    train, _, _ = pretrain_gpt.datasets_provider(args, (8, 0, 0))
+    train, _, _ = pretrain_gpt.datasets_provider(args.draft(), (8, 0, 0))  # the provider's own copy
     assert sum(int((train[i]["text"] == tok.token_to_id("<fim_prefix>")).sum()) for i in range(8)) >= 8
     try:
         losses = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)

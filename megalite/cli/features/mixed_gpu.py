@@ -210,6 +210,8 @@ def with_rank_precision(args, dp_rank):
     building that rank's model and optimizer configs; args itself when there is no list."""
     if not args.data_parallel_precisions:
         return args
-    import argparse
     mine = args.data_parallel_precisions[dp_rank]
+    if hasattr(args, "replace"):  # the frozen run configuration
+        return args.replace(bf16=mine == "bf16", fp16=mine == "fp16")
+    import argparse
     return argparse.Namespace(**{**vars(args), "bf16": mine == "bf16", "fp16": mine == "fp16"})
