@@ -21,42 +21,49 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def test_a_replica_that_dies_stops_nobody_and_heals(tmp_path):
-    """Replica 1 dies in the middle of iteration 2 (after its backward, before the cross-replica reduction) and is
-    started again: the survivor does not apply that step (the vote), runs the batch again alone, and goes on; the
-    restarted replica heals from it and trains the rest with it. Both end with the same weights and Adam state, bit
-    for bit, and those are the uninterrupted run's (every global batch trained exactly once)."""
+def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path):
+    """Three replicas; in iteration 2 replica 1 dies during the cross-replica reduction (its part sent) and replica 2
+    before it (two at once): the survivor applies neither attempt (the vote) and trains iterations 2 and 3 alone on
+    the whole batch; both restarted replicas heal from it at iteration 4 (the batch of 8 re-split 3, 3, 2), and a new
+    fourth replica joins at iteration 5 (2 each). All four end with the same weights and Adam state, bit for bit,
+    and those, and every iteration's logged loss, are the uninterrupted run's (every global batch trained exactly
+    once, whatever the split)."""
     lh = lighthouse(min_replicas=1)
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     try:
-        got = run_replicas(lh.address(), 2, tmp_path, save, iters=ITERS + 2, die=(1, 2), rejoin_at=4)
+        got = run_replicas(lh.address(), 3, tmp_path, save, iters=ITERS + 3, die=[(1, 2, "during"), (2, 2, "before")],
+                           rejoin_at=4, join_at=5)
     finally:
         lh.shutdown()
-    args = parse_args(list(BASE) + ["--train-iters", str(ITERS + 2)], world_size=1)
+    args = parse_args(list(BASE) + ["--train-iters", str(ITERS + 3)], world_size=1)
     try:
         ref_losses, chunks, _ = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
                                          args, return_state=True)
         ref = {n: p.detach().clone() for c in chunks for n, p in c.module.named_parameters()}
     finally:
         ps.destroy_model_parallel()
-    (l0, w0, s0, lr0, saved0), (l1, w1, s1, lr1, saved1) = got[0], got[1]
-    assert saved0 == [2, 4, 6] and saved1 == [], (saved0, saved1)  # one writer: the first live replica
-    assert len(l0) == ITERS + 2 and len(l1) < ITERS + 2, (len(l0), len(l1))  # replica 1 healed past some
-    # the logged loss is the quorum's mean: every iteration's, whoever was alive, is the uninterrupted run's
+    assert sorted(got) == [0, 1, 2, 3], sorted(got)
+    l0, w0, s0, lr0, saved0 = got[0]
+    assert saved0 == [2, 4, 6, 7] and all(got[r][4] == [] for r in (1, 2, 3)), [got[r][4] for r in got]  # one writer
+    assert len(l0) == ITERS + 3, len(l0)
+    # the logged loss is the quorum's: every iteration's, whoever was alive, is the uninterrupted run's
     assert max(abs(a - b) / abs(b) for a, b in zip(l0, ref_losses)) <= 1e-5, (l0, ref_losses)
-    assert l1 == l0[-len(l1):], (l1, l0)
     for n in ref:
-        assert (w0[n] == w1[n]).all(), f"the healed replica's {n} differs from the survivor's"
         assert _rel(torch.from_numpy(w0[n]), ref[n]) <= 1e-5, f"{n} differs from the uninterrupted run"
-    for k in s0:
-        assert all((s0[k][n] == s1[k][n]).all() for n in s0[k]), f"the healed replica's optimizer state {k} differs"
-    assert lr0 == lr1 and lr0["num_steps"] == (ITERS + 2) * 8, (lr0, lr1)  # the LR schedule healed too
+    for r in (1, 2, 3):
+        lr, w, s, lrs, _ = got[r]
+        assert len(lr) == (4 if r < 3 else 3) and lr == l0[-len(lr):], (r, lr, l0)  # healed before 4 / 5
+        for n in ref:
+            assert (w0[n] == w[n]).all(), f"replica {r}'s {n} differs from the survivor's"
+        for k in s0:
+            assert all((s0[k][n] == s[k][n]).all() for n in s0[k]), f"replica {r}'s optimizer state {k} differs"
+        assert lrs == lr0 and lr0["num_steps"] == (ITERS + 3) * 8, (r, lrs, lr0)  # the LR schedule healed too
     from megalite.checkpointing import load_weights
     ps.initialize_model_parallel(1, 1)
     try:  # the checkpoint holds the replicas' state
         model = pretrain_gpt.model_provider(chunks[0].module.config)
         meta = load_weights([model], str(tmp_path / "ckpt"))
-        assert meta["iteration"] == ITERS + 2
+        assert meta["iteration"] == ITERS + 3
         assert all((p.detach().numpy() == w0[n]).all() for n, p in model.named_parameters()), "checkpoint differs"
     finally:
         ps.destroy_model_parallel()

@@ -1,6 +1,6 @@
 """Fault-tolerant replicas on torchft (--ft-lighthouse): each replica is a whole model copy (its own TP x CP x PP and
 inner DP, its own torchrun job); torchft's Lighthouse forms a quorum of the live replicas before every iteration.
-The global batch is split equally over the quorum, each replica reduces its gradients inside itself and then with
+The global batch is split over the quorum (as evenly as its micro-batches go), each replica reduces its gradients inside itself and then with
 the others (torchft's process group, reconfigured when the quorum changes), and the step is applied only when every
 replica of the quorum votes that it went through (torchft's should_commit). A step that did not commit is run again,
 over the new quorum, on the same global batch: every batch is trained exactly once. A replica that starts (restarted
@@ -87,28 +87,37 @@ class FaultTolerance(Part):
                        f"{', '.join(different)}; every replica needs the same model, inner layout and batch flags")
 
     def _resplit(self, rank, replicas):
-        """The global batch in equal parts over the live replicas' DP ranks: this rank's plan and data."""
+        """The global batch over the live replicas' DP ranks: its micro-batches of every inner DP rank dealt out
+        as evenly as they go (the first replicas take one more when they do not divide), each replica's part the
+        contiguous run after the parts before it; this rank's plan and data."""
         g, t, a = self.grid, self.run, self.args
-        parts = g.dp * replicas
-        if a.global_batch_size % (a.micro_batch_size * parts):
-            self.abort(f"--global-batch-size {a.global_batch_size} does not split over {replicas} live replicas x "
-                       f"{g.dp} data-parallel ranks x --micro-batch-size {a.micro_batch_size}; pick a global batch "
-                       "every replica count down to --ft-min-replicas divides")
-        t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, parts))
+        units = a.global_batch_size // (a.micro_batch_size * g.dp)  # micro-batches of each inner DP rank, all told
+        if units < replicas:
+            self.abort(f"--global-batch-size {a.global_batch_size} gives {units} micro-batches per data-parallel "
+                       f"rank of a replica, fewer than the {replicas} live replicas; raise it (or "
+                       "--micro-batch-size lower) so every live replica gets one")
+        counts = [units // replicas + (r < units % replicas) for r in range(replicas)]
+        shares = [n for n in counts for _ in range(g.dp)]  # one per DP rank across the replicas
+        t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares)
         t.dp_rank = (rank or 0) * g.dp + g.dp_rank
         t.cursor.plan = t.plan
-        t.cursor.rebuild(rank=t.dp_rank, ranks=parts)
+        t.cursor.rebuild(rank=t.dp_rank, ranks=g.dp * replicas)
         if self.split is not None:
-            print(f"megalite: fault tolerance: {replicas} live replica{'s' if replicas > 1 else ''}; this one reads "
-                  f"part {rank} (replica {self.args.ft_replica_id})", flush=True)
+            print(f"megalite: fault tolerance: {replicas} live replica{'s' if replicas > 1 else ''}; this one trains "
+                  f"{counts[rank or 0] * g.dp * a.micro_batch_size} of {a.global_batch_size} samples (replica "
+                  f"{self.args.ft_replica_id})", flush=True)
         self.split = (rank, replicas)
 
     def vote(self, chunks):
-        """The replica's reduced gradients averaged over the quorum, then the commit vote: True when every replica
-        went through this step (the optimizer steps), False when one failed (nothing is applied)."""
+        """The replicas' gradients summed over the quorum, then the commit vote: True when every replica went
+        through this step (the optimizer steps), False when one failed (nothing is applied). Every micro-batch
+        loss was divided by the global batch's micro-batch count (the plan's shares), so the sum over the quorum
+        is the single process's mean; the replica's own reduction averaged over its DP ranks, hence the factor."""
         for c in chunks:
             if c.grad_data is not None and c.grad_data.numel():
-                self.manager.allreduce(c.grad_data).wait()
+                if self.grid.dp > 1:
+                    c.grad_data.mul_(self.grid.dp)
+                self.manager.allreduce(c.grad_data, reduce_op=dist.ReduceOp.SUM).wait()
         self.committed = self.manager.should_commit()
         if not self.committed:
             for c in chunks:
@@ -116,10 +125,10 @@ class FaultTolerance(Part):
         return self.committed
 
     def after(self, it, step):
-        step.across = self._mean  # the log line's losses: the quorum's (each replica trained a part of the batch)
+        step.across = self._sum  # the log line's losses: each replica's is its part of the batch's mean
 
-    def _mean(self, t):
-        self.manager.allreduce(t).wait()  # (averaged over the quorum's replicas)
+    def _sum(self, t):
+        self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM).wait()
         return t
 
     def writes_checkpoints(self):

@@ -4,6 +4,7 @@ parity model on learnable data; what each returns comes back through a queue."""
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 
 from parity_models import BASE
@@ -20,19 +21,29 @@ def lighthouse(min_replicas):
     return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
 
 
-def _replica(argv, out, die_at=None, hold=(), announce=None, start=None):
-    """One replica's run. die_at: the process ends (as SIGKILL would: no goodbye) in the middle of that iteration,
-    after its forward-backward, before the cross-replica reduction. hold: [(iteration, paths)]: before that iteration
-    the replica waits for those files (its peers' announces: they heartbeat to the Lighthouse). announce: the file
-    written once this replica heartbeats. start: a barrier the first replicas pass together."""
+def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=()):
+    """One replica's run. die_at: (iteration, where): the process ends (as SIGKILL would: no goodbye) in the middle
+    of that iteration, after its forward-backward: "before" the cross-replica reduction, or "during" it (its part
+    sent, the result not awaited). hold: [(iteration, paths)]: before that iteration the replica waits for those
+    files (its peers' announces: they heartbeat to the Lighthouse). announce: the file written once this replica
+    heartbeats. start: a barrier the first replicas pass together. reach: [(iteration, path)]: the file written when
+    the replica is about to run that iteration."""
     import time
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from megalite.training import ft
     vote, init, quorum = ft.FaultTolerance.vote, ft.FaultTolerance.__init__, ft.FaultTolerance._quorum
 
     def dying(self, chunks):
-        if die_at is not None and self.done + 1 == die_at:
-            os._exit(17)
+        if die_at is not None and self.done + 1 == die_at[0]:
+            if die_at[1] == "before":
+                os._exit(17)
+            send = self.manager.allreduce
+
+            def sending_then_dying(t, **k):
+                send(t, **k)
+                time.sleep(0.05)
+                os._exit(17)
+            self.manager.allreduce = sending_then_dying
         return vote(self, chunks)
 
     def announcing(self, *a, **k):
@@ -41,6 +52,9 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None):
             open(announce, "w").close()
 
     def holding(self):
+        for it, path in reach:
+            if self.done + 1 == it:
+                open(path, "w").close()
         for it, paths in hold:
             while self.done + 1 == it and not all(os.path.exists(p) for p in paths):
                 time.sleep(0.05)
@@ -83,31 +97,43 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None):
         out.put(("error", traceback.format_exc()))
 
 
-def run_replicas(address, n, tmp, extra=(), iters=4, die=None, rejoin_at=None):
+def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
-    {replica id: (losses, weights, Adam's moments)}. die: (replica, iteration) that replica's process ends in the
-    middle of; rejoin_at: it is then started again (as its torchrun would restart it), and the others wait before
-    that iteration until it heartbeats (a file under `tmp` says so), so it heals while they train."""
+    {replica id: (losses, weights, Adam's moments, LR schedule, iterations saved)}. die: [(replica, iteration,
+    "before" | "during")]: that replica's process ends in the middle of that iteration; rejoin_at: each is then
+    started again (as its torchrun would restart it), and the others wait before that iteration until they
+    heartbeat (files under `tmp` say so), so they heal while the others train. join_at: a new replica (number n)
+    starts when the first replica is about to run that iteration, and everyone waits for it there."""
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(n)
     argv = list(BASE) + ["--train-iters", str(iters), "--ft-lighthouse", address] + FAST + list(extra)
     joined = [os.path.join(str(tmp), f"joined{i}") for i in range(n)]  # the first quorum waits for every replica
-    flag = os.path.join(str(tmp), "rejoined")
+    rejoined = {r: os.path.join(str(tmp), f"rejoined{r}") for r, _, _ in die}
+    newcomer, reached = os.path.join(str(tmp), "newcomer"), os.path.join(str(tmp), "reached")
+    later = [(join_at, [newcomer])] if join_at else []
+    dies = {r: (it, where) for r, it, where in die}
 
     def start(i, **kw):
         p = ctx.Process(target=_replica, args=(argv + ["--ft-replica-id", str(i)], out), kwargs=kw)
         p.start()
         return p
-    procs = [start(i, die_at=die[1] if die and die[0] == i else None, start=barrier, announce=joined[i],
-                   hold=[(1, joined)] + ([(rejoin_at, [flag])] if rejoin_at and die[0] != i else []))
-             for i in range(n)]
-    if die is not None and rejoin_at is not None:
-        procs[die[0]].join(timeout=120)
-        assert procs[die[0]].exitcode == 17, f"replica {die[0]} did not die as planned: {procs[die[0]].exitcode}"
-        procs.append(start(die[0], announce=flag))
+    procs = [start(i, die_at=dies.get(i), start=barrier, announce=joined[i],
+                   reach=[(join_at, reached)] if join_at and i == 0 else [],
+                   hold=[(1, joined)] + later + ([(rejoin_at, list(rejoined.values()))] if rejoin_at and i not in dies
+                                                 else [])) for i in range(n)]
+    for r in dies:
+        procs[r].join(timeout=120)
+        assert procs[r].exitcode == 17, f"replica {r} did not die as planned: {procs[r].exitcode}"
+    if rejoin_at:
+        procs += [start(r, announce=rejoined[r], hold=later) for r in dies]
+    if join_at:
+        while not os.path.exists(reached):
+            assert procs[0].is_alive(), "replica 0 ended before the new replica could join"
+            time.sleep(0.05)
+        procs.append(start(n, announce=newcomer))
     got = {}
     try:
-        for _ in range(n):
+        for _ in range(n + bool(join_at) - (0 if rejoin_at else len(dies))):
             item = out.get(timeout=180)
             if item[0] == "error":
                 raise AssertionError(f"a replica failed:\n{item[1]}")
