@@ -277,6 +277,16 @@ class DistributedDataParallel(nn.Module):
         if self.units is not None:
             self.units.release_all()  # units whose parameters got no gradient (unused, tied)
 
+    def reduced_grads(self):
+        """After finish_grad_sync: per bucket, (the reduced fp32 gradient this rank holds, what the reduction
+        divided it by) — the whole bucket, or with ZeRO this rank's shard of it. Fault-tolerant replicas sum
+        these with the same rank of the other replicas (HSDP-style: a shard meets only its counterparts)."""
+        for b in self.buckets:
+            if isinstance(b, ShardedBucket):
+                yield (b.data[b.lo:b.hi] if b.stage == 1 else b.shard_acc), b.divisor
+            else:
+                yield b.data, b.divisor
+
     def zero_grad_buffer(self, iteration=None):
         """Before an iteration (its number: when --grad-compression starts)."""
         for b in self.buckets:

@@ -112,12 +112,14 @@ class FaultTolerance(Part):
         """The replicas' gradients summed over the quorum, then the commit vote: True when every replica went
         through this step (the optimizer steps), False when one failed (nothing is applied). Every micro-batch
         loss was divided by the global batch's micro-batch count (the plan's shares), so the sum over the quorum
-        is the single process's mean; the replica's own reduction averaged over its DP ranks, hence the factor."""
+        is the single process's mean once the replica's own reduction is undone of its average (its divisor).
+        With ZeRO each rank sums only the shard it owns, with the same rank of the other replicas."""
         for c in chunks:
-            if c.grad_data is not None and c.grad_data.numel():
-                if self.grid.dp > 1:
-                    c.grad_data.mul_(self.grid.dp)
-                self.manager.allreduce(c.grad_data, reduce_op=dist.ReduceOp.SUM).wait()
+            for grad, divisor in c.reduced_grads():
+                if grad.numel():
+                    if divisor > 1:
+                        grad.mul_(divisor)
+                    self.manager.allreduce(grad, reduce_op=dist.ReduceOp.SUM).wait()
         self.committed = self.manager.should_commit()
         if not self.committed:
             for c in chunks:

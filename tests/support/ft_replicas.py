@@ -21,14 +21,16 @@ def lighthouse(min_replicas):
     return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
 
 
-def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=()):
+def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(), env=None, key=None):
     """One replica's run. die_at: (iteration, where): the process ends (as SIGKILL would: no goodbye) in the middle
     of that iteration, after its forward-backward: "before" the cross-replica reduction, or "during" it (its part
     sent, the result not awaited). hold: [(iteration, paths)]: before that iteration the replica waits for those
     files (its peers' announces: they heartbeat to the Lighthouse). announce: the file written once this replica
     heartbeats. start: a barrier the first replicas pass together. reach: [(iteration, path)]: the file written when
-    the replica is about to run that iteration."""
+    the replica is about to run that iteration. env: a rank's torchrun variables (a replica of several ranks);
+    key: what names its results."""
     import time
+    os.environ.update(env or {})
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from megalite.training import ft
     vote, init, quorum = ft.FaultTolerance.vote, ft.FaultTolerance.__init__, ft.FaultTolerance._quorum
@@ -76,7 +78,7 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         from megalite.cli.parser import parse_args
         from megalite.training import pretrain
         from parity_models import learnable_datasets
-        args = parse_args(argv, world_size=1)
+        args = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         from megalite.training import trainer as trainer_module
         build = trainer_module.Trainer.__init__
 
@@ -87,59 +89,85 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         losses, chunks, optimizer = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
                                              args, return_state=True)
         # numpy, not tensors: a tensor crosses the queue as a shared-memory handle that dies with this process
-        weights = {n: p.detach().numpy().copy() for c in chunks for n, p in c.module.named_parameters()}
-        state = optimizer.state_dict()["optimizer"]["state"]
-        moments = {k: {n: v.numpy().copy() for n, v in st.items() if torch.is_tensor(v)} for k, st in state.items()}
-        out.put((args.ft_replica_id, losses, weights, moments, _SCHEDULER[0].state_dict(), saves))
+        weights = {}
+        for c in chunks:
+            with c.gathered():  # (ZeRO-3: whole parameters while read)
+                weights.update({n: p.detach().numpy().copy() for n, p in c.module.named_parameters()})
+        sd = optimizer.state_dict()
+        if "shards" in sd:  # ZeRO: this rank's shard of every parameter's state
+            moments = {e["name"]: {k: e[k].numpy().copy() for k in ("main_param", *e["keys"])} for e in sd["shards"]}
+        else:
+            moments = {k: {n: v.numpy().copy() for n, v in st.items() if torch.is_tensor(v)}
+                       for k, st in sd["optimizer"]["state"].items()}
+        out.put((args.ft_replica_id if key is None else key, losses, weights, moments, _SCHEDULER[0].state_dict(), saves))
         ps.destroy_model_parallel()
         del torch
     except BaseException:  # noqa: BLE001 - the test prints it
         out.put(("error", traceback.format_exc()))
 
 
-def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None):
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None, ranks=1):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
-    {replica id: (losses, weights, Adam's moments, LR schedule, iterations saved)}. die: [(replica, iteration,
-    "before" | "during")]: that replica's process ends in the middle of that iteration; rejoin_at: each is then
-    started again (as its torchrun would restart it), and the others wait before that iteration until they
-    heartbeat (files under `tmp` say so), so they heal while the others train. join_at: a new replica (number n)
-    starts when the first replica is about to run that iteration, and everyone waits for it there."""
+    {replica id (with ranks > 1: (replica id, rank)): (losses, weights, optimizer state, LR schedule, iterations
+    saved)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
+    iteration; rejoin_at: each is then started again (as its torchrun would restart it), and the others wait before
+    that iteration until it heartbeats (files under `tmp` say so), so it heals while the others train. join_at: a
+    new replica (number n) starts when the first replica is about to run that iteration, and everyone waits for it
+    there. ranks: processes per replica (a gloo job of its own, as torchrun would start it)."""
     ctx = mp.get_context("spawn")
-    out, barrier = ctx.Queue(), ctx.Barrier(n)
+    out, barrier = ctx.Queue(), ctx.Barrier(n * ranks)
     argv = list(BASE) + ["--train-iters", str(iters), "--ft-lighthouse", address] + FAST + list(extra)
-    joined = [os.path.join(str(tmp), f"joined{i}") for i in range(n)]  # the first quorum waits for every replica
-    rejoined = {r: os.path.join(str(tmp), f"rejoined{r}") for r, _, _ in die}
-    newcomer, reached = os.path.join(str(tmp), "newcomer"), os.path.join(str(tmp), "reached")
-    later = [(join_at, [newcomer])] if join_at else []
+
+    def files(name, replica):
+        return [os.path.join(str(tmp), f"{name}{replica}_{k}") for k in range(ranks)]
+    joined = [f for i in range(n) for f in files("joined", i)]  # the first quorum waits for every replica
+    rejoined = [f for r, _, _ in die for f in files("rejoined", r)]
+    newcomer, reached = files("joined", n), os.path.join(str(tmp), "reached")
+    later = [(join_at, newcomer)] if join_at else []
     dies = {r: (it, where) for r, it, where in die}
 
-    def start(i, **kw):
-        p = ctx.Process(target=_replica, args=(argv + ["--ft-replica-id", str(i)], out), kwargs=kw)
-        p.start()
-        return p
-    procs = [start(i, die_at=dies.get(i), start=barrier, announce=joined[i],
-                   reach=[(join_at, reached)] if join_at and i == 0 else [],
-                   hold=[(1, joined)] + later + ([(rejoin_at, list(rejoined.values()))] if rejoin_at and i not in dies
-                                                 else [])) for i in range(n)]
+    def start(i, name, **kw):
+        port, procs = _free_port(), []
+        for k in range(ranks):
+            env = {"RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+                   "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)} if ranks > 1 else None
+            p = ctx.Process(target=_replica, args=(argv + ["--ft-replica-id", str(i)], out),
+                            kwargs=dict(kw, announce=files(name, i)[k], env=env, key=(i, k) if ranks > 1 else i,
+                                        reach=kw.get("reach", []) if k == 0 else []))
+            p.start()
+            procs.append(p)
+        return procs
+    procs = {i: start(i, "joined", die_at=dies.get(i), start=barrier,
+                      reach=[(join_at, reached)] if join_at and i == 0 else [],
+                      hold=[(1, joined)] + later + ([(rejoin_at, rejoined)] if rejoin_at and i not in dies else []))
+             for i in range(n)}
     for r in dies:
-        procs[r].join(timeout=120)
-        assert procs[r].exitcode == 17, f"replica {r} did not die as planned: {procs[r].exitcode}"
+        for p in procs[r]:
+            p.join(timeout=120)
+            assert p.exitcode == 17, f"replica {r} did not die as planned: {p.exitcode}"
     if rejoin_at:
-        procs += [start(r, announce=rejoined[r], hold=later) for r in dies]
+        procs.update({(r, "again"): start(r, "rejoined", hold=later) for r in dies})
     if join_at:
         while not os.path.exists(reached):
-            assert procs[0].is_alive(), "replica 0 ended before the new replica could join"
+            assert procs[0][0].is_alive(), "replica 0 ended before the new replica could join"
             time.sleep(0.05)
-        procs.append(start(n, announce=newcomer))
+        procs[n] = start(n, "joined")
     got = {}
     try:
-        for _ in range(n + bool(join_at) - (0 if rejoin_at else len(dies))):
+        for _ in range((n + bool(join_at) - (0 if rejoin_at else len(dies))) * ranks):
             item = out.get(timeout=180)
             if item[0] == "error":
                 raise AssertionError(f"a replica failed:\n{item[1]}")
             got[item[0]] = item[1:]
     finally:
-        for p in procs:
+        for p in (p for group in procs.values() for p in group):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()

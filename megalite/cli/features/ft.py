@@ -30,7 +30,6 @@ def add_ft_flags(a):
 # what fault-tolerant replicas do not compose with yet: (the flag's dest, how it reads on the command line)
 _NOT_YET = (
     ("semi_sync_method", "--semi-sync-method"),
-    ("use_distributed_optimizer", "--use-distributed-optimizer (ZeRO)"),
     ("data_parallel_shares", "--data-parallel-shares"),
     ("data_parallel_micro_batch_sizes", "--data-parallel-micro-batch-sizes"),
     ("rampup_batch_size", "--rampup-batch-size"),
@@ -59,7 +58,10 @@ def validate_ft(args):
     used = [flag for dest, flag in _NOT_YET if getattr(args, dest, None) not in (None, False)]
     if used:
         raise ConfigError(f"--ft-lighthouse with {', '.join(used)} is not built yet in megalite: fault-tolerant "
-                          "replicas reduce plain gradients over equal shares of each global batch")
+                          "replicas deal each global batch out evenly and reduce plain gradients")
+    if args.use_distributed_optimizer and (args.zero_stage or 1) == 3:
+        raise ConfigError("--ft-lighthouse with --zero-stage 3 is not built yet in megalite: use ZeRO-1 or 2 inside "
+                          "each replica")
     if args.pipeline_model_parallel_layout == "auto":
         raise ConfigError("--ft-lighthouse with --pipeline-model-parallel-layout auto is not built yet in megalite: "
                           "give the layout")
