@@ -109,6 +109,9 @@ def _group():
     return _pending["group"]
 
 
+checkpoint_group = _group  # (also what a Megatron checkpoint's conversion agrees on, training/setup.py)
+
+
 def _dcp(fn, *args, **kw):
     """DCP call; on one process (no groups) DCP warns that it assumes one process: it does."""
     with warnings.catch_warnings():

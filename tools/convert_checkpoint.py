@@ -7,6 +7,8 @@
     # BertForPreTraining (pretrain_bert.py checkpoints), or for MoE models MixtralForCausalLM,
     # Qwen2MoeForCausalLM (a gated shared expert) and Qwen3MoeForCausalLM (--qk-layernorm)
     python tools/convert_checkpoint.py --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
+    # continue a Megatron-LM run: its torch_dist --save directory (any TP/PP) at its iteration
+    python tools/convert_checkpoint.py --loader megatron --saver megalite --load-dir megatron_ckpt --save-dir ckpt
     # import a save_pretrained directory (safetensors) as a megalite "release" checkpoint
     python tools/convert_checkpoint.py --loader hf --saver megalite --load-dir hf_dir --save-dir ckpt \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
@@ -21,8 +23,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.checkpoint.convert import export_hf, find_checkpoint, import_hf, reshard  # noqa: E402
+from megalite.checkpoint.convert import export_hf, find_checkpoint, import_hf, import_megatron, reshard  # noqa: E402
 from megalite.checkpoint.storage import CheckpointError  # noqa: E402
+from megalite.errors import ConfigError  # noqa: E402
 
 
 def build_parser():
@@ -32,7 +35,8 @@ def build_parser():
                    help="the model family (GPT: GPT2LMHeadModel / LlamaForCausalLM / Mixtral / Qwen2-MoE / Qwen3-MoE; "
                         "BERT: BertForPreTraining); "
                         "megalite and HF checkpoints record it themselves")
-    p.add_argument("--loader", required=True, choices=["megalite", "hf"], help="format of --load-dir")
+    p.add_argument("--loader", required=True, choices=["megalite", "hf", "megatron"],
+                   help="format of --load-dir (megatron: a Megatron-LM --save directory in its torch_dist format)")
     p.add_argument("--saver", required=True, choices=["megalite", "hf"], help="format to write to --save-dir")
     p.add_argument("--load-dir", required=True, help="megalite: the --save directory (with "
                    "latest_checkpointed_iteration.txt); hf: a save_pretrained directory")
@@ -62,10 +66,20 @@ def main(argv=None):
             else:
                 export_hf(args.load_dir, args.save_dir, args.max_shard_size_mb << 20,
                           args.model_type.lower() if args.model_type else None)
+        elif args.loader == "megatron":
+            if args.saver != "megalite":
+                raise CheckpointError("--loader megatron converts to megalite (--saver megalite); export to HF from "
+                                      "there")
+            from megalite.cli.megatron_args import model_config_of
+            src = import_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
+                                  args.target_pipeline_parallel_size, model_config_of)
+            print(f"convert_checkpoint: Megatron-LM iteration {src.iteration} ({src.consumed()[0]} samples consumed): "
+                  "weights, iteration and data position converted; the optimizer state is not read yet (the run "
+                  "continues with fresh Adam moments and LR schedule, as Megatron's --no-load-optim)")
         else:
             import_hf(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                       args.target_pipeline_parallel_size, args.make_vocab_size_divisible_by)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ConfigError, ValueError) as e:
         print(f"convert_checkpoint: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"convert_checkpoint: wrote {args.saver} checkpoint to {args.save_dir}")

@@ -305,3 +305,27 @@ def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
             "consumed_train_samples": 0, "consumed_valid_samples": 0, "has_optimizer": False,
             "source": {"hf_class": arch.hf_class, "path": os.path.abspath(load_dir)}}
     w.close(meta)
+
+
+def import_megatron(load_dir, save_dir, tp, pp, model_config_of):
+    """A Megatron-LM torch_dist --save directory -> a megalite checkpoint at its iteration (weights, iteration,
+    consumed samples). model_config_of(Megatron's args, vocab): the megalite model config (the command line's
+    mapping, megalite/cli/megatron_args.py)."""
+    from megalite.checkpoint.megatron import MegatronCheckpoint
+    src = MegatronCheckpoint(load_dir)
+    margs = src.args
+    vocab = getattr(margs, "vocab_size", None) or getattr(margs, "padded_vocab_size", None)
+    if not vocab:
+        raise CheckpointError(f"{src.path}: Megatron's args give neither vocab_size nor padded_vocab_size")
+    cfg = model_config_of(margs, vocab)
+    cfg["make_vocab_size_divisible_by"] = getattr(margs, "make_vocab_size_divisible_by", None) or 128
+    w = Writer(save_dir, src.iteration, cfg, tp, pp)
+    for name, t in src.weights(cfg):
+        w.add(name, t)
+    train, valid = src.consumed()
+    meta = {"format": "megalite-checkpoint", "version": 1, "model_config": cfg, "dtype": cfg["params_dtype"],
+            "consumed_train_samples": train, "consumed_valid_samples": valid, "has_optimizer": False,
+            "source": {"megatron": os.path.abspath(src.path), "checkpoint_version": src.common.get("checkpoint_version"),
+                       "opt_param_scheduler": src.common.get("opt_param_scheduler")}}
+    w.close(meta)
+    return src

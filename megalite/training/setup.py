@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 import kernels
 from megalite import parallel_state as ps
 from megalite.cli.parser import model_config, training_config
-from megalite.checkpointing import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
+from megalite.checkpoint.megatron import is_megatron_checkpoint
+from megalite.checkpointing import (CheckpointError, check_save_dir, checkpoint_group, load_checkpoint, read_tracker,
                                   unwrap_checkpoint_error)
 from megalite.config import ConfigError
 from megalite.distributed import DistributedDataParallel
@@ -213,10 +214,19 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root):
     """Load `root` (load_root's). Returns (iteration, consumed train, consumed valid) or None."""
     if not root:
         return None
+    megatron = is_megatron_checkpoint(root)  # a Megatron-LM torch_dist directory: converted per node, then loaded
+    if megatron:
+        from megalite.checkpoint import from_megatron
+        from megalite.cli.megatron_args import model_config_of
+        path = from_megatron.convert_for_load(root, model_config_of, checkpoint_group(), "cpu",
+                                              lambda m: print(m, flush=True))
     try:
-        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args, root)
+        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args, path if megatron else root)
     except CheckpointException as e:  # DCP wraps every rank's error; ours is one line
         raise unwrap_checkpoint_error(e) from None
+    finally:
+        if megatron:
+            from_megatron.remove_converted(root, checkpoint_group())
     if loaded is None and args.exit_on_missing_checkpoint:
         raise CheckpointError(f"--load {root} holds no checkpoint and --exit-on-missing-checkpoint is set")
     if loaded is not None:

@@ -1,0 +1,101 @@
+"""Megatron-Core's sharded-state-dict names <-> megalite's checkpoint names, for GPT models (beside the HF tables).
+
+Megatron-Core stacks a decoder's layers under one key with a leading layer axis (`decoder.layers.<suffix>`,
+[num_layers, ...]) and files the norms under the linear layer they are fused into with Transformer Engine
+(`self_attention.linear_qkv.layer_norm_weight` is megalite's `input_layernorm.weight`, `mlp.linear_fc1.
+layer_norm_weight` its `pre_mlp_layernorm.weight`); older or heterogeneous checkpoints keep per-layer keys
+(`decoder.layers.<i>.<suffix>`) and the local spec's own norm names; both are read. SwiGLU's fc1 is [gate; up]
+there and [2, ffn, h] in megalite; the fused QKV has the same per-query-group rows [q heads | k | v] in both;
+the vocabulary is padded there (megalite keeps the real rows)."""
+
+# megalite's suffix of a layer's tensor -> Megatron's suffixes for it, in the order tried
+LAYER = (
+    ("input_layernorm.weight", ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")),
+    ("input_layernorm.bias", ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias")),
+    ("self_attention.linear_qkv.weight", ("self_attention.linear_qkv.weight",)),
+    ("self_attention.linear_qkv.bias", ("self_attention.linear_qkv.bias",)),
+    ("self_attention.q_layernorm.weight", ("self_attention.q_layernorm.weight",)),
+    ("self_attention.q_layernorm.bias", ("self_attention.q_layernorm.bias",)),
+    ("self_attention.k_layernorm.weight", ("self_attention.k_layernorm.weight",)),
+    ("self_attention.k_layernorm.bias", ("self_attention.k_layernorm.bias",)),
+    ("self_attention.linear_proj.weight", ("self_attention.linear_proj.weight",)),
+    ("self_attention.linear_proj.bias", ("self_attention.linear_proj.bias",)),
+    ("pre_mlp_layernorm.weight", ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")),
+    ("pre_mlp_layernorm.bias", ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias")),
+    ("mlp.linear_fc1.weight", ("mlp.linear_fc1.weight",)),
+    ("mlp.linear_fc1.bias", ("mlp.linear_fc1.bias",)),
+    ("mlp.linear_fc2.weight", ("mlp.linear_fc2.weight",)),
+    ("mlp.linear_fc2.bias", ("mlp.linear_fc2.bias",)),
+)
+
+
+def layer_suffixes(cfg):
+    """The suffixes megalite's GPT layer has for the model config `cfg` (a checkpoint's model_config dict)."""
+    layer_norm = cfg["normalization"] == "LayerNorm"
+    bias = cfg["add_bias_linear"]
+    have = {"input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+            "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+    if layer_norm:
+        have |= {"input_layernorm.bias", "pre_mlp_layernorm.bias"}
+    if bias or cfg.get("add_qkv_bias"):
+        have.add("self_attention.linear_qkv.bias")
+    if bias:
+        have |= {"self_attention.linear_proj.bias", "mlp.linear_fc1.bias", "mlp.linear_fc2.bias"}
+    if cfg.get("qk_layernorm"):
+        have |= {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
+        if layer_norm:
+            have |= {"self_attention.q_layernorm.bias", "self_attention.k_layernorm.bias"}
+    return [(mine, theirs) for mine, theirs in LAYER if mine in have]
+
+
+def _fc1(cfg):
+    """SwiGLU: [gate; up] -> [2, ffn, ...]."""
+    if not cfg["swiglu"]:
+        return lambda t: t
+    return lambda t: t.reshape(2, cfg["ffn_hidden_size"], *t.shape[1:])
+
+
+def gpt_rows(cfg, has):
+    """(megalite name, Megatron key, layer index in a stacked key or None, Megatron tensor -> megalite's) for
+    every weight of a megalite GPT of config `cfg`; has(key): whether the checkpoint holds that tensor."""
+    vocab = cfg["vocab_size"]
+
+    def rows_of_vocab(t):
+        return t[:vocab]
+    same = (lambda t: t)
+    rows = [("embedding.word_embeddings.weight", "embedding.word_embeddings.weight", None, rows_of_vocab)]
+    if cfg["position_embedding_type"] == "learned_absolute":
+        rows.append(("embedding.position_embeddings.weight", "embedding.position_embeddings.weight", None, same))
+    for i in range(cfg["num_layers"]):
+        for mine, theirs in layer_suffixes(cfg):
+            fn = _fc1(cfg) if mine.startswith("mlp.linear_fc1.") else same
+            stacked = [f"decoder.layers.{s}" for s in theirs if has(f"decoder.layers.{s}")]
+            single = [f"decoder.layers.{i}.{s}" for s in theirs if has(f"decoder.layers.{i}.{s}")]
+            if stacked:
+                rows.append((f"decoder.layers.{i}.{mine}", stacked[0], i, fn))
+            elif single:
+                rows.append((f"decoder.layers.{i}.{mine}", single[0], None, fn))
+            else:
+                from megalite.checkpoint.storage import CheckpointError
+                raise CheckpointError(f"the Megatron checkpoint has no decoder.layers.{theirs[0]} (nor "
+                                      f"decoder.layers.{i}.{theirs[0]}), which megalite's layer {i}.{mine} needs")
+    rows.append(("decoder.final_layernorm.weight", "decoder.final_layernorm.weight", None, same))
+    if cfg["normalization"] == "LayerNorm":
+        rows.append(("decoder.final_layernorm.bias", "decoder.final_layernorm.bias", None, same))
+    if cfg["untie_embeddings_and_output_weights"]:
+        rows.append(("output_layer.weight", "output_layer.weight", None, rows_of_vocab))
+    return rows
+
+
+def unsupported(args):
+    """Why megalite cannot read this Megatron model yet (one line), or None."""
+    if getattr(args, "num_experts", None):
+        return "MoE checkpoints (--num-experts) are not read from Megatron's format yet; convert the weights " \
+               "through Hugging Face (Megatron-Bridge) for now"
+    if getattr(args, "multi_latent_attention", False):
+        return "MLA checkpoints (--multi-latent-attention) are not read from Megatron's format yet"
+    if getattr(args, "mtp_num_layers", None):
+        return "multi-token prediction layers (--mtp-num-layers) are not read from Megatron's format yet"
+    if getattr(args, "model_type", None) not in (None, "gpt", "GPT") and "bert" in str(args.model_type).lower():
+        return "BERT checkpoints are not read from Megatron's format yet"
+    return None

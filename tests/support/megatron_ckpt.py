@@ -1,0 +1,142 @@
+"""Genuine Megatron-LM `torch_dist` checkpoints for the tests, made by megatron-core itself on CPU ranks.
+
+save_all(specs) builds megatron-core's GPTModel (the local layer spec, CPU initialisation) on the gloo ranks of a
+test world (tests/support/dist_util.run_on_ranks) at each spec's TP x PP and saves it as Megatron-LM's save_checkpoint lays a
+`--save` directory out: latest_checkpointed_iteration.txt, iter_NNNNNNN/ with DCP's .metadata and __R_I.distcp
+files, metadata.json and common.pt holding the iteration, checkpoint_version 3.0, Megatron's argparse namespace
+(with an enum member, as Megatron's has) and the LR schedule's state. logits_all(specs, tokens) loads each
+checkpoint back with megatron-core's dist_checkpointing at TP1 x PP1 and returns its GPTModel's logits: what
+Megatron itself computes from that directory. megatron-core's async writer wants psutil and CUDA calls (and tied embeddings
+across stages a .cuda()); on CPU those are made harmless here (no effect on what is written)."""
+
+import argparse
+import os
+
+# Two architectures of Megatron's flags: Llama's (rope, RMSNorm, SwiGLU, GQA, untied, no biases) and GPT-2's
+# (learned positions, LayerNorm, tanh-GeLU with biases, tied embeddings).
+KINDS = {
+    "llama": dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+                  group_query_attention=True, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                  untie_embeddings_and_output_weights=True, add_bias_linear=False),
+    "gpt2": dict(num_layers=4, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=4,
+                 group_query_attention=False, position_embedding_type="learned_absolute", normalization="LayerNorm",
+                 swiglu=False, untie_embeddings_and_output_weights=False, add_bias_linear=True),
+}
+VOCAB, SEQ = 128, 16
+
+
+def megatron_args(kind, tp, pp, iteration, consumed):
+    """Megatron-LM's namespace as its checkpoints carry it (the fields a model and a run are built from)."""
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+    k = KINDS[kind]
+    return argparse.Namespace(
+        **k, kv_channels=k["hidden_size"] // k["num_attention_heads"], seq_length=SEQ, max_position_embeddings=SEQ,
+        rotary_base=10000, rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False, qk_layernorm=False,
+        apply_layernorm_1p=False, vocab_size=None, padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=1, global_batch_size=8,
+        consumed_train_samples=consumed, consumed_valid_samples=0, train_iters=100, lr=1e-3, min_lr=1e-4,
+        params_dtype=torch.float32, fp16=False, bf16=False, bias_gelu_fusion=True, ckpt_format="torch_dist",
+        attention_backend=AttnBackend.auto, iteration=iteration, seed=1234, tokenizer_type="NullTokenizer")
+
+
+def _cpu_only():
+    import torch
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self  # (tied embeddings across stages: their first all-reduce)
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fa
+    fa._process_memory = lambda: 0  # (it needs psutil; only logged)
+
+
+def build(kind, pre=True, post=True, tp=1, pp=1):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    k = KINDS[kind]
+    cfg = TransformerConfig(
+        num_layers=k["num_layers"], hidden_size=k["hidden_size"], ffn_hidden_size=k["ffn_hidden_size"],
+        num_attention_heads=k["num_attention_heads"], num_query_groups=k["num_query_groups"],
+        normalization=k["normalization"], add_bias_linear=k["add_bias_linear"], gated_linear_unit=k["swiglu"],
+        activation_func=F.silu if k["swiglu"] else F.gelu, bias_activation_fusion=not k["swiglu"],
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
+        init_method_std=0.05)
+    return GPTModel(cfg, get_gpt_layer_local_spec(normalization=k["normalization"]), vocab_size=VOCAB,
+                    max_sequence_length=SEQ, pre_process=pre, post_process=post,
+                    position_embedding_type=k["position_embedding_type"],
+                    share_embeddings_and_output_weights=not k["untie_embeddings_and_output_weights"])
+
+
+def _save(root, kind, tp, pp, iteration, consumed):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mps
+    rank = dist.get_rank()
+    mps.initialize_model_parallel(tp, pp)
+    try:
+        torch.manual_seed(1234 + mps.get_pipeline_model_parallel_rank())  # (CPU initialisation: torch's generator)
+        model = build(kind, mps.is_pipeline_first_stage(), mps.is_pipeline_last_stage(), tp, pp)
+        if kind == "gpt2":  # biases and norms away from their 0 / 1 initial values, so a misplaced one shows
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n.endswith("bias") or "norm" in n:
+                        p.add_(torch.randn_like(p) * 0.1)
+        path = os.path.join(root, f"iter_{iteration:07d}")
+        state = {"args": megatron_args(kind, tp, pp, iteration, consumed), "checkpoint_version": 3.0,
+                 "iteration": iteration, "model": model.sharded_state_dict(),
+                 "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 1e-4, "num_steps": consumed, "warmup_steps": 0,
+                                         "decay_steps": 800, "decay_style": "cosine"}}
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(state, path)
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+    finally:
+        mps.destroy_model_parallel()
+
+
+def save_all(specs, iteration=5, consumed=40):
+    """On the ranks of a world (tests/support/dist_util.run_on_ranks, gloo): each (root, kind, tp, pp) saved by
+    megatron-core as a Megatron-LM --save directory (tp x pp of the world's ranks hold the model; the rest are
+    data-parallel copies, as in a Megatron job)."""
+    _cpu_only()
+    for root, kind, tp, pp in specs:
+        _save(root, kind, tp, pp, iteration, consumed)
+
+
+def logits_all(specs, tokens):
+    """On one rank: for each (root, kind), megatron-core's own GPTModel at TP1 x PP1 loaded from `root` by its
+    dist_checkpointing, and its logits of `tokens` (what Megatron itself computes from that directory)."""
+    import contextlib
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    _cpu_only()
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # (no dropout: no CUDA RNG needed)
+    out = []
+    for root, kind in specs:
+        mps.initialize_model_parallel(1, 1)
+        try:
+            model = build(kind)
+            it = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
+            sd = dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                         os.path.join(root, f"iter_{int(it):07d}"))
+            model.load_state_dict(sd["model"], strict=False)
+            model.eval()
+            s = tokens.shape[1]
+            pos = torch.arange(s).unsqueeze(0).expand_as(tokens)
+            causal = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]  # (True: masked out, Megatron's)
+            with torch.no_grad():
+                out.append(model(tokens, pos, causal).clone())
+        finally:
+            mps.destroy_model_parallel()
+    return out

@@ -1,0 +1,117 @@
+"""Megatron-LM torch_dist checkpoints in megalite (megalite/checkpoint/megatron.py), against checkpoints megatron-core
+itself writes on CPU ranks (tests/support/megatron_ckpt.py) and the logits its own GPTModel computes from them."""
+
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="Megatron checkpoints are made by megatron-core (the [test] extra)")
+
+import pretrain_gpt  # noqa: E402
+from cli_batch import convert  # noqa: E402
+from dist_util import run_on_ranks  # noqa: E402
+from megalite import parallel_state as ps  # noqa: E402
+from megalite.cli.parser import parse_args  # noqa: E402
+from megalite.training import pretrain  # noqa: E402
+from megatron_ckpt import KINDS, logits_all, save_all  # noqa: E402
+from parity import learnable_datasets  # noqa: E402
+from test_checkpoint import _Payload  # noqa: E402
+from test_checkpoint_hf import megalite_logits  # noqa: E402
+
+SAVED = (("llama", 2, 2), ("gpt2", 2, 2), ("llama", 1, 1))  # (kind, TP, PP) Megatron saved at
+TP2PP2 = ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    """{(kind, tp, pp): Megatron --save directory}, and megatron-core's logits of the same tokens from each."""
+    base = tmp_path_factory.mktemp("megatron")
+    roots = {s: str(base / f"{s[0]}_tp{s[1]}pp{s[2]}") for s in SAVED}
+    run_on_ranks(save_all, 4, [(roots[s], *s) for s in SAVED], timeout=300, backend="gloo")
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (2, 16))
+    ref = run_on_ranks(logits_all, 1, [(roots[s], s[0]) for s in SAVED], tokens, backend="gloo")[0]
+    return base, roots, tokens, dict(zip(SAVED, ref))
+
+
+@pytest.mark.parametrize("saved", SAVED, ids=lambda s: f"{s[0]}-tp{s[1]}pp{s[2]}")
+def test_megatron_checkpoint_converts_to_megatrons_own_logits(megatron, saved):
+    """Megatron's save at its TP x PP, converted to megalite at TP1 and TP2 x PP2: megalite's model computes the
+    logits megatron-core's own GPTModel computes from the same directory (fp32; the same sums in another order)."""
+    base, roots, tokens, ref = megatron
+    for name, layout in (("tp1", []), ("tp2pp2", TP2PP2)):
+        out = str(base / f"converted_{saved[0]}_{saved[1]}{saved[2]}_{name}")
+        rc, stdout, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", roots[saved],
+                                  "--save-dir", out, *layout)
+        assert rc == 0, err
+        assert "iteration 5 (40 samples consumed)" in stdout, stdout
+        got = megalite_logits(out, tokens)
+        assert (got - ref[saved]).abs().max().item() <= 1e-5 * ref[saved].abs().max().item(), (name, saved)
+
+
+def test_pretrain_loads_a_megatron_directory_and_continues(megatron):
+    """pretrain_gpt.py --load on Megatron's directory resumes at its iteration and data position (the next samples
+    after the 40 consumed), exactly as a run loading the converter's output does."""
+    base, roots, _, _ = megatron
+    k = KINDS["llama"]
+    model = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", str(k["ffn_hidden_size"]), "--swiglu", "--normalization",
+             "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+             "--untie-embeddings-and-output-weights", "--seq-length", "16", "--max-position-embeddings", "16",
+             "--vocab-size", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3",
+             "--train-iters", "7", "--eval-iters", "0", "--num-workers", "0", "--hidden-dropout", "0",
+             "--attention-dropout", "0"]
+    converted = str(base / "for_pretrain")
+    assert convert("--loader", "megatron", "--saver", "megalite", "--load-dir", roots[("llama", 2, 2)],
+                   "--save-dir", converted)[0] == 0
+    runs = []
+    for load in (roots[("llama", 2, 2)], converted):
+        try:
+            runs.append(pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                                 parse_args(model + ["--load", load], world_size=1)))
+        finally:
+            ps.destroy_model_parallel()
+    assert len(runs[0]) == 2, f"not resumed at iteration 6: {runs[0]}"  # iterations 6 and 7
+    assert runs[0] == runs[1], runs
+    assert not any(n.startswith("megalite-from-megatron-") for n in os.listdir(__import__("tempfile").gettempdir()))
+
+
+@pytest.mark.parametrize("victim", ["common.pt", ".metadata"])
+def test_a_megatron_pickle_payload_is_refused(megatron, tmp_path, victim):
+    """Megatron's common.pt and DCP's .metadata are pickles: one carrying code is refused in one line, and nothing
+    in it runs."""
+    _, roots, _, _ = megatron
+    d = str(tmp_path / "hostile")
+    shutil.copytree(roots[("llama", 1, 1)], d)
+    marker = str(tmp_path / "executed")
+    target = os.path.join(d, "iter_0000005", victim)
+    if victim == "common.pt":
+        torch.save({"args": _Payload(marker), "iteration": 5}, target)
+    else:
+        with open(target, "wb") as f:
+            pickle.dump(_Payload(marker), f)
+    rc, _, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", d, "--save-dir",
+                         str(tmp_path / "out"))
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, lines
+    assert victim in lines[0] and "open, which a checkpoint does not need; refused" in lines[0], lines
+    assert not os.path.exists(marker)
+
+
+def test_what_megalite_cannot_read_yet_is_one_line(megatron, tmp_path):
+    _, roots, _, _ = megatron
+    d = str(tmp_path / "moe")
+    shutil.copytree(roots[("llama", 1, 1)], d)
+    common = os.path.join(d, "iter_0000005", "common.pt")
+    state = torch.load(common, weights_only=False)
+    state["args"].num_experts = 8
+    torch.save(state, common)
+    rc, _, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", d, "--save-dir",
+                         str(tmp_path / "out"))
+    assert rc == 2 and "MoE checkpoints (--num-experts) are not read from Megatron's format yet" in err, err
+    rc, _, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", str(tmp_path), "--save-dir",
+                         str(tmp_path / "out"))
+    assert rc == 2 and "is not a Megatron-LM torch_dist checkpoint directory" in err, err
