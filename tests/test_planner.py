@@ -240,6 +240,66 @@ def test_predict_keeps_the_users_layout_or_says_why_not():
         layout_from_args(args)
 
 
+def _stage_cut(args):
+    """The layers of every (virtual) pipeline stage a parsed command line runs."""
+    from megalite.transformer.pipeline_layers import stage_layer_counts
+    if args.pipeline_layout:
+        return tuple(args.pipeline_layout)
+    pp, v = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
+    if v == 1:
+        return tuple(stage_layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers,
+                                        args.decoder_last_pipeline_num_layers))
+    return (args.num_layers // (pp * v),) * (pp * v)
+
+
+def test_predict_prices_every_pipeline_cut_the_validation_accepts():
+    """Every combination of pipeline size, uneven first / last stages, interleaving and recompute that
+    pretrain_gpt.py's validation accepts (10 layers: some divide, some do not) is priced by --predict, at the cut
+    the run would use (not an even one)."""
+    import itertools
+
+    from megalite.cli.parser import check_args
+    model = [a if a != "8" else "10" for a in GPT]  # (--num-layers 10)
+    cluster, accepted = parse_cluster("8xA100-80GB"), 0
+    for pp, first, last, v, full in itertools.product((2, 4), (None, 1, 3), (None, 2, 4), (None, 2), (False, True)):
+        flags = ["--pipeline-model-parallel-size", str(pp)]
+        flags += ["--decoder-first-pipeline-num-layers", str(first)] if first else []
+        flags += ["--decoder-last-pipeline-num-layers", str(last)] if last else []
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(v)] if v else []
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                  "1"] if full else []
+        try:
+            args = check_args(model + flags, 8)
+        except ConfigError:
+            continue  # (pretrain_gpt.py refuses it too)
+        accepted += 1
+        lay = layout_from_args(args)
+        priced = validated(model + flags, lay, 8)
+        assert _stage_cut(priced) == _stage_cut(args), (flags, _stage_cut(priced), _stage_cut(args))
+        p = cost.predict(priced, lay, cluster)
+        assert p.step_time_s > 0, flags
+    assert accepted >= 20, accepted
+
+
+def test_plan_prices_llama3_405b_at_its_published_layout_without_lr_or_train_iters():
+    """Llama 3 405B's published pipeline (126 layers on 16 stages, one fewer on the first and last), pasted without
+    --lr / --train-iters: priced, at its own cut, as flags and as Megatron's layout string."""
+    model = ["--num-layers", "126", "--hidden-size", "16384", "--ffn-hidden-size", "53248", "--num-attention-heads",
+             "128", "--group-query-attention", "--num-query-groups", "8", "--seq-length", "8192",
+             "--max-position-embeddings", "8192", "--vocab-size", "128256", "--swiglu", "--normalization", "RMSNorm",
+             "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+             "--micro-batch-size", "1", "--global-batch-size", "2048", "--bf16", "--tensor-model-parallel-size", "8",
+             "--pipeline-model-parallel-size", "16", "--context-parallel-size", "1", "--use-distributed-optimizer",
+             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    cut = "Et*7|" + "t*8|" * 14 + "t*7L"
+    for gpus in (8192, 16384):
+        for pipeline in (["--decoder-first-pipeline-num-layers", "7", "--decoder-last-pipeline-num-layers", "7"],
+                         ["--pipeline-model-parallel-layout", cut]):
+            rc, out, err = _plan(["--cluster", f"{gpus}xH100-80GB", "--predict", *model, *pipeline])
+            assert "layers 7/8/8/8/8/8/8/8/8/8/8/8/8/8/8/7" in out and cut in out, (gpus, pipeline, out, err)
+            assert "missing required" not in err and "not divisible" not in err, err
+
+
 def test_what_the_planner_does_not_model_is_one_line():
     for extra, zero in ((["--semi-sync-method", "diloco"], 1), (["--grad-compression", "powersgd"], 0)):
         lay = Layout(1, 1, 1, 8, None, None, zero, None, 1, False)

@@ -5,11 +5,12 @@
         --num-attention-heads 64 --group-query-attention --num-query-groups 8 --seq-length 8192 \\
         --max-position-embeddings 8192 --position-embedding-type rope --normalization RMSNorm --swiglu \\
         --untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 128256 \\
-        --global-batch-size 512 --bf16 --lr 1e-4 --train-iters 1
+        --global-batch-size 512 --bf16
     # one layout: give its parallel flags (--tensor-model-parallel-size ...) and --predict
     # mixed GPUs: --cluster 4xA100-80GB,4xRTX3090-24GB --gpus-per-node 4 (a node holds one type)
 
-Every other flag is pretrain_gpt.py's; a layout megalite would refuse is never printed. --json prints one
+Every other flag is pretrain_gpt.py's (a whole training command pastes as it is; --lr and --train-iters, which
+change neither memory nor time, may be left out); a layout megalite would refuse is never printed. --json prints one
 JSON object per layout. The model behind the figures: megalite/planner/ (docs/planner.md)."""
 
 import argparse
@@ -51,8 +52,19 @@ def report(p):
     return "\n".join(lines)
 
 
+# Flags pretrain_gpt.py requires that change neither memory nor step time: a plan needs none of them.
+UNPRICED = ((("--lr",), ["--lr", "1e-4"]), (("--train-iters", "--train-samples", "--skip-train"), ["--train-iters", "1"]))
+
+
+def with_unpriced(model_argv):
+    """The user's flags, plus a stand-in for each required flag that does not change the plan and is left out."""
+    given = {a.split("=", 1)[0] for a in model_argv if a.startswith("--")}
+    return list(model_argv) + [x for flags, stand_in in UNPRICED if not given & set(flags) for x in stand_in]
+
+
 def main(argv=None):
     ours, model_argv = build_parser().parse_known_args(argv)
+    model_argv = with_unpriced(model_argv)
     if ours.top < 1:
         print(f"plan: --top {ours.top} must be >= 1", file=sys.stderr)
         return 2
@@ -82,7 +94,7 @@ def main(argv=None):
         for p in found:
             print(report(p))
     if not found[0].fits:
-        print(f"plan: {'no layout' if not ours.predict else 'this layout'} fits the GPUs' memory "
+        print(f"plan: {'no layout fits' if not ours.predict else 'this layout does not fit'} the GPUs' memory "
               f"(short by {-found[0].memory['headroom'] / GiB:.1f} GiB on {found[0].memory['gpu']})", file=sys.stderr)
         return 2
     return 0

@@ -127,7 +127,7 @@ def predict(args, layout, cluster):
         raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
     check_plannable(args, cluster, layout)
     c, e, vocab = _figures(args, layout)
-    v = (c.num_layers // (layout.pp * layout.vp)) if layout.vp else 1
+    v = layout.chunks_per_stage(c.num_layers)
     # micro-batches per DP rank, as the run's iteration plan cuts them (shares, per-replica sizes)
     every = training_plan(args, batch_schedule(args)).counts_of(args.global_batch_size)
     fractions = args.optimizer_offload_fraction if args.optimizer_cpu_offload else None  # (a list: per replica)
@@ -141,7 +141,7 @@ def predict(args, layout, cluster):
     stage_times, worst, dp_bytes, opt = [], None, {}, 0.0
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
     for i in range(layout.pp):
-        grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
+        grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if v > 1 else None, layout.ep,
                           layout.expert_tp if layout.ep else None, pp_rank=i)
         gpus = stages.stage_gpus(layout, cluster, i)
         state = memory.training_state(args, c, grid)
@@ -154,7 +154,7 @@ def predict(args, layout, cluster):
             cd, ed = figures[d]
             if d and per_replica_state:  # replica d's own offload fraction or precision: its state bytes
                 state = memory.training_state(args, c, ps.Grid.of(
-                    layout.tp, layout.pp, layout.dp, layout.cp, v if layout.vp else None, layout.ep,
+                    layout.tp, layout.pp, layout.dp, layout.cp, v if v > 1 else None, layout.ep,
                     layout.expert_tp if layout.ep else None, pp_rank=i, dp_rank=d))
             per_chunk = [activations.chunk_bytes(cd, grid, micro, ed, n, i == 0 and j == 0,
                                                  i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
@@ -207,7 +207,7 @@ def balanced_layout(args, layout, cluster):
     """The layout with its layers cut across the pipeline stages by their GPUs' predicted speed and memory
     (stages.py); the layout itself where it is not a plain pipeline or the cut is the even one."""
     from megalite.transformer.pipeline_layers import stage_layer_counts
-    if layout.pp == 1 or layout.vp:
+    if layout.pp == 1 or layout.vp or layout.chunks:
         return layout
     c, e, vocab = _figures(args, layout)
     m = args.global_batch_size // (layout.micro * layout.dp)
@@ -340,7 +340,7 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     pp_time = 0.0
     if layout.pp > 1:
         stages = _ranks(layout, cluster, 0, "pp")
-        chunks = c.num_layers // (layout.pp * layout.vp) if layout.vp else 1  # interleaved: a send per chunk
+        chunks = layout.chunks_per_stage(c.num_layers)  # interleaved: a send per chunk
         pp_time = 2 * chunks * (rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 2]) * 1e9) + alpha)
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
 

@@ -35,6 +35,12 @@ class Layout:
     etp: int = None  # MoE: the experts' TP size (megalite's default: the TP size)
     micros: tuple = None  # micro-batch size per DP replica where not equal (--data-parallel-micro-batch-sizes)
     offload: tuple = None  # optimizer fraction per DP replica kept on the host (--optimizer-cpu-offload)
+    chunks: int = None  # interleaving with unequal chunks: chunks per stage (stage_layers: pp x chunks counts, whose
+    # --pipeline-model-parallel-layout gives the chunks by itself)
+
+    def chunks_per_stage(self, num_layers):
+        """Model chunks per pipeline stage of a model of num_layers layers (1: plain 1F1B)."""
+        return self.chunks or (num_layers // (self.pp * self.vp) if self.vp else 1)
 
     @property
     def expert_tp(self):
@@ -78,7 +84,8 @@ class Layout:
 
     def describe(self):
         parts = [f"TP{self.tp}" + ("+SP" if self.tp > 1 and self.sp else ""), f"PP{self.pp}"
-                 + (f"(v{self.vp})" if self.vp else ""), f"CP{self.cp}", f"DP{self.dp}"]
+                 + (f"(v{self.vp})" if self.vp else f"({self.chunks} chunks)" if self.chunks else ""), f"CP{self.cp}",
+                 f"DP{self.dp}"]
         parts += [f"EP{self.ep}" + (f"(ETP{self.expert_tp})" if self.expert_tp != 1 else "")] if self.ep else []
         parts += [f"ZeRO-{self.zero}" if self.zero else "no ZeRO", self.recompute or "no recompute",
                   f"mbs {','.join(map(str, self.micros)) if self.micros else self.micro}"]
@@ -113,15 +120,18 @@ def layout_from_args(args):
                           f"{args.recompute_num_layers}")
     pp, L, v = args.pipeline_model_parallel_size, args.num_layers, args.virtual_pipeline_model_parallel_size
     counts, vp = None, None
+    chunks = None
     if v:
-        cut = args.pipeline_layout or [L // (pp * v)] * (pp * v)
+        cut = tuple(args.pipeline_layout or [L // (pp * v)] * (pp * v))  # (virtual stage k: stage k % pp)
         if len(set(cut)) > 1 or L % (pp * v):
-            raise ConfigError(f"the planner models interleaving with equal chunks; this layout cuts {list(cut)}")
-        vp = L // (pp * v)
+            chunks, counts = v, cut  # unequal chunks (first/last stages, an explicit layout): priced chunk by chunk
+        else:
+            vp = L // (pp * v)
     else:
         cut = tuple(args.pipeline_layout or stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers,
                                                                 args.decoder_last_pipeline_num_layers))
-        counts = cut if cut != tuple(stage_layer_counts(L, pp, None, None)) else None
+        even = tuple(stage_layer_counts(L, pp, None, None)) if L % pp == 0 else None  # (uneven: only given cuts)
+        counts = cut if cut != even else None
     ep = args.expert_model_parallel_size if args.num_experts else None
     etp = (args.expert_tensor_parallel_size or args.tensor_model_parallel_size) if ep else None
     micros = _micros(args)
@@ -130,7 +140,7 @@ def layout_from_args(args):
     return Layout(args.tensor_model_parallel_size, pp, args.context_parallel_size, args.data_parallel_size, vp, ep,
                   (args.zero_stage or 1) if args.use_distributed_optimizer else 0,
                   "full" if full else args.recompute_granularity, micro, args.sequence_parallel,
-                  counts, _shares(args), etp, micros, _offload(args))
+                  counts, _shares(args), etp, micros, _offload(args), chunks)
 
 
 def _offload(args):
