@@ -36,8 +36,10 @@ from megalite.checkpoint.state import (
     optimizer_entries,
     optimizer_step,
     outer_momentum_entries,
+    fp8_state,
     rng_state,
     set_optimizer_step,
+    set_fp8_state,
     set_rng_state,
 )
 from megalite.config import LAYOUT_FIELDS, SHAPE_FIELDS  # noqa: F401  (SHAPE_FIELDS: read here by tools)
@@ -163,7 +165,7 @@ class _CommittingWriter(SafetensorsWriter):
         if self.hash_files:  # --verify-integrity
             write_integrity(self.path)
         final, tmp = iteration_dir(self.root, self.iteration), self.path
-        for d in (os.path.join(tmp, "rng"), tmp):
+        for d in (os.path.join(tmp, "rng"), os.path.join(tmp, "fp8"), tmp):
             fsync_dir(d)
         if os.path.exists(final):  # the same iteration saved again: replace it
             old = final + ".old"
@@ -196,6 +198,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
         os.makedirs(os.path.join(tmp, "rng"))
+        os.makedirs(os.path.join(tmp, "fp8"))
         meta = {"format": FORMAT, "version": 1, "megalite_version": __version__, "iteration": iteration,
                 "consumed_train_samples": consumed_train, "consumed_valid_samples": consumed_valid,
                 "model_config": config_json(model_config), "dtype": config_json(model_config)["params_dtype"],
@@ -218,6 +221,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
         dist.barrier(group=group)
     if not args.no_save_rng:
         fsync_write(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), json.dumps(rng_state()).encode())
+    if fp8 := fp8_state(chunks):  # delayed FP8 scaling's amax histories (as TE's modules keep them in the model)
+        fsync_write(os.path.join(tmp, "fp8", f"rank_{rank:05d}.json"), json.dumps(fp8).encode())
     entries = model_entries(chunks, for_save=True)
     if not args.no_save_optim:  # each semi-synchronous replica its own inner state, the first the outer one
         entries.update(optimizer_entries(optimizer, chunks, for_save=True, prefix=_replica_prefix(g)))
@@ -317,6 +322,10 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None)
     else:
         main_params_from_model(optimizer)
     _restore_rng(meta, path, args, weights_only, g)
+    fp8_dir = os.path.join(path, "fp8")
+    if os.path.isdir(fp8_dir):  # every rank's histories, merged by module name: any layout takes its own
+        set_fp8_state(chunks, {k: v for f in sorted(os.listdir(fp8_dir))
+                               for k, v in read_json(os.path.join(fp8_dir, f), "FP8 state").items()})
     if getattr(optimizer, "semi_sync", None) is not None:  # saved at an outer step: the weights are global
         optimizer.semi_sync.loaded(meta.get("semi_sync"), [k for k in planner.missing if k.startswith("semi_sync.")])
     if weights_only:

@@ -23,8 +23,9 @@ CASES = {
                      "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
     "global_batch": (2, "--global-batch-size 5", "--global-batch-size 5 is not divisible by --micro-batch-size 1"),
     "hidden_vs_heads": (2, "--hidden-size 50", "--hidden-size 50 is not divisible by --num-attention-heads 4"),
-    "not_implemented": (2, "--fp8-format hybrid --no-such-flag --grad-reduce-in-bf16",
-                        "--fp8-format: FP8/FP4 training (Transformer Engine) is not implemented in megalite; remove it"
+    "not_implemented": (2, "--fp8-output-proj --no-such-flag --grad-reduce-in-bf16",
+                        "--fp8-output-proj: this FP8 option (Transformer Engine's) is not implemented in megalite (it "
+                        "has --fp8-format with the tensorwise and delayed recipes); remove it"
                         " | --no-such-flag: unrecognized: neither a megalite nor a Megatron-LM flag (see --help) | "
                         "--grad-reduce-in-bf16: megalite reduces gradients in fp32"),
     "missing_required": (2, "--lr", "expected one argument"),

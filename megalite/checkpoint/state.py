@@ -177,3 +177,21 @@ def set_rng_state(s):
     if torch.cuda.is_available() and s["cuda"]:
         torch.cuda.set_rng_state_all([_unb64(x) for x in s["cuda"]])
     get_rng_tracker().set_states({k: _unb64(v) for k, v in s["tracker"].items()})  # CPU byte states
+
+
+def fp8_sites(chunks):
+    """{module name: its FP8 site} of the delayed-scaling linear layers (names carry global layer numbers)."""
+    return {n: m.fp8 for c in chunks for n, m in _module(c).named_modules()
+            if getattr(m, "fp8", None) is not None and m.fp8.recipe == "delayed"}
+
+
+def fp8_state(chunks):
+    """This rank's FP8 amax histories, by module name (JSON)."""
+    return {n: s.state_dict() for n, s in fp8_sites(chunks).items()}
+
+
+def set_fp8_state(chunks, saved):
+    """The histories of `saved` ({module name: history}, every rank's merged) for the sites this rank holds."""
+    for n, s in fp8_sites(chunks).items():
+        if n in saved:
+            s.load_state_dict(saved[n])

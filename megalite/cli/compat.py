@@ -139,7 +139,9 @@ RENAMED = {
 # Why a Megatron flag is not implemented, by keyword: the first match names the feature.
 _WHY = (
     (("grad-reduce-in-bf16",), "megalite reduces gradients in fp32; bf16 gradient reduction is not implemented"),
-    (("fp8", "fp4", "quantiz", "kitchen"), "FP8/FP4 training (Transformer Engine) is not implemented in megalite"),
+    (("fp4",), "FP4 training (Transformer Engine's NVFP4) is not implemented in megalite"),
+    (("fp8", "quantiz", "kitchen"), "this FP8 option (Transformer Engine's) is not implemented in megalite (it has "
+                                    "--fp8-format with the tensorwise and delayed recipes)"),
     (("moe", "expert", "router"), "this Mixture of Experts option is not implemented in megalite yet (it has "
                                   "--num-experts with top-k softmax/sigmoid routing, aux/seq-aux/z losses, expert "
                                   "parallelism with allgather/alltoall dispatch)"),

@@ -21,6 +21,7 @@ from megalite.cli.features.model import add_model_flags
 from megalite.cli.features.mixed_gpu import add_mixed_gpu_flags
 from megalite.cli.features.semi_sync import add_semi_sync_flags
 from megalite.cli.features.ft import add_ft_flags
+from megalite.cli.features.fp8 import add_fp8_flags
 from megalite.cli.features.optimizer import add_optimizer_flags
 
 TOKENIZER_CHOICES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
@@ -41,6 +42,7 @@ def build_parser():
     _parallel_flags(a)
     add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/cli/features/semi_sync.py)
     add_ft_flags(a)  # fault-tolerant replicas on torchft (megalite/cli/features/ft.py)
+    add_fp8_flags(a)  # FP8 GEMMs (megalite/cli/features/fp8.py)
     add_mixed_gpu_flags(a)  # per-replica micro-batches, optimizer offload (megalite/cli/features/mixed_gpu.py)
     _training_flags(a)
     _logging_flags(a)

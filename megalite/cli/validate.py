@@ -11,6 +11,7 @@ from megalite.mup import validate_args as validate_mup
 from megalite.cli.features.mixed_gpu import check_uneven_composes, is_auto, validate_mixed_gpus, validate_precisions
 from megalite.cli.features.semi_sync import validate_semi_sync
 from megalite.cli.features.ft import validate_ft
+from megalite.cli.features.fp8 import validate_fp8
 from megalite.cli.features.optimizer import validate_optimizer
 from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features
 
@@ -43,6 +44,7 @@ def validate_args(args):
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     _validate_recompute(args)
     validate_ft(args)
+    validate_fp8(args)
     if args.skip_train and args.eval_iters <= 0:
         raise ConfigError("--skip-train evaluates only: it needs --eval-iters > 0")
     if args.recompute_activations:

@@ -39,3 +39,13 @@ class ExecutionConfig:
     moe_token_dispatcher_type: str = "allgather"  # or alltoall (the same result; other collectives)
     moe_per_layer_logging: bool = False  # each MoE layer's losses to TensorBoard / --log-json
     moe_grouped_gemm: bool = False  # the experts as two Triton grouped GEMMs on CUDA (a loop on CPU)
+    # FP8 GEMMs in the transformer layers' linear layers (tensor_parallel/fp8.py): e4m3 / hybrid, or None
+    fp8: Annotated[Optional[str], Field("fp8_format")] = None
+    fp8_recipe: str = "delayed"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True  # the weight gradient's GEMM in FP8 too (--no-fp8-wgrad: in the model's precision)
+    first_last_layers_bf16: bool = False  # the first / last layers stay in the model's precision
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1

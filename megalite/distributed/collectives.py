@@ -16,6 +16,16 @@ def sum_over_data_parallel(values, grid=None):
     return values
 
 
+def max_over_data_parallel(values, grid=None):
+    """Elementwise maximum over the DP x CP group (the ranks that ran the iteration's other micro-batches and
+    sequence chunks), e.g. FP8's amaxes."""
+    group, size, _ = ps.current_grid(grid).dp_cp()
+    if size > 1:
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
+
+
 def average_over_data_parallel(values, grid=None):
     """Mean over the DP group of a 1-D float tensor (e.g. the micro-batch losses)."""
     dp = ps.current_grid(grid).dp

@@ -22,8 +22,10 @@ from megalite.tensor_parallel.init import (  # noqa: F401 (re-exported)
     replicated_init,
     with_recipe,
 )
+from megalite.tensor_parallel.fp8 import fp8_linear
 from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     linear_with_sequence_parallel_gather,
     reduce_from_tensor_model_parallel_region,
@@ -73,6 +75,8 @@ class ColumnParallelLinear(nn.Module):
     dispatcher gathers the input rows and reduces the partial outputs, megalite/moe/dispatcher.py).
     """
 
+    fp8 = None  # an Fp8Site: its GEMMs in FP8 (set by the transformer block, --fp8-format)
+
     def __init__(self, input_size, output_size, bias=True, gather_output=False, init_method=None,
                  skip_bias_add=False, sequence_parallel=False, init_seed=None, shard_chunks=1,
                  params_dtype=torch.float32, device=None, expert=False, grid=None):
@@ -108,7 +112,12 @@ class ColumnParallelLinear(nn.Module):
         if self.expert:
             return (F.linear(x, weight), None) if self.skip_bias_add else F.linear(x, weight)
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:  # (keeps only this rank's rows of x for backward)
+        if self.fp8 is not None:  # FP8 GEMMs (tensor_parallel/fp8.py; the bias in the model's precision)
+            x = gather_from_sequence_parallel_region(x, grid=self.grid) if self.sequence_parallel else \
+                copy_to_tensor_model_parallel_region(x, grid=self.grid)
+            y = fp8_linear(x, weight, self.fp8)
+            y = y if bias is None else y + bias
+        elif self.sequence_parallel:  # (keeps only this rank's rows of x for backward)
             y = linear_with_sequence_parallel_gather(x, weight, bias, grid=self.grid)
         else:
             y = F.linear(copy_to_tensor_model_parallel_region(x, grid=self.grid), weight, bias)
@@ -126,6 +135,8 @@ class RowParallelLinear(nn.Module):
     sequence_parallel: the partial outputs are reduce-scattered along the sequence.
     expert: see ColumnParallelLinear (the output stays a partial sum over expert-TP).
     """
+
+    fp8 = None  # an Fp8Site (see ColumnParallelLinear)
 
     def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, init_method=None,
                  skip_bias_add=False, sequence_parallel=False, init_seed=None,
@@ -167,13 +178,15 @@ class RowParallelLinear(nn.Module):
         GEMM reads x in place, so autograd keeps x itself rather than a second, [s, b]-ordered copy of it."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, grid=self.grid)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, self.fp8)
         if batch_first:
             y = y.transpose(0, 1).contiguous()
         if self.sequence_parallel and not self.expert:
             y = reduce_scatter_to_sequence_parallel_region(y, grid=self.grid)
         elif not self.expert:
-            y = reduce_from_tensor_model_parallel_region(y, inplace=True, grid=self.grid)  # fresh GEMM output
+            # (a fresh GEMM output, reduced in place; an FP8 GEMM's is a custom Function's, whose views autograd
+            # does not let change in place)
+            y = reduce_from_tensor_model_parallel_region(y, inplace=self.fp8 is None, grid=self.grid)
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias

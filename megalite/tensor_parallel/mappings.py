@@ -283,3 +283,12 @@ def all_reduce_sum_tp(x, grid=None):
     if n > 1:
         dist.all_reduce(x, group=group)
     return x
+
+
+def max_over_tensor_model_parallel_region(x, grid=None):
+    """In place: x becomes its elementwise maximum over the TP group (an FP8 scale's amax of a tensor whose
+    shards the TP ranks hold, so every rank quantizes with the whole tensor's scale)."""
+    grid = ps.current_grid(grid)
+    if grid.tp > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=grid.tp_group)
+    return x

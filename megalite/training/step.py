@@ -9,12 +9,13 @@ import torch
 from megalite import parallel_state as ps
 from megalite.distributed import finalize_model_grads
 from megalite.distributed.collectives import (average_over_data_parallel, broadcast_from_last_rank,
-                                              sum_over_data_parallel)
+                                              max_over_data_parallel, sum_over_data_parallel)
 from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.qk_clip import after_step
 from megalite.pipeline.schedules import run_forward_backward
 from megalite.rerun import get_rerun_state_machine
+from megalite.tensor_parallel.fp8 import end_iteration as fp8_end_iteration
 
 
 class StepNotCommitted(Exception):
@@ -44,6 +45,10 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
     t1 = time.perf_counter()
     finalize_model_grads(chunks)
     mcfg = chunks[0].module.config
+    if mcfg.fp8:  # delayed scaling: the iteration's amaxes into every FP8 site's history
+        grid = ps.grid_of(chunks)
+        fp8_end_iteration([m for c in chunks for m in c.module.modules()],
+                          lambda t: max_over_data_parallel(t.to(ps.get_device()), grid))
     if mcfg.calculate_per_token_loss:
         dev = ps.get_device()
         count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only

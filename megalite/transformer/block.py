@@ -3,8 +3,28 @@
 from torch import nn
 
 from megalite.tensor_parallel import checkpoint
+from megalite.tensor_parallel.fp8 import Fp8Site
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.norm import build_norm
+
+
+def fp8_layer(config, i):
+    """Whether layer i (0-based, of the whole model) runs its GEMMs in FP8 (--first-last-layers-bf16: not the
+    first / last few)."""
+    c = config
+    return not (c.first_last_layers_bf16 and (i < c.num_layers_at_start_in_bf16
+                                              or i >= c.num_layers - c.num_layers_at_end_in_bf16))
+
+
+def attach_fp8(layer, config):
+    """Every tensor-parallel linear layer of a transformer layer (attention's, the MLP's) gets its FP8 site."""
+    c = config
+    for m in layer.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not m.expert:
+            m.fp8 = Fp8Site(c.fp8, "tensorwise" if c.fp8_recipe == "tensorwise" else "delayed", c.fp8_margin,
+                            c.fp8_amax_history_len, c.fp8_amax_compute_algo, c.fp8_wgrad,
+                            row_parallel=isinstance(m, RowParallelLinear), grid=m.grid)
 
 
 class TransformerBlock(nn.Module):
@@ -22,6 +42,10 @@ class TransformerBlock(nn.Module):
              TransformerLayer(config, layer_offset + i + 1, f"{prefix}.layers.{layer_offset + i}", grid))
             for i in range(n))
         self._stack = list(self.layers.values())  # in order, for slicing
+        if config.fp8:
+            for i, layer in self.layers.items():
+                if fp8_layer(config, int(i)):
+                    attach_fp8(layer, config)
         # Post-norm layers end normalised: no final norm then.
         self.final_layernorm = build_norm(config, config.hidden_size, grid=grid) \
             if post_process and config.layernorm_position == "pre" else None

@@ -1,0 +1,60 @@
+"""The command line of FP8 training (megalite/tensor_parallel/fp8.py): Megatron's flags, defaults and meanings,
+without Transformer Engine; each user error one line."""
+
+from megalite.config import ConfigError
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "custom")
+
+
+def add_fp8_flags(a):
+    a("--fp8-format", default=None, choices=FORMATS,
+      help="FP8 GEMMs in the transformer layers: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients)")
+    a("--fp8-recipe", default="delayed", choices=RECIPES,
+      help="where the scales come from: delayed (the amax history of earlier iterations, Transformer Engine's "
+           "default), tensorwise (each tensor's own amax: current scaling)")
+    a("--fp8-margin", type=int, default=0, help="scales this many powers of two below the largest value")
+    a("--fp8-amax-history-len", type=int, default=1, help="delayed: iterations of amax kept")
+    a("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
+      help="delayed: the scale from the newest amax or the largest of the history")
+    a("--fp8-interval", type=int, default=1, help="deprecated in Megatron (scales update every iteration); 1 only")
+    a("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false", default=True,
+      help="the weight gradient's GEMM in the model's precision (the other two in FP8)")
+    a("--fp8-param-gather", action="store_true", help="(not built yet: refused) FP8 weights in ZeRO's all-gather")
+    a("--first-last-layers-bf16", action="store_true",
+      help="keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers out of FP8")
+    a("--num-layers-at-start-in-bf16", type=int, default=1)
+    a("--num-layers-at-end-in-bf16", type=int, default=1)
+
+
+def validate_fp8(args):
+    if args.fp8_format is None:
+        used = [f for f, on in (("--fp8-param-gather", args.fp8_param_gather),
+                                ("--first-last-layers-bf16", args.first_last_layers_bf16)) if on]
+        if used:
+            raise ConfigError(f"{', '.join(used)} needs --fp8-format e4m3 or hybrid")
+        return
+    r = args.fp8_recipe
+    if r == "mxfp8":
+        raise ConfigError("--fp8-recipe mxfp8 needs Blackwell GPUs (sm_100: MX block scales in hardware); megalite "
+                          "does not emulate it: use tensorwise or delayed")
+    if r in ("blockwise", "custom"):
+        raise ConfigError(f"--fp8-recipe {r} is not built yet in megalite: use tensorwise or delayed")
+    if args.fp8_interval != 1:
+        raise ConfigError(f"--fp8-interval {args.fp8_interval}: Megatron deprecated it; scales update every "
+                          "iteration (leave it out)")
+    if args.fp8_param_gather:
+        raise ConfigError("--fp8-param-gather is not built yet in megalite: ZeRO gathers the weights in the model's "
+                          "precision (leave it out)")
+    if args.fp8_amax_history_len < 1 or args.fp8_margin < 0:
+        raise ConfigError(f"--fp8-amax-history-len {args.fp8_amax_history_len} must be >= 1 and --fp8-margin "
+                          f"{args.fp8_margin} >= 0")
+    if args.first_last_layers_bf16 and min(args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16) < 0:
+        raise ConfigError("--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 must be >= 0")
+    not_yet = [what for what, on in (
+        ("MoE experts (--num-experts)", args.num_experts),
+        ("multi-token prediction (--mtp-num-layers)", args.mtp_num_layers),
+        ("semi-synchronous replicas", args.semi_sync_method),
+        ("fault-tolerant replicas", args.ft_lighthouse)) if on]
+    if not_yet:
+        raise ConfigError(f"--fp8-format with {', '.join(not_yet)} is not built yet in megalite")

@@ -1,0 +1,132 @@
+"""FP8 GEMMs for the tensor-parallel linear layers (--fp8-format, --fp8-recipe), on torch._scaled_mm (cuBLASLt's
+FP8 GEMM on sm_89/sm_90; a reference implementation on CPU whose result is the fp32 product of the dequantized
+operands, exactly).
+
+Each of a linear layer's three GEMMs — forward y = x w^T, input gradient dx = dy w, weight gradient dw = dy^T x —
+multiplies FP8 operands: x and w in e4m3, dy in e4m3 (--fp8-format e4m3) or e5m2 (hybrid), each with one fp32
+scale per tensor (its largest magnitude mapped to the format's largest value, less --fp8-margin powers of two),
+the product rescaled and accumulated in fp32. The recipes differ in where the scale comes from:
+  tensorwise: the tensor's own amax (current scaling, torchao's default);
+  delayed: the amax history of earlier iterations (--fp8-amax-history-len, --fp8-amax-compute-algo), as
+    Transformer Engine's DelayedScaling; the history grows by one entry per iteration, the largest amax of all of
+    its micro-batches, so the scales (and the function) do not depend on how a layout splits the batch. Before
+    any history (the first iteration) a tensor is scaled by its own amax: TE starts from a scale of 1, which
+    flushes small gradients to zero and makes the first step depend on the layout's loss divisor.
+A layout computes the same function as one process because every amax is of the whole tensor: the TP ranks
+holding shards of one (w always, x of a row-parallel layer, dy of a column-parallel one) agree on its maximum
+(mappings.max_over_tensor_model_parallel_region) before quantizing. The layers' biases, the embeddings, the output
+layer, norms, attention's softmax and the optimizer stay in the model's precision, as in Megatron."""
+
+import torch
+
+from megalite.tensor_parallel.mappings import max_over_tensor_model_parallel_region
+
+FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn), "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
+RECIPES = ("tensorwise", "delayed")
+
+
+def scaled(t, dtype, amax, margin):
+    """(t in FP8 `dtype`, the fp32 factor that undoes its scale): t x scale, saturated at the format's largest."""
+    top = torch.finfo(dtype).max
+    amax = amax.float()
+    scale = torch.where(amax > 0, top / amax / (2.0 ** margin), torch.ones_like(amax))
+    q = (t.float() * scale).clamp(-top, top).to(dtype)
+    return q, scale.reciprocal()
+
+
+class Fp8Site:
+    """One linear layer's FP8 scaling: its recipe and, delayed, the amax histories of its x, w and dy.
+    row_parallel: x is the TP shard of the layer's input (its amax is reduced over TP); else dy is."""
+
+    def __init__(self, fmt, recipe, margin=0, history_len=1, algo="most_recent", wgrad=True, row_parallel=False,
+                 grid=None):
+        self.forward_dtype, self.grad_dtype = FORMATS[fmt]
+        self.recipe, self.margin, self.algo, self.wgrad = recipe, margin, algo, wgrad
+        self.row_parallel, self.grid = row_parallel, grid
+        self.history = {k: torch.zeros(history_len) for k in ("x", "w", "dy")}  # newest first
+        self.pending = {k: torch.zeros(()) for k in ("x", "w", "dy")}  # this iteration's largest amax so far
+
+    def amax(self, which, t):
+        """The whole tensor's amax (reduced over TP where this rank holds a shard of it)."""
+        a = t.detach().abs().amax().float().reshape(1)
+        if which == "w" or (which == "x") == self.row_parallel:
+            a = max_over_tensor_model_parallel_region(a, grid=self.grid)
+        return a.reshape(())
+
+    def quantize(self, which, t):
+        dtype = self.grad_dtype if which == "dy" else self.forward_dtype
+        now = self.amax(which, t)
+        if self.recipe == "tensorwise":
+            return scaled(t, dtype, now, self.margin)
+        self.pending[which] = torch.maximum(self.pending[which], now.to(self.pending[which].device))
+        h = self.history[which]
+        known = h.max() if self.algo == "max" else h[0]
+        if not known > 0:  # no history yet (the first iteration): the tensor's own amax, not TE's scale of 1,
+            known = now    # which would flush most gradients to zero and make the first step depend on the layout
+        return scaled(t, dtype, known.to(t.device), self.margin)
+
+    def roll(self, amaxes):
+        """Delayed: this iteration's largest amaxes (x, w, dy) join the histories, newest first."""
+        for k, a in zip(("x", "w", "dy"), amaxes.cpu()):
+            self.history[k] = torch.cat([a.reshape(1), self.history[k][:-1]])
+            self.pending[k] = torch.zeros(())
+
+    def state_dict(self):
+        return {k: v.tolist() for k, v in self.history.items()}
+
+    def load_state_dict(self, sd):
+        for k, v in sd.items():
+            self.history[k] = torch.tensor(v, dtype=torch.float32)
+
+
+def end_iteration(modules, reduce_max):
+    """After an iteration's backward, on every rank: the delayed sites of `modules` (in their one order) take the
+    iteration's largest amaxes, reduced by reduce_max over the ranks that ran its other micro-batches (one
+    collective), into their histories."""
+    sites = [m.fp8 for m in modules if getattr(m, "fp8", None) is not None and m.fp8.recipe == "delayed"]
+    if not sites:
+        return
+    got = reduce_max(torch.stack([s.pending[k].reshape(()) for s in sites for k in ("x", "w", "dy")]))
+    for i, s in enumerate(sites):
+        s.roll(got[3 * i:3 * i + 3])
+
+
+def _mm(a, b_t, scale_a, scale_b, out_dtype):
+    """a [m, k] (row-major) x b_t [k, n] (column-major) in FP8, rescaled: [m, n] in out_dtype."""
+    return torch._scaled_mm(a, b_t, scale_a=scale_a.reshape(()).float(), scale_b=scale_b.reshape(()).float(),
+                            out_dtype=out_dtype)
+
+
+def _column_major(t):
+    return t.t().contiguous().t()
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, site):
+        shape, out_dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        xq, sx = site.quantize("x", x2)
+        wq, sw = site.quantize("w", weight)
+        y = _mm(xq, wq.t(), sx, sw, out_dtype)
+        ctx.site, ctx.shape, ctx.dtypes = site, shape, (x.dtype, weight.dtype)
+        ctx.save_for_backward(xq if site.wgrad else x2, sx, wq, sw)
+        return y.reshape(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        site = ctx.site
+        saved, sx, wq, sw = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dyq, sdy = site.quantize("dy", dy2)
+        dx = _mm(dyq, _column_major(wq), sdy, sw, ctx.dtypes[0]).reshape(ctx.shape)
+        if site.wgrad:
+            dw = _mm(dyq.t().contiguous(), _column_major(saved), sdy, sx, torch.float32)
+        else:  # --no-fp8-wgrad: the weight gradient in the model's precision
+            dw = dy2.t().float() @ saved.float()
+        return dx, dw.to(ctx.dtypes[1]), None
+
+
+def fp8_linear(x, weight, site):
+    """x w^T with every GEMM (forward and both gradients) in FP8 as `site` says; no bias."""
+    return _Fp8Linear.apply(x, weight, site)
