@@ -12,11 +12,12 @@ pytest.importorskip("megatron.core", reason="Megatron checkpoints are made by me
 
 import pretrain_gpt  # noqa: E402
 from cli_batch import convert  # noqa: E402
+from megalite.checkpoint.convert import Reader, find_checkpoint  # noqa: E402
 from dist_util import run_on_ranks  # noqa: E402
 from megalite import parallel_state as ps  # noqa: E402
 from megalite.cli.parser import parse_args  # noqa: E402
 from megalite.training import pretrain  # noqa: E402
-from megatron_ckpt import KINDS, logits_all, save_all  # noqa: E402
+from megatron_ckpt import KINDS, loaded_all, logits_all, save_all  # noqa: E402
 from parity import learnable_datasets  # noqa: E402
 from test_checkpoint import _Payload  # noqa: E402
 from test_checkpoint_hf import megalite_logits  # noqa: E402
@@ -77,6 +78,35 @@ def test_pretrain_loads_a_megatron_directory_and_continues(megatron):
     assert len(runs[0]) == 2, f"not resumed at iteration 6: {runs[0]}"  # iterations 6 and 7
     assert runs[0] == runs[1], runs
     assert not any(n.startswith("megalite-from-megatron-") for n in os.listdir(__import__("tempfile").gettempdir()))
+
+
+def test_the_way_back_megatron_reads_what_megalite_writes(megatron):
+    """Megatron -> megalite -> Megatron (--saver megatron): megatron-core loads it at TP1 into the logits of its
+    original save, bit for bit, and at TP2 x PP2 into the same shards as the original; megalite -> Megatron ->
+    megalite is bit-exact."""
+    base, roots, tokens, ref = megatron
+    back, specs = {}, []
+    for kind in ("llama", "gpt2"):
+        ours, theirs, again = (str(base / f"way_back_{kind}_{n}") for n in ("megalite", "megatron", "megalite_again"))
+        assert convert("--loader", "megatron", "--saver", "megalite", "--load-dir", roots[(kind, 2, 2)],
+                       "--save-dir", ours, *TP2PP2)[0] == 0
+        rc, _, err = convert("--loader", "megalite", "--saver", "megatron", "--load-dir", ours, "--save-dir", theirs)
+        assert rc == 0, err
+        assert convert("--loader", "megatron", "--saver", "megalite", "--load-dir", theirs, "--save-dir", again)[0] == 0
+        a, b = Reader(find_checkpoint(ours)[0]), Reader(find_checkpoint(again)[0])
+        assert sorted(a.names()) == sorted(b.names())
+        for n in a.names():
+            assert torch.equal(a.get(n), b.get(n)), f"{kind}: megalite -> Megatron -> megalite changed {n}"
+        back[kind] = theirs
+        specs += [(roots[(kind, 2, 2)], kind, 2, 2), (theirs, kind, 2, 2)]
+    got = run_on_ranks(logits_all, 1, [(back[k], k) for k in back], tokens, backend="gloo")[0]
+    for k, logits in zip(back, got):
+        assert torch.equal(logits, ref[(k, 2, 2)]), k
+    for rank in run_on_ranks(loaded_all, 4, specs, backend="gloo"):
+        for original, exported in zip(rank[::2], rank[1::2]):
+            assert original.keys() == exported.keys() and original
+            for n in original:
+                assert torch.equal(original[n], exported[n]), n
 
 
 @pytest.mark.parametrize("victim", ["common.pt", ".metadata"])

@@ -9,6 +9,8 @@
     python tools/convert_checkpoint.py --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
     # continue a Megatron-LM run: its torch_dist --save directory (any TP/PP) at its iteration
     python tools/convert_checkpoint.py --loader megatron --saver megalite --load-dir megatron_ckpt --save-dir ckpt
+    # and back to Megatron-LM (its --load reads it at any TP/PP; the vocabulary padded for --target-tensor-parallel-size)
+    python tools/convert_checkpoint.py --loader megalite --saver megatron --load-dir ckpt --save-dir megatron_ckpt
     # import a save_pretrained directory (safetensors) as a megalite "release" checkpoint
     python tools/convert_checkpoint.py --loader hf --saver megalite --load-dir hf_dir --save-dir ckpt \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
@@ -37,7 +39,9 @@ def build_parser():
                         "megalite and HF checkpoints record it themselves")
     p.add_argument("--loader", required=True, choices=["megalite", "hf", "megatron"],
                    help="format of --load-dir (megatron: a Megatron-LM --save directory in its torch_dist format)")
-    p.add_argument("--saver", required=True, choices=["megalite", "hf"], help="format to write to --save-dir")
+    p.add_argument("--saver", required=True, choices=["megalite", "hf", "megatron"],
+                   help="format to write to --save-dir (megatron: a Megatron-LM torch_dist --save directory, read "
+                        "by Megatron-LM's --load at any TP/PP)")
     p.add_argument("--load-dir", required=True, help="megalite: the --save directory (with "
                    "latest_checkpointed_iteration.txt); hf: a save_pretrained directory")
     p.add_argument("--save-dir", required=True, help="where to write the converted checkpoint")
@@ -63,6 +67,9 @@ def main(argv=None):
             if args.saver == "megalite":
                 reshard(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                         args.target_pipeline_parallel_size)
+            elif args.saver == "megatron":  # (its vocabulary padded as Megatron pads it at the target TP)
+                from megalite.checkpoint.to_megatron import export_megatron
+                export_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size)
             else:
                 export_hf(args.load_dir, args.save_dir, args.max_shard_size_mb << 20,
                           args.model_type.lower() if args.model_type else None)

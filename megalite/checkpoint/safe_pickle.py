@@ -21,7 +21,8 @@ ALLOWED = {
 } | {
     ("collections", "OrderedDict"), ("argparse", "Namespace"), ("types", "SimpleNamespace"), ("torch", "Size"),
     ("torch.serialization", "_get_layout"), ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_parameter"), ("torch", "device"),
+    ("torch._utils", "_rebuild_parameter"), ("torch", "device"), ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
 } | {(_DCP + "metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
                                      "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
                                      "_MEM_FORMAT_ENCODING")} | {

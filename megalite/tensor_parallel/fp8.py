@@ -40,6 +40,9 @@ class Fp8Site:
 
     def __init__(self, fmt, recipe, margin=0, history_len=1, algo="most_recent", wgrad=True, row_parallel=False,
                  grid=None):
+        if fmt not in FORMATS or recipe not in RECIPES:
+            raise ValueError(f"FP8 format {fmt!r} / recipe {recipe!r}: megalite has formats {', '.join(FORMATS)} and "
+                             f"recipes {', '.join(RECIPES)}")
         self.forward_dtype, self.grad_dtype = FORMATS[fmt]
         self.recipe, self.margin, self.algo, self.wgrad = recipe, margin, algo, wgrad
         self.row_parallel, self.grid = row_parallel, grid

@@ -140,3 +140,26 @@ def logits_all(specs, tokens):
         finally:
             mps.destroy_model_parallel()
     return out
+
+
+def loaded_all(specs):
+    """On the ranks of a world: for each (root, kind, tp, pp), megatron-core's GPTModel at that layout loaded from
+    `root` by its dist_checkpointing; this rank's parameters ({name: tensor})."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mps
+    _cpu_only()
+    out = []
+    for root, kind, tp, pp in specs:
+        mps.initialize_model_parallel(tp, pp)
+        try:
+            model = build(kind, mps.is_pipeline_first_stage(), mps.is_pipeline_last_stage(), tp, pp)
+            it = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
+            sd = dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                         os.path.join(root, f"iter_{int(it):07d}"))
+            model.load_state_dict(sd["model"], strict=False)
+            out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            dist.barrier()
+        finally:
+            mps.destroy_model_parallel()
+    return out

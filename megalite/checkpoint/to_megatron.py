@@ -1,0 +1,82 @@
+"""megalite -> a Megatron-LM `torch_dist` --save directory (tools/convert_checkpoint.py --saver megatron): what
+Megatron-LM's `--load` (megatron-core's dist_checkpointing) reads back at any TP / PP of the user's choice.
+
+Written as Megatron-Core's sharded state dict lays it out (megatron_names.py's table, the other way): layers
+stacked under one key with a leading layer axis, norms under Transformer Engine's fused names (which the local
+spec maps to as well), SwiGLU's fc1 as [gate; up], the vocabulary padded as Megatron pads it at the target TP, an
+empty `_extra_state` object per linear layer and layer; each tensor whole (DCP reshards it on load); common.pt
+with the iteration and Megatron's argparse namespace of the model's flags (megatron-core reads pickles: this one
+is written by torch.save of plain values)."""
+
+import argparse
+import json
+import os
+
+import torch
+
+from megalite.checkpoint.convert import Reader, find_checkpoint, padded_vocab
+from megalite.checkpoint.megatron_names import LAYER, layer_suffixes
+from megalite.checkpoint.storage import CheckpointError
+from megalite.config import CHECKPOINT_ARGS
+
+LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def megatron_namespace(cfg, tp, iteration, consumed):
+    """Megatron's argparse namespace of a megalite model config (the flags megalite records; Megatron's names)."""
+    ns = {dest: cfg[field] for dest, field in CHECKPOINT_ARGS.items() if field in cfg and dest != "disable_bias_linear"}
+    ns.update(add_bias_linear=cfg["add_bias_linear"], group_query_attention=cfg["num_query_groups"] not in (
+        None, cfg["num_attention_heads"]), vocab_size=cfg["vocab_size"],
+        make_vocab_size_divisible_by=cfg["make_vocab_size_divisible_by"],
+        padded_vocab_size=padded_vocab(cfg["vocab_size"], cfg["make_vocab_size_divisible_by"], tp),
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, consumed_train_samples=consumed[0],
+        consumed_valid_samples=consumed[1], ckpt_format="torch_dist", iteration=iteration,
+        bf16=cfg["params_dtype"] == "bfloat16", fp16=cfg["params_dtype"] == "float16")
+    return argparse.Namespace(**ns)
+
+
+def export_megatron(load_dir, save_dir, tp=1):
+    """A megalite checkpoint's weights, iteration and data position as a Megatron-LM --save directory."""
+    import torch.distributed.checkpoint as dcp
+    path, meta = find_checkpoint(load_dir)
+    cfg = meta["model_config"]
+    if cfg.get("model_type", "gpt") != "gpt" or cfg.get("num_moe_experts") or cfg.get("multi_latent_attention") \
+            or cfg.get("mtp_num_layers"):
+        raise CheckpointError("--saver megatron writes dense GPT models (no MoE, MLA, MTP or BERT yet)")
+    src, L = Reader(path), cfg["num_layers"]
+    vocab = padded_vocab(cfg["vocab_size"], cfg["make_vocab_size_divisible_by"], tp)
+
+    def padded(t):
+        return torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])]) if vocab > t.shape[0] else t
+    state = {"embedding.word_embeddings.weight": padded(src.get("embedding.word_embeddings.weight"))}
+    if cfg["position_embedding_type"] == "learned_absolute":
+        state["embedding.position_embeddings.weight"] = src.get("embedding.position_embeddings.weight")
+    theirs = dict(LAYER)
+    for mine, _ in layer_suffixes(cfg):
+        layers = [src.get(f"decoder.layers.{i}.{mine}") for i in range(L)]
+        if mine.startswith("mlp.linear_fc1.") and cfg["swiglu"]:  # [2, ffn, ...] -> [gate; up]
+            layers = [t.reshape(-1, *t.shape[2:]) for t in layers]
+        state[f"decoder.layers.{theirs[mine][0]}"] = torch.stack(layers)
+    for name in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight"):
+        if name in src.index:
+            state[name] = padded(src.get(name)) if name == "output_layer.weight" else src.get(name)
+    for lin in LINEARS:
+        for i in range(L):
+            # megatron-core's sharded object: the list of its shards' data (DCP torch.saves it); None is what its
+            # own non-TE linear layers keep there
+            state[f"decoder.layers.{lin}._extra_state/shard_{i}_{L}"] = [None]
+    iteration = meta.get("iteration", 0) if os.path.basename(path) != "release" else 0
+    out = os.path.join(save_dir, f"iter_{iteration:07d}")
+    os.makedirs(out, exist_ok=True)
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    # (keys as they are: megatron-core's loader takes a flattening record in the metadata for its own nesting)
+    dcp.save(state, checkpoint_id=str(out), no_dist=True, planner=DefaultSavePlanner(flatten_state_dict=False))
+    consumed = (meta.get("consumed_train_samples", 0), meta.get("consumed_valid_samples", 0))
+    torch.save({"args": megatron_namespace(cfg, tp, iteration, consumed), "checkpoint_version": 3.0,
+                "iteration": iteration}, os.path.join(out, "common.pt"))
+    with open(os.path.join(out, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    return iteration
