@@ -9,7 +9,7 @@ import torch
 import pretrain_gpt
 from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
-from megalite.tensor_parallel.fp8 import Fp8Site, fp8_linear, scaled
+from megalite.tensor_parallel.fp8 import Fp8Site, along, fp8_linear, scaled
 from megalite.training import pretrain
 from parity import BASE, layout, learnable_datasets, reference, run_layouts
 from parity_check import assert_parity
@@ -18,6 +18,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE = types.SimpleNamespace(tp=1)  # (a grid of one TP rank: nothing to reduce)
 TENSORWISE = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
 DELAYED = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max")
+ROWWISE = ("--fp8-format", "hybrid", "--fp8-recipe", "rowwise")
 
 
 def _dequantized(t, dtype):
@@ -47,6 +48,26 @@ def test_fp8_gemms_are_the_products_of_the_quantized_operands(fmt, grad_dtype, w
     assert 0 < (y - full).abs().max() / full.abs().max() < 0.1  # FP8 is not fp32, and not far from it
 
 
+def test_rowwise_gemms_requantize_each_operand_along_its_contraction():
+    """rowwise: the forward's x per token and w per output feature; the input gradient's dy per token and w per
+    input feature; the weight gradient's dy per output feature and x per input feature (each from the unquantized
+    tensor): exactly the fp32 GEMMs of those dequantized operands on CPU."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    y = fp8_linear(x, w, Fp8Site("hybrid", "rowwise", grid=ONE))
+    dy = torch.randn_like(y) * 1e-3
+    y.backward(dy)
+
+    def dq(t, dim, dtype):
+        q, undo = along(t, dim, dtype, 0, False, ONE)
+        return q.float() * undo
+    x2, dy2, w_ = x.detach().reshape(-1, 32), dy.reshape(-1, 48), w.detach()
+    assert torch.equal(y.detach().reshape(-1, 48), dq(x2, 0, E4M3) @ dq(w_, 0, E4M3).t())
+    assert torch.equal(x.grad.reshape(-1, 32), dq(dy2, 0, E5M2) @ dq(w_, 1, E4M3))
+    assert torch.equal(w.grad, dq(dy2.t(), 0, E5M2) @ dq(x2, 1, E4M3))
+
+
 # PP and DP run the single process's arithmetic but for reordered fp32 gradient sums (the tied embedding's, DP's
 # reduction); FP8's scales do not depend on how the batch is split (tensorwise: each tensor's own amax; delayed:
 # one history entry per iteration, the largest amax over every micro-batch and DP rank), so these hold to
@@ -58,7 +79,8 @@ def test_fp8_gemms_are_the_products_of_the_quantized_operands(fmt, grad_dtype, w
 LAYOUTS = [layout("pp2_fp8_tensorwise", pp=2, model=TENSORWISE), layout("dp2_fp8_delayed", dp=2, model=DELAYED),
            layout("pp2_fp8_delayed_untied", pp=2, model=DELAYED + ("--untie-embeddings-and-output-weights",)),
            layout("tp2_sp_fp8_delayed", tp=2, sp=True, model=DELAYED),
-           layout("tp2_sp_fp8_tensorwise", tp=2, sp=True, model=TENSORWISE)]
+           layout("tp2_sp_fp8_tensorwise", tp=2, sp=True, model=TENSORWISE),
+           layout("dp2_fp8_rowwise", dp=2, model=ROWWISE), layout("tp2_sp_fp8_rowwise", tp=2, sp=True, model=ROWWISE)]
 STEP_ONE_ONLY = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-5,
                  "losses": float("inf"), "norms": float("inf"), "params": float("inf")}
 

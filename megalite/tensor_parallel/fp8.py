@@ -7,14 +7,17 @@ multiplies FP8 operands: x and w in e4m3, dy in e4m3 (--fp8-format e4m3) or e5m2
 scale per tensor (its largest magnitude mapped to the format's largest value, less --fp8-margin powers of two),
 the product rescaled and accumulated in fp32. The recipes differ in where the scale comes from:
   tensorwise: the tensor's own amax (current scaling, torchao's default);
+  rowwise: one scale per row of each GEMM's operands along its contraction (torchao's rowwise: x per token, w
+    per output feature in the forward; each gradient GEMM requantizes its operands from the unquantized tensors
+    along its own contraction, so autograd keeps x and w in the model's precision);
   delayed: the amax history of earlier iterations (--fp8-amax-history-len, --fp8-amax-compute-algo), as
     Transformer Engine's DelayedScaling; the history grows by one entry per iteration, the largest amax of all of
     its micro-batches, so the scales (and the function) do not depend on how a layout splits the batch. Before
     any history (the first iteration) a tensor is scaled by its own amax: TE starts from a scale of 1, which
     flushes small gradients to zero and makes the first step depend on the layout's loss divisor.
-A layout computes the same function as one process because every amax is of the whole tensor: the TP ranks
-holding shards of one (w always, x of a row-parallel layer, dy of a column-parallel one) agree on its maximum
-(mappings.max_over_tensor_model_parallel_region) before quantizing. The layers' biases, the embeddings, the output
+A layout computes the same function as one process because every amax is of the whole tensor (row-wise: of the
+whole row): the TP ranks holding shards of one agree on its maximum (mappings.max_over_tensor_model_parallel_region)
+before quantizing. The layers' biases, the embeddings, the output
 layer, norms, attention's softmax and the optimizer stay in the model's precision, as in Megatron."""
 
 import torch
@@ -22,7 +25,7 @@ import torch
 from megalite.tensor_parallel.mappings import max_over_tensor_model_parallel_region
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn), "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
-RECIPES = ("tensorwise", "delayed")
+RECIPES = ("tensorwise", "delayed", "rowwise")
 
 
 def scaled(t, dtype, amax, margin):
@@ -94,6 +97,34 @@ def end_iteration(modules, reduce_max):
         s.roll(got[3 * i:3 * i + 3])
 
 
+def along(t, dim, dtype, margin, sharded, grid):
+    """Row-wise scaling: t in FP8 with one scale per slice along `dim` (the amax over the other dimension, reduced
+    over TP where this rank holds a shard of that dimension); the undo factors broadcast as t's slices."""
+    a = t.detach().abs().amax(dim=1 - dim, keepdim=True).float()
+    if sharded:
+        a = max_over_tensor_model_parallel_region(a.contiguous(), grid=grid)
+    return scaled(t, dtype, a, margin)
+
+
+def _rowwise_forward(site, x2, weight):
+    k_sharded = site.row_parallel  # (a row-parallel layer's K is split over TP)
+    xq, sx = along(x2, 0, site.forward_dtype, site.margin, k_sharded, site.grid)  # [M, 1]
+    wq, sw = along(weight, 0, site.forward_dtype, site.margin, k_sharded, site.grid)  # [N, 1]
+    return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=x2.dtype)
+
+
+def _rowwise_backward(site, dy2, x2, weight, dtypes):
+    n_sharded, g, m = not site.row_parallel, site.grid, site.margin  # (a column-parallel layer's N is split)
+    dyq, sdy = along(dy2, 0, site.grad_dtype, m, n_sharded, g)  # dx = dy w: contraction over N
+    wq, sw = along(weight, 1, site.forward_dtype, m, n_sharded, g)  # [1, K]
+    dx = torch._scaled_mm(dyq, _column_major(wq), scale_a=sdy, scale_b=sw, out_dtype=dtypes[0])
+    if not site.wgrad:
+        return dx, dy2.t().float() @ x2.float()
+    dytq, sdyt = along(dy2.t(), 0, site.grad_dtype, m, False, g)  # dw = dy^T x: contraction over M (whole here)
+    xq, sx = along(x2, 1, site.forward_dtype, m, False, g)  # [1, K]
+    return dx, torch._scaled_mm(dytq, _column_major(xq), scale_a=sdyt, scale_b=sx, out_dtype=torch.float32)
+
+
 def _mm(a, b_t, scale_a, scale_b, out_dtype):
     """a [m, k] (row-major) x b_t [k, n] (column-major) in FP8, rescaled: [m, n] in out_dtype."""
     return torch._scaled_mm(a, b_t, scale_a=scale_a.reshape(()).float(), scale_b=scale_b.reshape(()).float(),
@@ -109,18 +140,24 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, weight, site):
         shape, out_dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
+        ctx.site, ctx.shape, ctx.dtypes = site, shape, (x.dtype, weight.dtype)
+        if site.recipe == "rowwise":
+            ctx.save_for_backward(x2, weight)
+            return _rowwise_forward(site, x2, weight).reshape(*shape[:-1], weight.shape[0])
         xq, sx = site.quantize("x", x2)
         wq, sw = site.quantize("w", weight)
         y = _mm(xq, wq.t(), sx, sw, out_dtype)
-        ctx.site, ctx.shape, ctx.dtypes = site, shape, (x.dtype, weight.dtype)
         ctx.save_for_backward(xq if site.wgrad else x2, sx, wq, sw)
         return y.reshape(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         site = ctx.site
-        saved, sx, wq, sw = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
+        if site.recipe == "rowwise":
+            dx, dw = _rowwise_backward(site, dy2, *ctx.saved_tensors, ctx.dtypes)
+            return dx.reshape(ctx.shape), dw.to(ctx.dtypes[1]), None
+        saved, sx, wq, sw = ctx.saved_tensors
         dyq, sdy = site.quantize("dy", dy2)
         dx = _mm(dyq, _column_major(wq), sdy, sw, ctx.dtypes[0]).reshape(ctx.shape)
         if site.wgrad:

@@ -22,7 +22,7 @@ def attach_fp8(layer, config):
     c = config
     for m in layer.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not m.expert:
-            m.fp8 = Fp8Site(c.fp8, "tensorwise" if c.fp8_recipe == "tensorwise" else "delayed", c.fp8_margin,
+            m.fp8 = Fp8Site(c.fp8, c.fp8_recipe, c.fp8_margin,
                             c.fp8_amax_history_len, c.fp8_amax_compute_algo, c.fp8_wgrad,
                             row_parallel=isinstance(m, RowParallelLinear), grid=m.grid)
 

@@ -4,7 +4,7 @@ without Transformer Engine; each user error one line."""
 from megalite.config import ConfigError
 
 FORMATS = ("e4m3", "hybrid")
-RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8", "custom")
+RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "custom")  # (rowwise: megalite's, torchao's)
 
 
 def add_fp8_flags(a):
@@ -12,7 +12,8 @@ def add_fp8_flags(a):
       help="FP8 GEMMs in the transformer layers: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients)")
     a("--fp8-recipe", default="delayed", choices=RECIPES,
       help="where the scales come from: delayed (the amax history of earlier iterations, Transformer Engine's "
-           "default), tensorwise (each tensor's own amax: current scaling)")
+           "default), tensorwise (each tensor's own amax: current scaling), rowwise (one scale per row of each "
+           "GEMM's operands, torchao's rowwise)")
     a("--fp8-margin", type=int, default=0, help="scales this many powers of two below the largest value")
     a("--fp8-amax-history-len", type=int, default=1, help="delayed: iterations of amax kept")
     a("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
@@ -37,9 +38,9 @@ def validate_fp8(args):
     r = args.fp8_recipe
     if r == "mxfp8":
         raise ConfigError("--fp8-recipe mxfp8 needs Blackwell GPUs (sm_100: MX block scales in hardware); megalite "
-                          "does not emulate it: use tensorwise or delayed")
+                          "does not emulate it: use tensorwise, rowwise or delayed")
     if r in ("blockwise", "custom"):
-        raise ConfigError(f"--fp8-recipe {r} is not built yet in megalite: use tensorwise or delayed")
+        raise ConfigError(f"--fp8-recipe {r} is not built yet in megalite: use tensorwise, rowwise or delayed")
     if args.fp8_interval != 1:
         raise ConfigError(f"--fp8-interval {args.fp8_interval}: Megatron deprecated it; scales update every "
                           "iteration (leave it out)")
