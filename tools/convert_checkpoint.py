@@ -49,6 +49,8 @@ def build_parser():
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1, help="PP layout of the megalite files")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="vocabulary padding recorded for an imported HF model (Megatron's default 128)")
+    p.add_argument("--no-load-optim", action="store_true",
+                   help="--loader megatron: the weights, iteration and data position only (as Megatron's flag)")
     p.add_argument("--max-shard-size-mb", type=int, default=1024, help="--saver hf: largest safetensors shard")
     return p
 
@@ -78,11 +80,11 @@ def main(argv=None):
                 raise CheckpointError("--loader megatron converts to megalite (--saver megalite); export to HF from "
                                       "there")
             from megalite.cli.megatron_args import model_config_of
-            src = import_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
-                                  args.target_pipeline_parallel_size, model_config_of)
+            src, optim = import_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
+                                         args.target_pipeline_parallel_size, model_config_of, not args.no_load_optim)
             print(f"convert_checkpoint: Megatron-LM iteration {src.iteration} ({src.consumed()[0]} samples consumed): "
-                  "weights, iteration and data position converted; the optimizer state is not read yet (the run "
-                  "continues with fresh Adam moments and LR schedule, as Megatron's --no-load-optim)")
+                  "weights, iteration and data position" + (", Adam's state, LR schedule and loss scale" if optim else
+                                                             " (no optimizer state)"))
         else:
             import_hf(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                       args.target_pipeline_parallel_size, args.make_vocab_size_divisible_by)

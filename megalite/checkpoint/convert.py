@@ -307,10 +307,11 @@ def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
     w.close(meta)
 
 
-def import_megatron(load_dir, save_dir, tp, pp, model_config_of):
-    """A Megatron-LM torch_dist --save directory -> a megalite checkpoint at its iteration (weights, iteration,
-    consumed samples). model_config_of(Megatron's args, vocab): the megalite model config (the command line's
-    mapping, megalite/cli/megatron_args.py)."""
+def import_megatron(load_dir, save_dir, tp, pp, model_config_of, load_optim=True):
+    """A Megatron-LM torch_dist --save directory -> a megalite checkpoint at its iteration: weights, iteration,
+    consumed samples and, where Megatron saved them (and load_optim), Adam's state, the LR schedule and the loss
+    scale. model_config_of(Megatron's args, vocab): the megalite model config (the command line's mapping,
+    megalite/cli/megatron_args.py). Returns (the Megatron checkpoint, whether its optimizer state came along)."""
     from megalite.checkpoint.megatron import MegatronCheckpoint
     src = MegatronCheckpoint(load_dir)
     margs = src.args
@@ -319,13 +320,24 @@ def import_megatron(load_dir, save_dir, tp, pp, model_config_of):
         raise CheckpointError(f"{src.path}: Megatron's args give neither vocab_size nor padded_vocab_size")
     cfg = model_config_of(margs, vocab)
     cfg["make_vocab_size_divisible_by"] = getattr(margs, "make_vocab_size_divisible_by", None) or 128
+    optim = load_optim and src.optimizer_format() is not None
+    step, states = src.optimizer(cfg) if optim else (0.0, [])
     w = Writer(save_dir, src.iteration, cfg, tp, pp)
     for name, t in src.weights(cfg):
         w.add(name, t)
+    for name, t in states:
+        w.add(name, t)
     train, valid = src.consumed()
     meta = {"format": "megalite-checkpoint", "version": 1, "model_config": cfg, "dtype": cfg["params_dtype"],
-            "consumed_train_samples": train, "consumed_valid_samples": valid, "has_optimizer": False,
-            "source": {"megatron": os.path.abspath(src.path), "checkpoint_version": src.common.get("checkpoint_version"),
-                       "opt_param_scheduler": src.common.get("opt_param_scheduler")}}
+            "consumed_train_samples": train, "consumed_valid_samples": valid, "has_optimizer": optim,
+            "source": {"megatron": os.path.abspath(src.path), "checkpoint_version": src.common.get("checkpoint_version")}}
+    if optim:
+        sched = src.common.get("opt_param_scheduler") or {}
+        scaler = src.common["optimizer"].get("grad_scaler") or {"scale": 1.0}
+        meta.update(optimizer={"step": step, "kind": "adam"},
+                    scheduler={k: sched[k] for k in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
+                                                     "lr_decay_style", "num_steps") if k in sched},
+                    loss_scaler={k: float(v) if k == "scale" else int(v) for k, v in scaler.items()
+                                 if k in ("scale", "growth_tracker", "hysteresis_tracker")})
     w.close(meta)
-    return src
+    return src, optim

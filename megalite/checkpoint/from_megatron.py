@@ -1,6 +1,6 @@
 """`--load DIR` on a Megatron-LM torch_dist --save directory: the first rank of each node converts it once into a
 megalite checkpoint in the node's temporary directory (convert.import_megatron: weights, iteration, consumed
-samples), every rank then loads that at the run's own layout, and it is removed. A conversion that fails stops
+samples, Adam's state, the LR schedule), every rank then loads that at the run's own layout, and it is removed. A conversion that fails stops
 every rank with the one line it raised (the others do not wait forever)."""
 
 import hashlib
@@ -23,7 +23,7 @@ def converted_dir(root):
     return os.path.join(tempfile.gettempdir(), f"megalite-from-megatron-{key}")
 
 
-def convert_for_load(root, model_config_of, group, device, log):
+def convert_for_load(root, model_config_of, group, device, log, load_optim=True):
     """The megalite checkpoint to load in place of the Megatron one at `root` (collective over `group`, or one
     process when group is None). log(message): the run's own printer."""
     out = converted_dir(root)
@@ -32,10 +32,10 @@ def convert_for_load(root, model_config_of, group, device, log):
     if local_first:
         try:
             shutil.rmtree(out, ignore_errors=True)
-            src = import_megatron(root, out, 1, 1, model_config_of)
+            src, optim = import_megatron(root, out, 1, 1, model_config_of, load_optim)
             log(f"megalite: --load {root}: Megatron-LM iteration {src.iteration} converted (weights, iteration, "
-                f"{src.consumed()[0]} samples consumed); its optimizer state is not read yet, so Adam's moments and "
-                "the LR schedule start fresh, as with Megatron's --no-load-optim")
+                f"{src.consumed()[0]} samples consumed" + (", Adam's state, LR schedule, loss scale)" if optim else
+                                                           "; no optimizer state)"))
         except (CheckpointError, ValueError) as e:
             error = str(e).splitlines()[0] if str(e) else type(e).__name__
     failed = torch.tensor([1 if error else 0], device=device)

@@ -115,15 +115,50 @@ class MegatronCheckpoint:
         return (int(getattr(self.args, "consumed_train_samples", 0) or 0),
                 int(getattr(self.args, "consumed_valid_samples", 0) or 0))
 
-    def weights(self, cfg):
-        """(megalite name, global tensor) of every weight, for the megalite model config `cfg` (model_flags'),
-        streamed: each stacked Megatron tensor is read once and cut into its layers."""
+    def _key(self, key):
+        """Megatron-LM unwraps its model before saving; a directory saved from the DDP-wrapped one says module."""
+        return key if key in self.items else key.replace("optimizer.state.", "optimizer.state.module.", 1) \
+            if key.startswith("optimizer.state.") else "module." + key
+
+    def _rows(self, cfg):
         why = unsupported(self.args)
         if why:
             raise CheckpointError(f"{self.path}: {why}")
+        return gpt_rows(cfg, lambda k: self.has(k) or self.has("module." + k))
+
+    def _cut(self, rows, prefix=""):
         cache = {}
-        for name, key, layer, to_megalite in gpt_rows(cfg, self.has):
+        for name, key, layer, to_megalite in rows:
+            key = self._key(prefix + key)
             if key not in cache:
                 cache = {key: self.tensor(key)}
-            t = cache[key] if layer is None else cache[key][layer]
-            yield name, to_megalite(t)
+            yield name, to_megalite(cache[key] if layer is None else cache[key][layer])
+
+    def optimizer_format(self):
+        """How Megatron saved its distributed optimizer's state (None: no optimizer state)."""
+        o = self.common.get("optimizer")
+        return o.get("param_state_sharding_type", "legacy") if isinstance(o, dict) else None
+
+    def optimizer(self, cfg):
+        """(Adam's step, [(megalite checkpoint name, tensor)]) of the optimizer state: exp_avg, exp_avg_sq and,
+        for a bf16 / fp16 model, the fp32 main weights; from Megatron's fully_reshardable layout (a tensor per
+        parameter in model space, cut like the weights)."""
+        fmt = self.optimizer_format()
+        if fmt != "fully_reshardable":
+            raise CheckpointError(f"{self.path}: its optimizer state is in Megatron's {fmt!r} layout (flat buffers in "
+                                  "Megatron's own bucket order), which megalite does not read yet; resave it with "
+                                  "Megatron-LM's --dist-ckpt-optim-fully-reshardable, or load the weights only "
+                                  "(--no-load-optim)")
+        groups = self.common["optimizer"]["optimizer"]["param_groups"]
+        states = ["exp_avg", "exp_avg_sq"] + (["param"] if cfg["params_dtype"] != "float32" else [])
+        rows = self._rows(cfg)
+        out = []
+        for state in states:
+            mine = "main_param" if state == "param" else state
+            out += [(f"optimizer.{mine}.{n}", t) for n, t in self._cut(rows, f"optimizer.state.{state}.")]
+        return float(groups[0].get("step", 0)), out
+
+    def weights(self, cfg):
+        """(megalite name, global tensor) of every weight, for the megalite model config `cfg` (model_flags'),
+        streamed: each stacked Megatron tensor is read once and cut into its layers."""
+        yield from self._cut(self._rows(cfg))

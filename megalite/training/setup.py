@@ -219,7 +219,7 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root):
         from megalite.checkpoint import from_megatron
         from megalite.cli.megatron_args import model_config_of
         path = from_megatron.convert_for_load(root, model_config_of, checkpoint_group(), "cpu",
-                                              lambda m: print(m, flush=True))
+                                              lambda m: print(m, flush=True), not (args.no_load_optim or args.finetune))
     try:
         loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args, path if megatron else root)
     except CheckpointException as e:  # DCP wraps every rank's error; ours is one line

@@ -163,3 +163,91 @@ def loaded_all(specs):
         finally:
             mps.destroy_model_parallel()
     return out
+
+
+def _train_on_cpu():
+    """megatron-core's distributed optimizer hard-codes CUDA tensors and type names; on a CPU rank those become
+    CPU ones (the arithmetic is torch's either way)."""
+    import functools
+
+    import torch
+    _cpu_only()
+
+    def cpu(fn):
+        @functools.wraps(fn)
+        def f(*a, **k):
+            if "cuda" in str(k.get("device", "")):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return f
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like"):
+        setattr(torch, name, cpu(getattr(torch, name)))
+    torch.cuda.current_stream = lambda *a, **k: None
+    typ = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):
+        t = typ(self, *a, **k)
+        return t.replace("torch.", "torch.cuda.", 1) if not a and not k and isinstance(t, str) else t
+    torch.Tensor.type = cuda_type
+
+
+def train_save_continue(root, kind, batches, before, opt, args, layout="fully_reshardable"):
+    """On one rank: megatron-core's GPTModel of `kind` with its DDP and distributed optimizer (Adam: opt's lr,
+    weight_decay, betas, eps, clip_grad) and its LR scheduler (constant LR; it sets the weight decay) trains on
+    batches[:before] (each [b, s + 1] token rows, the loss the mean
+    over their tokens), is saved as Megatron-LM saves (its optimizer state in the fully_reshardable layout of
+    --dist-ckpt-optim-fully-reshardable, or `layout`: Megatron-LM's default dp_reshardable, the LR schedule, the
+    iteration) under `root`, then trains on the rest;
+    returns the losses of those later steps. args: the namespace to record (megatron_args)."""
+    import contextlib
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    _train_on_cpu()
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    mps.initialize_model_parallel(1, 1)
+    try:
+        torch.manual_seed(1234)
+        model = build(kind)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                                  overlap_grad_reduce=False), model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **opt),
+                                           [ddp])
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        samples = len(batches) * batches[0].shape[0]  # (Megatron-LM's schedule: constant LR; it also sets the
+        scheduler = OptimizerParamScheduler(  # groups' weight decay, wd x wd_mult, at every step)
+            optimizer, init_lr=0.0, max_lr=opt["lr"], min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=samples,
+            lr_decay_style="constant", start_wd=opt["weight_decay"], end_wd=opt["weight_decay"], wd_incr_steps=samples,
+            wd_incr_style="constant")
+        losses = []
+        for step, text in enumerate(batches, 1):
+            tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+            s = tokens.shape[1]
+            pos = torch.arange(s).unsqueeze(0).expand_as(tokens)
+            causal = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = ddp(tokens, pos, causal, labels=labels).float().mean()
+            loss.backward()
+            ddp.finish_grad_sync()
+            optimizer.step()
+            scheduler.step(increment=tokens.shape[0])
+            losses.append(loss.item())
+            if step == before:
+                path = os.path.join(root, f"iter_{step:07d}")
+                os.makedirs(path, exist_ok=True)
+                model_sd = model.sharded_state_dict()  # (Megatron-LM saves its unwrapped model)
+                state = {"args": args, "checkpoint_version": 3.0, "iteration": step, "model": model_sd,
+                         "optimizer": optimizer.sharded_state_dict(
+                             model_sd, metadata={"distrib_optim_sharding_type": layout}),
+                         "opt_param_scheduler": scheduler.state_dict()}
+                dist_checkpointing.save(state, path)
+                with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(step))
+        return losses[before:]
+    finally:
+        mps.destroy_model_parallel()
