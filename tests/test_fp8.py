@@ -126,3 +126,31 @@ def test_first_and_last_layers_can_stay_out_of_fp8():
     finally:
         ps.destroy_model_parallel()
     assert fp8 == ["1"], fp8  # 4 layers: the first and the last two in the model's precision
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_fp8_gemms_on_the_gpu_are_the_products_of_the_quantized_operands(recipe):
+    """On CUDA (cuBLASLt's FP8 GEMM, shapes in multiples of 16): the forward and both gradients equal the fp32
+    products of the same quantized operands, but for the GEMM's own summation order (1e-5 of the largest product
+    at K = 256) and the bf16 rounding of the results (2^-8 of the largest)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    site = Fp8Site("hybrid", recipe, grid=ONE)
+    y = fp8_linear(x, w, site)
+    dy = torch.randn_like(y) * 1e-3
+    y.backward(dy)
+    x2, dy2, w_ = x.detach().reshape(-1, 256), dy.reshape(-1, 512), w.detach()
+    if recipe == "rowwise":
+        def dq(t, dim, dtype):
+            q, undo = along(t, dim, dtype, 0, False, ONE)
+            return q.float() * undo
+        want = (dq(x2, 0, E4M3) @ dq(w_, 0, E4M3).t(), dq(dy2, 0, E5M2) @ dq(w_, 1, E4M3),
+                dq(dy2.t(), 0, E5M2) @ dq(x2, 1, E4M3))
+    else:  # (delayed's first iteration scales by each tensor's own amax, as tensorwise does)
+        xq, wq, dyq = _dequantized(x2, E4M3), _dequantized(w_, E4M3), _dequantized(dy2, E5M2)
+        want = (xq @ wq.t(), dyq @ wq, dyq.t() @ xq)
+    for got, ref, what in zip((y.reshape(-1, 512), x.grad.reshape(-1, 256), w.grad), want, ("y", "dx", "dw")):
+        err = (got.float() - ref).abs().max() / ref.abs().max()
+        assert got.dtype == torch.bfloat16 and err <= 2 ** -8 + 1e-5, (recipe, what, err.item())

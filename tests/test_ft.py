@@ -21,6 +21,18 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _one_process(iters):
+    """The uninterrupted one-process run: (its losses, its weights after `iters` steps, its model config)."""
+    args = parse_args(list(BASE) + ["--train-iters", str(iters)], world_size=1)
+    try:
+        losses, chunks, _ = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
+                                     args, return_state=True)
+        return losses, {n: p.detach().clone() for c in chunks for n, p in c.module.named_parameters()}, \
+            chunks[0].module.config
+    finally:
+        ps.destroy_model_parallel()
+
+
 def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path):
     """Three replicas; in iteration 2 replica 1 dies during the cross-replica reduction (its part sent) and replica 2
     before it (two at once): the survivor applies neither attempt (the vote) and trains alone on the whole batch
@@ -35,13 +47,7 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path):
                            rejoin_at=4, join_at=5)
     finally:
         lh.shutdown()
-    args = parse_args(list(BASE) + ["--train-iters", str(ITERS + 3)], world_size=1)
-    try:
-        ref_losses, chunks, _ = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
-                                         args, return_state=True)
-        ref = {n: p.detach().clone() for c in chunks for n, p in c.module.named_parameters()}
-    finally:
-        ps.destroy_model_parallel()
+    ref_losses, ref, config = _one_process(ITERS + 3)
     assert sorted(got) == [0, 1, 2, 3], sorted(got)
     l0, w0, s0, lr0, saved0 = got[0]
     assert saved0 == [2, 4, 6, 7] and all(got[r][4] == [] for r in (1, 2, 3)), [got[r][4] for r in got]  # one writer
@@ -61,7 +67,7 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path):
     from megalite.checkpointing import load_weights
     ps.initialize_model_parallel(1, 1)
     try:  # the checkpoint holds the replicas' state
-        model = pretrain_gpt.model_provider(chunks[0].module.config)
+        model = pretrain_gpt.model_provider(config)
         meta = load_weights([model], str(tmp_path / "ckpt"))
         assert meta["iteration"] == ITERS + 3
         assert all((p.detach().numpy() == w0[n]).all() for n, p in model.named_parameters()), "checkpoint differs"
@@ -80,13 +86,7 @@ def test_replicas_of_two_ranks_with_zero_heal(tmp_path):
                            die=[(1, 2, "before")], rejoin_at=3, ranks=2)
     finally:
         lh.shutdown()
-    args = parse_args(list(BASE) + ["--train-iters", str(ITERS)], world_size=1)
-    try:
-        ref_losses, chunks, _ = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
-                                         args, return_state=True)
-        ref = {n: p.detach().clone() for c in chunks for n, p in c.module.named_parameters()}
-    finally:
-        ps.destroy_model_parallel()
+    ref_losses, ref, _ = _one_process(ITERS)
     assert sorted(got) == [(0, 0), (0, 1), (1, 0), (1, 1)], sorted(got)
     l0 = got[(0, 0)][0]
     assert max(abs(a - b) / abs(b) for a, b in zip(l0, ref_losses)) <= 1e-5, (l0, ref_losses)

@@ -80,43 +80,49 @@ def test_pretrain_loads_a_megatron_directory_and_continues(megatron):
     assert not any(n.startswith("megalite-from-megatron-") for n in os.listdir(__import__("tempfile").gettempdir()))
 
 
-def test_a_megatron_run_continues_in_megalite_as_in_megatron(tmp_path):
-    """megatron-core trains 2 steps with its distributed optimizer (Adam) and saves as Megatron-LM does (its
-    optimizer state in the fully_reshardable layout); megalite's --load continues from that directory for 3 steps
-    and megatron-core for the same 3 on the same batches: the losses agree (fp32; the same sums in another order)."""
-    args = parse_args(list(BASE) + ["--train-iters", "5"], world_size=1)
+@pytest.fixture(scope="module")
+def megatron_run(tmp_path_factory):
+    """megatron-core trains the GPT-2-style model 2 steps on the parity data with its distributed optimizer (Adam)
+    and LR scheduler, saves as Megatron-LM does (its optimizer state in the fully_reshardable layout, and once more
+    in Megatron-LM's default dp_reshardable), and trains 3 more steps: (roots, the flags, those 3 losses)."""
+    base = tmp_path_factory.mktemp("megatron_run")
+    argv = list(BASE) + ["--train-iters", "5"]
+    args = parse_args(argv, world_size=1)
     train = learnable_datasets(args.draft(), (40, 0, 0))[0]
     batches = [torch.stack([torch.as_tensor(train[i]["text"]) for i in range(8 * k, 8 * k + 8)]) for k in range(5)]
     opt = dict(lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
                adam_eps=args.adam_eps, clip_grad=args.clip_grad)
-    margs = megatron_args("gpt2", 1, 1, 2, 16)
-    theirs = run_on_ranks(train_save_continue, 1, str(tmp_path), "gpt2", batches, 2, opt, margs, backend="gloo")[0]
+    roots = {layout: str(base / layout) for layout in ("fully_reshardable", "dp_reshardable")}
+    losses = run_on_ranks(train_save_continue, 1, roots, "gpt2", batches, 2, opt, megatron_args("gpt2", 1, 1, 2, 16),
+                          backend="gloo")[0]
+    return roots, argv, losses
+
+
+def test_a_megatron_run_continues_in_megalite_as_in_megatron(megatron_run):
+    """megalite's --load continues Megatron's save for the 3 steps megatron-core trained after it, on the same
+    batches: the same losses (fp32; the same sums in another order)."""
+    roots, argv, theirs = megatron_run
     try:
         ours = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
-                        parse_args(list(BASE) + ["--train-iters", "5", "--load", str(tmp_path),
-                                                 "--make-vocab-size-divisible-by", "128"], world_size=1))
+                        parse_args(argv + ["--load", roots["fully_reshardable"], "--make-vocab-size-divisible-by",
+                                           "128"], world_size=1))
     finally:
         ps.destroy_model_parallel()
     assert len(ours) == 3, ours
     assert max(abs(a - b) / b for a, b in zip(ours, theirs)) <= 1e-5, (ours, theirs)
 
 
-def test_megatrons_default_optimizer_layout_is_named_and_the_weights_still_load(tmp_path):
+def test_megatrons_default_optimizer_layout_is_named_and_the_weights_still_load(megatron_run, tmp_path):
     """Megatron-LM's default dp_reshardable optimizer layout (flat buffers in its own bucket order) is refused in
     one line that says what to do; with --no-load-optim the weights, iteration and data position convert."""
-    args = parse_args(list(BASE) + ["--train-iters", "2"], world_size=1)
-    train = learnable_datasets(args.draft(), (8, 0, 0))[0]
-    batch = torch.stack([torch.as_tensor(train[i]["text"]) for i in range(8)])
-    opt = dict(lr=args.lr, weight_decay=args.weight_decay, adam_eps=args.adam_eps, clip_grad=args.clip_grad)
-    run_on_ranks(train_save_continue, 1, str(tmp_path / "m"), "gpt2", [batch], 1, opt,
-                 megatron_args("gpt2", 1, 1, 1, 8), "dp_reshardable", backend="gloo")
-    rc, _, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", str(tmp_path / "m"),
+    roots, _, _ = megatron_run
+    rc, _, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", roots["dp_reshardable"],
                          "--save-dir", str(tmp_path / "out"))
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "'dp_reshardable' layout" in err and \
         "--dist-ckpt-optim-fully-reshardable" in err and "--no-load-optim" in err, err
-    rc, out, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", str(tmp_path / "m"),
+    rc, out, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", roots["dp_reshardable"],
                            "--save-dir", str(tmp_path / "out"), "--no-load-optim")
-    assert rc == 0 and "iteration 1 (8 samples consumed)" in out and "(no optimizer state)" in out, (out, err)
+    assert rc == 0 and "iteration 2 (16 samples consumed)" in out and "(no optimizer state)" in out, (out, err)
 
 
 def test_the_way_back_megatron_reads_what_megalite_writes(megatron):

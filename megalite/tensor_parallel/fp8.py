@@ -64,25 +64,29 @@ class Fp8Site:
         now = self.amax(which, t)
         if self.recipe == "tensorwise":
             return scaled(t, dtype, now, self.margin)
-        self.pending[which] = torch.maximum(self.pending[which], now.to(self.pending[which].device))
+        if self.history[which].device != now.device:  # (kept where the tensors are: no host sync per GEMM)
+            self.history[which], self.pending[which] = self.history[which].to(now.device), self.pending[which].to(
+                now.device)
+        self.pending[which] = torch.maximum(self.pending[which], now)
         h = self.history[which]
         known = h.max() if self.algo == "max" else h[0]
-        if not known > 0:  # no history yet (the first iteration): the tensor's own amax, not TE's scale of 1,
-            known = now    # which would flush most gradients to zero and make the first step depend on the layout
-        return scaled(t, dtype, known.to(t.device), self.margin)
+        # no history yet (the first iteration): the tensor's own amax, not TE's scale of 1, which would flush most
+        # gradients to zero and make the first step depend on the layout
+        return scaled(t, dtype, torch.where(known > 0, known, now), self.margin)
 
     def roll(self, amaxes):
         """Delayed: this iteration's largest amaxes (x, w, dy) join the histories, newest first."""
-        for k, a in zip(("x", "w", "dy"), amaxes.cpu()):
-            self.history[k] = torch.cat([a.reshape(1), self.history[k][:-1]])
-            self.pending[k] = torch.zeros(())
+        for k, a in zip(("x", "w", "dy"), amaxes):
+            h = self.history[k]
+            self.history[k] = torch.cat([a.reshape(1).to(h.device), h[:-1]])
+            self.pending[k] = torch.zeros((), device=h.device)
 
     def state_dict(self):
-        return {k: v.tolist() for k, v in self.history.items()}
+        return {k: v.cpu().tolist() for k, v in self.history.items()}
 
     def load_state_dict(self, sd):
         for k, v in sd.items():
-            self.history[k] = torch.tensor(v, dtype=torch.float32)
+            self.history[k] = torch.tensor(v, dtype=torch.float32, device=self.history[k].device)
 
 
 def end_iteration(modules, reduce_max):
@@ -92,7 +96,8 @@ def end_iteration(modules, reduce_max):
     sites = [m.fp8 for m in modules if getattr(m, "fp8", None) is not None and m.fp8.recipe == "delayed"]
     if not sites:
         return
-    got = reduce_max(torch.stack([s.pending[k].reshape(()) for s in sites for k in ("x", "w", "dy")]))
+    device = sites[0].pending["x"].device  # (where the GEMMs ran)
+    got = reduce_max(torch.stack([s.pending[k].reshape(()).to(device) for s in sites for k in ("x", "w", "dy")]))
     for i, s in enumerate(sites):
         s.roll(got[3 * i:3 * i + 3])
 

@@ -191,14 +191,14 @@ def _train_on_cpu():
     torch.Tensor.type = cuda_type
 
 
-def train_save_continue(root, kind, batches, before, opt, args, layout="fully_reshardable"):
+def train_save_continue(roots, kind, batches, before, opt, args):
     """On one rank: megatron-core's GPTModel of `kind` with its DDP and distributed optimizer (Adam: opt's lr,
     weight_decay, betas, eps, clip_grad) and its LR scheduler (constant LR; it sets the weight decay) trains on
     batches[:before] (each [b, s + 1] token rows, the loss the mean
     over their tokens), is saved as Megatron-LM saves (its optimizer state in the fully_reshardable layout of
-    --dist-ckpt-optim-fully-reshardable, or `layout`: Megatron-LM's default dp_reshardable, the LR schedule, the
-    iteration) under `root`, then trains on the rest;
-    returns the losses of those later steps. args: the namespace to record (megatron_args)."""
+    --dist-ckpt-optim-fully-reshardable, or another: see roots; the LR schedule, the iteration) under `root`, then trains on the rest;
+    returns the losses of those later steps. roots: {optimizer layout: directory}, each layout saved under its
+    own (fully_reshardable; dp_reshardable, Megatron-LM's default); args: the namespace to record."""
     import contextlib
 
     import torch
@@ -238,16 +238,17 @@ def train_save_continue(root, kind, batches, before, opt, args, layout="fully_re
             scheduler.step(increment=tokens.shape[0])
             losses.append(loss.item())
             if step == before:
-                path = os.path.join(root, f"iter_{step:07d}")
-                os.makedirs(path, exist_ok=True)
-                model_sd = model.sharded_state_dict()  # (Megatron-LM saves its unwrapped model)
-                state = {"args": args, "checkpoint_version": 3.0, "iteration": step, "model": model_sd,
-                         "optimizer": optimizer.sharded_state_dict(
-                             model_sd, metadata={"distrib_optim_sharding_type": layout}),
-                         "opt_param_scheduler": scheduler.state_dict()}
-                dist_checkpointing.save(state, path)
-                with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-                    f.write(str(step))
+                for layout, root in roots.items():
+                    path = os.path.join(root, f"iter_{step:07d}")
+                    os.makedirs(path, exist_ok=True)
+                    model_sd = model.sharded_state_dict()  # (Megatron-LM saves its unwrapped model)
+                    state = {"args": args, "checkpoint_version": 3.0, "iteration": step, "model": model_sd,
+                             "optimizer": optimizer.sharded_state_dict(
+                                 model_sd, metadata={"distrib_optim_sharding_type": layout}),
+                             "opt_param_scheduler": scheduler.state_dict()}
+                    dist_checkpointing.save(state, path)
+                    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+                        f.write(str(step))
         return losses[before:]
     finally:
         mps.destroy_model_parallel()
