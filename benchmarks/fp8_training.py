@@ -24,7 +24,8 @@ VARIANTS = [("bf16", "--bf16"),
             ("fp8 hybrid tensorwise", "--bf16 --fp8-format hybrid --fp8-recipe tensorwise"),
             ("fp8 hybrid delayed (1024, max)", "--bf16 --fp8-format hybrid --fp8-amax-history-len 1024 "
                                                "--fp8-amax-compute-algo max"),
-            ("fp8 hybrid rowwise", "--bf16 --fp8-format hybrid --fp8-recipe rowwise")]
+            ("fp8 hybrid rowwise", "--bf16 --fp8-format hybrid --fp8-recipe rowwise"),
+            ("fp8 e4m3 blockwise (no kernel yet)", "--bf16 --fp8-format e4m3 --fp8-recipe blockwise")]
 
 
 def main():

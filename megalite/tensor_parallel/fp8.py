@@ -10,6 +10,10 @@ the product rescaled and accumulated in fp32. The recipes differ in where the sc
   rowwise: one scale per row of each GEMM's operands along its contraction (torchao's rowwise: x per token, w
     per output feature in the forward; each gradient GEMM requantizes its operands from the unquantized tensors
     along its own contraction, so autograd keeps x and w in the model's precision);
+  blockwise: DeepSeek-V3's: a scale per 1 x 128 tile of activations and gradients along each GEMM's contraction
+    and per 128 x 128 block of the weight; on CPU (and, until megalite has a blockwise FP8 GEMM kernel, on CUDA)
+    the GEMM is the fp32 product of the dequantized operands, which is what such a GEMM computes; a TP shard
+    must hold whole blocks;
   delayed: the amax history of earlier iterations (--fp8-amax-history-len, --fp8-amax-compute-algo), as
     Transformer Engine's DelayedScaling; the history grows by one entry per iteration, the largest amax of all of
     its micro-batches, so the scales (and the function) do not depend on how a layout splits the batch. Before
@@ -25,7 +29,8 @@ import torch
 from megalite.tensor_parallel.mappings import max_over_tensor_model_parallel_region
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn), "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
-RECIPES = ("tensorwise", "delayed", "rowwise")
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+BLOCK = 128  # DeepSeek-V3's: 1 x 128 tiles of activations and gradients, 128 x 128 of weights
 
 
 def scaled(t, dtype, amax, margin):
@@ -130,6 +135,41 @@ def _rowwise_backward(site, dy2, x2, weight, dtypes):
     return dx, torch._scaled_mm(dytq, _column_major(xq), scale_a=sdyt, scale_b=sx, out_dtype=torch.float32)
 
 
+def blocks(t, rows, cols, dtype, margin):
+    """t [R, C] rounded to FP8 with one scale per rows x cols block (the last ones partial), dequantized: the fp32
+    values a blockwise-scaled FP8 GEMM multiplies."""
+    r, c = t.shape
+    pr, pc = -(-r // rows) * rows, -(-c // cols) * cols
+    padded = torch.zeros(pr, pc, dtype=torch.float32, device=t.device)
+    padded[:r, :c] = t
+    b = padded.reshape(pr // rows, rows, pc // cols, cols)
+    q, undo = scaled(b, dtype, b.abs().amax(dim=(1, 3), keepdim=True), margin)
+    return (q.float() * undo).reshape(pr, pc)[:r, :c]
+
+
+def _whole_blocks(site, t, dim):
+    """A TP shard of dimension `dim` must hold whole blocks, or its blocks are not the single process's."""
+    if getattr(site.grid, "tp", 1) > 1 and t.shape[dim] % BLOCK:
+        raise ValueError(f"--fp8-recipe blockwise: a tensor-parallel shard of {t.shape[dim]} features is not a "
+                         f"whole number of {BLOCK}-wide blocks; pick sizes whose TP shards are multiples of {BLOCK}")
+
+
+def _blockwise_forward(site, x2, weight):
+    _whole_blocks(site, weight, 1 if site.row_parallel else 0)
+    fd, m = site.forward_dtype, site.margin
+    return (blocks(x2, 1, BLOCK, fd, m) @ blocks(weight, BLOCK, BLOCK, fd, m).t()).to(x2.dtype)
+
+
+def _blockwise_backward(site, dy2, x2, weight, dtypes):
+    fd, gd, m = site.forward_dtype, site.grad_dtype, site.margin
+    wd = blocks(weight, BLOCK, BLOCK, fd, m)  # (square blocks: the same for both contractions)
+    dx = (blocks(dy2, 1, BLOCK, gd, m) @ wd).to(dtypes[0])  # dx = dy w: tiles along N
+    if not site.wgrad:
+        return dx, dy2.t().float() @ x2.float()
+    # dw = dy^T x: tiles along M (the tokens) of both
+    return dx, blocks(dy2.t(), 1, BLOCK, gd, m) @ blocks(x2.t(), 1, BLOCK, fd, m).t()
+
+
 def _mm(a, b_t, scale_a, scale_b, out_dtype):
     """a [m, k] (row-major) x b_t [k, n] (column-major) in FP8, rescaled: [m, n] in out_dtype."""
     return torch._scaled_mm(a, b_t, scale_a=scale_a.reshape(()).float(), scale_b=scale_b.reshape(()).float(),
@@ -146,9 +186,10 @@ class _Fp8Linear(torch.autograd.Function):
         shape, out_dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
         ctx.site, ctx.shape, ctx.dtypes = site, shape, (x.dtype, weight.dtype)
-        if site.recipe == "rowwise":
+        if site.recipe in ("rowwise", "blockwise"):  # (each GEMM requantizes from the unquantized operands)
             ctx.save_for_backward(x2, weight)
-            return _rowwise_forward(site, x2, weight).reshape(*shape[:-1], weight.shape[0])
+            fwd = _rowwise_forward if site.recipe == "rowwise" else _blockwise_forward
+            return fwd(site, x2, weight).reshape(*shape[:-1], weight.shape[0])
         xq, sx = site.quantize("x", x2)
         wq, sw = site.quantize("w", weight)
         y = _mm(xq, wq.t(), sx, sw, out_dtype)
@@ -159,8 +200,9 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         site = ctx.site
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if site.recipe == "rowwise":
-            dx, dw = _rowwise_backward(site, dy2, *ctx.saved_tensors, ctx.dtypes)
+        if site.recipe in ("rowwise", "blockwise"):
+            bwd = _rowwise_backward if site.recipe == "rowwise" else _blockwise_backward
+            dx, dw = bwd(site, dy2, *ctx.saved_tensors, ctx.dtypes)
             return dx.reshape(ctx.shape), dw.to(ctx.dtypes[1]), None
         saved, sx, wq, sw = ctx.saved_tensors
         dyq, sdy = site.quantize("dy", dy2)

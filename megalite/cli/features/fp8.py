@@ -13,7 +13,7 @@ def add_fp8_flags(a):
     a("--fp8-recipe", default="delayed", choices=RECIPES,
       help="where the scales come from: delayed (the amax history of earlier iterations, Transformer Engine's "
            "default), tensorwise (each tensor's own amax: current scaling), rowwise (one scale per row of each "
-           "GEMM's operands, torchao's rowwise)")
+           "GEMM's operands, torchao's rowwise), blockwise (DeepSeek-V3's 1x128 / 128x128 scales)")
     a("--fp8-margin", type=int, default=0, help="scales this many powers of two below the largest value")
     a("--fp8-amax-history-len", type=int, default=1, help="delayed: iterations of amax kept")
     a("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"],
@@ -39,8 +39,9 @@ def validate_fp8(args):
     if r == "mxfp8":
         raise ConfigError("--fp8-recipe mxfp8 needs Blackwell GPUs (sm_100: MX block scales in hardware); megalite "
                           "does not emulate it: use tensorwise, rowwise or delayed")
-    if r in ("blockwise", "custom"):
-        raise ConfigError(f"--fp8-recipe {r} is not built yet in megalite: use tensorwise, rowwise or delayed")
+    if r == "custom":
+        raise ConfigError("--fp8-recipe custom (a Transformer Engine quantizer factory) is not built in megalite: use "
+                          "tensorwise, rowwise, blockwise or delayed")
     if args.fp8_interval != 1:
         raise ConfigError(f"--fp8-interval {args.fp8_interval}: Megatron deprecated it; scales update every "
                           "iteration (leave it out)")
