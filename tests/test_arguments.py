@@ -24,6 +24,14 @@ BAD = {
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --use-distributed-optimizer --zero-stage 3":
         "--ft-lighthouse with --zero-stage 3 is not built yet in megalite",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --optimizer-cpu-offload": "is not built yet in megalite",
+    # FP8 (megalite/cli/features/fp8.py)
+    "--fp8-format hybrid --fp8-recipe mxfp8": "--fp8-recipe mxfp8 needs Blackwell GPUs",
+    "--fp8-format hybrid --fp8-recipe custom": "--fp8-recipe custom (a Transformer Engine quantizer factory)",
+    "--fp8-format hybrid --fp8-param-gather": "--fp8-param-gather is not built yet in megalite",
+    "--fp8-format hybrid --num-experts 4 --disable-bias-linear":
+        "--fp8-format with MoE experts (--num-experts) is not built yet",
+    "--first-last-layers-bf16": "--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid",
+    "--fp8-format hybrid --fp8-interval 2": "--fp8-interval 2: Megatron deprecated it",
 }
 
 
