@@ -330,7 +330,8 @@ def import_megatron(load_dir, save_dir, tp, pp, model_config_of, load_optim=True
     train, valid = src.consumed()
     meta = {"format": "megalite-checkpoint", "version": 1, "model_config": cfg, "dtype": cfg["params_dtype"],
             "consumed_train_samples": train, "consumed_valid_samples": valid, "has_optimizer": optim,
-            "source": {"megatron": os.path.abspath(src.path), "checkpoint_version": src.common.get("checkpoint_version")}}
+            "source": {"megatron": os.path.abspath(src.path),
+                       "checkpoint_version": src.common.get("checkpoint_version")}}
     if optim:
         sched = src.common.get("opt_param_scheduler") or {}
         scaler = src.common["optimizer"].get("grad_scaler") or {"scale": 1.0}

@@ -1,7 +1,7 @@
 """`--load DIR` on a Megatron-LM torch_dist --save directory: the first rank of each node converts it once into a
 megalite checkpoint in the node's temporary directory (convert.import_megatron: weights, iteration, consumed
-samples, Adam's state, the LR schedule), every rank then loads that at the run's own layout, and it is removed. A conversion that fails stops
-every rank with the one line it raised (the others do not wait forever)."""
+samples, Adam's state, the LR schedule), every rank then loads that at the run's own layout, and it is removed.
+A conversion that fails stops every rank with the one line it raised (the others do not wait forever)."""
 
 import hashlib
 import os

@@ -1,9 +1,10 @@
 """Fault-tolerant replicas on torchft (--ft-lighthouse): each replica is a whole model copy (its own TP x CP x PP and
 inner DP, its own torchrun job); torchft's Lighthouse forms a quorum of the live replicas before every iteration.
-The global batch is split over the quorum (as evenly as its micro-batches go), each replica reduces its gradients inside itself and then with
-the others (torchft's process group, reconfigured when the quorum changes), and the step is applied only when every
-replica of the quorum votes that it went through (torchft's should_commit). A step that did not commit is run again,
-over the new quorum, on the same global batch: every batch is trained exactly once. A replica that starts (restarted
+The global batch is split over the quorum (as evenly as its micro-batches go), each replica reduces its gradients
+inside itself and then with the others (torchft's process group, reconfigured when the quorum changes), and the
+step is applied only when every replica of the quorum votes that it went through (torchft's should_commit). A step
+that did not commit is run again, over the new quorum, on the same global batch: every batch is trained exactly
+once. A replica that starts (restarted
 or new) heals from a live peer through torchft's checkpoint transport: optimizer state and fp32 main weights, LR
 schedule, iteration, samples consumed and RNG streams.
 

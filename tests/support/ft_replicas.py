@@ -99,7 +99,8 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         else:
             moments = {k: {n: v.numpy().copy() for n, v in st.items() if torch.is_tensor(v)}
                        for k, st in sd["optimizer"]["state"].items()}
-        out.put((args.ft_replica_id if key is None else key, losses, weights, moments, _SCHEDULER[0].state_dict(), saves))
+        out.put((args.ft_replica_id if key is None else key, losses, weights, moments, _SCHEDULER[0].state_dict(),
+                 saves))
         ps.destroy_model_parallel()
         del torch
     except BaseException:  # noqa: BLE001 - the test prints it

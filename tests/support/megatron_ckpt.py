@@ -1,13 +1,13 @@
 """Genuine Megatron-LM `torch_dist` checkpoints for the tests, made by megatron-core itself on CPU ranks.
 
 save_all(specs) builds megatron-core's GPTModel (the local layer spec, CPU initialisation) on the gloo ranks of a
-test world (tests/support/dist_util.run_on_ranks) at each spec's TP x PP and saves it as Megatron-LM's save_checkpoint lays a
-`--save` directory out: latest_checkpointed_iteration.txt, iter_NNNNNNN/ with DCP's .metadata and __R_I.distcp
+test world (tests/support/dist_util.run_on_ranks) at each spec's TP x PP and saves it as Megatron-LM's
+save_checkpoint lays a `--save` directory out: latest_checkpointed_iteration.txt, iter_NNNNNNN/ with DCP's .metadata and __R_I.distcp
 files, metadata.json and common.pt holding the iteration, checkpoint_version 3.0, Megatron's argparse namespace
 (with an enum member, as Megatron's has) and the LR schedule's state. logits_all(specs, tokens) loads each
 checkpoint back with megatron-core's dist_checkpointing at TP1 x PP1 and returns its GPTModel's logits: what
-Megatron itself computes from that directory. megatron-core's async writer wants psutil and CUDA calls (and tied embeddings
-across stages a .cuda()); on CPU those are made harmless here (no effect on what is written)."""
+Megatron itself computes from that directory. megatron-core's async writer wants psutil and CUDA calls (and tied
+embeddings across stages a .cuda()); on CPU those are made harmless here (no effect on what is written)."""
 
 import argparse
 import os
