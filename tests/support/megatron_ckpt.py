@@ -2,12 +2,12 @@
 
 save_all(specs) builds megatron-core's GPTModel (the local layer spec, CPU initialisation) on the gloo ranks of a
 test world (tests/support/dist_util.run_on_ranks) at each spec's TP x PP and saves it as Megatron-LM's
-save_checkpoint lays a `--save` directory out: latest_checkpointed_iteration.txt, iter_NNNNNNN/ with DCP's .metadata and __R_I.distcp
-files, metadata.json and common.pt holding the iteration, checkpoint_version 3.0, Megatron's argparse namespace
-(with an enum member, as Megatron's has) and the LR schedule's state. logits_all(specs, tokens) loads each
-checkpoint back with megatron-core's dist_checkpointing at TP1 x PP1 and returns its GPTModel's logits: what
-Megatron itself computes from that directory. megatron-core's async writer wants psutil and CUDA calls (and tied
-embeddings across stages a .cuda()); on CPU those are made harmless here (no effect on what is written)."""
+save_checkpoint lays a `--save` directory out: latest_checkpointed_iteration.txt, iter_NNNNNNN/ with DCP's .metadata
+and __R_I.distcp files, metadata.json and common.pt holding the iteration, checkpoint_version 3.0, Megatron's
+argparse namespace (with an enum member, as Megatron's has) and the LR schedule's state. logits_all(specs, tokens)
+loads each checkpoint back with megatron-core's dist_checkpointing at TP1 x PP1 and returns its GPTModel's logits:
+what Megatron itself computes from that directory. megatron-core's async writer wants psutil and CUDA calls (and
+tied embeddings across stages a .cuda()); on CPU those are made harmless here (no effect on what is written)."""
 
 import argparse
 import os
@@ -194,11 +194,11 @@ def _train_on_cpu():
 def train_save_continue(roots, kind, batches, before, opt, args):
     """On one rank: megatron-core's GPTModel of `kind` with its DDP and distributed optimizer (Adam: opt's lr,
     weight_decay, betas, eps, clip_grad) and its LR scheduler (constant LR; it sets the weight decay) trains on
-    batches[:before] (each [b, s + 1] token rows, the loss the mean
-    over their tokens), is saved as Megatron-LM saves (its optimizer state in the fully_reshardable layout of
-    --dist-ckpt-optim-fully-reshardable, or another: see roots; the LR schedule, the iteration) under `root`, then trains on the rest;
-    returns the losses of those later steps. roots: {optimizer layout: directory}, each layout saved under its
-    own (fully_reshardable; dp_reshardable, Megatron-LM's default); args: the namespace to record."""
+    batches[:before] (each [b, s + 1] token rows, the loss the mean over their tokens), is saved as Megatron-LM
+    saves (its optimizer state in the fully_reshardable layout of --dist-ckpt-optim-fully-reshardable, or
+    another: see roots; the LR schedule, the iteration) under `root`, then trains on the rest; returns the
+    losses of those later steps. roots: {optimizer layout: directory}, each layout saved under its own
+    (fully_reshardable; dp_reshardable, Megatron-LM's default); args: the namespace to record."""
     import contextlib
 
     import torch
