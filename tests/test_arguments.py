@@ -21,6 +21,8 @@ BAD = {
     "--ft-replica-id 0": "--ft-replica-id 0 needs --ft-lighthouse HOST:PORT",
     "--ft-lighthouse localhost:29510": "--ft-lighthouse needs --ft-replica-id",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --ft-min-replicas 0": "--ft-min-replicas 0 must be at least 1",
+    "--ft-lighthouse localhost:29510 --ft-replica-id 0 --ft-replica-share 0":
+        "--ft-replica-share 0 must be a positive integer",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --use-distributed-optimizer --zero-stage 3":
         "--ft-lighthouse with --zero-stage 3 is not built yet in megalite",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --optimizer-cpu-offload": "is not built yet in megalite",

@@ -33,22 +33,26 @@ def _one_process(iters):
         ps.destroy_model_parallel()
 
 
-def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path):
+def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd):
     """Three replicas; in iteration 2 replica 1 dies during the cross-replica reduction (its part sent) and replica 2
     before it (two at once): the survivor applies neither attempt (the vote) and trains alone on the whole batch
-    until both, started again, heal from it (by iteration 4; the batch of 8 re-split 3, 3, 2, or 4, 4), and a new
-    fourth replica joins at iteration 5 (2 each). All four end with the same weights and Adam state, bit for bit,
-    and those, and every iteration's logged loss, are the uninterrupted run's (every global batch trained exactly
-    once, whatever the split)."""
+    until both, started again, heal from it (by iteration 4), and a new fourth replica joins at iteration 5. Replica
+    2 has --ft-replica-share 2: the batch of 8 is split 2, 2, 4 over the first three, taken whole by the survivor
+    alone, and split 2, 2, 3, 1 over the four. All four end with the same weights and Adam state, bit for bit, and those, and every
+    iteration's logged loss, are the uninterrupted run's (every global batch trained exactly once, whatever the
+    split)."""
     lh = lighthouse(min_replicas=1)
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     try:
         got = run_replicas(lh.address(), 3, tmp_path, save, iters=ITERS + 3, die=[(1, 2, "during"), (2, 2, "before")],
-                           rejoin_at=4, join_at=5)
+                           rejoin_at=4, join_at=5, own={2: ["--ft-replica-share", "2"]})
     finally:
         lh.shutdown()
     ref_losses, ref, config = _one_process(ITERS + 3)
     assert sorted(got) == [0, 1, 2, 3], sorted(got)
+    out = capfd.readouterr().out
+    for r, n in ((0, 2), (1, 2), (2, 3), (3, 1)):  # the four replicas' last split: shares 1, 1, 2, 1 of 8
+        assert f"4 live replicas; this one trains {n} of 8 samples (replica {r})" in out, (r, n)
     l0, w0, s0, lr0, saved0 = got[0]
     assert saved0 == [2, 4, 6, 7] and all(got[r][4] == [] for r in (1, 2, 3)), [got[r][4] for r in got]  # one writer
     assert len(l0) == ITERS + 3, len(l0)

@@ -74,7 +74,13 @@ class FaultTolerance(Part):
         if self.manager.errored() is not None:
             return  # this step will not commit; the next quorum reconfigures
         self._check_same()  # every quorum, on every replica: the same collectives whoever joined or left
-        split = (self.manager.participating_rank(), self.manager.num_participants())
+        rank, replicas = self.manager.participating_rank(), self.manager.num_participants()
+        shares = torch.zeros(replicas, dtype=torch.float64)  # every live replica's --ft-replica-share, in rank order
+        shares[rank or 0] = self.args.ft_replica_share
+        self.manager.allreduce(shares, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return
+        split = (rank, replicas, tuple(int(x) for x in shares.tolist()))
         if split != self.split:
             self._resplit(*split)
 
@@ -87,27 +93,27 @@ class FaultTolerance(Part):
             self.abort(f"replica {self.args.ft_replica_id}: the live replicas were launched with different "
                        f"{', '.join(different)}; every replica needs the same model, inner layout and batch flags")
 
-    def _resplit(self, rank, replicas):
+    def _resplit(self, rank, replicas, weights):
         """The global batch over the live replicas' DP ranks: its micro-batches of every inner DP rank dealt out
-        as evenly as they go (the first replicas take one more when they do not divide), each replica's part the
-        contiguous run after the parts before it; this rank's plan and data."""
+        in proportion to the replicas' shares (weights; equal ones: as evenly as they go, the first replicas
+        taking one more), each replica's part the contiguous run after the parts before it; this rank's plan and
+        data."""
         g, t, a = self.grid, self.run, self.args
         units = a.global_batch_size // (a.micro_batch_size * g.dp)  # micro-batches of each inner DP rank, all told
         if units < replicas:
             self.abort(f"--global-batch-size {a.global_batch_size} gives {units} micro-batches per data-parallel "
                        f"rank of a replica, fewer than the {replicas} live replicas; raise it (or "
                        "--micro-batch-size lower) so every live replica gets one")
-        counts = [units // replicas + (r < units % replicas) for r in range(replicas)]
+        counts = dealt(units, weights)
         shares = [n for n in counts for _ in range(g.dp)]  # one per DP rank across the replicas
         t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares)
         t.dp_rank = (rank or 0) * g.dp + g.dp_rank
         t.cursor.plan = t.plan
         t.cursor.rebuild(rank=t.dp_rank, ranks=g.dp * replicas)
-        if self.split is not None:
-            print(f"megalite: fault tolerance: {replicas} live replica{'s' if replicas > 1 else ''}; this one trains "
-                  f"{counts[rank or 0] * g.dp * a.micro_batch_size} of {a.global_batch_size} samples (replica "
-                  f"{self.args.ft_replica_id})", flush=True)
-        self.split = (rank, replicas)
+        print(f"megalite: fault tolerance: {replicas} live replica{'s' if replicas > 1 else ''}; this one trains "
+              f"{counts[rank or 0] * g.dp * a.micro_batch_size} of {a.global_batch_size} samples (replica "
+              f"{self.args.ft_replica_id})", flush=True)
+        self.split = (rank, replicas, weights)
 
     def vote(self, chunks):
         """The replicas' gradients summed over the quorum, then the commit vote: True when every replica went
@@ -156,6 +162,16 @@ class FaultTolerance(Part):
     def finish(self, last):
         self.manager.shutdown(wait=False)
         return last
+
+
+def dealt(units, weights):
+    """units micro-batches over replicas of these weights: one each, then one at a time to the replica furthest
+    below its proportional part (ties: the lower rank), so every replica derives the same counts."""
+    total, n = sum(weights), [1] * len(weights)
+    for _ in range(units - len(weights)):
+        r = max(range(len(weights)), key=lambda i: (units * weights[i] / total - n[i], -i))
+        n[r] += 1
+    return n
 
 
 def fingerprint(args, grid, mcfg):

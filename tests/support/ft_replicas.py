@@ -114,14 +114,15 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None, ranks=1):
+def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None, ranks=1, own=None):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
     {replica id (with ranks > 1: (replica id, rank)): (losses, weights, optimizer state, LR schedule, iterations
     saved)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
     iteration; rejoin_at: each is then started again (as its torchrun would restart it), and the others wait before
     that iteration until it heartbeats (files under `tmp` say so), so it heals while the others train. join_at: a
     new replica (number n) starts when the first replica is about to run that iteration, and everyone waits for it
-    there. ranks: processes per replica (a gloo job of its own, as torchrun would start it)."""
+    there. ranks: processes per replica (a gloo job of its own, as torchrun would start it). own: {replica: its
+    own extra flags}."""
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(n * ranks)
     argv = list(BASE) + ["--train-iters", str(iters), "--ft-lighthouse", address] + FAST + list(extra)
@@ -139,7 +140,7 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
         for k in range(ranks):
             env = {"RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
                    "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)} if ranks > 1 else None
-            p = ctx.Process(target=_replica, args=(argv + ["--ft-replica-id", str(i)], out),
+            p = ctx.Process(target=_replica, args=(argv + ["--ft-replica-id", str(i)] + (own or {}).get(i, []), out),
                             kwargs=dict(kw, announce=files(name, i)[k], env=env, key=(i, k) if ranks > 1 else i,
                                         reach=kw.get("reach", []) if k == 0 else []))
             p.start()

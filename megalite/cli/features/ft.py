@@ -15,6 +15,9 @@ def add_ft_flags(a):
            f"(default: ${ENV_LIGHTHOUSE} when --ft-replica-id is given)")
     a("--ft-replica-id", type=int, default=None,
       help="this replica's number (0, 1, ...): each replica is its own torchrun job with the same flags")
+    a("--ft-replica-share", type=int, default=1,
+      help="this replica's weight in the split of each global batch over the live replicas (e.g. 2 for a replica "
+           "twice as fast; micro-batches dealt out in proportion, at least one each)")
     a("--ft-min-replicas", type=int, default=1,
       help="a step commits only with at least this many live replicas; below it training waits (torchft's "
            "min_replica_size)")
@@ -50,6 +53,8 @@ def validate_ft(args):
         return
     if args.ft_replica_id is None or args.ft_replica_id < 0:
         raise ConfigError("--ft-lighthouse needs --ft-replica-id 0, 1, ...: each replica's own number")
+    if args.ft_replica_share < 1:
+        raise ConfigError(f"--ft-replica-share {args.ft_replica_share} must be a positive integer")
     if args.ft_min_replicas < 1:
         raise ConfigError(f"--ft-min-replicas {args.ft_min_replicas} must be at least 1")
     for name in ("ft_timeout", "ft_quorum_timeout", "ft_connect_timeout", "ft_heartbeat_ms"):
