@@ -90,57 +90,66 @@ def test_blockwise_scales_tiles_and_blocks():
     assert torch.equal(w.grad, blocks(dy2.t(), 1, 128, E5M2, 0) @ blocks(x2.t(), 1, 128, E4M3, 0).t())
 
 
-def _tp2_blockwise_layers():
-    """On 2 TP ranks: a column- then a row-parallel FP8 blockwise layer (TP shards of 256: whole blocks) against
-    the same layers whole on this process."""
+def _tp2_layers(recipes):
+    """On 2 TP ranks, per recipe: a column- then a row-parallel FP8 layer (TP shards of 256: whole blocks) against
+    the same layers whole on this process, from the same input."""
     from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     ps.initialize_model_parallel(2, 1)
+    out = []
     try:
         grid, r = ps.current_grid(), ps.get_tensor_model_parallel_rank()
-        torch.manual_seed(0)
-        x, w1, w2 = torch.randn(4, 2, 384), torch.randn(512, 384), torch.randn(384, 512)
-        col = ColumnParallelLinear(384, 512, bias=False, grid=grid)
-        row = RowParallelLinear(512, 384, bias=False, grid=grid)
-        col.weight.data.copy_(w1[256 * r:256 * (r + 1)])
-        row.weight.data.copy_(w2[:, 256 * r:256 * (r + 1)])
-        col.fp8 = Fp8Site("e4m3", "blockwise", grid=grid)
-        row.fp8 = Fp8Site("e4m3", "blockwise", row_parallel=True, grid=grid)
-        xs = x.clone().requires_grad_(True)
-        y = row(col(xs))
-        y.sum().backward()
-        one = Fp8Site("e4m3", "blockwise", grid=ONE)
-        xr, w1r, w2r = x.clone().requires_grad_(True), w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
-        yr = fp8_linear(fp8_linear(xr, w1r, one), w2r, one)
-        yr.sum().backward()
-        return [((y - yr).abs().max() / yr.abs().max()).item(),
-                ((xs.grad - xr.grad).abs().max() / xr.grad.abs().max()).item(),
-                torch.equal(col.weight.grad, w1r.grad[256 * r:256 * (r + 1)])]
+        for recipe in recipes:
+            torch.manual_seed(0)
+            x, w1, w2 = torch.randn(4, 2, 384), torch.randn(512, 384), torch.randn(384, 512)
+            col = ColumnParallelLinear(384, 512, bias=False, grid=grid)
+            row = RowParallelLinear(512, 384, bias=False, grid=grid)
+            col.weight.data.copy_(w1[256 * r:256 * (r + 1)])
+            row.weight.data.copy_(w2[:, 256 * r:256 * (r + 1)])
+            col.fp8 = Fp8Site("hybrid", recipe, grid=grid)
+            row.fp8 = Fp8Site("hybrid", recipe, row_parallel=True, grid=grid)
+            xs = x.clone().requires_grad_(True)
+            y = row(col(xs))
+            (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+            one = Fp8Site("hybrid", recipe, grid=ONE)
+            xr, w1r, w2r = (t.clone().requires_grad_(True) for t in (x, w1, w2))
+            yr = fp8_linear(fp8_linear(xr, w1r, one), w2r, one)
+            (yr * torch.linspace(-1, 1, yr.numel()).reshape(yr.shape)).sum().backward()
+            out.append([((y - yr).abs().max() / yr.abs().max()).item(),
+                        ((xs.grad - xr.grad).abs().max() / xr.grad.abs().max()).item(),
+                        torch.equal(col.weight.grad, w1r.grad[256 * r:256 * (r + 1)])])
     finally:
         ps.destroy_model_parallel()
+    return out
 
 
-def test_blockwise_tensor_parallel_layers_are_the_whole_layers():
-    """Blocks never cross a TP shard that holds whole blocks: the column-parallel layer's output and weight gradient
-    are the whole layer's exactly, the row-parallel sums within the fp32 bound (reordered)."""
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+
+
+def test_tensor_parallel_fp8_layers_are_the_whole_layers():
+    """TP2 column- and row-parallel FP8 layers compute the whole layers' function under every recipe: the ranks
+    agree on the amax of every tensor (row) they hold shards of, and blockwise tiles never cross a shard of whole
+    blocks. The column-parallel weight gradient is the whole layer's exactly; outputs and input gradients within
+    the fp32 bound (the row-parallel sums reordered). (End to end, a TP run's reordered sums can already move an
+    activation across an FP8 midpoint at step 1, so TP is held to its function here, layer by layer.)"""
     from dist_util import run_on_ranks
-    for y_err, dx_err, dw_exact in run_on_ranks(_tp2_blockwise_layers, 2):
-        assert y_err <= 1e-5 and dx_err <= 1e-5 and dw_exact, (y_err, dx_err, dw_exact)
+    for rank in run_on_ranks(_tp2_layers, 2, RECIPES):
+        for recipe, (y_err, dx_err, dw_exact) in zip(RECIPES, rank):
+            assert y_err <= 1e-5 and dx_err <= 1e-5 and dw_exact, (recipe, y_err, dx_err, dw_exact)
 
 
 # A layout computes the single process's FP8 function: every scale is of the whole tensor (row, block), whatever
-# the layout cuts (TP ranks agree on shard amaxes; the delayed history grows once per iteration with the largest
-# amax over every micro-batch and DP rank), so step 1 — the same weights, the same batch — holds to DESIGN's bound
-# (only fp32 sums run in another order: TP's row-parallel reduction, DP's gradient reduction, the tied embedding's).
-# From step 2 on the runs hold weights a rounding apart, and a value that rounding moves across the midpoint of
-# two FP8 neighbours lands an eighth of its size away (a block's or tensor's scale moves every value under it): the
-# runs part as far as a rounding twin of the single process does (measured: TP2 delayed params 1.3e-2 after 6
-# steps vs twins' 9.8e-3..1.4e-2; PP2 blockwise 2.8e-3), or not at all for a while (PP2 and DP2 under tensorwise,
-# delayed and rowwise stayed within 4e-7 here). The later steps are therefore not compared.
+# the layout cuts (the delayed history grows once per iteration with the largest amax over every micro-batch and
+# DP rank), so step 1 — the same weights, the same batch, the same machine's arithmetic — holds to DESIGN's bound
+# (only fp32 sums after the GEMMs run in another order: DP's gradient reduction, the tied embedding's). From step
+# 2 on the runs hold weights a rounding apart, and a value that rounding moves across the midpoint of two FP8
+# neighbours lands an eighth of its size away (a block's or tensor's scale moves every value under it): the runs
+# part as far as a rounding twin of the single process does (measured: TP2 delayed params 1.3e-2 after 6 steps vs
+# twins' 9.8e-3..1.4e-2; PP2 blockwise 2.8e-3), or not at all for a while. The later steps are therefore not
+# compared, nor TP end to end (its reordered forward sums can cross a midpoint at step 1 already, seen under
+# another machine's rounding): TP is held to its function layer by layer above.
 LAYOUTS = [layout("pp2_fp8_tensorwise", pp=2, model=TENSORWISE), layout("dp2_fp8_delayed", dp=2, model=DELAYED),
            layout("pp2_fp8_delayed_untied", pp=2, model=DELAYED + ("--untie-embeddings-and-output-weights",)),
-           layout("tp2_sp_fp8_delayed", tp=2, sp=True, model=DELAYED),
-           layout("tp2_sp_fp8_tensorwise", tp=2, sp=True, model=TENSORWISE),
-           layout("dp2_fp8_rowwise", dp=2, model=ROWWISE), layout("tp2_sp_fp8_rowwise", tp=2, sp=True, model=ROWWISE),
+           layout("dp2_fp8_rowwise", dp=2, model=ROWWISE),
            layout("pp2_fp8_blockwise", pp=2, model=BLOCKWISE), layout("dp2_fp8_blockwise", dp=2, model=BLOCKWISE)]
 STEP_ONE_ONLY = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-5,
                  "losses": float("inf"), "norms": float("inf"), "params": float("inf")}
@@ -148,7 +157,9 @@ STEP_ONE_ONLY = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding gr
 
 @pytest.fixture(scope="module")
 def fp8_world():
-    return dict(zip((lay.name for lay in LAYOUTS), run_layouts(LAYOUTS, 2)))
+    # (on this machine's rounding, not another's as the fp32 worlds: a value an fp32 rounding apart can land on
+    # the other FP8 neighbour, so only the same arithmetic gives the same quantized operands)
+    return dict(zip((lay.name for lay in LAYOUTS), run_layouts(LAYOUTS, 2, capability=None)))
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)

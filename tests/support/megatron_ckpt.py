@@ -50,6 +50,8 @@ def _cpu_only():
 
 
 def build(kind, pre=True, post=True, tp=1, pp=1):
+    import functools
+
     import torch
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
@@ -60,7 +62,10 @@ def build(kind, pre=True, post=True, tp=1, pp=1):
         num_layers=k["num_layers"], hidden_size=k["hidden_size"], ffn_hidden_size=k["ffn_hidden_size"],
         num_attention_heads=k["num_attention_heads"], num_query_groups=k["num_query_groups"],
         normalization=k["normalization"], add_bias_linear=k["add_bias_linear"], gated_linear_unit=k["swiglu"],
-        activation_func=F.silu if k["swiglu"] else F.gelu, bias_activation_fusion=not k["swiglu"],
+        # (tanh GeLU, as Megatron-LM's default bias-GeLU fusion computes it; written out: megatron-core's fused
+        # bias-GeLU gave NaN on CPU under AVX2 kernels)
+        activation_func=F.silu if k["swiglu"] else functools.partial(F.gelu, approximate="tanh"),
+        bias_activation_fusion=False,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
         init_method_std=0.05)
@@ -85,6 +90,12 @@ def _save(root, kind, tp, pp, iteration, consumed):
                 for n, p in model.named_parameters():
                     if n.endswith("bias") or "norm" in n:
                         p.add_(torch.randn_like(p) * 0.1)
+                    # the tied word embedding: both stages' copies set from one seed (megatron-core sums the first
+                    # stage's with the last stage's uninitialised copy on CPU, which is not always zero)
+                    if n in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                        full = torch.randn(VOCAB, p.shape[1], generator=torch.Generator().manual_seed(7)) * 0.05
+                        rows = VOCAB // tp
+                        p.copy_(full[mps.get_tensor_model_parallel_rank() * rows:][:rows])
         path = os.path.join(root, f"iter_{iteration:07d}")
         state = {"args": megatron_args(kind, tp, pp, iteration, consumed), "checkpoint_version": 3.0,
                  "iteration": iteration, "model": model.sharded_state_dict(),
