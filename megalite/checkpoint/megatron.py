@@ -117,8 +117,11 @@ class MegatronCheckpoint:
 
     def _key(self, key):
         """Megatron-LM unwraps its model before saving; a directory saved from the DDP-wrapped one says module."""
-        return key if key in self.items else key.replace("optimizer.state.", "optimizer.state.module.", 1) \
-            if key.startswith("optimizer.state.") else "module." + key
+        if key in self.items:
+            return key
+        if key.startswith("optimizer.state."):
+            return key.replace("optimizer.state.", "optimizer.state.module.", 1)
+        return "module." + key
 
     def _rows(self, cfg):
         why = unsupported(self.args)

@@ -96,6 +96,6 @@ def unsupported(args):
         return "MLA checkpoints (--multi-latent-attention) are not read from Megatron's format yet"
     if getattr(args, "mtp_num_layers", None):
         return "multi-token prediction layers (--mtp-num-layers) are not read from Megatron's format yet"
-    if getattr(args, "model_type", None) not in (None, "gpt", "GPT") and "bert" in str(args.model_type).lower():
+    if "bert" in str(getattr(args, "model_type", "")).lower():
         return "BERT checkpoints are not read from Megatron's format yet"
     return None
