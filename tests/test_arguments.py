@@ -26,6 +26,10 @@ BAD = {
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --use-distributed-optimizer --zero-stage 3":
         "--ft-lighthouse with --zero-stage 3 is not built yet in megalite",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --optimizer-cpu-offload": "is not built yet in megalite",
+    "--ft-lighthouse localhost:29510 --ft-replica-id 0 --semi-sync-method diloco --semi-sync-fragment-alpha 0.5":
+        "--ft-lighthouse with --semi-sync-fragments/-delay/-alpha (streaming) is not built yet",
+    "--ft-lighthouse localhost:29510 --ft-replica-id 0 --semi-sync-method local_sgd --semi-sync-steps auto":
+        "--ft-lighthouse with --semi-sync-steps auto is not built yet",
     # FP8 (megalite/cli/features/fp8.py)
     "--fp8-format hybrid --fp8-recipe mxfp8": "--fp8-recipe mxfp8 needs Blackwell GPUs",
     "--fp8-format hybrid --fp8-recipe custom": "--fp8-recipe custom (a Transformer Engine quantizer factory)",

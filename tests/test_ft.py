@@ -53,7 +53,7 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
     out = capfd.readouterr().out
     for r, n in ((0, 2), (1, 2), (2, 3), (3, 1)):  # the four replicas' last split: shares 1, 1, 2, 1 of 8
         assert f"4 live replicas; this one trains {n} of 8 samples (replica {r})" in out, (r, n)
-    l0, w0, s0, lr0, saved0 = got[0]
+    l0, w0, s0, lr0, saved0, _ = got[0]
     assert saved0 == [2, 4, 6, 7] and all(got[r][4] == [] for r in (1, 2, 3)), [got[r][4] for r in got]  # one writer
     assert len(l0) == ITERS + 3, len(l0)
     # the logged loss is the quorum's: every iteration's, whoever was alive, is the uninterrupted run's
@@ -61,7 +61,7 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
     for n in ref:
         assert _rel(torch.from_numpy(w0[n]), ref[n]) <= 1e-5, f"{n} differs from the uninterrupted run"
     for r in (1, 2, 3):
-        lr, w, s, lrs, _ = got[r]
+        lr, w, s, lrs, *_ = got[r]
         assert len(lr) >= (4 if r < 3 else 3) and lr == l0[-len(lr):], (r, lr, l0)  # healed by 4 (or sooner) / 5
         for n in ref:
             assert (w0[n] == w[n]).all(), f"replica {r}'s {n} differs from the survivor's"
@@ -95,7 +95,7 @@ def test_replicas_of_two_ranks_with_zero_heal(tmp_path):
     l0 = got[(0, 0)][0]
     assert max(abs(a - b) / abs(b) for a, b in zip(l0, ref_losses)) <= 1e-5, (l0, ref_losses)
     for k in (0, 1):
-        (la, wa, sa, lra, _), (lb, wb, sb, lrb, _) = got[(0, k)], got[(1, k)]
+        (la, wa, sa, lra, *_), (lb, wb, sb, lrb, *_) = got[(0, k)], got[(1, k)]
         assert len(lb) >= 1 and lb == l0[-len(lb):] and la == l0, (k, la, lb)  # (healed at the next quorum or so)
         for n in ref:
             assert (wa[n] == wb[n]).all(), f"rank {k}: the healed replica's {n} differs"
@@ -137,3 +137,60 @@ def test_replicas_launched_differently_are_named():
             assert disagreement(names, mine, [(a + b) / 2 for a, b in zip(mine, other)]) == named, flags
     finally:
         ps.destroy_model_parallel()
+
+
+def _outer_reference(records, lr, momentum):
+    """The outer step DiLoCo defines, in float64, from the participating replicas' records (local weights, global
+    weights and outer momentum before it, samples): g = sum_r w_r (global - local_r), buf = mu buf + g, global -=
+    lr (g + mu buf) (Nesterov); and each element's bound on the fp32 rounding the replicas' step went through (the
+    contributions cast to fp32 and summed in fp32, the outer momentum and the new global weights stored in fp32)."""
+    import numpy as np
+    total = sum(r["samples"] for r in records)
+    glob, buf = records[0]["glob"], records[0]["buf"]
+    out, bound = [], []
+    for i, g0 in enumerate(glob):
+        parts = [r["samples"] / total * (g0 - r["local"][i]) for r in records]
+        g = sum(parts)
+        b = g if buf is None else momentum * buf[i] + g
+        new = g0 - lr * (g + momentum * b)
+        u = 2.0 ** -24
+        out.append(new)
+        bound.append(4 * u * (np.abs(new) + lr * (1 + 2 * momentum) * sum(np.abs(p) for p in parts)))
+    return out, bound
+
+
+def test_diloco_replicas_under_faults(tmp_path, capfd):
+    """DiLoCo over three fault-tolerant replicas, two inner steps per round. Replica 1 dies in the middle of round
+    2 (iteration 3): the survivors' outer step at iteration 4 fails the vote and runs again over the two of them,
+    weighted by the samples they trained (the dead replica's inner steps lost; the log says how many samples).
+    Replica 1, started again, asks replica 0 for the state at round 3's start, and replica 0 dies while sending it:
+    replica 1 heals from replica 2 instead, and the two train round 3. Every outer step equals the one computed here
+    from its participants' local weights, and the last two replicas end on the same weights, bit for bit."""
+    import numpy as np
+    from ft_replicas import outer_records
+    lh = lighthouse(min_replicas=1)
+    try:
+        got = run_replicas(lh.address(), 3, tmp_path, ["--semi-sync-method", "diloco", "--semi-sync-steps", "2"],
+                           iters=6, die=[(1, 3, "before")], rejoin_at=5, lose=[0])
+    finally:
+        lh.shutdown()
+    assert sorted(got) == [1, 2], sorted(got)
+    out = capfd.readouterr().out
+    # the split of 8 over three is 3, 3, 2 micro-batches of one sample: replica 1's 3 of both iterations lost
+    assert "the outer step at iteration 4 ran over 2 of the round's 3 replicas; 6 of its 16 samples were lost" in out
+    assert "replica 1 healed from a live peer at iteration 4" in out
+    rec = outer_records(tmp_path)
+    assert [len(r) for r in rec[0]] == [2] and [len(r) for r in rec[1]] == [1, 1] and [len(r) for r in rec[2]] == [3]
+    rounds = ([rec[0][0][0], rec[1][0][0], rec[2][0][0]],  # round 1: all three
+              [rec[0][0][1], rec[2][0][1]],  # round 2: the survivors of replica 1's death
+              [rec[1][1][0], rec[2][0][2]])  # round 3: replica 1 healed from replica 2 (replica 0 died sending)
+    assert [sum(r["samples"] for r in who) for who in rounds] == [16, 10, 16]
+    for k, who in enumerate(rounds):
+        want, bound = _outer_reference(who, 0.7, 0.9)
+        for r in who:
+            assert all((r["after"][i] == who[0]["after"][i]).all() for i in range(len(want))), k
+        for i, (w, b) in enumerate(zip(want, bound)):
+            assert (np.abs(who[0]["after"][i] - w) <= b).all(), (k, i, np.abs(who[0]["after"][i] - w).max(), b.max())
+    for a, b in zip(rounds[2][0]["glob"] + rounds[2][0]["buf"], rounds[2][1]["glob"] + rounds[2][1]["buf"]):
+        assert (a == b).all(), "the healed replica did not start round 3 on the global weights and momentum"
+    assert all((got[1][1][n] == got[2][1][n]).all() for n in got[2][1]), "replica 1 ends on other weights"

@@ -70,6 +70,9 @@ class SemiSync:
         self.frag_samples, self.pending = [0] * self.fragments, []
         self.frag_syncs = [0] * self.fragments  # outer syncs per fragment (bytes: quantize.payload_bytes or 4 x n)
         self.quantize = getattr(args, "semi_sync_quantize", None)  # bf16 / fp8 payloads, all-gathered (quantize.py)
+        # fault-tolerant replicas (training/ft_rounds.py): each replica its own job; sums run over torchft's quorum
+        # (across.sum) and an outer step is applied only when the quorum's vote commits it (across.outer)
+        self.across, self.last_total = None, 0.0
 
     asynchronous = False  # (semi_sync_async.py's subclass: slots instead of rounds)
 
@@ -171,7 +174,12 @@ class SemiSync:
 
     @torch.no_grad()
     def outer_step(self):
-        started = self._start(range(len(self.glob)), self.samples)
+        def attempt():
+            return self._start(range(len(self.glob)), self.samples)
+        started = attempt() if self.across is None else self.across.outer(attempt)
+        if started is None:  # fault tolerance: healed meanwhile to a peer's state after this outer step
+            self.samples = 0
+            return
         self._finish(started, alpha=0.0)
         self._average_biases(started["frac"])
         self.samples, self.outer_steps = 0, self.outer_steps + 1
@@ -214,6 +222,8 @@ class SemiSync:
             total, works = mine * frac if frac != 1.0 else mine, []
             if group is not None and self.quantize:  # every replica's payload, summed after dequantizing
                 total, works = self._gather_quantized(total, group, async_op)
+            elif self.across is not None:
+                total = self.across.sum(total.float())
             elif group is not None:
                 total = total.float()
                 works = [comm.all_reduce(total, group=group, async_op=async_op)]  # (counted with the DP collectives)
@@ -270,18 +280,24 @@ class SemiSync:
     def _average_biases(self, frac):
         """The expert biases: sum_r w_r bias_r in float64, one all-reduce over the replicas."""
         group = self.grid.replica_group
-        if not self.biases or group is None:
+        if not self.biases or (group is None and self.across is None):
             return
         flat = torch.cat([b.detach().reshape(-1).double() for b in self.biases]) * frac
-        dist.all_reduce(flat, group=group)
+        if self.across is not None:
+            self.across.sum(flat)
+        else:
+            dist.all_reduce(flat, group=group)
         for b, part in zip(self.biases, flat.split([b.numel() for b in self.biases])):
             b.data.copy_(part.view_as(b))
 
     def _weight(self, group, samples):
         """This replica's weight: its samples since the last outer step over all replicas' (one all-reduce)."""
         w = torch.tensor([float(samples)], dtype=torch.float64, device=ps.get_device())
-        if group is not None:
+        if self.across is not None:
+            self.across.sum(w)
+        elif group is not None:
             dist.all_reduce(w, group=group)
+        self.last_total = w.item()
         return samples / w.item() if w.item() > 0 else 1.0 / self.replicas
 
     def _contribution(self, local, glob):

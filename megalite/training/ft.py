@@ -69,8 +69,8 @@ class FaultTolerance(Part):
             if self.committed is not False:
                 self.done, it = it, it + 1
 
-    def _quorum(self):
-        self.manager.start_quorum()  # synchronous: a replica that must heal has loaded its peer's state on return
+    def _quorum(self, shrink_only=False):
+        self.manager.start_quorum(shrink_only=shrink_only)  # synchronous: a replica that must heal has loaded its peer's state on return
         if self.manager.errored() is not None:
             return  # this step will not commit; the next quorum reconfigures
         self._check_same()  # every quorum, on every replica: the same collectives whoever joined or left
@@ -106,7 +106,8 @@ class FaultTolerance(Part):
                        "--micro-batch-size lower) so every live replica gets one")
         counts = dealt(units, weights)
         shares = [n for n in counts for _ in range(g.dp)]  # one per DP rank across the replicas
-        t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares)
+        t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares,
+                               self.plan_replicas(replicas))
         t.dp_rank = (rank or 0) * g.dp + g.dp_rank
         t.cursor.plan = t.plan
         t.cursor.rebuild(rank=t.dp_rank, ranks=g.dp * replicas)
@@ -114,6 +115,11 @@ class FaultTolerance(Part):
               f"{counts[rank or 0] * g.dp * a.micro_batch_size} of {a.global_batch_size} samples (replica "
               f"{self.args.ft_replica_id})", flush=True)
         self.split = (rank, replicas, weights)
+
+    def plan_replicas(self, replicas):
+        """The iteration plan's replicas: 1 (each micro-batch loss weighed against the whole global batch: the
+        replicas' gradients are summed every step)."""
+        return 1
 
     def vote(self, chunks):
         """The replicas' gradients summed over the quorum, then the commit vote: True when every replica went
@@ -143,7 +149,7 @@ class FaultTolerance(Part):
     def writes_checkpoints(self):
         """Whether this replica writes the checkpoints: the first of the live ones (replicas hold the same state
         after every committed step; one writer, and another takes over when it dies)."""
-        return self.split is not None and (self.split[0] or 0) == 0
+        return self.split is not None and (self.manager.participating_rank() or 0) == 0
 
     def _state(self):
         t = self.run
@@ -162,6 +168,14 @@ class FaultTolerance(Part):
     def finish(self, last):
         self.manager.shutdown(wait=False)
         return last
+
+
+def fault_tolerance(args, trainer, abort):
+    """The run's fault-tolerance part: synchronous replicas, or semi-synchronous ones (training/ft_rounds.py)."""
+    if trainer.semi is not None:
+        from megalite.training.ft_rounds import FaultTolerantRounds
+        return FaultTolerantRounds(args, trainer, abort)
+    return FaultTolerance(args, trainer, abort)
 
 
 def dealt(units, weights):
@@ -184,6 +198,11 @@ def fingerprint(args, grid, mcfg):
              ("--pipeline-model-parallel-size", grid.pp), ("--context-parallel-size", grid.cp),
              ("data-parallel size inside a replica", grid.dp), ("--micro-batch-size", args.micro_batch_size),
              ("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length))
+    if args.semi_sync_method:  # semi-synchronous replicas: one outer optimizer, rounds of the same length
+        outer = repr((args.semi_sync_method, max(args.semi_sync_steps), args.outer_lr, args.outer_momentum,
+                      args.outer_nesterov))
+        pairs += (("--semi-sync-method/-steps, --outer-lr/-momentum/-nesterov",
+                   int.from_bytes(hashlib.sha256(outer.encode()).digest()[:5], "little")),)
     return [n for n, _ in pairs], [float(v) for _, v in pairs]
 
 

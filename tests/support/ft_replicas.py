@@ -2,8 +2,10 @@
 replica a process of its own (spawned: a fresh interpreter, as a torchrun job would be), training megalite's
 parity model on learnable data; what each returns comes back through a queue."""
 
+import glob
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
 
@@ -21,21 +23,25 @@ def lighthouse(min_replicas):
     return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
 
 
-def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(), env=None, key=None):
+def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(), env=None, key=None, tmp=None,
+             dies_sending=False):
     """One replica's run. die_at: (iteration, where): the process ends (as SIGKILL would: no goodbye) in the middle
     of that iteration, after its forward-backward: "before" the cross-replica reduction, or "during" it (its part
     sent, the result not awaited). hold: [(iteration, paths)]: before that iteration the replica waits for those
     files (its peers' announces: they heartbeat to the Lighthouse). announce: the file written once this replica
     heartbeats. start: a barrier the first replicas pass together. reach: [(iteration, path)]: the file written when
     the replica is about to run that iteration. env: a rank's torchrun variables (a replica of several ranks);
-    key: what names its results."""
+    key: what names its results. tmp: where each outer step of semi-synchronous replicas is recorded as it happens
+    (outer_records reads them). dies_sending: the process ends when a healing peer asks for its state."""
     import time
     os.environ.update(env or {})
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from megalite.training import ft
-    vote, init, quorum = ft.FaultTolerance.vote, ft.FaultTolerance.__init__, ft.FaultTolerance._quorum
+    from megalite.training import ft, ft_rounds
+    init, quorum = ft.FaultTolerance.__init__, ft.FaultTolerance._quorum
+    votes = {cls: cls.vote for cls in (ft.FaultTolerance, ft_rounds.FaultTolerantRounds)}
 
     def dying(self, chunks):
+        vote = votes[type(self)]
         if die_at is not None and self.done + 1 == die_at[0]:
             if die_at[1] == "before":
                 os._exit(17)
@@ -53,15 +59,21 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         if announce:
             open(announce, "w").close()
 
-    def holding(self):
+    def holding(self, *a, **k):
         for it, path in reach:
             if self.done + 1 == it:
                 open(path, "w").close()
         for it, paths in hold:
             while self.done + 1 == it and not all(os.path.exists(p) for p in paths):
                 time.sleep(0.05)
-        return quorum(self)
-    ft.FaultTolerance.vote, ft.FaultTolerance.__init__, ft.FaultTolerance._quorum = dying, announcing, holding
+        return quorum(self, *a, **k)
+    ft.FaultTolerance.__init__, ft.FaultTolerance._quorum = announcing, holding
+    if dies_sending:
+        def sending(self):
+            os._exit(17)
+        ft.FaultTolerance._state = sending
+    for cls in votes:
+        cls.vote = dying
     from megalite.training import parts
     save, saves = parts.save_checkpoint, []
 
@@ -69,6 +81,22 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         saves.append(it)
         return save(it, *a, **k)
     parts.save_checkpoint = recording
+    from megalite.distributed import semi_sync
+    outer, rounds = semi_sync.SemiSync.outer_step, []
+
+    def recording_outer(self):  # each outer step: the local and global weights before, the global ones after
+        import numpy as np
+        before = ([m.detach().double().numpy().copy() for m in self.optimizer.main_params],
+                  [g.double().numpy().copy() for g in self.glob], self.samples)
+        buf = None if self.buf is None else [b.double().numpy().copy() for b in self.buf]
+        outer(self)
+        rounds.append(dict(local=before[0], glob=before[1], samples=before[2], buf=buf,
+                           after=[np.array(g.double().numpy()) for g in self.glob]))
+        if tmp is not None:  # as it happens: a replica that dies later takes its memory with it
+            with open(os.path.join(str(tmp), f"outer_{key}_{started_ns}.pkl"), "wb") as f:
+                pickle.dump(rounds, f)
+    started_ns = time.time_ns()
+    semi_sync.SemiSync.outer_step = recording_outer
     if start is not None:
         start.wait(timeout=120)
     try:
@@ -100,11 +128,20 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
             moments = {k: {n: v.numpy().copy() for n, v in st.items() if torch.is_tensor(v)}
                        for k, st in sd["optimizer"]["state"].items()}
         out.put((args.ft_replica_id if key is None else key, losses, weights, moments, _SCHEDULER[0].state_dict(),
-                 saves))
+                 saves, rounds))
         ps.destroy_model_parallel()
         del torch
     except BaseException:  # noqa: BLE001 - the test prints it
         out.put(("error", traceback.format_exc()))
+
+
+def outer_records(tmp):
+    """{replica: [each of its processes' outer-step records, in the order they started]}."""
+    got = {}
+    for path in sorted(glob.glob(os.path.join(str(tmp), "outer_*.pkl")), key=lambda p: int(p[:-4].split("_")[-1])):
+        with open(path, "rb") as f:
+            got.setdefault(int(os.path.basename(path).split("_")[1]), []).append(pickle.load(f))
+    return got
 
 
 def _free_port():
@@ -114,7 +151,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None, ranks=1, own=None):
+def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None, ranks=1, own=None,
+                 lose=()):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
     {replica id (with ranks > 1: (replica id, rank)): (losses, weights, optimizer state, LR schedule, iterations
     saved)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
@@ -122,7 +160,7 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
     that iteration until it heartbeats (files under `tmp` say so), so it heals while the others train. join_at: a
     new replica (number n) starts when the first replica is about to run that iteration, and everyone waits for it
     there. ranks: processes per replica (a gloo job of its own, as torchrun would start it). own: {replica: its
-    own extra flags}."""
+    own extra flags}. lose: replicas that die when a healing peer asks them for their state (not started again)."""
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(n * ranks)
     argv = list(BASE) + ["--train-iters", str(iters), "--ft-lighthouse", address] + FAST + list(extra)
@@ -142,6 +180,7 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
                    "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)} if ranks > 1 else None
             p = ctx.Process(target=_replica, args=(argv + ["--ft-replica-id", str(i)] + (own or {}).get(i, []), out),
                             kwargs=dict(kw, announce=files(name, i)[k], env=env, key=(i, k) if ranks > 1 else i,
+                                        tmp=tmp, dies_sending=i in lose and name == "joined",
                                         reach=kw.get("reach", []) if k == 0 else []))
             p.start()
             procs.append(p)
@@ -163,7 +202,7 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
         procs[n] = start(n, "joined")
     got = {}
     try:
-        for _ in range((n + bool(join_at) - (0 if rejoin_at else len(dies))) * ranks):
+        for _ in range((n + bool(join_at) - (0 if rejoin_at else len(dies)) - len(lose)) * ranks):
             item = out.get(timeout=180)
             if item[0] == "error":
                 raise AssertionError(f"a replica failed:\n{item[1]}")
@@ -173,4 +212,6 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+    for r in lose:
+        assert all(p.exitcode == 17 for p in procs[r]), f"replica {r} did not die sending its state"
     return got

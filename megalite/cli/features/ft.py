@@ -32,7 +32,6 @@ def add_ft_flags(a):
 
 # what fault-tolerant replicas do not compose with yet: (the flag's dest, how it reads on the command line)
 _NOT_YET = (
-    ("semi_sync_method", "--semi-sync-method"),
     ("data_parallel_shares", "--data-parallel-shares"),
     ("data_parallel_micro_batch_sizes", "--data-parallel-micro-batch-sizes"),
     ("rampup_batch_size", "--rampup-batch-size"),
@@ -64,6 +63,8 @@ def validate_ft(args):
     if used:
         raise ConfigError(f"--ft-lighthouse with {', '.join(used)} is not built yet in megalite: fault-tolerant "
                           "replicas deal each global batch out evenly and reduce plain gradients")
+    if args.semi_sync_method:
+        _validate_rounds(args)
     if args.use_distributed_optimizer and (args.zero_stage or 1) == 3:
         raise ConfigError("--ft-lighthouse with --zero-stage 3 is not built yet in megalite: use ZeRO-1 or 2 inside "
                           "each replica")
@@ -74,3 +75,20 @@ def validate_ft(args):
         import torchft  # noqa: F401
     except ImportError:
         raise ConfigError("--ft-lighthouse needs torchft: pip install 'megalite[ft]'") from None
+
+
+def _validate_rounds(args):
+    """Semi-synchronous replicas under faults: every fault-tolerant replica is one semi-synchronous replica, the
+    same H inner steps per round for all, whole outer steps in fp32."""
+    if args.semi_sync_replicas != 1:
+        raise ConfigError(f"--ft-lighthouse with --semi-sync-replicas {args.semi_sync_replicas}: each fault-tolerant "
+                          "replica (its own job) is one semi-synchronous replica; drop --semi-sync-replicas")
+    bad = [flag for flag, on in (("--semi-sync-steps auto", args.semi_sync_auto),
+                                 ("--semi-sync-async", args.semi_sync_async),
+                                 ("--semi-sync-quantize", args.semi_sync_quantize),
+                                 ("--semi-sync-fragments/-delay/-alpha (streaming)",
+                                  args.semi_sync_fragments != 1 or args.semi_sync_fragment_delay
+                                  or args.semi_sync_fragment_alpha)) if on]
+    if bad:
+        raise ConfigError(f"--ft-lighthouse with {', '.join(bad)} is not built yet in megalite: fault-tolerant "
+                          "semi-synchronous replicas run whole outer steps in fp32 every --semi-sync-steps H")

@@ -58,7 +58,8 @@ def validate_semi_sync(args):
         args.semi_sync_replicas, args.semi_sync_steps, args.semi_sync_auto = 1, None, False
         return
     dp = args.data_parallel_size
-    r = dp if args.semi_sync_replicas is None else args.semi_sync_replicas
+    fault_tolerant = args.ft_lighthouse is not None or args.ft_replica_id is not None  # each job one replica
+    r = (1 if fault_tolerant else dp) if args.semi_sync_replicas is None else args.semi_sync_replicas
     if r < 1 or dp % r:
         raise ConfigError(f"--semi-sync-replicas {r} must divide the data-parallel size {dp} (each replica is a block "
                           "of consecutive DP ranks)")
