@@ -12,7 +12,7 @@ from ft_replicas import lighthouse, run_replicas  # noqa: E402
 from megalite import parallel_state as ps  # noqa: E402
 from megalite.cli.parser import parse_args  # noqa: E402
 from megalite.training import pretrain  # noqa: E402
-from parity_models import BASE, learnable_datasets  # noqa: E402
+from parity_models import BASE, MB2, learnable_datasets  # noqa: E402
 
 ITERS = 4
 
@@ -21,9 +21,9 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _one_process(iters):
+def _one_process(iters, extra=()):
     """The uninterrupted one-process run: (its losses, its weights after `iters` steps, its model config)."""
-    args = parse_args(list(BASE) + ["--train-iters", str(iters)], world_size=1)
+    args = parse_args(list(BASE) + ["--train-iters", str(iters)] + list(extra), world_size=1)
     try:
         losses, chunks, _ = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
                                      args, return_state=True)
@@ -79,31 +79,51 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
         ps.destroy_model_parallel()
 
 
-def test_replicas_of_two_ranks_with_zero_heal(tmp_path):
-    """Two replicas of two ranks each (data-parallel inside, ZeRO-1: each rank sums only the gradient shard it owns
-    with its counterpart in the other replica, HSDP-style); both ranks of replica 1 die in iteration 2 and are
-    started again (as its torchrun would): they heal shard by shard from replica 0's ranks. Every rank's weights
-    and optimizer shard equal its counterpart's bit for bit, and the weights and losses are the one-process run's."""
+@pytest.mark.parametrize("inner", [["--use-distributed-optimizer"], ["--tensor-model-parallel-size", "2", *MB2]],
+                         ids=["dp2-zero1", "tp2"])
+def test_replicas_of_two_ranks_heal(tmp_path, inner):
+    """Two replicas of two ranks each: data-parallel inside with ZeRO-1 (each rank sums only the gradient shard it
+    owns with its counterpart in the other replica, HSDP-style), or tensor-parallel (each rank its own slice of the
+    weights); both ranks of replica 1 die in iteration 2 and are started again (as its torchrun would): they heal
+    rank by rank from replica 0's. Every rank's weights and optimizer state equal its counterpart's bit for bit,
+    and the weights and losses are the one-process run's."""
     lh = lighthouse(min_replicas=1)
     try:
-        got = run_replicas(lh.address(), 2, tmp_path, ["--use-distributed-optimizer"], iters=ITERS,
-                           die=[(1, 2, "before")], rejoin_at=3, ranks=2)
+        got = run_replicas(lh.address(), 2, tmp_path, inner + ["--save", str(tmp_path / "ckpt"), "--save-interval",
+                                                                str(ITERS)], iters=ITERS, die=[(1, 2, "before")],
+                           rejoin_at=3, ranks=2)
     finally:
         lh.shutdown()
-    ref_losses, ref, _ = _one_process(ITERS)
+    ref_losses, ref, config = _one_process(ITERS, MB2 if MB2[0] in inner else ())
     assert sorted(got) == [(0, 0), (0, 1), (1, 0), (1, 1)], sorted(got)
     l0 = got[(0, 0)][0]
     assert max(abs(a - b) / abs(b) for a, b in zip(l0, ref_losses)) <= 1e-5, (l0, ref_losses)
     for k in (0, 1):
         (la, wa, sa, lra, *_), (lb, wb, sb, lrb, *_) = got[(0, k)], got[(1, k)]
         assert len(lb) >= 1 and lb == l0[-len(lb):] and la == l0, (k, la, lb)  # (healed at the next quorum or so)
+        assert wa.keys() == ref.keys(), sorted(wa)
         for n in ref:
             assert (wa[n] == wb[n]).all(), f"rank {k}: the healed replica's {n} differs"
-            assert _rel(torch.from_numpy(wa[n]), ref[n]) <= 1e-5, f"rank {k}: {n} differs from the one-process run"
         assert sa.keys() == sb.keys() and sa, (k, sorted(sa), sorted(sb))
         for n in sa:
             assert all((sa[n][key] == sb[n][key]).all() for key in sa[n]), f"rank {k}: optimizer shard of {n} differs"
         assert lra == lrb, (lra, lrb)
+    whole = _checkpointed(tmp_path / "ckpt", config)
+    assert whole.keys() == ref.keys(), sorted(whole)
+    for n, w in whole.items():  # the replicas' weights, whole (any inner layout)
+        assert _rel(w, ref[n]) <= 1e-5, f"{n} differs from the one-process run"
+
+
+def _checkpointed(path, config):
+    """The weights a checkpoint holds, loaded whole in one process."""
+    from megalite.checkpointing import load_weights
+    ps.initialize_model_parallel(1, 1)
+    try:
+        model = pretrain_gpt.model_provider(config)
+        load_weights([model], str(path))
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        ps.destroy_model_parallel()
 
 
 def test_an_unreachable_lighthouse_is_one_line(capsys):
