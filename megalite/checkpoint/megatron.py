@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from megalite.checkpoint import megatron_buckets
 from megalite.checkpoint.megatron_names import gpt_rows, unsupported
 from megalite.checkpoint.safe_pickle import loads, torch_load
 from megalite.checkpoint.storage import CheckpointError
@@ -129,12 +130,12 @@ class MegatronCheckpoint:
             raise CheckpointError(f"{self.path}: {why}")
         return gpt_rows(cfg, lambda k: self.has(k) or self.has("module." + k))
 
-    def _cut(self, rows, prefix=""):
+    def _cut(self, rows, prefix="", source=None):
         cache = {}
         for name, key, layer, to_megalite in rows:
-            key = self._key(prefix + key)
+            key = prefix + key if source is not None else self._key(prefix + key)
             if key not in cache:
-                cache = {key: self.tensor(key)}
+                cache = {key: self.tensor(key) if source is None else source[key]}
             yield name, to_megalite(cache[key] if layer is None else cache[key][layer])
 
     def optimizer_format(self):
@@ -145,21 +146,24 @@ class MegatronCheckpoint:
     def optimizer(self, cfg):
         """(Adam's step, [(megalite checkpoint name, tensor)]) of the optimizer state: exp_avg, exp_avg_sq and,
         for a bf16 / fp16 model, the fp32 main weights; from Megatron's fully_reshardable layout (a tensor per
-        parameter in model space, cut like the weights)."""
+        parameter in model space, cut like the weights) or its default dp_reshardable one (flat buckets per
+        model-parallel rank: megatron_buckets.py turns them into the same tensors)."""
         fmt = self.optimizer_format()
-        if fmt != "fully_reshardable":
-            raise CheckpointError(f"{self.path}: its optimizer state is in Megatron's {fmt!r} layout (flat buffers in "
-                                  "Megatron's own bucket order), which megalite does not read yet; resave it with "
-                                  "Megatron-LM's --dist-ckpt-optim-fully-reshardable, or load the weights only "
-                                  "(--no-load-optim)")
-        groups = self.common["optimizer"]["optimizer"]["param_groups"]
         states = ["exp_avg", "exp_avg_sq"] + (["param"] if cfg["params_dtype"] != "float32" else [])
         rows = self._rows(cfg)
+        if fmt == "dp_reshardable":
+            step, source = megatron_buckets.read(self, states, cfg["swiglu"])
+        elif fmt == "fully_reshardable":
+            step, source = float(self.common["optimizer"]["optimizer"]["param_groups"][0].get("step", 0)), None
+        else:
+            raise CheckpointError(f"{self.path}: its optimizer state is in Megatron's {fmt!r} layout, which megalite "
+                                  "does not read; resave it with Megatron-LM's --dist-ckpt-optim-fully-reshardable, "
+                                  "or load the weights only (--no-load-optim)")
         out = []
         for state in states:
             mine = "main_param" if state == "param" else state
-            out += [(f"optimizer.{mine}.{n}", t) for n, t in self._cut(rows, f"optimizer.state.{state}.")]
-        return float(groups[0].get("step", 0)), out
+            out += [(f"optimizer.{mine}.{n}", t) for n, t in self._cut(rows, f"optimizer.state.{state}.", source)]
+        return step, out
 
     def weights(self, cfg):
         """(megalite name, global tensor) of every weight, for the megalite model config `cfg` (model_flags'),

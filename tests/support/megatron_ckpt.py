@@ -75,7 +75,29 @@ def build(kind, pre=True, post=True, tp=1, pp=1):
                     share_embeddings_and_output_weights=not k["untie_embeddings_and_output_weights"])
 
 
-def _save(root, kind, tp, pp, iteration, consumed):
+def _stepped(model, tp_rank):
+    """megatron-core's DDP (small buckets, so a stage's parameters span several) and distributed optimizer (Adam)
+    around `model`, one step on seeded gradients (the tied embedding's two copies the same ones): the optimizer."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    _train_on_cpu()
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+                                                       adam_eps=1e-3, clip_grad=0.0), [ddp])
+    for n, p in model.named_parameters():
+        seed = 7 if n in ("embedding.word_embeddings.weight", "output_layer.weight") else sum(map(ord, n))
+        # (a parameter every TP rank holds whole gets the same gradient on each, as Megatron's would)
+        g = torch.Generator().manual_seed(seed * 10 + (tp_rank if getattr(p, "tensor_model_parallel", False) else 0))
+        p.main_grad.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    optimizer.step()
+    return optimizer
+
+
+def _save(root, kind, tp, pp, iteration, consumed, optim=None):
+    """optim: {optimizer layout: directory}: the model stepped once by megatron-core's distributed optimizer and
+    saved once per layout with its state (fully_reshardable, dp_reshardable)."""
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -96,19 +118,25 @@ def _save(root, kind, tp, pp, iteration, consumed):
                         full = torch.randn(VOCAB, p.shape[1], generator=torch.Generator().manual_seed(7)) * 0.05
                         rows = VOCAB // tp
                         p.copy_(full[mps.get_tensor_model_parallel_rank() * rows:][:rows])
-        path = os.path.join(root, f"iter_{iteration:07d}")
-        state = {"args": megatron_args(kind, tp, pp, iteration, consumed), "checkpoint_version": 3.0,
-                 "iteration": iteration, "model": model.sharded_state_dict(),
-                 "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 1e-4, "num_steps": consumed, "warmup_steps": 0,
-                                         "decay_steps": 800, "decay_style": "cosine"}}
-        if rank == 0:
-            os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(state, path)
-        dist.barrier()
-        if rank == 0:
-            with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write(str(iteration))
+        optimizer = _stepped(model, mps.get_tensor_model_parallel_rank()) if optim else None
+        for layout, where in (optim or {None: root}).items():
+            path = os.path.join(where, f"iter_{iteration:07d}")
+            model_sd = model.sharded_state_dict()
+            state = {"args": megatron_args(kind, tp, pp, iteration, consumed), "checkpoint_version": 3.0,
+                     "iteration": iteration, "model": model_sd,
+                     "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 1e-4, "num_steps": consumed, "warmup_steps": 0,
+                                             "decay_steps": 800, "decay_style": "cosine"}}
+            if optimizer is not None:
+                state["optimizer"] = optimizer.sharded_state_dict(model_sd,
+                                                                  metadata={"distrib_optim_sharding_type": layout})
+            if rank == 0:
+                os.makedirs(path, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(state, path)
+            dist.barrier()
+            if rank == 0:
+                with open(os.path.join(where, "latest_checkpointed_iteration.txt"), "w") as f:
+                    f.write(str(iteration))
     finally:
         mps.destroy_model_parallel()
 
@@ -116,10 +144,11 @@ def _save(root, kind, tp, pp, iteration, consumed):
 def save_all(specs, iteration=5, consumed=40):
     """On the ranks of a world (tests/support/dist_util.run_on_ranks, gloo): each (root, kind, tp, pp) saved by
     megatron-core as a Megatron-LM --save directory (tp x pp of the world's ranks hold the model; the rest are
-    data-parallel copies, as in a Megatron job)."""
+    data-parallel copies, as in a Megatron job). A spec's optional fifth item: {optimizer layout: directory} (the
+    model stepped once by megatron-core's distributed optimizer, saved with its state in each layout)."""
     _cpu_only()
-    for root, kind, tp, pp in specs:
-        _save(root, kind, tp, pp, iteration, consumed)
+    for root, kind, tp, pp, *optim in specs:
+        _save(root, kind, tp, pp, iteration, consumed, *optim)
 
 
 def logits_all(specs, tokens):
@@ -182,6 +211,9 @@ def _train_on_cpu():
     import functools
 
     import torch
+    if getattr(torch, "_megalite_cpu_training", False):  # (once per process)
+        return
+    torch._megalite_cpu_training = True
     _cpu_only()
 
     def cpu(fn):
@@ -202,14 +234,16 @@ def _train_on_cpu():
     torch.Tensor.type = cuda_type
 
 
-def train_save_continue(roots, kind, batches, before, opt, args):
+def train_save_continue(roots, kind, batches, before, opt, args, tp=1):
     """On one rank: megatron-core's GPTModel of `kind` with its DDP and distributed optimizer (Adam: opt's lr,
     weight_decay, betas, eps, clip_grad) and its LR scheduler (constant LR; it sets the weight decay) trains on
     batches[:before] (each [b, s + 1] token rows, the loss the mean over their tokens), is saved as Megatron-LM
     saves (its optimizer state in the fully_reshardable layout of --dist-ckpt-optim-fully-reshardable, or
     another: see roots; the LR schedule, the iteration) under `root`, then trains on the rest; returns the
     losses of those later steps. roots: {optimizer layout: directory}, each layout saved under its own
-    (fully_reshardable; dp_reshardable, Megatron-LM's default); args: the namespace to record."""
+    (fully_reshardable; dp_reshardable, Megatron-LM's default); args: the namespace to record. On the ranks of the
+    world at TP `tp` (data-parallel over the rest: each DP rank trains its contiguous part of every batch, the
+    losses returned are the batch's mean)."""
     import contextlib
 
     import torch
@@ -220,10 +254,12 @@ def train_save_continue(roots, kind, batches, before, opt, args):
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     _train_on_cpu()
     get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    mps.initialize_model_parallel(1, 1)
+    import torch.distributed as dist
+    mps.initialize_model_parallel(tp, 1)
+    dp, dp_rank = mps.get_data_parallel_world_size(), mps.get_data_parallel_rank()
     try:
         torch.manual_seed(1234)
-        model = build(kind)
+        model = build(kind, tp=tp)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                                   overlap_grad_reduce=False), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **opt),
@@ -236,6 +272,7 @@ def train_save_continue(roots, kind, batches, before, opt, args):
             wd_incr_style="constant")
         losses = []
         for step, text in enumerate(batches, 1):
+            text = text.chunk(dp)[dp_rank]
             tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
             s = tokens.shape[1]
             pos = torch.arange(s).unsqueeze(0).expand_as(tokens)
@@ -246,8 +283,10 @@ def train_save_continue(roots, kind, batches, before, opt, args):
             loss.backward()
             ddp.finish_grad_sync()
             optimizer.step()
-            scheduler.step(increment=tokens.shape[0])
-            losses.append(loss.item())
+            scheduler.step(increment=tokens.shape[0] * dp)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=mps.get_data_parallel_group())
+            losses.append(mean.item() / dp)
             if step == before:
                 for layout, root in roots.items():
                     path = os.path.join(root, f"iter_{step:07d}")
