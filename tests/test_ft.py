@@ -79,9 +79,9 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("inner", [["--use-distributed-optimizer"], ["--tensor-model-parallel-size", "2", *MB2]],
-                         ids=["dp2-zero1", "tp2"])
-def test_replicas_of_two_ranks_heal(tmp_path, inner):
+@pytest.mark.parametrize("inner", [["--use-distributed-optimizer", "--ft-min-replicas", "2"],
+                                   ["--tensor-model-parallel-size", "2", *MB2]], ids=["dp2-zero1", "tp2"])
+def test_replicas_of_two_ranks_heal(tmp_path, inner, capfd):
     """Two replicas of two ranks each: data-parallel inside with ZeRO-1 (each rank sums only the gradient shard it
     owns with its counterpart in the other replica, HSDP-style), or tensor-parallel (each rank its own slice of the
     weights); both ranks of replica 1 die in iteration 2 and are started again (as its torchrun would): they heal
@@ -108,6 +108,10 @@ def test_replicas_of_two_ranks_heal(tmp_path, inner):
         for n in sa:
             assert all((sa[n][key] == sb[n][key]).all() for key in sa[n]), f"rank {k}: optimizer shard of {n} differs"
         assert lra == lrb, (lra, lrb)
+    if "--ft-min-replicas" in inner:  # alone, the survivor waited for the restarted replica instead of training
+        out = capfd.readouterr().out
+        assert "megalite: fault tolerance: 1 live replica, fewer than --ft-min-replicas 2: waiting for more (replica " \
+               "0)" in out and "1 live replica; this one trains" not in out, out[-3000:]
     whole = _checkpointed(tmp_path / "ckpt", config)
     assert whole.keys() == ref.keys(), sorted(whole)
     for n, w in whole.items():  # the replicas' weights, whole (any inner layout)

@@ -14,6 +14,7 @@ and votes between the gradient finalisation and the optimizer step (training/ste
 import dataclasses
 import hashlib
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,7 @@ class FaultTolerance(Part):
         self.args, self.run, self.abort = args, trainer, abort
         self.grid = g = ps.grid_of(trainer.chunks)
         self.split, self.healed, self.committed, self.done = None, None, True, trainer.start_iter
+        self.waiting = None  # the live replicas' count while below --ft-min-replicas
         self.fingerprint = fingerprint(args, g, trainer.mcfg)
         if dist.is_initialized():  # torchrun's store, shared by the replica's ranks (torchft keys its own prefix)
             self.store, addr, port = None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -70,9 +72,21 @@ class FaultTolerance(Part):
                 self.done, it = it, it + 1
 
     def _quorum(self, shrink_only=False):
-        self.manager.start_quorum(shrink_only=shrink_only)  # synchronous: a replica that must heal has loaded its peer's state on return
-        if self.manager.errored() is not None:
-            return  # this step will not commit; the next quorum reconfigures
+        while True:
+            self.manager.start_quorum(shrink_only=shrink_only)  # synchronous: a replica that must heal has loaded its peer's state on return
+            if self.manager.errored() is not None:
+                return  # this step will not commit; the next quorum reconfigures
+            live = self.manager.num_participants()
+            if live >= self.args.ft_min_replicas:
+                self.waiting = None
+                break
+            if self.waiting != live and self.grid.rank == 0:  # one line per wait (and per change while waiting)
+                print(f"megalite: fault tolerance: {live} live replica{'s' if live > 1 else ''}, fewer than "
+                      f"--ft-min-replicas {self.args.ft_min_replicas}: waiting for more (replica "
+                      f"{self.args.ft_replica_id})", flush=True)
+            self.waiting = live
+            time.sleep(self.args.ft_heartbeat_ms / 100)  # (ten heartbeats) then a new quorum, open to newcomers
+            shrink_only = False
         self._check_same()  # every quorum, on every replica: the same collectives whoever joined or left
         rank, replicas = self.manager.participating_rank(), self.manager.num_participants()
         shares = torch.zeros(replicas, dtype=torch.float64)  # every live replica's --ft-replica-share, in rank order
@@ -137,6 +151,7 @@ class FaultTolerance(Part):
         if not self.committed:
             for c in chunks:
                 c.zero_grad_buffer()
+            self.split = None  # the next quorum deals the same batch out again (the data read anew, whatever split)
         return self.committed
 
     def after(self, it, step):
