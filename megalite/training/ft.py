@@ -185,14 +185,6 @@ class FaultTolerance(Part):
         return last
 
 
-def fault_tolerance(args, trainer, abort):
-    """The run's fault-tolerance part: synchronous replicas, or semi-synchronous ones (training/ft_rounds.py)."""
-    if trainer.semi is not None:
-        from megalite.training.ft_rounds import FaultTolerantRounds
-        return FaultTolerantRounds(args, trainer, abort)
-    return FaultTolerance(args, trainer, abort)
-
-
 def dealt(units, weights):
     """units micro-batches over replicas of these weights: one each, then one at a time to the replica furthest
     below its proportional part (ties: the lower rank), so every replica derives the same counts."""

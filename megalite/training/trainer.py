@@ -54,8 +54,9 @@ class Trainer:
         self.saver = parts.Saver(args, self) if args.save else None
         self.ft = None
         if args.ft_lighthouse:  # fault-tolerant replicas on torchft (training/ft.py): its quorum comes first
-            from megalite.training.ft import fault_tolerance
-            self.ft = fault_tolerance(args, self, self.abort)
+            from megalite.training.ft import FaultTolerance  # (semi-synchronous replicas: training/ft_rounds.py)
+            from megalite.training.ft_rounds import FaultTolerantRounds
+            self.ft = (FaultTolerance if self.semi is None else FaultTolerantRounds)(args, self, self.abort)
         optional = (  # the parts' order: the order of their collectives, the same on every rank
             self.ft,
             auto is not None and parts.AutoShares(auto, self.cursor),
