@@ -1,16 +1,18 @@
 """Fault-tolerant replicas (torchft) against checkpoint-restart, on CPU ranks, under the same seeded failures.
 
-Three arms in one run, each training a small GPT for --iters iterations with two data-parallel copies:
-  no failures        two torchft replicas (python processes) around torchft_lighthouse, nothing killed;
+Three arms in one run, each training a small GPT for --iters iterations with --replicas data-parallel copies:
+  no failures        R torchft replicas (python processes) around torchft_lighthouse, nothing killed;
   megalite FT        the same, replica 1 SIGKILLed when it logs iterations k*every and restarted at once (as its
-                     torchrun would restart it): the survivor goes on, the restarted one heals from it;
-  checkpoint-restart one torchrun job of two ranks with --max-restarts and --save-interval K, a rank SIGKILLed
+                     torchrun would restart it): the survivors go on, the restarted one heals from them;
+  checkpoint-restart one torchrun job of R ranks with --max-restarts and --save-interval K, a rank SIGKILLed
                      at the same iterations: the whole job restarts from its last checkpoint.
 Every arm trains the same batches (FT and a resumed run reproduce the uninterrupted trajectory), so the time to
 the same loss is the time to the last iteration. It prints wall-clock, goodput (committed iterations per second
-relative to no failures), iterations trained more than once (samples lost or recomputed) and failures seen.
+relative to no failures), iterations trained more than once (recomputed) or never (samples lost), failures seen,
+and for FT each failure's recovery (the kill to the restarted replica's first iteration with the others) and the
+survivors' longest stall against the Lighthouse's heartbeat timeout plus one step.
 
-    python benchmarks/fault_tolerance.py [--iters 60] [--every 10] [--save-interval 5]
+    python benchmarks/fault_tolerance.py [--iters 60] [--every 10] [--save-interval 5] [--replicas 3]
 """
 
 import argparse
@@ -26,8 +28,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-         "--vocab-size 512 --micro-batch-size 4 --global-batch-size 16 --lr 1e-3 --mock-data --num-workers 0 "
+         "--vocab-size 512 --micro-batch-size 4 --lr 1e-3 --mock-data --num-workers 0 "
          "--hidden-dropout 0 --attention-dropout 0 --eval-iters 0 --eval-interval 0 --log-interval 1").split()
+HEARTBEAT_TIMEOUT_MS = 1000
+
+
+def model(replicas):
+    """The model's flags with a global batch of two micro-batches per replica."""
+    return MODEL + ["--global-batch-size", str(8 * replicas)]
 ITER = re.compile(r"iteration\s+(\d+)/")
 
 
@@ -45,6 +53,7 @@ class Proc:
         self.p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   start_new_session=True)
         self.kill_at, self.victim, self.iters, self.killed = set(kill_at), victim, [], []
+        self.times, self.kill_times = [], []  # (when each iteration was logged; when each kill was sent)
         self.thread = threading.Thread(target=self._read, args=(log,), daemon=True)
         self.thread.start()
 
@@ -55,9 +64,11 @@ class Proc:
             if m:
                 it = int(m.group(1))
                 self.iters.append(it)
+                self.times.append(time.perf_counter())
                 if it in self.kill_at:
                     self.kill_at.discard(it)
                     self.killed.append(it)
+                    self.kill_times.append(time.perf_counter())
                     os.kill(self.victim() if self.victim else self.p.pid, signal.SIGKILL)
 
     def wait(self, timeout=900):
@@ -72,41 +83,49 @@ def _env():
     return env
 
 
-def ft_arm(iters, kill_at, log):
-    """Two FT replicas; replica 1 killed at kill_at and restarted at once. Returns (wall s, iterations run by the
-    survivor, failures)."""
+def ft_arm(iters, kill_at, log, replicas):
+    """R FT replicas; replica 1 killed at kill_at and restarted at once. Returns (wall s, iterations run by replica
+    0, failures, each failure's recovery s, replica 0's longest gap between two iterations s, its median step s)."""
     port = _port()
     lh = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}",
-                           "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"],
+                           "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = [sys.executable, "pretrain_gpt.py", *MODEL, "--train-iters", str(iters), "--ft-lighthouse",
+    base = [sys.executable, "pretrain_gpt.py", *model(replicas), "--train-iters", str(iters), "--ft-lighthouse",
             f"localhost:{port}", "--ft-heartbeat-ms", "50", "--ft-timeout", "10"]
     start = time.perf_counter()
     try:
-        survivor = Proc(base + ["--ft-replica-id", "0"], _env(), log)
-        failures, pending = [], sorted(kill_at)
+        others = [Proc(base + ["--ft-replica-id", str(r)], _env(), log) for r in range(replicas) if r != 1]
+        failures, pending, recovery = [], sorted(kill_at), []
         victim = Proc(base + ["--ft-replica-id", "1"], _env(), log, kill_at=pending[:1])
         while True:  # the victim's supervisor (torchrun's role): restart it whenever it was killed
             rc = victim.wait()
+            if recovery and recovery[-1] is None:  # the previous restart's first iteration with the others
+                recovery[-1] = victim.times[0] - killed_at if victim.times else float("nan")
             if victim.killed:
                 failures += victim.killed
+                killed_at = victim.kill_times[-1]
+                recovery.append(None)
                 pending = [k for k in pending if k > victim.killed[-1]]
                 victim = Proc(base + ["--ft-replica-id", "1"], _env(), log, kill_at=pending[:1])
                 continue
             break
-        assert survivor.wait() == 0 and rc == 0, "an FT replica failed (see the log)"
-        return time.perf_counter() - start, survivor.iters, failures
+        assert all(p.wait() == 0 for p in others) and rc == 0, "an FT replica failed (see the log)"
+        gaps = sorted(b - a for a, b in zip(others[0].times, others[0].times[1:]))
+        # the iterations some replica completed (one that lagged a commit heals past it: the others applied it)
+        done = sorted(set(it for p in others for it in p.iters))
+        return (time.perf_counter() - start, done, failures, recovery, gaps[-1] if gaps else 0.0,
+                gaps[len(gaps) // 2] if gaps else 0.0)
     finally:
         lh.kill()
 
 
-def restart_arm(iters, kill_at, save_interval, log, tmp):
-    """One torchrun job (DP 2) with --max-restarts: a worker killed at each kill_at; the job resumes from --save."""
+def restart_arm(iters, kill_at, save_interval, log, tmp, replicas):
+    """One torchrun job (DP R) with --max-restarts: a worker killed at each kill_at; the job resumes from --save."""
     ckpt = os.path.join(tmp, "ckpt")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", str(len(kill_at)),
-           "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{_port()}",
-           "pretrain_gpt.py", *MODEL, "--train-iters", str(iters), "--save", ckpt, "--save-interval",
-           str(save_interval)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(replicas), "--max-restarts",
+           str(len(kill_at)), "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"localhost:{_port()}", "pretrain_gpt.py", *model(replicas), "--train-iters", str(iters), "--save", ckpt,
+           "--save-interval", str(save_interval)]
 
     def worker():  # the youngest worker process of the job
         out = subprocess.run(["pgrep", "-f", "-n", "pretrain_gpt.py"], capture_output=True, text=True).stdout.split()
@@ -122,21 +141,27 @@ def main():
     ap.add_argument("--iters", type=int, default=60)
     ap.add_argument("--every", type=int, default=10, help="a failure every this many iterations")
     ap.add_argument("--save-interval", type=int, default=5, help="checkpoint-restart's --save-interval")
+    ap.add_argument("--replicas", type=int, default=3)
     a = ap.parse_args()
     kill_at = list(range(a.every, a.iters, a.every))
+    R = a.replicas
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "log.txt"), "w") as log:
-        rows = {"no failures (2 FT replicas)": ft_arm(a.iters, [], log),
-                "megalite FT (replica 1 killed, restarted)": ft_arm(a.iters, kill_at, log),
-                f"checkpoint-restart (--save-interval {a.save_interval})":
-                    restart_arm(a.iters, kill_at, a.save_interval, log, tmp)}
-    base = rows["no failures (2 FT replicas)"][0]
-    print(f"{a.iters} iterations, a SIGKILL at iterations {kill_at}; CPU, {os.cpu_count()} cores")
-    print(f"{'arm':<44}{'wall s':>8}{'goodput':>9}{'failures':>10}{'re-run its':>11}")
+        calm = ft_arm(a.iters, [], log, R)
+        ft = ft_arm(a.iters, kill_at, log, R)
+        cr = restart_arm(a.iters, kill_at, a.save_interval, log, tmp, R)
+    rows = {f"no failures ({R} FT replicas)": calm[:3], "megalite FT (replica 1 killed, restarted)": ft[:3],
+            f"checkpoint-restart (--save-interval {a.save_interval})": cr}
+    print(f"{a.iters} iterations, {R} replicas, a SIGKILL at iterations {kill_at}; CPU, {os.cpu_count()} cores")
+    print(f"{'arm':<44}{'wall s':>8}{'goodput':>9}{'failures':>10}{'re-run its':>11}{'lost its':>9}")
     for name, (wall, its, failures) in rows.items():
-        rerun = len(its) - len(set(its)) if "restart" in name else 0  # FT: a voted-away step is not logged
-        print(f"{name:<44}{wall:>8.1f}{base / wall:>9.2f}{len(failures):>10}{rerun:>11}")
-    ft, cr = rows["megalite FT (replica 1 killed, restarted)"][0], list(rows.values())[2][0]
-    print(f"megalite FT is {cr / ft:.2f}x faster to the same loss than checkpoint-restart under this schedule")
+        rerun = len(its) - len(set(its))  # (FT: the set of committed iterations; a voted-away step is run again)
+        lost = len(set(range(1, a.iters + 1)) - set(its))
+        print(f"{name:<44}{wall:>8.1f}{calm[0] / wall:>9.2f}{len(failures):>10}{rerun:>11}{lost:>9}")
+    print(f"megalite FT is {cr[0] / ft[0]:.2f}x faster to the same loss than checkpoint-restart under this schedule")
+    rec = ", ".join(f"{r:.1f}" for r in ft[3] if r is not None)
+    print(f"FT recovery per failure (the kill to the restarted replica's first iteration): {rec} s; replica 0's "
+          f"longest stall {ft[4]:.2f} s (median step {ft[5]:.2f} s; goal: at most the heartbeat timeout "
+          f"{HEARTBEAT_TIMEOUT_MS / 1000:g} s + one step)")
 
 
 if __name__ == "__main__":

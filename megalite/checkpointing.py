@@ -326,6 +326,8 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None)
     if os.path.isdir(fp8_dir):  # every rank's histories, merged by module name: any layout takes its own
         set_fp8_state(chunks, {k: v for f in sorted(os.listdir(fp8_dir))
                                for k, v in read_json(os.path.join(fp8_dir, f), "FP8 state").items()})
+    if load_optim and getattr(optimizer, "fp8_gather", None) is not None:  # --fp8-param-gather: the FP8 weights
+        optimizer.publish_main_params()  # from the loaded main weights and histories, as after the saved step
     if getattr(optimizer, "semi_sync", None) is not None:  # saved at an outer step: the weights are global
         optimizer.semi_sync.loaded(meta.get("semi_sync"), [k for k in planner.missing if k.startswith("semi_sync.")])
     if weights_only:

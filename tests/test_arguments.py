@@ -33,7 +33,11 @@ BAD = {
     # FP8 (megalite/cli/features/fp8.py)
     "--fp8-format hybrid --fp8-recipe mxfp8": "--fp8-recipe mxfp8 needs Blackwell GPUs",
     "--fp8-format hybrid --fp8-recipe custom": "--fp8-recipe custom (a Transformer Engine quantizer factory)",
-    "--fp8-format hybrid --fp8-param-gather": "--fp8-param-gather is not built yet in megalite",
+    "--fp8-format hybrid --fp8-param-gather": "--fp8-param-gather needs --use-distributed-optimizer",
+    "--fp8-format hybrid --fp8-param-gather --use-distributed-optimizer":
+        "--fp8-param-gather needs --bf16 or --fp16",
+    "--fp8-format hybrid --fp8-param-gather --use-distributed-optimizer --bf16 --fp8-recipe rowwise":
+        "--fp8-param-gather needs --fp8-recipe tensorwise or delayed",
     "--fp8-format hybrid --num-experts 4 --disable-bias-linear":
         "--fp8-format with MoE experts (--num-experts) is not built yet",
     "--first-last-layers-bf16": "--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid",

@@ -24,9 +24,8 @@ PATHS = {"DATA_PATH": "/data", "TENSORBOARD_PATH": "/tb", "CHECKPOINT_SAVE_PATH"
          "CHECKPOINT_LOAD_PATH": "/ckpt", "DATA_CACHE_PATH": "/cache", "REPEAT": "1"}
 
 # Megatron features used by dense configs that megalite refuses today (flag: what it is).
-# What megalite lacks that some config asks for: Transformer Engine's TP communication overlap, and FP8 weights in
-# ZeRO's all-gather (megalite's FP8 gathers them in the model's precision).
-KNOWN_GAPS = {"--tp-comm-overlap-cfg", "--fp8-param-gather"}
+# What megalite lacks that some config asks for: Transformer Engine's TP communication overlap.
+KNOWN_GAPS = {"--tp-comm-overlap-cfg"}
 KNOWN_GAP_VALUES = {}
 # Refused for what their values ask, not for a flag.
 KNOWN_GAP_CONFIGS = {}

@@ -46,6 +46,7 @@ class ExecutionConfig:
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
     fp8_wgrad: bool = True  # the weight gradient's GEMM in FP8 too (--no-fp8-wgrad: in the model's precision)
+    fp8_param_gather: bool = False  # FP8 weights quantized at the step, moved so by ZeRO (distributed/fp8_gather.py)
     first_last_layers_bf16: bool = False  # the first / last layers stay in the model's precision
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1

@@ -61,6 +61,7 @@ class ShardedBucket:
         self.ready, self.state, self._handle, self._out, self.param_handle = set(), "idle", None, None, None
         self.reduce_every_microbatch = stage >= 2
         self.param_shard, self.gather_handle, self.backward_seen = None, None, set()
+        self.wire = self.fp8_gather = None  # --fp8-param-gather (distributed/fp8_gather.py)
         if stage == 1:
             self.data, self.shard_acc = grad, None
         else:
@@ -168,15 +169,22 @@ class ShardedBucket:
         if self.stage == 3:  # the shards changed: gathered copies are stale (re-gathered on use)
             self.release_params()
             return
+        if self.fp8_gather is not None:  # --fp8-param-gather: FP8 bytes for the FP8 weights (fp8_gather.py)
+            if self.param_handle is None:
+                self.fp8_gather.start(self, async_op=True)
+                self.param_handle = "fp8"
+            return
         if self.dp == 1 or self.param_handle is not None:
             return
         own = self.param_data[self.lo:self.hi].clone()  # gloo/NCCL: input must not alias output
         self.param_handle = comm.all_gather(self.param_data, own, group=self.group, async_op=True)
 
     def finish_param_gather(self):
-        if self.param_handle is not None:
+        if self.param_handle == "fp8":
+            self.fp8_gather.finish(self)
+        elif self.param_handle is not None:
             self.param_handle.wait()
-            self.param_handle = None
+        self.param_handle = None
 
     # -- stage 3: the full parameters exist only while gathered -------------------------
     def params_allocated(self):

@@ -74,6 +74,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         # flat buffers then hold exp_avg / exp_avg_sq of this rank's pieces, main params too otherwise.
         own = not low_precision and self.pieces[0].data.dtype == torch.float32
         self._build_groups([(n, pc.param, pc.data) for n, pc in zip(self.names, self.pieces)], own, movable=False)
+        self.fp8_gather = None
+        if getattr(self.model_chunks[0].module.config, "fp8_param_gather", False):
+            from megalite.distributed.fp8_gather import Fp8ParamGather
+            self.fp8_gather = Fp8ParamGather(self.model_chunks, self.pieces, self.main_params, self.grid)
 
     def _holdings(self):
         """Muon's view: every Muon matrix of this rank's buckets with the range each rank of its bucket's
@@ -110,6 +114,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _publish(self):
         """All-gather the buckets (the owned slices already hold the new values)."""
+        if self.fp8_gather is not None:  # --fp8-param-gather: the FP8 weights quantized from the main weights
+            self.fp8_gather.prepare()
         for m in self.model_chunks:
             m.start_param_sync()
             if not m.overlap_param_gather:

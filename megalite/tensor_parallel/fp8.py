@@ -33,13 +33,21 @@ RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 BLOCK = 128  # DeepSeek-V3's: 1 x 128 tiles of activations and gradients, 128 x 128 of weights
 
 
+def _scale(dtype, amax, margin):
+    amax = amax.float()
+    return torch.where(amax > 0, torch.finfo(dtype).max / amax / (2.0 ** margin), torch.ones_like(amax))
+
+
 def scaled(t, dtype, amax, margin):
     """(t in FP8 `dtype`, the fp32 factor that undoes its scale): t x scale, saturated at the format's largest."""
-    top = torch.finfo(dtype).max
-    amax = amax.float()
-    scale = torch.where(amax > 0, top / amax / (2.0 ** margin), torch.ones_like(amax))
+    top, scale = torch.finfo(dtype).max, _scale(dtype, amax, margin)
     q = (t.float() * scale).clamp(-top, top).to(dtype)
     return q, scale.reciprocal()
+
+
+def scale_inverse(dtype, amax, margin):
+    """The factor scaled() returns for this amax."""
+    return _scale(dtype, amax, margin).reciprocal()
 
 
 class Fp8Site:
@@ -66,6 +74,11 @@ class Fp8Site:
 
     def quantize(self, which, t):
         dtype = self.grad_dtype if which == "dy" else self.forward_dtype
+        if which == "w" and getattr(t, "fp8_weight", None) is not None:  # --fp8-param-gather: quantized at the step
+            wq, inverse, now = t.fp8_weight  # (distributed/fp8_gather.py)
+            if self.recipe == "delayed":
+                self.pending["w"] = torch.maximum(self.pending["w"].to(now.device), now)
+            return wq, inverse
         now = self.amax(which, t)
         if self.recipe == "tensorwise":
             return scaled(t, dtype, now, self.margin)

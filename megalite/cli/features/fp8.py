@@ -21,7 +21,9 @@ def add_fp8_flags(a):
     a("--fp8-interval", type=int, default=1, help="deprecated in Megatron (scales update every iteration); 1 only")
     a("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false", default=True,
       help="the weight gradient's GEMM in the model's precision (the other two in FP8)")
-    a("--fp8-param-gather", action="store_true", help="(not built yet: refused) FP8 weights in ZeRO's all-gather")
+    a("--fp8-param-gather", action="store_true",
+      help="the FP8 layers' weights quantized from the fp32 main weights at each step and all-gathered by ZeRO-1/2 in "
+           "FP8 (half the bytes of bf16); needs --use-distributed-optimizer and --bf16 / --fp16")
     a("--first-last-layers-bf16", action="store_true",
       help="keep the first --num-layers-at-start-in-bf16 and last --num-layers-at-end-in-bf16 layers out of FP8")
     a("--num-layers-at-start-in-bf16", type=int, default=1)
@@ -46,8 +48,16 @@ def validate_fp8(args):
         raise ConfigError(f"--fp8-interval {args.fp8_interval}: Megatron deprecated it; scales update every "
                           "iteration (leave it out)")
     if args.fp8_param_gather:
-        raise ConfigError("--fp8-param-gather is not built yet in megalite: ZeRO gathers the weights in the model's "
-                          "precision (leave it out)")
+        why = [w for w, bad in (
+            ("--use-distributed-optimizer (its parameter all-gather is what moves the FP8 weights)",
+             not args.use_distributed_optimizer),
+            ("--zero-stage 1 or 2 (ZeRO-3's unit gathers in FP8 are not built yet)",
+             args.use_distributed_optimizer and (args.zero_stage or 1) == 3),
+            ("--bf16 or --fp16 (the FP8 weights stand in for the model's half-precision copies; fp32 models step "
+             "their weights in place)", not (args.bf16 or args.fp16)),
+            ("--fp8-recipe tensorwise or delayed (one scale per weight)", r not in ("tensorwise", "delayed"))) if bad]
+        if why:
+            raise ConfigError(f"--fp8-param-gather needs {why[0]}")
     if args.fp8_amax_history_len < 1 or args.fp8_margin < 0:
         raise ConfigError(f"--fp8-amax-history-len {args.fp8_amax_history_len} must be >= 1 and --fp8-margin "
                           f"{args.fp8_margin} >= 0")
