@@ -97,6 +97,7 @@ def ft_arm(iters, kill_at, log, replicas):
         others = [Proc(base + ["--ft-replica-id", str(r)], _env(), log) for r in range(replicas) if r != 1]
         failures, pending, recovery = [], sorted(kill_at), []
         victim = Proc(base + ["--ft-replica-id", "1"], _env(), log, kill_at=pending[:1])
+        victims = [victim]
         while True:  # the victim's supervisor (torchrun's role): restart it whenever it was killed
             rc = victim.wait()
             if recovery and recovery[-1] is None:  # the previous restart's first iteration with the others
@@ -107,12 +108,13 @@ def ft_arm(iters, kill_at, log, replicas):
                 recovery.append(None)
                 pending = [k for k in pending if k > victim.killed[-1]]
                 victim = Proc(base + ["--ft-replica-id", "1"], _env(), log, kill_at=pending[:1])
+                victims.append(victim)
                 continue
             break
         assert all(p.wait() == 0 for p in others) and rc == 0, "an FT replica failed (see the log)"
         gaps = sorted(b - a for a, b in zip(others[0].times, others[0].times[1:]))
-        # the iterations some replica completed (one that lagged a commit heals past it: the others applied it)
-        done = sorted(set(it for p in others for it in p.iters))
+        # the iterations some replica completed (one that lagged a commit heals past it: another applied it)
+        done = sorted(set(it for p in others + victims for it in p.iters))
         return (time.perf_counter() - start, done, failures, recovery, gaps[-1] if gaps else 0.0,
                 gaps[len(gaps) // 2] if gaps else 0.0)
     finally:
