@@ -7,7 +7,11 @@ planner's search would consider (TP x PP x DP, ZeRO 0/1, micro-batch 1/2/4; no r
 runs `pretrain` for a few steps; the median step after the first is its measured time. Goal (issue 37): the
 layout the planner ranks first is within 10% of the fastest measured.
 
-    python benchmarks/plan_cpu.py [--steps 6]
+--semi-sync (issue 66): data parallelism over the 4 ranks, synchronous against DiLoCo replicas (2 or 4 of them,
+H inner steps per round): each run's mean step over whole rounds after the first step (an outer step every H),
+against the planner's price of it.
+
+    python benchmarks/plan_cpu.py [--steps 6] [--semi-sync]
 """
 
 import os
@@ -76,7 +80,7 @@ def _run(argv, steps):
     finally:
         step.train_step = original
         ps.destroy_model_parallel()
-    return statistics.median(times[1:])
+    return statistics.mean(times[1:]) if "--semi-sync-method" in argv else statistics.median(times[1:])
 
 
 def layouts():
@@ -91,32 +95,48 @@ def layouts():
                         yield Layout(tp, pp, 1, dp, None, None, zero, None, micro, tp > 1)
 
 
+SEMI_SYNC = [[]] + [["--semi-sync-method", "diloco", "--semi-sync-replicas", str(r), "--semi-sync-steps", str(h)]
+                    for r, h in ((2, 1), (2, 4), (2, 8), (4, 1), (4, 8))]
+
+
+def semi_sync_variants():
+    """(layout, its extra flags): DP 4 with ZeRO-1, synchronous or as DiLoCo replicas."""
+    lay = Layout(1, 1, 1, WORLD, None, None, 1, None, 1, False)
+    return [(lay, extra) for extra in SEMI_SYNC]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--semi-sync", action="store_true", help="price DiLoCo replicas against synchronous DP")
     a = ap.parse_args()
+    if a.semi_sync:
+        a.steps = max(a.steps, 17)  # (whole rounds of 8 after the first step)
     gemm, bandwidth, overhead, link, latency = [statistics.median(v) for v in zip(*spawn(WORLD, _calibrate))]
     rank = GPU("CPU-rank", 8, gemm, False, link, "gloo", 1.0, bandwidth, gemm, overhead, asynchronous=False)
     cluster = Cluster((rank,) * WORLD, WORLD, {"CPU-rank": link}, link, {"intra": 1.0, "inter": 1.0}, latency)
     print(f"a CPU rank (4 at once): {gemm * 1e3:.1f} GFLOP/s fp32 matmul, {bandwidth:.1f} GB/s add, "
           f"{overhead:.1f} us per small op; gloo all-reduce {link:.2f} GB/s, {latency:.0f} us for one element")
     rows = []
-    for lay in layouts():
+    for lay, extra in semi_sync_variants() if a.semi_sync else ((lay, []) for lay in layouts()):
         try:
-            args = validated(MODEL, lay, WORLD)
+            args = validated(MODEL + extra, lay, WORLD)
         except ConfigError:
             continue
         p = predict(args, lay, cluster)
-        measured = statistics.median(spawn(WORLD, _run, MODEL + lay.flags(), a.steps))
-        rows.append((lay, p.step_time_s, measured))
-        print(f"{lay.describe():<55} predicted {p.step_time_s * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms",
+        measured = statistics.median(spawn(WORLD, _run, MODEL + extra + lay.flags(), a.steps))
+        name = lay.describe() + (f" DiLoCo R={extra[3]} H={extra[5]}" if extra else "")
+        rows.append((lay, p.step_time_s, measured, name))
+        print(f"{name:<55} predicted {p.step_time_s * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms",
               flush=True)
     best_measured = min(r[2] for r in rows)
     pick = min(rows, key=lambda r: r[1])
     order = sorted(rows, key=lambda r: r[2])
-    print(f"planner's first: {pick[0].describe()} measured {pick[2] * 1e3:.1f} ms = {pick[2] / best_measured:.3f}x "
-          f"the fastest measured ({order[0][0].describe()}, {best_measured * 1e3:.1f} ms); "
+    print(f"planner's first: {pick[3]} measured {pick[2] * 1e3:.1f} ms = {pick[2] / best_measured:.3f}x "
+          f"the fastest measured ({order[0][3]}, {best_measured * 1e3:.1f} ms); "
           f"its measured rank {order.index(pick) + 1} of {len(rows)}")
+    errors = [abs(r[1] - r[2]) / r[2] for r in rows]
+    print(f"prediction error: mean {100 * statistics.mean(errors):.0f}%, largest {100 * max(errors):.0f}%")
 
 
 if __name__ == "__main__":

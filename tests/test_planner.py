@@ -301,11 +301,37 @@ def test_plan_prices_llama3_405b_at_its_published_layout_without_lr_or_train_ite
 
 
 def test_what_the_planner_does_not_model_is_one_line():
-    for extra, zero in ((["--semi-sync-method", "diloco"], 1), (["--grad-compression", "powersgd"], 0)):
+    for extra, zero, named in ((["--semi-sync-method", "diloco", "--semi-sync-async", "--semi-sync-steps", "5"], 1,
+                                "--semi-sync-method with --semi-sync-async"),
+                               (["--grad-compression", "powersgd"], 0, "--grad-compression")):
         lay = Layout(1, 1, 1, 8, None, None, zero, None, 1, False)
         with pytest.raises(ConfigError) as e:
             cost.predict(validated(GPT + extra, lay, 8), lay, parse_cluster("8xA100-80GB"))
-        assert f"does not model {extra[0]}" in str(e.value) and "\n" not in str(e.value)
+        assert f"does not model {named}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_semi_synchronous_replicas_are_priced():
+    """Two nodes of 8 A100s, 16 data-parallel ranks: synchronous, every gradient reduction crosses the nodes;
+    DiLoCo with a replica per node reduces inside its node and sums the fp32 main weights over the nodes once per
+    round, an H-th of it per step (bf16 / fp8 payloads: a half / a quarter of the fp32 all-reduce's bytes for two
+    replicas)."""
+    cluster = parse_cluster("16xA100-80GB")
+    lay = Layout(1, 1, 1, 16, None, None, 1, None, 1, False)
+    sync = cost.predict(validated(GPT, lay, 16), lay, cluster)
+
+    def outer(*flags):
+        p = cost.predict(validated(GPT + ["--semi-sync-method", "diloco", "--semi-sync-replicas", "2", *flags],
+                                   lay, 16), lay, cluster)
+        return p.time["outer"], p.time["dp"], p.step_time_s
+    one, dp1, _ = outer("--semi-sync-steps", "1")
+    eight, dp8, step8 = outer("--semi-sync-steps", "8")
+    assert sync.time["outer"] == 0 and one > 0 and eight == pytest.approx(one / 8, rel=1e-12)
+    assert dp8 == dp1 < sync.time["dp"]  # the inner reduction stays in the node
+    assert step8 < sync.step_time_s
+    bf16, fp8 = (outer("--semi-sync-steps", "1", "--semi-sync-quantize", q)[0] for q in ("bf16", "fp8"))
+    assert one - bf16 == pytest.approx(2 * (bf16 - fp8), rel=1e-9) and fp8 > 0  # wire w, w/2, w/4; latency alike
+    hidden, _, _ = outer("--semi-sync-steps", "8", "--semi-sync-fragments", "2", "--semi-sync-fragment-delay", "3")
+    assert hidden < eight  # each fragment's sync behind three inner steps
 
 
 def test_layout_flags_parsed_over_the_model_flags_are_the_whole_parse():

@@ -32,7 +32,7 @@ from megalite.config import ConfigError
 from megalite.planner.flops import num_floating_point_operations
 from megalite.iteration_plan import batch_schedule, training_plan
 from megalite.cli.features.mixed_gpu import with_rank_precision
-from megalite.planner import activations, memory, optimizer_step, shares, stages, traffic
+from megalite.planner import activations, data_parallel, memory, optimizer_step, semi_sync, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
 from megalite.planner.memory import zero_as_run
 from megalite.tensor_parallel.layers import padded_vocab_size
@@ -97,7 +97,7 @@ def check_plannable(args, cluster, layout=None):
     if args.vocab_size is None:
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     unmodelled = [flag for flag, given in (
-        ("--semi-sync-method", args.semi_sync_method),
+        (f"--semi-sync-method with {semi_sync.refusal(args)}", semi_sync.refusal(args)),
         ("--grad-compression", args.grad_compression != "none")) if given]
     if unmodelled:
         raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
@@ -138,13 +138,15 @@ def predict(args, layout, cluster):
     zero = zero_as_run(args)  # (ZeRO-2 whose ranks run different counts reduces once, as ZeRO-1)
     # each replica's model config and activation bytes (--data-parallel-precisions: its own), once for all stages
     figures = {d: _figures(with_rank_precision(args, d), layout)[:2] for d in replicas}
-    stage_times, worst, dp_bytes, opt = [], None, {}, 0.0
+    stage_times, worst, dp_bytes, opt, outer_elements = [], None, {}, 0.0, []
+    inner_dp = layout.dp // semi_sync.replicas(args)  # (semi-synchronous replicas: each its own inner DP)
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
     for i in range(layout.pp):
-        grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, v if v > 1 else None, layout.ep,
+        grid = ps.Grid.of(layout.tp, layout.pp, inner_dp, layout.cp, v if v > 1 else None, layout.ep,
                           layout.expert_tp if layout.ep else None, pp_rank=i)
         gpus = stages.stage_gpus(layout, cluster, i)
         state = memory.training_state(args, c, grid)
+        outer_elements.append(sum(state.stepped.values()))  # (the main weights a rank sums at an outer step)
         cuts = [chunk_layers(c, i, j, grid) for j in range(v)]
         layers = [n for n, _ in cuts]
         buffers = _buffers(layout, zero, state, c)
@@ -188,10 +190,14 @@ def predict(args, layout, cluster):
                       per_micro.index(top)))
     pipe, slowest, r, n, i = max(pipes)
     busy = {k: n * t for k, t in stage_times[i][r].items()}
-    dp_time = _dp_time(layout, zero, cluster, dp_bytes, slowest, n, args.overlap_grad_reduce,
-                       args.overlap_param_gather, args.hierarchical_grad_reduce)
+    dp_ranks = _ranks(layout, cluster, 0, "dp")  # (semi-synchronous: the first replica's inner DP reduces)
+    dp_time = data_parallel.dp_time(dp_ranks[:inner_dp], layout.cp, zero, cluster, dp_bytes, slowest, n,
+                                    args.overlap_grad_reduce, args.overlap_param_gather, args.hierarchical_grad_reduce)
     step = pipe + dp_time + opt
-    time = {**busy, "bubble": pipe - n * slowest, "dp": dp_time, "optimizer": opt}
+    outer = max((semi_sync.outer_seconds(args, e, cluster.link_gbps(dp_ranks[::inner_dp]), cluster.latency_us * 1e-6,
+                                         step) for e in outer_elements), default=0.0)
+    step += outer
+    time = {**busy, "bubble": pipe - n * slowest, "dp": dp_time, "optimizer": opt, "outer": outer}
     flops = num_floating_point_operations(c, args.global_batch_size, vocab)
     if c.recompute_granularity == "full":
         flops *= 4 / 3  # Narayanan et al.'s convention counts the recomputed forward
@@ -343,48 +349,3 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
         chunks = layout.chunks_per_stage(c.num_layers)  # interleaved: a send per chunk
         pp_time = 2 * chunks * (rows * b * h * e / (cluster.link_gbps(stages[max(0, i - 1):i + 2]) * 1e9) + alpha)
     return {"compute": compute, "tp": tp, "cp": cp_time, "pp": pp_time}
-
-
-def _hierarchical_seconds(layout, cluster, all_reduce):
-    """--hierarchical-grad-reduce's seconds for the plain all-reduce of `all_reduce` wire bytes (a flat ring's,
-    traffic.py): a reduce-scatter and an all-gather among the k ranks of a node on its link, and an all-reduce
-    of 1/k of the bytes across the n nodes; None where the group does not leave a node (then it runs flat)."""
-    ranks = _ranks(layout, cluster, 0, "dp")
-    nodes = {}
-    for r in ranks:
-        nodes.setdefault(cluster.node_of(r), []).append(r)
-    if len(nodes) == 1:
-        return None
-    d, n = len(ranks), len(nodes)
-    k, payload = d // n, all_reduce / (2 * (d - 1) / d)
-    intra = cluster.link_gbps(next(iter(nodes.values()))) * 1e9
-    across = cluster.link_gbps([group[0] for group in nodes.values()]) * 1e9
-    return 2 * (k - 1) / k * payload / intra + 2 * (n - 1) / n * payload / k / across
-
-
-def _dp_time(layout, zero, cluster, wire, slowest, m, overlap_reduce=True, overlap_gather=False, hierarchical=False):
-    """Exposed seconds of the DP collectives per step (wire: data-parallel bytes by op, traffic.py): the
-    gradient reduction hides behind backward (the last micro-batch's, or each one's with ZeRO-2/3) but for
-    one bucket, all of it after the backward under --no-overlap-grad-reduce (ZeRO-0/1; ZeRO-2/3 reduce as they
-    go either way); ZeRO-1/2's parameter all-gather follows the step, or hides behind the next step's first
-    forward but for one bucket (--overlap-param-gather); ZeRO-3's gathers hide behind compute.
-    --hierarchical-grad-reduce: the plain all-reduce through the nodes (_hierarchical_seconds)."""
-    if layout.dp * layout.cp <= 1 or not wire:
-        return 0.0
-    gbps = cluster.link_gbps(_ranks(layout, cluster, 0, "dp")) * 1e9
-    reduce = (wire["all_reduce"] + wire["reduce_scatter"]) / gbps
-    if hierarchical and zero == 0:
-        reduce = _hierarchical_seconds(layout, cluster, wire["all_reduce"]) or reduce
-    gather = wire["all_gather"] / gbps
-    if overlap_gather and zero in (1, 2):
-        gather = max(gather - slowest / 3, min(gather, 40_000_000 * 4 / gbps))
-    backward = slowest * 2 / 3
-    if zero in (0, 1) and not overlap_reduce:
-        return reduce + (gather if zero else 0.0)
-    if zero == 0:
-        return max(reduce - backward, min(reduce, 40_000_000 * 8 / gbps))
-    if zero == 1:
-        return max(reduce - backward, min(reduce, 40_000_000 * 4 / gbps)) + gather
-    if zero == 2:
-        return max(reduce - m * backward, min(reduce / m, 40_000_000 * 4 / gbps)) + gather
-    return max(reduce + gather - m * slowest, min(reduce / m, 40_000_000 * 4 / gbps))  # (the last unit's reduction)
