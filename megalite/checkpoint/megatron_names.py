@@ -55,9 +55,69 @@ def _fc1(cfg):
     return lambda t: t.reshape(2, cfg["ffn_hidden_size"], *t.shape[1:])
 
 
+# an MoE layer's MLP: megalite's suffix -> Megatron's (its experts stacked on an expert axis after the layer axis:
+# `mlp.experts.experts.linear_fc1.weight` [L, E, ...], whatever the expert implementation)
+MOE = (("mlp.router.weight", "mlp.router.weight"), ("mlp.router.expert_bias", "mlp.router.expert_bias"),
+       ("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"),
+       ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"),
+       ("mlp.shared_experts.gate_weight", "mlp.shared_experts.gate_weight"))
+EXPERT = (("linear_fc1.weight", "mlp.experts.experts.linear_fc1.weight"),
+          ("linear_fc2.weight", "mlp.experts.experts.linear_fc2.weight"))
+
+
+def moe_layers(cfg):
+    """[bool per layer]: which layers are MoE (--moe-layer-freq)."""
+    if not cfg.get("num_moe_experts"):
+        return [False] * cfg["num_layers"]
+    f = cfg.get("moe_layer_freq", 1)
+    return [bool(x) for x in f] if isinstance(f, list) else [i % int(f) == 0 for i in range(cfg["num_layers"])]
+
+
+def _moe_suffixes(cfg):
+    have = {"mlp.router.weight"}
+    if cfg.get("moe_router_enable_expert_bias"):
+        have.add("mlp.router.expert_bias")
+    if cfg.get("moe_shared_expert_intermediate_size"):
+        have |= {"mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight"}
+        if cfg.get("moe_shared_expert_gate"):
+            have.add("mlp.shared_experts.gate_weight")
+    return [(mine, theirs) for mine, theirs in MOE if mine in have]
+
+
+def _find(has, theirs, i):
+    """(key, index prefix) of layer i's tensor: a stacked key (the layer's index first) or a per-layer one."""
+    for s in theirs:
+        if has(f"decoder.layers.{s}"):
+            return f"decoder.layers.{s}", (i,)
+        if has(f"decoder.layers.{i}.{s}"):
+            return f"decoder.layers.{i}.{s}", ()
+    from megalite.checkpoint.storage import CheckpointError
+    raise CheckpointError(f"the Megatron checkpoint has no decoder.layers.{theirs[0]} (nor decoder.layers.{i}."
+                          f"{theirs[0]}), which megalite's layer {i} needs")
+
+
+def _moe_rows(cfg, has, i):
+    """Layer i's MoE MLP: router (and expert bias), shared experts, each expert's fc1 / fc2 (SwiGLU's [gate; up]
+    as megalite's [2, ffn, h])."""
+    rows = []
+    for mine, theirs in _moe_suffixes(cfg):
+        key, at = _find(has, (theirs,), i)
+        fn = _fc1(dict(cfg, ffn_hidden_size=cfg["moe_shared_expert_intermediate_size"])) \
+            if mine.endswith("shared_experts.linear_fc1.weight") else (lambda t: t)
+        rows.append((f"decoder.layers.{i}.{mine}", key, at or None, fn))
+    for mine, theirs in EXPERT:
+        key, at = _find(has, (theirs,), i)
+        fn = _fc1(dict(cfg, ffn_hidden_size=cfg["moe_ffn_hidden_size"])) if mine.startswith("linear_fc1.") \
+            else (lambda t: t)
+        rows += [(f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{mine}", key, at + (e,), fn)
+                 for e in range(cfg["num_moe_experts"])]
+    return rows
+
+
 def gpt_rows(cfg, has):
-    """(megalite name, Megatron key, layer index in a stacked key or None, Megatron tensor -> megalite's) for
-    every weight of a megalite GPT of config `cfg`; has(key): whether the checkpoint holds that tensor."""
+    """(megalite name, Megatron key, index into it (a stacked key's layer, an expert) or None, Megatron tensor ->
+    megalite's) for every weight of a megalite GPT of config `cfg`; has(key): whether the checkpoint holds that
+    tensor."""
     vocab = cfg["vocab_size"]
 
     def rows_of_vocab(t):
@@ -66,8 +126,11 @@ def gpt_rows(cfg, has):
     rows = [("embedding.word_embeddings.weight", "embedding.word_embeddings.weight", None, rows_of_vocab)]
     if cfg["position_embedding_type"] == "learned_absolute":
         rows.append(("embedding.position_embeddings.weight", "embedding.position_embeddings.weight", None, same))
+    moe = moe_layers(cfg)
     for i in range(cfg["num_layers"]):
         for mine, theirs in layer_suffixes(cfg):
+            if moe[i] and mine.startswith("mlp."):
+                continue  # (an MoE layer's MLP: _moe_rows)
             fn = _fc1(cfg) if mine.startswith("mlp.linear_fc1.") else same
             stacked = [f"decoder.layers.{s}" for s in theirs if has(f"decoder.layers.{s}")]
             single = [f"decoder.layers.{i}.{s}" for s in theirs if has(f"decoder.layers.{i}.{s}")]
@@ -79,6 +142,8 @@ def gpt_rows(cfg, has):
                 from megalite.checkpoint.storage import CheckpointError
                 raise CheckpointError(f"the Megatron checkpoint has no decoder.layers.{theirs[0]} (nor "
                                       f"decoder.layers.{i}.{theirs[0]}), which megalite's layer {i}.{mine} needs")
+        if moe[i]:
+            rows += _moe_rows(cfg, has, i)
     rows.append(("decoder.final_layernorm.weight", "decoder.final_layernorm.weight", None, same))
     if cfg["normalization"] == "LayerNorm":
         rows.append(("decoder.final_layernorm.bias", "decoder.final_layernorm.bias", None, same))
@@ -89,9 +154,6 @@ def gpt_rows(cfg, has):
 
 def unsupported(args):
     """Why megalite cannot read this Megatron model yet (one line), or None."""
-    if getattr(args, "num_experts", None):
-        return "MoE checkpoints (--num-experts) are not read from Megatron's format yet; convert the weights " \
-               "through Hugging Face (Megatron-Bridge) for now"
     if getattr(args, "multi_latent_attention", False):
         return "MLA checkpoints (--multi-latent-attention) are not read from Megatron's format yet"
     if getattr(args, "mtp_num_layers", None):

@@ -15,7 +15,7 @@ import os
 import torch
 
 from megalite.checkpoint.convert import Reader, find_checkpoint, padded_vocab
-from megalite.checkpoint.megatron_names import LAYER, layer_suffixes
+from megalite.checkpoint.megatron_names import EXPERT, LAYER, MOE, layer_suffixes, moe_layers
 from megalite.checkpoint.storage import CheckpointError
 from megalite.config import CHECKPOINT_ARGS
 
@@ -35,15 +35,58 @@ def megatron_namespace(cfg, tp, iteration, consumed):
     return argparse.Namespace(**ns)
 
 
+def _layer(src, cfg, i, moe):
+    """{Megatron suffix: tensor} of layer i in Megatron's shapes (SwiGLU's fc1 [gate; up], experts stacked on a
+    leading expert axis), and the linear layers whose `_extra_state` it keeps ([(name, experts or None)])."""
+    def theirs_of(t, mine):
+        return t.reshape(-1, *t.shape[2:]) if cfg["swiglu"] and "linear_fc1." in mine else t
+    names = dict(LAYER)
+    out = {names[mine][0]: theirs_of(src.get(f"decoder.layers.{i}.{mine}"), mine) for mine, _ in layer_suffixes(cfg)
+           if not (moe and mine.startswith("mlp."))}
+    linears = [(lin, None) for lin in LINEARS if not (moe and lin.startswith("mlp."))]
+    if moe:
+        out.update({theirs: theirs_of(src.get(f"decoder.layers.{i}.{mine}"), mine) for mine, theirs in MOE
+                    if f"decoder.layers.{i}.{mine}" in src.index})
+        n = cfg["num_moe_experts"]
+        for mine, theirs in EXPERT:
+            out[theirs] = torch.stack([theirs_of(src.get(f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{mine}"),
+                                                 mine) for e in range(n)])
+        linears += [("mlp.experts.experts.linear_fc1", n), ("mlp.experts.experts.linear_fc2", n)]
+    return out, linears
+
+
+def _layers(src, cfg):
+    """Every layer's entries as megatron-core keys them: stacked on a leading layer axis where all layers are
+    alike, one key per layer where dense and MoE layers mix (its block spec); with each linear layer's empty
+    `_extra_state` object (megatron-core's sharded object: the list of its shards' data, None for its own non-TE
+    layers), keyed as that layout keys them."""
+    L, moe = cfg["num_layers"], moe_layers(cfg)
+    per = [_layer(src, cfg, i, moe[i]) for i in range(L)]
+    state = {}
+    if len(set(moe)) > 1:
+        for i, (tensors, linears) in enumerate(per):
+            state.update({f"decoder.layers.{i}.{k}": t for k, t in tensors.items()})
+            for lin, n in linears:
+                state.update({f"decoder.layers.{i}.{lin}._extra_state/shard_{e}_{n}": [None] for e in range(n)}
+                             if n else {f"decoder.layers.{i}.{lin}._extra_state/shard_0_1": [None]})
+        return state
+    for k in per[0][0]:
+        state[f"decoder.layers.{k}"] = torch.stack([tensors[k] for tensors, _ in per])
+    for lin, n in per[0][1]:
+        for i in range(L):
+            state.update({f"decoder.layers.{lin}._extra_state/shard_{i}.{e}_{L}.{n}": [None] for e in range(n)}
+                         if n else {f"decoder.layers.{lin}._extra_state/shard_{i}_{L}": [None]})
+    return state
+
+
 def export_megatron(load_dir, save_dir, tp=1):
     """A megalite checkpoint's weights, iteration and data position as a Megatron-LM --save directory."""
     import torch.distributed.checkpoint as dcp
     path, meta = find_checkpoint(load_dir)
     cfg = meta["model_config"]
-    if cfg.get("model_type", "gpt") != "gpt" or cfg.get("num_moe_experts") or cfg.get("multi_latent_attention") \
-            or cfg.get("mtp_num_layers"):
-        raise CheckpointError("--saver megatron writes dense GPT models (no MoE, MLA, MTP or BERT yet)")
-    src, L = Reader(path), cfg["num_layers"]
+    if cfg.get("model_type", "gpt") != "gpt" or cfg.get("multi_latent_attention") or cfg.get("mtp_num_layers"):
+        raise CheckpointError("--saver megatron writes GPT models, dense or MoE (no MLA, MTP or BERT yet)")
+    src = Reader(path)
     vocab = padded_vocab(cfg["vocab_size"], cfg["make_vocab_size_divisible_by"], tp)
 
     def padded(t):
@@ -51,20 +94,10 @@ def export_megatron(load_dir, save_dir, tp=1):
     state = {"embedding.word_embeddings.weight": padded(src.get("embedding.word_embeddings.weight"))}
     if cfg["position_embedding_type"] == "learned_absolute":
         state["embedding.position_embeddings.weight"] = src.get("embedding.position_embeddings.weight")
-    theirs = dict(LAYER)
-    for mine, _ in layer_suffixes(cfg):
-        layers = [src.get(f"decoder.layers.{i}.{mine}") for i in range(L)]
-        if mine.startswith("mlp.linear_fc1.") and cfg["swiglu"]:  # [2, ffn, ...] -> [gate; up]
-            layers = [t.reshape(-1, *t.shape[2:]) for t in layers]
-        state[f"decoder.layers.{theirs[mine][0]}"] = torch.stack(layers)
+    state.update(_layers(src, cfg))
     for name in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight"):
         if name in src.index:
             state[name] = padded(src.get(name)) if name == "output_layer.weight" else src.get(name)
-    for lin in LINEARS:
-        for i in range(L):
-            # megatron-core's sharded object: the list of its shards' data (DCP torch.saves it); None is what its
-            # own non-TE linear layers keep there
-            state[f"decoder.layers.{lin}._extra_state/shard_{i}_{L}"] = [None]
     iteration = meta.get("iteration", 0) if os.path.basename(path) != "release" else 0
     out = os.path.join(save_dir, f"iter_{iteration:07d}")
     os.makedirs(out, exist_ok=True)

@@ -28,6 +28,8 @@ def model_flags(margs, vocab_size):
         if a.nargs == 0:  # store_true / store_false
             if bool(value) != bool(a.default):
                 argv.append(flag)
+        elif isinstance(value, (list, tuple)) and a.nargs is None:  # one value that is a list (--moe-layer-freq)
+            argv += [flag, "[" + ",".join(map(str, value)) + "]"]
         elif isinstance(value, (list, tuple)):
             argv += [flag, *map(str, value)]
         else:

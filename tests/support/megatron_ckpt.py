@@ -22,6 +22,13 @@ KINDS = {
                  group_query_attention=False, position_embedding_type="learned_absolute", normalization="LayerNorm",
                  swiglu=False, untie_embeddings_and_output_weights=False, add_bias_linear=True),
 }
+# and an MoE one: Llama's attention, every other layer 4 SwiGLU experts (top 2, Megatron's softmax after the top-k)
+# beside a dense layer, saved with its experts over 2 expert-parallel ranks where the world has them
+MOE = dict(KINDS["llama"], num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=[0, 1, 0, 1],
+           moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
+KINDS["moe"] = MOE
+MOE_ONLY = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_grouped_gemm",
+            "moe_aux_loss_coeff", "moe_token_dispatcher_type")
 VOCAB, SEQ = 128, 16
 
 
@@ -32,6 +39,7 @@ def megatron_args(kind, tp, pp, iteration, consumed):
     k = KINDS[kind]
     return argparse.Namespace(
         **k, kv_channels=k["hidden_size"] // k["num_attention_heads"], seq_length=SEQ, max_position_embeddings=SEQ,
+        **({} if "num_experts" in k else {"num_experts": None}),
         rotary_base=10000, rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False, qk_layernorm=False,
         apply_layernorm_1p=False, vocab_size=None, padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=1, global_batch_size=8,
@@ -45,11 +53,13 @@ def _cpu_only():
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *a, **k: self  # (tied embeddings across stages: their first all-reduce)
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    moe_utils.te_general_gemm = None  # (the router's GEMM: named only where Transformer Engine is installed)
     import megatron.core.dist_checkpointing.strategies.filesystem_async as fa
     fa._process_memory = lambda: 0  # (it needs psutil; only logged)
 
 
-def build(kind, pre=True, post=True, tp=1, pp=1):
+def build(kind, pre=True, post=True, tp=1, pp=1, ep=1):
     import functools
 
     import torch
@@ -58,8 +68,12 @@ def build(kind, pre=True, post=True, tp=1, pp=1):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     k = KINDS[kind]
+    moe = {} if "num_experts" not in k else dict(
+        num_moe_experts=k["num_experts"], moe_router_topk=k["moe_router_topk"], moe_layer_freq=k["moe_layer_freq"],
+        moe_ffn_hidden_size=k["moe_ffn_hidden_size"], moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)
     cfg = TransformerConfig(
-        num_layers=k["num_layers"], hidden_size=k["hidden_size"], ffn_hidden_size=k["ffn_hidden_size"],
+        **moe, num_layers=k["num_layers"], hidden_size=k["hidden_size"], ffn_hidden_size=k["ffn_hidden_size"],
         num_attention_heads=k["num_attention_heads"], num_query_groups=k["num_query_groups"],
         normalization=k["normalization"], add_bias_linear=k["add_bias_linear"], gated_linear_unit=k["swiglu"],
         # (tanh GeLU, as Megatron-LM's default bias-GeLU fusion computes it; written out: megatron-core's fused
@@ -69,7 +83,12 @@ def build(kind, pre=True, post=True, tp=1, pp=1):
         use_cpu_initialization=True, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
         init_method_std=0.05)
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization=k["normalization"]), vocab_size=VOCAB,
+    spec = get_gpt_layer_local_spec(num_experts=k.get("num_experts"), moe_grouped_gemm=False,
+                                    normalization=k["normalization"])
+    if moe:  # (every other layer: megatron-core's block spec of dense and MoE layers)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=k["normalization"])
+    return GPTModel(cfg, spec, vocab_size=VOCAB,
                     max_sequence_length=SEQ, pre_process=pre, post_process=post,
                     position_embedding_type=k["position_embedding_type"],
                     share_embeddings_and_output_weights=not k["untie_embeddings_and_output_weights"])
@@ -103,10 +122,12 @@ def _save(root, kind, tp, pp, iteration, consumed, optim=None):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as mps
     rank = dist.get_rank()
-    mps.initialize_model_parallel(tp, pp)
+    ep = 2 if "num_experts" in KINDS[kind] and dist.get_world_size() // (tp * pp) % 2 == 0 else 1
+    mps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     try:
-        torch.manual_seed(1234 + mps.get_pipeline_model_parallel_rank())  # (CPU initialisation: torch's generator)
-        model = build(kind, mps.is_pipeline_first_stage(), mps.is_pipeline_last_stage(), tp, pp)
+        # (CPU initialisation: torch's generator; each expert-parallel rank its own experts, so none repeats)
+        torch.manual_seed(1234 + mps.get_pipeline_model_parallel_rank() + 100 * mps.get_expert_model_parallel_rank())
+        model = build(kind, mps.is_pipeline_first_stage(), mps.is_pipeline_last_stage(), tp, pp, ep)
         if kind == "gpt2":  # biases and norms away from their 0 / 1 initial values, so a misplaced one shows
             with torch.no_grad():
                 for n, p in model.named_parameters():
