@@ -75,7 +75,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         own = not low_precision and self.pieces[0].data.dtype == torch.float32
         self._build_groups([(n, pc.param, pc.data) for n, pc in zip(self.names, self.pieces)], own, movable=False)
         self.fp8_gather = None
-        if getattr(self.model_chunks[0].module.config, "fp8_param_gather", False):
+        if getattr(getattr(self.model_chunks[0].module, "config", None), "fp8_param_gather", False):
             from megalite.distributed.fp8_gather import Fp8ParamGather
             self.fp8_gather = Fp8ParamGather(self.model_chunks, self.pieces, self.main_params, self.grid)
 
