@@ -23,8 +23,6 @@ BAD = {
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --ft-min-replicas 0": "--ft-min-replicas 0 must be at least 1",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --ft-replica-share 0":
         "--ft-replica-share 0 must be a positive integer",
-    "--ft-lighthouse localhost:29510 --ft-replica-id 0 --use-distributed-optimizer --zero-stage 3":
-        "--ft-lighthouse with --zero-stage 3 is not built yet in megalite",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --optimizer-cpu-offload": "is not built yet in megalite",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --semi-sync-method diloco --semi-sync-fragment-alpha 0.5":
         "--ft-lighthouse with --semi-sync-fragments/-delay/-alpha (streaming) is not built yet",

@@ -80,10 +80,12 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
 
 
 @pytest.mark.parametrize("inner", [["--use-distributed-optimizer", "--ft-min-replicas", "2"],
-                                   ["--tensor-model-parallel-size", "2", *MB2]], ids=["dp2-zero1", "tp2"])
+                                   ["--use-distributed-optimizer", "--zero-stage", "3"],
+                                   ["--tensor-model-parallel-size", "2", *MB2]], ids=["dp2-zero1", "dp2-zero3", "tp2"])
 def test_replicas_of_two_ranks_heal(tmp_path, inner, capfd):
-    """Two replicas of two ranks each: data-parallel inside with ZeRO-1 (each rank sums only the gradient shard it
-    owns with its counterpart in the other replica, HSDP-style), or tensor-parallel (each rank its own slice of the
+    """Two replicas of two ranks each: data-parallel inside with ZeRO-1 or ZeRO-3 (each rank sums only the gradient
+    shard it owns with its counterpart in the other replica, HSDP-style; ZeRO-3's weights gathered from the healed
+    shards as they are used), or tensor-parallel (each rank its own slice of the
     weights); both ranks of replica 1 die in iteration 2 and are started again (as its torchrun would): they heal
     rank by rank from replica 0's. Every rank's weights and optimizer state equal its counterpart's bit for bit,
     and the weights and losses are the one-process run's."""
@@ -91,7 +93,7 @@ def test_replicas_of_two_ranks_heal(tmp_path, inner, capfd):
     try:
         got = run_replicas(lh.address(), 2, tmp_path, inner + ["--save", str(tmp_path / "ckpt"), "--save-interval",
                                                                 str(ITERS)], iters=ITERS, die=[(1, 2, "before")],
-                           rejoin_at=3, ranks=2)
+                           rejoin_at=3, ranks=2, rejoin_when_waiting="--ft-min-replicas" in inner)
     finally:
         lh.shutdown()
     ref_losses, ref, config = _one_process(ITERS, MB2 if MB2[0] in inner else ())

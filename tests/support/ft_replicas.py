@@ -68,6 +68,14 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
                 time.sleep(0.05)
         return quorum(self, *a, **k)
     ft.FaultTolerance.__init__, ft.FaultTolerance._quorum = announcing, holding
+    if tmp is not None:  # a wait below --ft-min-replicas is announced (the test restarts a replica only then)
+        import types
+        real = ft.time
+
+        def waiting(seconds):
+            open(os.path.join(str(tmp), "waiting"), "w").close()
+            real.sleep(seconds)
+        ft.time = types.SimpleNamespace(sleep=waiting)
     if dies_sending:
         def sending(self):
             os._exit(17)
@@ -120,7 +128,7 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         weights = {}
         for c in chunks:
             with c.gathered():  # (ZeRO-3: whole parameters while read)
-                weights.update({n: p.detach().numpy().copy() for n, p in c.module.named_parameters()})
+                weights.update({n: p.detach().clone().numpy() for n, p in c.module.named_parameters()})
         sd = optimizer.state_dict()
         if "shards" in sd:  # ZeRO: this rank's shard of every parameter's state
             moments = {e["name"]: {k: e[k].numpy().copy() for k in ("main_param", *e["keys"])} for e in sd["shards"]}
@@ -144,6 +152,75 @@ def outer_records(tmp):
     return got
 
 
+def _launcher(conn, out, barrier):
+    """A spawned process (a fresh interpreter) that imports what a replica needs once, then forks each replica
+    process the test asks for (a replica's start costs a fork, not an interpreter's imports: about 3 s of CPU
+    each on the 2-core machine); it reaps them and reports their exit codes."""
+    import signal
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (as each replica sets it, before anything imports triton)
+    import pretrain_gpt  # noqa: F401 - (the imports every replica makes, made once)
+    import torchft  # noqa: F401
+    from megalite.training import ft_rounds, pretrain  # noqa: F401
+    done = {}
+
+    def reap(pid, block):
+        if pid not in done:
+            got, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+            if got:
+                done[pid] = os.waitstatus_to_exitcode(status)
+        return done.get(pid)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        op, arg = msg
+        if op == "start":
+            argv, kwargs = arg
+            pid = os.fork()
+            if pid == 0:  # the replica: its own process, the warm modules already imported
+                conn.close()
+                try:
+                    _replica(argv, out, start=barrier if kwargs.pop("barrier") else None, **kwargs)
+                finally:
+                    out.close()
+                    out.join_thread()  # (what it put reaches the test before the process ends)
+                    os._exit(0)
+            conn.send(pid)
+        elif op == "wait":
+            pid, timeout = arg
+            end = time.monotonic() + timeout
+            while reap(pid, False) is None and time.monotonic() < end:
+                time.sleep(0.02)
+            conn.send(done.get(pid))
+        elif op == "kill":
+            if reap(arg, False) is None:
+                os.kill(arg, signal.SIGKILL)
+                reap(arg, True)
+            conn.send(done.get(arg))
+
+
+class _Forked:
+    """A replica process forked by the launcher, with the Process methods the harness uses."""
+
+    def __init__(self, launcher, pid):
+        self.launcher, self.pid, self.exitcode = launcher, pid, None
+
+    def _ask(self, op, arg):
+        self.launcher[0].send((op, arg))
+        return self.launcher[0].recv()
+
+    def join(self, timeout=None):
+        if self.exitcode is None:
+            self.exitcode = self._ask("wait", (self.pid, 3600 if timeout is None else timeout))
+
+    def is_alive(self):
+        self.join(timeout=0)
+        return self.exitcode is None
+
+    def kill(self):
+        self.exitcode = self._ask("kill", self.pid)
+
+
 def _free_port():
     import socket
     with socket.socket() as s:
@@ -152,7 +229,7 @@ def _free_port():
 
 
 def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None, ranks=1, own=None,
-                 lose=()):
+                 lose=(), rejoin_when_waiting=False):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
     {replica id (with ranks > 1: (replica id, rank)): (losses, weights, optimizer state, LR schedule, iterations
     saved)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
@@ -160,9 +237,14 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
     that iteration until it heartbeats (files under `tmp` say so), so it heals while the others train. join_at: a
     new replica (number n) starts when the first replica is about to run that iteration, and everyone waits for it
     there. ranks: processes per replica (a gloo job of its own, as torchrun would start it). own: {replica: its
-    own extra flags}. lose: replicas that die when a healing peer asks them for their state (not started again)."""
+    own extra flags}. lose: replicas that die when a healing peer asks them for their state (not started again).
+    rejoin_when_waiting: the dead are started again only once a survivor waits below --ft-min-replicas."""
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(n * ranks)
+    ours, theirs = ctx.Pipe()
+    launcher = ctx.Process(target=_launcher, args=(theirs, out, barrier), daemon=True)
+    launcher.start()
+    link = [ours]
     argv = list(BASE) + ["--train-iters", str(iters), "--ft-lighthouse", address] + FAST + list(extra)
 
     def files(name, replica):
@@ -178,14 +260,13 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
         for k in range(ranks):
             env = {"RANK": str(k), "LOCAL_RANK": str(k), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
                    "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)} if ranks > 1 else None
-            p = ctx.Process(target=_replica, args=(argv + ["--ft-replica-id", str(i)] + (own or {}).get(i, []), out),
-                            kwargs=dict(kw, announce=files(name, i)[k], env=env, key=(i, k) if ranks > 1 else i,
-                                        tmp=tmp, dies_sending=i in lose and name == "joined",
-                                        reach=kw.get("reach", []) if k == 0 else []))
-            p.start()
-            procs.append(p)
+            kwargs = dict(kw, announce=files(name, i)[k], env=env, key=(i, k) if ranks > 1 else i, tmp=tmp,
+                          dies_sending=i in lose and name == "joined", reach=kw.get("reach", []) if k == 0 else [],
+                          barrier=kw.get("barrier", False))
+            ours.send(("start", (argv + ["--ft-replica-id", str(i)] + (own or {}).get(i, []), kwargs)))
+            procs.append(_Forked(link, ours.recv()))
         return procs
-    procs = {i: start(i, "joined", die_at=dies.get(i), start=barrier,
+    procs = {i: start(i, "joined", die_at=dies.get(i), barrier=True,
                       reach=[(join_at, reached)] if join_at and i == 0 else [],
                       hold=[(1, joined)] + later + ([(rejoin_at, rejoined)] if rejoin_at and i not in dies else []))
              for i in range(n)}
@@ -194,6 +275,9 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
             p.join(timeout=120)
             assert p.exitcode == 17, f"replica {r} did not die as planned: {p.exitcode}"
     if rejoin_at:
+        while rejoin_when_waiting and not os.path.exists(os.path.join(str(tmp), "waiting")):
+            assert procs[0][0].is_alive(), "replica 0 ended without waiting for the others"
+            time.sleep(0.05)
         procs.update({(r, "again"): start(r, "rejoined", hold=later) for r in dies})
     if join_at:
         while not os.path.exists(reached):
@@ -212,6 +296,8 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        ours.send(None)
+        launcher.join(timeout=30)
     for r in lose:
         assert all(p.exitcode == 17 for p in procs[r]), f"replica {r} did not die sending its state"
     return got

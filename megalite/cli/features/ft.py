@@ -65,9 +65,6 @@ def validate_ft(args):
                           "replicas deal each global batch out evenly and reduce plain gradients")
     if args.semi_sync_method:
         _validate_rounds(args)
-    if args.use_distributed_optimizer and (args.zero_stage or 1) == 3:
-        raise ConfigError("--ft-lighthouse with --zero-stage 3 is not built yet in megalite: use ZeRO-1 or 2 inside "
-                          "each replica")
     if args.pipeline_model_parallel_layout == "auto":
         raise ConfigError("--ft-lighthouse with --pipeline-model-parallel-layout auto is not built yet in megalite: "
                           "give the layout")
