@@ -347,3 +347,13 @@ def test_layout_flags_parsed_over_the_model_flags_are_the_whole_parse():
                ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--micro-batch-size", "4"]]
     for flags in layouts + layouts[::-1]:
         assert vars(check_args(model, 8, layout=flags)) == vars(check_args(model + flags, 8)), flags
+
+
+def test_full_recompute_runs_the_forward_tp_collectives_again():
+    """Full recompute re-runs each layer's forward, its TP collectives too: 12 ring collectives per layer instead of
+    8 (4 forward, their 4 adjoints backward), so the TP time is 1.5x the run's without recompute (no SP here: its
+    backward's extra gathers are the same either way)."""
+    cluster = parse_cluster("8xA100-80GB")
+    plain, full = (Layout(8, 1, 1, 1, None, None, 0, r, 1, False) for r in (None, "full"))
+    tp = [cost.predict(validated(GPT, lay, 8), lay, cluster).time["tp"] for lay in (plain, full)]
+    assert tp[0] > 0 and tp[1] == pytest.approx(1.5 * tp[0], rel=1e-12), tp

@@ -332,7 +332,9 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
     tp = 0.0
     if t > 1:
         tp_gbps = cluster.link_gbps(_ranks(layout, cluster, i, "tp"))
-        tp = _ring(act, t, tp_gbps, 8) + 8 * alpha  # a layer's 4 collectives forward and their 4 adjoints backward
+        # a layer's 4 collectives forward and their 4 adjoints backward; full recompute runs the forward's 4 again
+        n = 8 + (4 if c.recompute_granularity == "full" else 0)
+        tp = _ring(act, t, tp_gbps, n) + n * alpha
         if c.sequence_parallel:  # backward gathers QKV's and fc1's input rows again, each behind its own
             gather = _ring(act, t, tp_gbps) + alpha  # input-gradient GEMM (output tokens x in)
             qkv, _, fc1, _ = gemm_shapes.layer_gemms(c, b * s, t)
