@@ -118,7 +118,8 @@ class Fp8ParamGather:
 
     @torch.no_grad()
     def prepare(self):
-        """Before the buckets' gathers: every FP8 weight's (scale inverse, amax), and this rank's pieces in FP8."""
+        """Before the buckets' gathers: every FP8 weight's (the amax its scale comes from, its current whole amax),
+        and this rank's pieces in FP8."""
         if not self.params:
             return
         index = {p: i for i, p in enumerate(self.params)}
