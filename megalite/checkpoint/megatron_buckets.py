@@ -10,6 +10,7 @@ modules of their own, or fused into the next linear layer). Both are replayed, a
 parameter's fp32 main weights equal the weights the same checkpoint holds (rounded to the model's dtype) is used;
 when neither holds, one line says so and nothing is guessed."""
 
+import math
 import re
 
 import torch
@@ -67,10 +68,8 @@ def read(ckpt, states, swiglu):
                 g = out.setdefault(f"optimizer.state.{s}.{store}", torch.zeros(tuple(shape), dtype=torch.float32))
                 whole = g if layer is None else g[layer]
                 local = _local_index(store, whole.shape, t, tp, swiglu)
-                n = 1
-                for k in _local_shape(store, whole.shape, tp):
-                    n *= k
-                values = flat[s][b][start:start + n].view(_local_shape(store, whole.shape, tp))
+                part = _local_shape(store, whole.shape, tp)
+                values = flat[s][b][start:start + math.prod(part)].view(part)
                 _put(whole, local, values)
         step = d["step"] if step is None else step
     return step, out
@@ -195,13 +194,8 @@ def _placed(ckpt, specs, d, param_flat, t, tp, swiglu):
     """(rows, each one's (bucket, start)) under the spec whose replayed layout puts every parameter's fp32 main
     weights where the checkpoint's weights are."""
     for rows in specs.values():
-        sizes = []
-        for store, read_key, layer, _ in rows:
-            whole = ckpt.items[read_key].size
-            n = 1
-            for k in _local_shape(store, whole if layer is None else whole[1:], tp):
-                n *= k
-            sizes.append(n)
+        sizes = [math.prod(_local_shape(store, ckpt.items[key].size[0 if layer is None else 1:], tp))
+                 for store, key, layer, _ in rows]
         places = replay(sizes, d["sizes"])
         if places is not None and _holds(ckpt, rows, places, param_flat, t, tp, swiglu):
             return rows, places

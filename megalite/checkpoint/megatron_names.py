@@ -66,11 +66,9 @@ EXPERT = (("linear_fc1.weight", "mlp.experts.experts.linear_fc1.weight"),
 
 
 def moe_layers(cfg):
-    """[bool per layer]: which layers are MoE (--moe-layer-freq)."""
-    if not cfg.get("num_moe_experts"):
-        return [False] * cfg["num_layers"]
-    f = cfg.get("moe_layer_freq", 1)
-    return [bool(x) for x in f] if isinstance(f, list) else [i % int(f) == 0 for i in range(cfg["num_layers"])]
+    """[bool per layer]: which layers are MoE (--moe-layer-freq; none in a dense model)."""
+    from megalite.checkpoint.hf_moe import moe_layers as of_moe_model
+    return of_moe_model(cfg) if cfg.get("num_moe_experts") else [False] * cfg["num_layers"]
 
 
 def _moe_suffixes(cfg):

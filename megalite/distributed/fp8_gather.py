@@ -87,17 +87,14 @@ class Fp8Wire:
                     raw = self.out[at:at + n]
                     cache = p.fp8_bytes
                     cache[lo:hi] = raw
-                    site = self.sites[p]
-                    inv = scale_inverse(site.forward_dtype, scales[p][0], site.margin)
-                    b.param_data[flat:flat + n] = (raw.view(site.forward_dtype).float() * inv).to(b.param_data.dtype)
+                    b.param_data[flat:flat + n] = (raw.view(self.sites[p].forward_dtype).float() * scales[p][1]).to(
+                        b.param_data.dtype)
                     at += n
                 else:
                     b.param_data[flat:flat + n] = self.out[at:at + n * self.width].view(b.param_data.dtype)
                     at += n * self.width
         for p in {p for segs in self.segments for p, *_ in segs if p in self.sites}:
-            site = self.sites[p]
-            p.fp8_weight = (p.fp8_bytes.view(site.forward_dtype).view(p.shape),
-                            scale_inverse(site.forward_dtype, scales[p][0], site.margin), scales[p][1])
+            p.fp8_weight = (p.fp8_bytes.view(self.sites[p].forward_dtype).view(p.shape), *scales[p][1:])
         self.handle = self.out = None
 
 
@@ -118,8 +115,8 @@ class Fp8ParamGather:
 
     @torch.no_grad()
     def prepare(self):
-        """Before the buckets' gathers: every FP8 weight's (the amax its scale comes from, its current whole amax),
-        and this rank's pieces in FP8."""
+        """Before the buckets' gathers: every FP8 weight's (the amax its scale comes from, the scale's inverse, its
+        current whole amax), and this rank's pieces in FP8."""
         if not self.params:
             return
         index = {p: i for i, p in enumerate(self.params)}
@@ -131,7 +128,10 @@ class Fp8ParamGather:
         if b.dp > 1:  # (every bucket of a chunk is sharded over the same ranks)
             comm.all_reduce(local, group=b.group, op=torch.distributed.ReduceOp.MAX)
         amax = max_over_tensor_model_parallel_region(local, grid=self.grid)  # (every FP8 weight is TP-sharded)
-        self.scales = {p: (weight_scale(self.sites[p], amax[i]), amax[i]) for p, i in index.items()}
+        self.scales = {}
+        for p, i in index.items():
+            site, used = self.sites[p], weight_scale(self.sites[p], amax[i])
+            self.scales[p] = (used, scale_inverse(site.forward_dtype, used, site.margin), amax[i])
         self.quantized = {}
         for pc, mp in self.owned:
             site = self.sites[pc.param]

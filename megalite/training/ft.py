@@ -73,7 +73,8 @@ class FaultTolerance(Part):
 
     def _quorum(self, shrink_only=False):
         while True:
-            self.manager.start_quorum(shrink_only=shrink_only)  # synchronous: a replica that must heal has loaded its peer's state on return
+            # synchronous: a replica that must heal has loaded its peer's state on return
+            self.manager.start_quorum(shrink_only=shrink_only)
             if self.manager.errored() is not None:
                 return  # this step will not commit; the next quorum reconfigures
             live = self.manager.num_participants()
@@ -141,12 +142,8 @@ class FaultTolerance(Part):
         loss was divided by the global batch's micro-batch count (the plan's shares), so the sum over the quorum
         is the single process's mean once the replica's own reduction is undone of its average (its divisor).
         With ZeRO each rank sums only the shard it owns, with the same rank of the other replicas."""
-        for c in chunks:
-            for grad, divisor in c.reduced_grads():
-                if grad.numel():
-                    if divisor > 1:
-                        grad.mul_(divisor)
-                    self.manager.allreduce(grad, reduce_op=dist.ReduceOp.SUM).wait()
+        for grad in replica_sums(chunks):
+            self.manager.allreduce(grad, reduce_op=dist.ReduceOp.SUM).wait()
         self.committed = self.manager.should_commit()
         if not self.committed:
             for c in chunks:
@@ -200,7 +197,7 @@ def fingerprint(args, grid, mcfg):
     layout and the batch flags; values exact in float64, so their mean over the quorum equals them iff all agree."""
     runtime = {f.name for f in dataclasses.fields(ExecutionConfig)}
     arch = repr(sorted((f.name, repr(getattr(mcfg, f.name))) for f in dataclasses.fields(mcfg) if f.name not in runtime))
-    digest = int.from_bytes(hashlib.sha256(arch.encode()).digest()[:5], "little")
+    digest = _digest(arch)
     pairs = (("model architecture", digest), ("--tensor-model-parallel-size", grid.tp),
              ("--pipeline-model-parallel-size", grid.pp), ("--context-parallel-size", grid.cp),
              ("data-parallel size inside a replica", grid.dp), ("--micro-batch-size", args.micro_batch_size),
@@ -208,9 +205,24 @@ def fingerprint(args, grid, mcfg):
     if args.semi_sync_method:  # semi-synchronous replicas: one outer optimizer, rounds of the same length
         outer = repr((args.semi_sync_method, max(args.semi_sync_steps), args.outer_lr, args.outer_momentum,
                       args.outer_nesterov))
-        pairs += (("--semi-sync-method/-steps, --outer-lr/-momentum/-nesterov",
-                   int.from_bytes(hashlib.sha256(outer.encode()).digest()[:5], "little")),)
+        pairs += (("--semi-sync-method/-steps, --outer-lr/-momentum/-nesterov", _digest(outer)),)
     return [n for n, _ in pairs], [float(v) for _, v in pairs]
+
+
+def _digest(text):
+    """A 40-bit integer of text: exact in float64, so the quorum's mean of it equals it iff every replica's does."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:5], "little")
+
+
+def replica_sums(chunks):
+    """The gradients (ZeRO: this rank's shards) each rank sums with its counterparts in the other replicas, the
+    replica's own average over its DP ranks undone first (the plan already weighed every micro-batch loss)."""
+    for c in chunks:
+        for grad, divisor in c.reduced_grads():
+            if grad.numel():
+                if divisor > 1:
+                    grad.mul_(divisor)
+                yield grad
 
 
 def disagreement(names, mine, mean):

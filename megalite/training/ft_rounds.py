@@ -15,7 +15,7 @@ fault-tolerant replica (its own job) is one semi-synchronous replica, as torchft
 
 import torch
 
-from megalite.training.ft import FaultTolerance
+from megalite.training.ft import FaultTolerance, replica_sums
 
 
 class FaultTolerantRounds(FaultTolerance):
@@ -64,10 +64,8 @@ class FaultTolerantRounds(FaultTolerance):
     def vote(self, chunks):
         """An inner step: no other replica takes part; the replica's own reduction averaged over its DP ranks what
         the plan already weighed over the replica's samples, so that average is undone."""
-        for c in chunks:
-            for grad, divisor in c.reduced_grads():
-                if grad.numel() and divisor > 1:
-                    grad.mul_(divisor)
+        for _ in replica_sums(chunks):
+            pass
         return True
 
     def after(self, it, step):
