@@ -302,3 +302,21 @@ def test_fp8_param_gather_over_zero1_is_the_one_rank_function():
             assert torch.equal(raw, one[n][0]) and inverse == one[n][1] and torch.equal(model, one[n][2]), n
         assert wire < 0.6 * bf16, (wire, bf16)
         print(f"bytes gathered per bucket: {wire} (FP8) against {bf16} (bf16)")
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2"])
+def test_fp8_param_gather_scales_each_weight_whole(layout):
+    """Under TP each rank quantizes its shard of a weight with the whole weight's scale (its amax the largest over
+    the TP ranks), under PP each stage its own weights: every FP8 copy is exactly its rank's fp32 main weights
+    quantized so, and each layer's GEMM uses it."""
+    from dist_util import run_on_ranks
+    argv = list(PARAM_GATHER) + ["--train-iters", "2"] + layout
+    ranks = run_on_ranks(_gathered_fp8_weights, 2, argv, 2, capability=None)
+    tp = "--tensor-model-parallel-size" in layout
+    for _, got, mains, _, _, uses_copy in ranks:
+        assert got and uses_copy
+        for n, (raw, inverse, _) in got.items():
+            whole = max(r[2][n].abs().amax() for r in ranks) if tp else mains[n].abs().amax()
+            q, undo = scaled(mains[n], E4M3, whole, 0)
+            assert torch.equal(raw, q.view(torch.uint8)) and inverse == undo.item(), n
