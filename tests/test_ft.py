@@ -220,3 +220,29 @@ def test_diloco_replicas_under_faults(tmp_path, capfd):
     for a, b in zip(rounds[2][0]["glob"] + rounds[2][0]["buf"], rounds[2][1]["glob"] + rounds[2][1]["buf"]):
         assert (a == b).all(), "the healed replica did not start round 3 on the global weights and momentum"
     assert all((got[1][1][n] == got[2][1][n]).all() for n in got[2][1]), "replica 1 ends on other weights"
+
+
+def test_diloco_replicas_of_two_ranks_with_zero(tmp_path):
+    """DiLoCo over two replicas of two ranks each (ZeRO-1 inside): each rank's outer step sums the main-weight
+    shard it owns with its counterpart's, and equals the outer step computed here from the two shards' records;
+    counterparts end bit-identical."""
+    import numpy as np
+    from ft_replicas import outer_records
+    lh = lighthouse(min_replicas=1)
+    try:
+        got = run_replicas(lh.address(), 2, tmp_path, ["--semi-sync-method", "diloco", "--semi-sync-steps", "2",
+                                                       "--use-distributed-optimizer"], iters=4, ranks=2)
+    finally:
+        lh.shutdown()
+    assert sorted(got) == [(0, 0), (0, 1), (1, 0), (1, 1)], sorted(got)
+    rec = outer_records(tmp_path)
+    for k in (0, 1):  # rank k of both replicas: its shard's two outer steps
+        assert [len(x) for x in rec[(0, k)] + rec[(1, k)]] == [2, 2], (k, rec.keys())
+        for step in (0, 1):
+            who = [rec[(0, k)][0][step], rec[(1, k)][0][step]]
+            want, bound = _outer_reference(who, 0.7, 0.9)
+            for i, (w, b) in enumerate(zip(want, bound)):
+                assert (who[0]["after"][i] == who[1]["after"][i]).all(), (k, step, i)
+                assert (np.abs(who[0]["after"][i] - w) <= b).all(), (k, step, i)
+    for k in (0, 1):
+        assert all((got[(0, k)][1][n] == got[(1, k)][1][n]).all() for n in got[(0, k)][1]), k

@@ -101,7 +101,8 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         rounds.append(dict(local=before[0], glob=before[1], samples=before[2], buf=buf,
                            after=[np.array(g.double().numpy()) for g in self.glob]))
         if tmp is not None:  # as it happens: a replica that dies later takes its memory with it
-            with open(os.path.join(str(tmp), f"outer_{key}_{started_ns}.pkl"), "wb") as f:
+            name = "-".join(map(str, key)) if isinstance(key, tuple) else key
+            with open(os.path.join(str(tmp), f"outer_{name}_{started_ns}.pkl"), "wb") as f:
                 pickle.dump(rounds, f)
     started_ns = time.time_ns()
     semi_sync.SemiSync.outer_step = recording_outer
@@ -144,11 +145,14 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
 
 
 def outer_records(tmp):
-    """{replica: [each of its processes' outer-step records, in the order they started]}."""
+    """{replica (with ranks: (replica, rank)): [each of its processes' outer-step records, in the order they
+    started]}."""
     got = {}
     for path in sorted(glob.glob(os.path.join(str(tmp), "outer_*.pkl")), key=lambda p: int(p[:-4].split("_")[-1])):
+        name = os.path.basename(path).split("_")[1]
+        key = tuple(map(int, name.split("-"))) if "-" in name else int(name)
         with open(path, "rb") as f:
-            got.setdefault(int(os.path.basename(path).split("_")[1]), []).append(pickle.load(f))
+            got.setdefault(key, []).append(pickle.load(f))
     return got
 
 
