@@ -22,8 +22,8 @@ from parity import BASE, learnable_datasets  # noqa: E402
 from test_checkpoint import _Payload  # noqa: E402
 from test_checkpoint_hf import megalite_logits  # noqa: E402
 
-SAVED = (("llama", 2, 2), ("gpt2", 2, 2), ("llama", 1, 1), ("moe", 1, 2))  # (kind, TP, PP) Megatron saved at (MoE:
-# its experts over 2 expert-parallel ranks, megatron_ckpt.py)
+SAVED = (("llama", 2, 2), ("gpt2", 2, 2), ("llama", 1, 1), ("moe", 1, 2), ("mla", 2, 2))  # (kind, TP, PP) Megatron
+# saved at (MoE: its experts over 2 expert-parallel ranks; MLA with yarn rotary and normed latents: megatron_ckpt.py)
 TP2PP2 = ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]
 
 
@@ -153,7 +153,7 @@ def test_the_way_back_megatron_reads_what_megalite_writes(megatron):
     megalite is bit-exact."""
     base, roots, tokens, ref = megatron
     back, specs = {}, []
-    for kind, at in (("llama", (2, 2)), ("gpt2", (2, 2)), ("moe", (1, 2))):
+    for kind, at in (("llama", (2, 2)), ("gpt2", (2, 2)), ("moe", (1, 2)), ("mla", (2, 2))):
         ours, theirs, again = (str(base / f"way_back_{kind}_{n}") for n in ("megalite", "megatron", "megalite_again"))
         assert convert("--loader", "megatron", "--saver", "megalite", "--load-dir", roots[(kind, *at)],
                        "--save-dir", ours, *TP2PP2)[0] == 0
@@ -168,7 +168,7 @@ def test_the_way_back_megatron_reads_what_megalite_writes(megatron):
         if kind != "moe":  # (megatron-core's MoE layers at TP2 x PP2: below, its logits)
             specs += [(roots[(kind, *at)], kind, 2, 2), (theirs, kind, 2, 2)]
     got = run_on_ranks(logits_all, 1, [(back[k], k) for k in back], tokens, backend="gloo")[0]
-    for k, logits, at in zip(back, got, ((2, 2), (2, 2), (1, 2))):
+    for k, logits, at in zip(back, got, ((2, 2), (2, 2), (1, 2), (2, 2))):
         assert torch.equal(logits, ref[(k, *at)]), k
     for rank in run_on_ranks(loaded_all, 4, specs, backend="gloo"):
         for original, exported in zip(rank[::2], rank[1::2]):

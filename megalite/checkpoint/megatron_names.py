@@ -27,25 +27,51 @@ LAYER = (
     ("mlp.linear_fc2.weight", ("mlp.linear_fc2.weight",)),
     ("mlp.linear_fc2.bias", ("mlp.linear_fc2.bias",)),
 )
+# MLA's attention (--multi-latent-attention), in place of the fused QKV: Transformer Engine's spec folds each
+# latent's norm into its up-projection (`linear_q_up_proj.layer_norm_weight`); the local spec keeps the norms'
+# own names and, unlike its dense layers, maps no norm to a fused name (pre_mlp_layernorm stays itself)
+MLA = (
+    ("self_attention.linear_q_proj.weight", ("self_attention.linear_q_proj.weight",)),
+    ("self_attention.linear_q_down_proj.weight", ("self_attention.linear_q_down_proj.weight",)),
+    ("self_attention.linear_q_up_proj.weight", ("self_attention.linear_q_up_proj.weight",)),
+    ("self_attention.q_layernorm.weight", ("self_attention.linear_q_up_proj.layer_norm_weight",
+                                           "self_attention.q_layernorm.weight")),
+    ("self_attention.q_layernorm.bias", ("self_attention.linear_q_up_proj.layer_norm_bias",
+                                         "self_attention.q_layernorm.bias")),
+    ("self_attention.linear_kv_down_proj.weight", ("self_attention.linear_kv_down_proj.weight",)),
+    ("self_attention.linear_kv_up_proj.weight", ("self_attention.linear_kv_up_proj.weight",)),
+    ("self_attention.kv_layernorm.weight", ("self_attention.linear_kv_up_proj.layer_norm_weight",
+                                            "self_attention.kv_layernorm.weight")),
+    ("self_attention.kv_layernorm.bias", ("self_attention.linear_kv_up_proj.layer_norm_bias",
+                                          "self_attention.kv_layernorm.bias")),
+)
 
 
 def layer_suffixes(cfg):
-    """The suffixes megalite's GPT layer has for the model config `cfg` (a checkpoint's model_config dict)."""
+    """(megalite's suffix, Megatron's suffixes in the order tried) of every tensor megalite's GPT layer has for
+    the model config `cfg` (a checkpoint's model_config dict)."""
     layer_norm = cfg["normalization"] == "LayerNorm"
     bias = cfg["add_bias_linear"]
-    have = {"input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-            "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+    mla = cfg.get("multi_latent_attention")
+    have = {"input_layernorm.weight", "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
+            "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
     if layer_norm:
         have |= {"input_layernorm.bias", "pre_mlp_layernorm.bias"}
-    if bias or cfg.get("add_qkv_bias"):
-        have.add("self_attention.linear_qkv.bias")
     if bias:
         have |= {"self_attention.linear_proj.bias", "mlp.linear_fc1.bias", "mlp.linear_fc2.bias"}
+    if mla:
+        q = ["linear_q_proj"] if cfg.get("q_lora_rank") is None else ["linear_q_down_proj", "linear_q_up_proj"]
+        have |= {f"self_attention.{m}.weight" for m in q + ["linear_kv_down_proj", "linear_kv_up_proj"]}
+        norms = (["q_layernorm"] if cfg.get("q_lora_rank") is not None else []) + ["kv_layernorm"]
+    else:
+        have.add("self_attention.linear_qkv.weight")
+        if bias or cfg.get("add_qkv_bias"):
+            have.add("self_attention.linear_qkv.bias")
+        norms = ["q_layernorm", "k_layernorm"]
     if cfg.get("qk_layernorm"):
-        have |= {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
-        if layer_norm:
-            have |= {"self_attention.q_layernorm.bias", "self_attention.k_layernorm.bias"}
-    return [(mine, theirs) for mine, theirs in LAYER if mine in have]
+        have |= {f"self_attention.{n}.{w}" for n in norms for w in (("weight", "bias") if layer_norm else ("weight",))}
+    table = LAYER[:2] + (MLA if mla else LAYER[2:8]) + LAYER[8:]  # (MLA's projections where the QKV is)
+    return [(mine, theirs) for mine, theirs in table if mine in have]
 
 
 def _fc1(cfg):
@@ -152,8 +178,6 @@ def gpt_rows(cfg, has):
 
 def unsupported(args):
     """Why megalite cannot read this Megatron model yet (one line), or None."""
-    if getattr(args, "multi_latent_attention", False):
-        return "MLA checkpoints (--multi-latent-attention) are not read from Megatron's format yet"
     if getattr(args, "mtp_num_layers", None):
         return "multi-token prediction layers (--mtp-num-layers) are not read from Megatron's format yet"
     if "bert" in str(getattr(args, "model_type", "")).lower():

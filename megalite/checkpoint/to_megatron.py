@@ -15,11 +15,28 @@ import os
 import torch
 
 from megalite.checkpoint.convert import Reader, find_checkpoint, padded_vocab
-from megalite.checkpoint.megatron_names import EXPERT, LAYER, MOE, layer_suffixes, moe_layers
+from megalite.checkpoint.megatron_names import EXPERT, MOE, layer_suffixes, moe_layers
 from megalite.checkpoint.storage import CheckpointError
 from megalite.config import CHECKPOINT_ARGS
 
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _names(cfg, mine, theirs):
+    """The Megatron keys one tensor is written under: Transformer Engine's name (which megatron-core's local spec
+    maps its dense layers' norms to as well); in an MLA layer, whose specs map no norm, each norm under both
+    specs' names (TE's fused `linear_q_up_proj.layer_norm_weight` and the local `q_layernorm.weight`; its input
+    norm is `input_layernorm` in both), so Megatron-LM loads it with either."""
+    if not cfg.get("multi_latent_attention") or "norm." not in mine:
+        return theirs[:1]
+    return [t for t in theirs if "linear_qkv." not in t]
+
+
+def _linears(cfg):
+    if not cfg.get("multi_latent_attention"):
+        return LINEARS
+    q = ["linear_q_proj"] if cfg.get("q_lora_rank") is None else ["linear_q_down_proj", "linear_q_up_proj"]
+    return tuple(f"self_attention.{m}" for m in q + ["linear_kv_down_proj", "linear_kv_up_proj"]) + LINEARS[1:]
 
 
 def megatron_namespace(cfg, tp, iteration, consumed):
@@ -40,10 +57,9 @@ def _layer(src, cfg, i, moe):
     leading expert axis), and the linear layers whose `_extra_state` it keeps ([(name, experts or None)])."""
     def theirs_of(t, mine):
         return t.reshape(-1, *t.shape[2:]) if cfg["swiglu"] and "linear_fc1." in mine else t
-    names = dict(LAYER)
-    out = {names[mine][0]: theirs_of(src.get(f"decoder.layers.{i}.{mine}"), mine) for mine, _ in layer_suffixes(cfg)
-           if not (moe and mine.startswith("mlp."))}
-    linears = [(lin, None) for lin in LINEARS if not (moe and lin.startswith("mlp."))]
+    out = {name: theirs_of(src.get(f"decoder.layers.{i}.{mine}"), mine) for mine, theirs in layer_suffixes(cfg)
+           if not (moe and mine.startswith("mlp.")) for name in _names(cfg, mine, theirs)}
+    linears = [(lin, None) for lin in _linears(cfg) if not (moe and lin.startswith("mlp."))]
     if moe:
         out.update({theirs: theirs_of(src.get(f"decoder.layers.{i}.{mine}"), mine) for mine, theirs in MOE
                     if f"decoder.layers.{i}.{mine}" in src.index})
@@ -84,8 +100,8 @@ def export_megatron(load_dir, save_dir, tp=1):
     import torch.distributed.checkpoint as dcp
     path, meta = find_checkpoint(load_dir)
     cfg = meta["model_config"]
-    if cfg.get("model_type", "gpt") != "gpt" or cfg.get("multi_latent_attention") or cfg.get("mtp_num_layers"):
-        raise CheckpointError("--saver megatron writes GPT models, dense or MoE (no MLA, MTP or BERT yet)")
+    if cfg.get("model_type", "gpt") != "gpt" or cfg.get("mtp_num_layers"):
+        raise CheckpointError("--saver megatron writes GPT models, dense, MoE or MLA (no MTP or BERT yet)")
     src = Reader(path)
     vocab = padded_vocab(cfg["vocab_size"], cfg["make_vocab_size_divisible_by"], tp)
 

@@ -27,6 +27,14 @@ KINDS = {
 MOE = dict(KINDS["llama"], num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_layer_freq=[0, 1, 0, 1],
            moe_grouped_gemm=False, moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather")
 KINDS["moe"] = MOE
+# and an MLA one (DeepSeek's attention: low-rank query and key-value latents, each normed; yarn rotary on a decoupled
+# key of 8 channels shared by the heads, 8 + 8 query-key channels, 12 value channels a head)
+MLA = dict(KINDS["llama"], num_query_groups=4, group_query_attention=False, multi_latent_attention=True,
+           q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=12, qk_layernorm=True,
+           rope_type="yarn", rotary_scaling_factor=4.0, mscale=1.0, mscale_all_dim=1.0)
+KINDS["mla"] = MLA
+MLA_ONLY = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+            "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim")
 MOE_ONLY = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_grouped_gemm",
             "moe_aux_loss_coeff", "moe_token_dispatcher_type")
 VOCAB, SEQ = 128, 16
@@ -40,7 +48,8 @@ def megatron_args(kind, tp, pp, iteration, consumed):
     return argparse.Namespace(
         **k, kv_channels=k["hidden_size"] // k["num_attention_heads"], seq_length=SEQ, max_position_embeddings=SEQ,
         **({} if "num_experts" in k else {"num_experts": None}),
-        rotary_base=10000, rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False, qk_layernorm=False,
+        **({} if "multi_latent_attention" in k else {"qk_layernorm": False}),
+        rotary_base=10000, rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False,
         apply_layernorm_1p=False, vocab_size=None, padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=1, global_batch_size=8,
         consumed_train_samples=consumed, consumed_valid_samples=0, train_iters=100, lr=1e-3, min_lr=1e-4,
@@ -55,6 +64,9 @@ def _cpu_only():
     torch.Tensor.cuda = lambda self, *a, **k: self  # (tied embeddings across stages: their first all-reduce)
     import megatron.core.transformer.moe.moe_utils as moe_utils
     moe_utils.te_general_gemm = None  # (the router's GEMM: named only where Transformer Engine is installed)
+    import megatron.core.transformer.multi_latent_attention as mla
+    if not isinstance(mla.TELinear, type):  # (without Transformer Engine, megatron's TE wrappers are stand-ins)
+        mla.HAVE_TE = False
     import megatron.core.dist_checkpointing.strategies.filesystem_async as fa
     fa._process_memory = lambda: 0  # (it needs psutil; only logged)
 
@@ -66,14 +78,17 @@ def build(kind, pre=True, post=True, tp=1, pp=1, ep=1):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
     k = KINDS[kind]
     moe = {} if "num_experts" not in k else dict(
         num_moe_experts=k["num_experts"], moe_router_topk=k["moe_router_topk"], moe_layer_freq=k["moe_layer_freq"],
         moe_ffn_hidden_size=k["moe_ffn_hidden_size"], moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather", expert_model_parallel_size=ep)
-    cfg = TransformerConfig(
-        **moe, num_layers=k["num_layers"], hidden_size=k["hidden_size"], ffn_hidden_size=k["ffn_hidden_size"],
+    mla = {} if "multi_latent_attention" not in k else {f: k[f] for f in MLA_ONLY if f != "multi_latent_attention"}
+    if mla:  # (its local attention's output width is kv_channels heads: MLA's value heads)
+        mla["kv_channels"] = k["v_head_dim"]
+    cfg = (MLATransformerConfig if mla else TransformerConfig)(
+        **moe, **mla, qk_layernorm=k.get("qk_layernorm", False), num_layers=k["num_layers"], hidden_size=k["hidden_size"], ffn_hidden_size=k["ffn_hidden_size"],
         num_attention_heads=k["num_attention_heads"], num_query_groups=k["num_query_groups"],
         normalization=k["normalization"], add_bias_linear=k["add_bias_linear"], gated_linear_unit=k["swiglu"],
         # (tanh GeLU, as Megatron-LM's default bias-GeLU fusion computes it; written out: megatron-core's fused
@@ -84,7 +99,10 @@ def build(kind, pre=True, post=True, tp=1, pp=1, ep=1):
         pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5,
         init_method_std=0.05)
     spec = get_gpt_layer_local_spec(num_experts=k.get("num_experts"), moe_grouped_gemm=False,
-                                    normalization=k["normalization"])
+                                    normalization=k["normalization"], qk_layernorm=k.get("qk_layernorm", False),
+                                    multi_latent_attention=bool(mla))
+    if mla:
+        spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
     if moe:  # (every other layer: megatron-core's block spec of dense and MoE layers)
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization=k["normalization"])
@@ -92,6 +110,18 @@ def build(kind, pre=True, post=True, tp=1, pp=1, ep=1):
                     max_sequence_length=SEQ, pre_process=pre, post_process=post,
                     position_embedding_type=k["position_embedding_type"],
                     share_embeddings_and_output_weights=not k["untie_embeddings_and_output_weights"])
+
+
+def _mla_core_attention():
+    """megatron-core's local DotProductAttention for MLA, which only Transformer Engine's attention serves in
+    megatron-core 0.16: MLA names its query-key and value widths (k_channels, v_channels), which the local one
+    takes from the query and value tensors themselves (softmax(QK^T x MLA's scale) V, the same arithmetic)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLACoreAttention(DotProductAttention):
+        def __init__(self, *a, k_channels=None, v_channels=None, **k):
+            super().__init__(*a, **k)
+    return MLACoreAttention
 
 
 def _stepped(model, tp_rank):
@@ -128,11 +158,13 @@ def _save(root, kind, tp, pp, iteration, consumed, optim=None):
         # (CPU initialisation: torch's generator; each expert-parallel rank its own experts, so none repeats)
         torch.manual_seed(1234 + mps.get_pipeline_model_parallel_rank() + 100 * mps.get_expert_model_parallel_rank())
         model = build(kind, mps.is_pipeline_first_stage(), mps.is_pipeline_last_stage(), tp, pp, ep)
-        if kind == "gpt2":  # biases and norms away from their 0 / 1 initial values, so a misplaced one shows
+        if kind in ("gpt2", "mla"):  # biases and norms away from their 0 / 1 initial values: a misplaced one shows
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if n.endswith("bias") or "norm" in n:
                         p.add_(torch.randn_like(p) * 0.1)
+                    if kind == "mla":
+                        continue
                     # the tied word embedding: both stages' copies set from one seed (megatron-core sums the first
                     # stage's with the last stage's uninitialised copy on CPU, which is not always zero)
                     if n in ("embedding.word_embeddings.weight", "output_layer.weight"):
