@@ -114,7 +114,6 @@ def test_optimizer_offload_is_priced():
     import dataclasses
 
     from megalite.cli.parser import check_args
-    from megalite.planner.optimizer_step import HOST_GBPS
     cluster = parse_cluster("2xA100-80GB")
     lay = Layout(1, 1, 1, 2, None, None, 1, None, 1, False)
 
@@ -130,10 +129,20 @@ def test_optimizer_offload_is_priced():
     elements = moved / 12
     assert whole.memory["host"] == moved + 4 * elements  # and the gradients' host buffer
     assert base.memory["total"] - whole.memory["total"] == moved
-    host_step = elements * 30 / (HOST_GBPS * 1e9)
+    host_step = elements * 30 / (GPUS["A100-80GB"].host_step_gbps * 1e9)
     copies = elements * 6 / (GPUS["A100-80GB"].host_gbps * 1e9)  # fp32 gradients down, bf16 weights up
     assert whole.time["optimizer"] == pytest.approx(host_step + copies, rel=1e-6)
     assert overlapped.time["optimizer"] < half.time["optimizer"]  # the copies behind the device's half
+    # a device that does not run behind its host (a CPU rank) has no side stream: nothing hides its copies; a
+    # device's own optimizer rate (optimizer_gbps, measured for CPU ranks) prices its part of the step
+    cpu = dataclasses.replace(GPUS["A100-80GB"], asynchronous=False)
+    on_cpu = dataclasses.replace(cluster, gpus=(cpu, cpu))
+    assert plan((0.5, 0.5), ["--overlap-cpu-optimizer-d2h-h2d"], on_cpu).time["optimizer"] == \
+        plan((0.5, 0.5), cluster=on_cpu).time["optimizer"] == half.time["optimizer"]
+    slow = dataclasses.replace(cpu, optimizer_gbps=cpu.memory_gbps * 0.4)  # (half the fused kernel's 0.8)
+    device_part = base.time["optimizer"]
+    assert plan(None, cluster=dataclasses.replace(cluster, gpus=(slow, slow))).time["optimizer"] == \
+        pytest.approx(2 * device_part, rel=1e-9)
     mixed = parse_cluster("1xA100-80GB,1xRTX3090-24GB", gpus_per_node=1)  # only the 3090's replica offloads
     per = plan((0.0, 1.0), cluster=mixed)
     assert per.memory["gpu"] == "RTX3090-24GB" and per.memory["host"] == whole.memory["host"]

@@ -39,6 +39,13 @@ class GPU:
     asynchronous: bool = True  # the device runs behind the host's launches (a CPU "device" does not)
     sms: int = None  # streaming multiprocessors: GEMM tiles run in waves over them (gemm.py); None: no waves
     host_gbps: float = PCIE4  # GB/s each way to host memory (PCIe x16): --optimizer-cpu-offload's copies
+    # the host memory bandwidth one rank's CPU optimizer step reaches (a server's DDR, some 200-400 GB/s, shared
+    # by its 8 GPUs' ranks; torch's element-wise CPU kernels at about half of a rank's part): an assumption for
+    # GPU servers, measured for CPU ranks (benchmarks/plan_cpu.py --offload)
+    host_step_gbps: float = 20.0
+    # bytes a second the device's own optimizer step moves (None: memory_gbps x the element-wise efficiency, a
+    # fused kernel's); a CPU rank's is measured, as its host step (torch's AdamW ops, several passes)
+    optimizer_gbps: float = None
 
 
 GPUS = {g.name: g for g in (

@@ -15,10 +15,6 @@ from megalite.planner.memory import _buckets, build_chunks
 
 BYTES = {"adam": 30, "muon": 30, "sgd": 22, "lion": 22}
 ELEMENTWISE_EFFICIENCY = 0.8  # (cost.py's)
-# --optimizer-cpu-offload: the host memory bandwidth one rank's CPU step reaches (a server's DDR, some 200-400
-# GB/s, shared by its 8 GPUs' ranks; torch's element-wise CPU kernels at about half of a rank's part). An
-# assumption, not yet measured by megalite.
-HOST_GBPS = 20.0
 
 
 def muon_plan(args, mcfg, grid):
@@ -61,16 +57,19 @@ def muon_plan(args, mcfg, grid):
 
 def seconds(args, state, mcfg, grid, gpu, gbps):
     """state: memory.training_state's; gbps(axis): the link speed of this stage's group along 'dp' or 'tp'
-    (asked only when bytes cross it). --optimizer-cpu-offload: the host part steps at HOST_GBPS, its fp32
-    gradients go down and its weights come up over the GPU's host link (behind the device's part of the step
-    with --overlap-cpu-optimizer-d2h-h2d)."""
+    (asked only when bytes cross it). --optimizer-cpu-offload: the host part steps at the GPU's host_step_gbps,
+    its fp32 gradients go down and its weights come up over the GPU's host link (behind the device's part of
+    the step with --overlap-cpu-optimizer-d2h-h2d, on a device that runs behind its host: a CPU rank has no
+    side stream, so its copies are always in the step)."""
     work = sum(n * BYTES[kind] for kind, n in state.stepped.items())
     per_host = BYTES[args.optimizer if args.optimizer != "muon" else args.muon_scalar_optimizer]
-    t = (work - state.host_elements * per_host) / (gpu.memory_gbps * 1e9 * ELEMENTWISE_EFFICIENCY)
+    device_gbps = gpu.optimizer_gbps or gpu.memory_gbps * ELEMENTWISE_EFFICIENCY
+    t = (work - state.host_elements * per_host) / (device_gbps * 1e9)
     if state.host_elements:
         copies = state.host_elements * (4 + (2 if args.bf16 or args.fp16 else 4)) / (gpu.host_gbps * 1e9)
-        host = state.host_elements * per_host / (HOST_GBPS * 1e9)
-        t = t + host + (max(0.0, copies - t) if args.overlap_cpu_optimizer_d2h_h2d else copies)
+        host = state.host_elements * per_host / (gpu.host_step_gbps * 1e9)
+        hidden = args.overlap_cpu_optimizer_d2h_h2d and gpu.asynchronous
+        t = t + host + (max(0.0, copies - t) if hidden else copies)
     if args.optimizer != "muon":
         return t
     plan = muon_plan(args, mcfg, grid)
