@@ -377,7 +377,7 @@ def _restore_rng(meta, path, args, weights_only, g):
             par.get("context_parallel_size", 1), par.get("use_tp_pp_dp_mapping", False),
             par.get("world_size")) == (g.tp, g.pp, g.cp, g.pp_before_dp, g.world_size())
     if not (same and meta.get("has_rng")):
-        if g.rank == 0:
+        if g.rank == 0 and "megatron" not in meta.get("source", {}):  # (a Megatron-LM directory's: from_megatron)
             print("megalite: checkpoint RNG states not restored (saved at another layout or without them); "
                   "random streams restart from --seed", flush=True)
         return

@@ -13,6 +13,7 @@ pytest.importorskip("megatron.core", reason="Megatron checkpoints are made by me
 import pretrain_gpt  # noqa: E402
 from cli_batch import convert  # noqa: E402
 from megalite.checkpoint.convert import Reader, find_checkpoint  # noqa: E402
+from megalite.checkpoint.storage import CheckpointError  # noqa: E402
 from dist_util import run_on_ranks  # noqa: E402
 from megalite import parallel_state as ps  # noqa: E402
 from megalite.cli.parser import parse_args  # noqa: E402
@@ -58,9 +59,10 @@ def test_megatron_checkpoint_converts_to_megatrons_own_logits(megatron, saved):
         assert (got - ref[saved]).abs().max().item() <= 1e-5 * ref[saved].abs().max().item(), (name, saved)
 
 
-def test_pretrain_loads_a_megatron_directory_and_continues(megatron):
+def test_pretrain_loads_a_megatron_directory_and_continues(megatron, capsys):
     """pretrain_gpt.py --load on Megatron's directory resumes at its iteration and data position (the next samples
-    after the 40 consumed), exactly as a run loading the converter's output does."""
+    after the 40 consumed), exactly as a run loading the converter's output does (and says, once, that Megatron's
+    RNG states saved at TP2 x PP2 are not restored at TP1)."""
     base, roots, _, _ = megatron
     k = KINDS["llama"]
     model = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
@@ -82,7 +84,53 @@ def test_pretrain_loads_a_megatron_directory_and_continues(megatron):
             ps.destroy_model_parallel()
     assert len(runs[0]) == 2, f"not resumed at iteration 6: {runs[0]}"  # iterations 6 and 7
     assert runs[0] == runs[1], runs
+    out = capsys.readouterr().out
+    assert out.count("Megatron-LM's RNG states not restored (saved at TP 2 x PP 2, this run is at TP 1 x PP 1") == 1
+    assert "checkpoint RNG states not restored" not in out  # (the converted directory's own line: not said)
     assert not any(n.startswith("megalite-from-megatron-") for n in os.listdir(__import__("tempfile").gettempdir()))
+
+
+def test_megatron_rng_states_are_restored_where_they_map(megatron):
+    """Megatron-LM's per-(PP, TP) RNG item: at the same TP x PP each rank takes its own coordinates' Python, numpy
+    and torch CPU streams (CUDA's: on CUDA only, said in one line on a CPU run); at another TP x PP none, one
+    line."""
+    import random
+
+    import numpy as np
+
+    from megalite.checkpoint.megatron import MegatronCheckpoint
+    from megalite.checkpoint.megatron_rng import restore
+    from megalite.grid import Grid
+    _, roots, _, _ = megatron
+
+    def streams():
+        return random.getstate(), np.random.get_state(), torch.get_rng_state()
+    before = streams()
+    try:
+        for (kind, tp, pp), coords in ((("llama", 2, 2), [(0, 0), (1, 0), (0, 1), (1, 1)]), (("llama", 1, 1), [(0, 0)])):
+            for t, p in coords:
+                lines = []
+                done = restore(MegatronCheckpoint(roots[(kind, tp, pp)]), Grid.of(tp=tp, pp=pp, tp_rank=t, pp_rank=p),
+                               False, lines.append)
+                want = torch.load(os.path.join(roots[(kind, tp, pp)], f"rng_expected_pp{p}_tp{t}.pt"), weights_only=False)
+                got = streams()
+                assert done == ["python", "numpy", "torch"] and got[0] == want["python"], (tp, pp, t, p)
+                assert all(np.array_equal(a, b) for a, b in zip(got[1], want["numpy"])) and torch.equal(got[2],
+                                                                                                    want["torch"])
+                assert len(lines) == 1 and "CUDA RNG states" in lines[0] and "do not map to a CPU run" in lines[0]
+        random.setstate(before[0])
+        np.random.set_state(before[1])
+        torch.set_rng_state(before[2])
+        lines = []
+        assert restore(MegatronCheckpoint(roots[("llama", 2, 2)]), Grid.of(), False, lines.append) == []
+        assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(streams()[1],
+                                                                                                  before[1]))
+        assert lines == ["megalite: Megatron-LM's RNG states not restored (saved at TP 2 x PP 2, this run is at TP 1 "
+                         "x PP 1, as Megatron-LM would not either): random streams restart from --seed"]
+    finally:
+        random.setstate(before[0])
+        np.random.set_state(before[1])
+        torch.set_rng_state(before[2])
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +244,28 @@ def test_a_megatron_pickle_payload_is_refused(megatron, tmp_path, victim):
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, lines
     assert victim in lines[0] and "open, which a checkpoint does not need; refused" in lines[0], lines
+    assert not os.path.exists(marker)
+
+
+class _Codec:
+    def __reduce__(self):
+        import codecs
+        return codecs.encode, ("payload", "rot13")
+
+
+def test_numpy_arrays_pass_the_restricted_unpickler_and_nothing_else_does(tmp_path):
+    """Megatron's RNG item holds numpy's generator state: numpy arrays are admitted (their bytes through latin-1
+    only); an object array's elements, another codec, a payload are refused and run nothing."""
+    import numpy as np
+
+    from megalite.checkpoint.safe_pickle import loads
+    a = np.arange(7, dtype=np.uint32)
+    assert np.array_equal(loads(pickle.dumps(np.random.get_state(), protocol=2), "x")[1], np.random.get_state()[1])
+    assert np.array_equal(loads(pickle.dumps(a, protocol=2), "x"), a)
+    marker = str(tmp_path / "executed")
+    for hostile, why in ((_Codec(), "only latin-1"), (np.array([_Payload(marker)], dtype=object), "refused")):
+        with pytest.raises(CheckpointError, match=why):
+            loads(pickle.dumps(hostile, protocol=2), "x")
     assert not os.path.exists(marker)
 
 

@@ -46,6 +46,20 @@ def convert_for_load(root, model_config_of, group, device, log, load_optim=True)
     return out
 
 
+def restore_rng(root, chunks, log):
+    """This rank's random streams from the Megatron-LM directory, where they map (megatron_rng.py); log(line): the
+    run's printer, called on the first rank only."""
+    from megalite import parallel_state as ps
+    from megalite.checkpoint.megatron import MegatronCheckpoint
+    from megalite.checkpoint.megatron_rng import restore
+    grid = ps.grid_of(chunks)
+    lines = []
+    restore(MegatronCheckpoint(root), grid, ps.get_device().type == "cuda", lines.append)
+    if ps.global_rank() == 0:
+        for line in lines:
+            log(line)
+
+
 def remove_converted(root, group):
     """After every rank loaded: the node's conversion goes."""
     if group is not None:

@@ -4,7 +4,8 @@ Megatron-LM's `torch_dist` directories hold three kinds of pickle: PyTorch DCP's
 `common.pt` (a torch.save of the iteration, Megatron's argparse namespace, the LR schedule) and the byte items
 inside the `.distcp` files (also torch.saves). A pickle names the functions it calls, so a hostile directory
 could run anything on `torch.load` / `pickle.load`. `loads` / `torch_load` admit only what those files hold
-— DCP's metadata classes, plain containers, tensors and their storages, argparse's namespace, torch's dtypes —
+— DCP's metadata classes, plain containers, tensors and their storages, numpy arrays, argparse's namespace, torch's
+dtypes —
 and stand Megatron's own classes (enums, config objects) in as inert records; anything else is refused in one
 line naming the global and the file. megalite's own checkpoints hold no pickle at all."""
 
@@ -23,6 +24,10 @@ ALLOWED = {
     ("torch.serialization", "_get_layout"), ("torch._utils", "_rebuild_tensor_v2"),
     ("torch._utils", "_rebuild_parameter"), ("torch", "device"), ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
+    # numpy arrays (Megatron's RNG item holds numpy's generator state): an empty array of a dtype, then its bytes;
+    # an object array's elements are pickles of their own, refused here like any other
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "_reconstruct"),
 } | {(_DCP + "metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
                                      "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
                                      "_MEM_FORMAT_ENCODING")} | {
@@ -48,6 +53,13 @@ class Foreign:
     __hash__ = None
 
 
+def _latin1(text, encoding="utf-8"):
+    """codecs.encode as protocol 2 pickles bytes (latin-1 text), refusing any other codec."""
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise CheckpointError(f"a pickle asks codecs.encode for {encoding!r}; refused (only latin-1 bytes)")
+    return text.encode("latin1")
+
+
 def _foreign(name):
     def build(*args, **kwargs):
         return Foreign(name, *args, **kwargs)
@@ -61,6 +73,8 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1  # (protocol 2's bytes: a numpy array's data)
         if module == "torch" and (isinstance(getattr(torch, name, None), torch.dtype) or name.endswith("Storage")):
             return getattr(torch, name)  # dtypes (torch.float32), typed storages of a tensor's data
         if module.split(".")[0] == "megatron":

@@ -227,6 +227,8 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root):
     finally:
         if megatron:
             from_megatron.remove_converted(root, checkpoint_group())
+    if megatron and loaded is not None and not (args.no_load_rng or args.finetune):
+        from_megatron.restore_rng(root, chunks, lambda m: print(m, flush=True))
     if loaded is None and args.exit_on_missing_checkpoint:
         raise CheckpointError(f"--load {root} holds no checkpoint and --exit-on-missing-checkpoint is set")
     if loaded is not None:

@@ -179,6 +179,7 @@ def _save(root, kind, tp, pp, iteration, consumed, optim=None):
                      "iteration": iteration, "model": model_sd,
                      "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 1e-4, "num_steps": consumed, "warmup_steps": 0,
                                              "decay_steps": 800, "decay_style": "cosine"}}
+            state["rng_state"] = _rng_state(where, tp, pp)
             if optimizer is not None:
                 state["optimizer"] = optimizer.sharded_state_dict(model_sd,
                                                                   metadata={"distrib_optim_sharding_type": layout})
@@ -192,6 +193,34 @@ def _save(root, kind, tp, pp, iteration, consumed, optim=None):
                     f.write(str(iteration))
     finally:
         mps.destroy_model_parallel()
+
+
+def _rng_state(root, tp, pp):
+    """Megatron-LM's `rng_state` item as its get_rng_state makes it (a ShardedObject over (PP, TP), data-parallel
+    rank 0's streams in a list; CUDA's generator states stood in by 16-byte Philox-sized tensors on CPU), with
+    streams distinct per rank; what each (pp, tp) saved is also written to root/rng_expected_pp<p>_tp<t>.pt."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as mps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    p, t, d = (mps.get_pipeline_model_parallel_rank(), mps.get_tensor_model_parallel_rank(),
+               mps.get_data_parallel_rank())
+    code = 10 * p + t
+    random.seed(100 + code)
+    np.random.seed(200 + code)
+    torch.manual_seed(300 + code)
+    for _ in range(code + 1):  # (a stream part-way: a position and, for Python's, a cached gaussian)
+        random.gauss(0, 1), np.random.randn(3), torch.rand(3)
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.arange(16, dtype=torch.uint8) + code,
+             "rng_tracker_states": {"model-parallel-rng": torch.arange(16, dtype=torch.uint8) * 2 + code}}
+    if d == 0:
+        os.makedirs(root, exist_ok=True)
+        torch.save({"python": state["random_rng_state"], "numpy": state["np_rng_state"],
+                    "torch": state["torch_rng_state"]}, os.path.join(root, f"rng_expected_pp{p}_tp{t}.pt"))
+    return ShardedObject("rng_state", [state], (pp, tp), (p, t), replica_id=d)
 
 
 def save_all(specs, iteration=5, consumed=40):
