@@ -54,8 +54,9 @@ def restore_rng(root, chunks, log):
     from megalite.checkpoint.megatron_rng import restore
     grid = ps.grid_of(chunks)
     lines = []
-    restore(MegatronCheckpoint(root), grid, ps.get_device().type == "cuda", lines.append)
-    if ps.global_rank() == 0:
+    on_cuda = any(p.is_cuda for c in chunks for p in c.parameters())
+    restore(MegatronCheckpoint(root), grid, on_cuda, lines.append)
+    if grid.rank == 0:
         for line in lines:
             log(line)
 
