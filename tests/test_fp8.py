@@ -177,8 +177,9 @@ def _train(argv):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("more", [(), ("--bf16", "--use-distributed-optimizer", "--fp8-param-gather")],
-                         ids=["fp32", "bf16_fp8_param_gather"])
+@pytest.mark.parametrize("more", [(), ("--bf16", "--use-distributed-optimizer", "--fp8-param-gather"),
+                                  ("--bf16", "--use-distributed-optimizer", "--fp8-param-gather", "--zero-stage", "3")],
+                         ids=["fp32", "bf16_fp8_param_gather", "bf16_fp8_param_gather_zero3"])
 def test_delayed_scaling_histories_resume_from_a_checkpoint(tmp_path, more):
     """The amax histories are saved with the checkpoint (per module name, every rank's): a resumed run's losses
     are the uninterrupted run's, bit for bit (without them its scales restart from the tensors' own amax). With
@@ -244,6 +245,9 @@ def _gathered_fp8_weights(argv, world_size):
     try:
         losses, chunks, optimizer = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
                                              args, return_state=True)
+        for c in chunks:  # ZeRO-3: every unit gathered (as for its forward), its FP8 copies with it
+            for u in getattr(getattr(c, "units", None), "units", ()):
+                c.units.ensure(u)
         names = {p: n for c in chunks for n, p in c.module.named_parameters()}
         got = {names[p]: (p.fp8_weight[0].view(torch.uint8).clone(), p.fp8_weight[1].item(), p.detach().clone())
                for c in chunks for p in names if getattr(p, "fp8_weight", None) is not None}
@@ -288,16 +292,19 @@ def _train_plain(argv):
         ps.destroy_model_parallel()
 
 
-def test_fp8_param_gather_over_zero1_is_the_one_rank_function():
-    """Two data-parallel ranks (ZeRO-1) gather the FP8 weights as bytes (each weight's amax reduced over the ranks
-    that hold its pieces): every rank ends with exactly the FP8 copies, scales and dequantized weights of the one-rank
-    run, and the parameter all-gather moved about half the bf16 bytes (the biases and norms travel in bf16).
-    --lr 0 keeps the fp32 main weights the same in both runs, so their quantization must agree bit for bit."""
+@pytest.mark.parametrize("zero", ["1", "3"])
+def test_fp8_param_gather_over_zero_is_the_one_rank_function(zero):
+    """Two data-parallel ranks (ZeRO-1; ZeRO-3, whose unit gathers move the FP8 bytes each time a unit is gathered)
+    gather the FP8 weights as bytes (each weight's amax reduced over the ranks that hold its pieces): every rank ends
+    with exactly the FP8 copies, scales and dequantized weights of the one-rank run, each GEMM uses its copy, and a
+    gather moved about half the bf16 bytes (the biases and norms travel in bf16). --lr 0 keeps the fp32 main weights
+    the same in both runs, so their quantization must agree bit for bit."""
     from dist_util import run_on_ranks
     argv = list(PARAM_GATHER) + ["--train-iters", "2", "--lr", "0"]
     _, one, _, _, _, _ = _gathered_fp8_weights(argv, 1)
-    for losses, got, _, wire, bf16, _ in run_on_ranks(_gathered_fp8_weights, 2, argv, 2, capability=None):
-        assert got.keys() == one.keys()
+    for losses, got, _, wire, bf16, uses_copy in run_on_ranks(_gathered_fp8_weights, 2, argv + ["--zero-stage", zero],
+                                                              2, capability=None):
+        assert got.keys() == one.keys() and uses_copy
         for n, (raw, inverse, model) in got.items():
             assert torch.equal(raw, one[n][0]) and inverse == one[n][1] and torch.equal(model, one[n][2]), n
         assert wire < 0.6 * bf16, (wire, bf16)

@@ -1,5 +1,6 @@
 """--fp8-param-gather: the FP8 layers' weights quantized from the fp32 main weights right after the optimizer step
-(as Transformer Engine's FP8 parameters are), and their FP8 bytes are what ZeRO-1/2's parameter all-gather moves:
+(as Transformer Engine's FP8 parameters are), and their FP8 bytes are what ZeRO-1/2's parameter all-gather and
+ZeRO-3's unit gathers (each time a unit is gathered, for its forward and again for its backward) move:
 one byte an element instead of the model dtype's two (bf16 / fp16), plus one fp32 scale a weight that every rank
 derives from an all-reduced amax rather than receives.
 
@@ -61,9 +62,12 @@ class Fp8Wire:
         """Send this rank's string (FP8 weights' pieces from `quantized`: {param: uint8 piece}); unpacked by
         finish()."""
         b, mine, at = self.bucket, torch.zeros(self.longest, dtype=torch.uint8, device=self.bucket.param_data.device), 0
+        # (ZeRO-3: this rank's values are its shard, the bucket's buffer being freed between gathers)
+        own, base = (b.param_shard, b.lo) if b.stage == 3 else (b.param_data, 0)
         for p, lo, hi, flat in self.segments[b.lo // b.shard]:
             n = (hi - lo) * (1 if p in self.sites else self.width)
-            mine[at:at + n] = quantized[p] if p in self.sites else b.param_data[flat:flat + hi - lo].view(torch.uint8)
+            mine[at:at + n] = quantized[p] if p in self.sites else own[flat - base:flat - base + hi - lo].view(
+                torch.uint8)
             at += n
         if b.dp == 1:
             self.out = mine
@@ -79,6 +83,9 @@ class Fp8Wire:
         if self.handle is not None:
             self.handle.wait()
         b = self.bucket
+        for p in self.bucket.params:  # (ZeRO-3: a weight's FP8 copy exists while its unit is gathered)
+            if p in self.sites and p.fp8_bytes is None:
+                p.fp8_bytes = torch.empty(p.numel(), dtype=torch.uint8, device=b.param_data.device)
         for r, segs in enumerate(self.segments):
             at = r * self.longest if b.dp > 1 else 0
             for p, lo, hi, flat in segs:
@@ -107,8 +114,11 @@ class Fp8ParamGather:
         self.params = [p for c in chunks for b in c.buckets for p in b.params if p in self.sites]
         self.owned = [(pc, mp) for pc, mp in zip(pieces, main_params) if pc.param in self.sites]
         self.buckets = [b for c in chunks for b in c.buckets if any(p in self.sites for p in b.params)]
-        for p in self.params:
-            p.fp8_bytes = torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
+        for c in chunks:
+            for b in c.buckets:
+                for p in b.params:
+                    if p in self.sites:  # (ZeRO-3: made at each gather, freed with the unit)
+                        p.fp8_bytes = None if b.stage == 3 else torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
         for b in self.buckets:
             b.wire, b.fp8_gather = Fp8Wire(b, self.sites), self
         self.scales, self.quantized = {}, {}
@@ -137,6 +147,10 @@ class Fp8ParamGather:
             site = self.sites[pc.param]
             q, _ = scaled(mp.detach(), site.forward_dtype, self.scales[pc.param][0], site.margin)
             self.quantized[pc.param] = q.reshape(-1).view(torch.uint8)
+
+    def ready(self):
+        """Whether a step has quantized the weights (before the first, ZeRO-3 gathers the model's own dtype)."""
+        return bool(self.scales)
 
     def start(self, bucket, async_op):
         bucket.wire.start(self.quantized, async_op)

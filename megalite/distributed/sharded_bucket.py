@@ -197,7 +197,12 @@ class ShardedBucket:
         self.param_data.untyped_storage().resize_(self.padded * self.param_data.element_size())
         for p, view in self._views:
             p.data = view
-        if self.dp == 1:
+        if self.fp8_gather is not None and self.fp8_gather.ready():  # --fp8-param-gather: FP8 bytes (fp8_gather.py)
+            self.fp8_gather.start(self, async_op)
+            self.gather_handle = "fp8"
+            if not async_op:
+                self.wait_params()
+        elif self.dp == 1:
             self.param_data.copy_(self.param_shard)
         else:
             self.gather_handle = comm.all_gather(self.param_data, self.param_shard, group=self.group,
@@ -207,9 +212,11 @@ class ShardedBucket:
         return True
 
     def wait_params(self):
-        if self.gather_handle is not None:
+        if self.gather_handle == "fp8":
+            self.fp8_gather.finish(self)
+        elif self.gather_handle is not None:
             self.gather_handle.wait()
-            self.gather_handle = None
+        self.gather_handle = None
 
     def release_params(self):
         self.wait_params()  # never free a buffer a collective still writes
@@ -217,6 +224,8 @@ class ShardedBucket:
             self.param_data.untyped_storage().resize_(0)
             for p, _ in self._views:
                 p.data = self._freed.expand(p.shape)
+                if getattr(p, "fp8_bytes", None) is not None:  # (its FP8 copy goes with it)
+                    p.fp8_bytes = p.fp8_weight = None
         self.backward_seen.clear()
 
     def param_bytes(self):

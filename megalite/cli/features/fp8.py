@@ -51,8 +51,6 @@ def validate_fp8(args):
         why = [w for w, bad in (
             ("--use-distributed-optimizer (its parameter all-gather is what moves the FP8 weights)",
              not args.use_distributed_optimizer),
-            ("--zero-stage 1 or 2 (ZeRO-3's unit gathers in FP8 are not built yet)",
-             args.use_distributed_optimizer and (args.zero_stage or 1) == 3),
             ("--bf16 or --fp16 (the FP8 weights stand in for the model's half-precision copies; fp32 models step "
              "their weights in place)", not (args.bf16 or args.fp16)),
             ("--fp8-recipe tensorwise or delayed (one scale per weight)", r not in ("tensorwise", "delayed"))) if bad]
