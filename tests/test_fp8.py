@@ -150,9 +150,22 @@ def test_tensor_parallel_fp8_layers_are_the_whole_layers():
 LAYOUTS = [layout("pp2_fp8_tensorwise", pp=2, model=TENSORWISE), layout("dp2_fp8_delayed", dp=2, model=DELAYED),
            layout("pp2_fp8_delayed_untied", pp=2, model=DELAYED + ("--untie-embeddings-and-output-weights",)),
            layout("dp2_fp8_rowwise", dp=2, model=ROWWISE),
-           layout("pp2_fp8_blockwise", pp=2, model=BLOCKWISE), layout("dp2_fp8_blockwise", dp=2, model=BLOCKWISE)]
+           layout("pp2_fp8_blockwise", pp=2, model=BLOCKWISE), layout("dp2_fp8_blockwise", dp=2, model=BLOCKWISE),
+           # CP: each rank holds part of every sequence, so an activation's or gradient's amax is the largest over
+           # the CP ranks (the weights' are not split)
+           layout("cp2_fp8_tensorwise", cp=2, model=TENSORWISE), layout("cp2_fp8_delayed", cp=2, model=DELAYED)]
 STEP_ONE_ONLY = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-5,
                  "losses": float("inf"), "norms": float("inf"), "params": float("inf")}
+
+
+def test_scales_along_the_tokens_are_refused_with_context_parallelism():
+    from megalite.cli.parser import check_args
+    from megalite.config import ConfigError
+    for recipe in ("rowwise", "blockwise"):
+        with pytest.raises(ConfigError, match=f"--fp8-recipe {recipe} with --context-parallel-size 2: its weight-"
+                                              "gradient scales run along the tokens, which CP shares out"):
+            check_args(list(BASE) + ["--fp8-format", "hybrid", "--fp8-recipe", recipe, "--context-parallel-size", "2"],
+                       world_size=2)
 
 
 @pytest.fixture(scope="module")

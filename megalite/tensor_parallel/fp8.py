@@ -21,12 +21,14 @@ the product rescaled and accumulated in fp32. The recipes differ in where the sc
     flushes small gradients to zero and makes the first step depend on the layout's loss divisor.
 A layout computes the same function as one process because every amax is of the whole tensor (row-wise: of the
 whole row): the TP ranks holding shards of one agree on its maximum (mappings.max_over_tensor_model_parallel_region)
-before quantizing. The layers' biases, the embeddings, the output
+before quantizing, and the CP ranks on an activation's or gradient's (each holds part of every sequence). Row-wise
+and blockwise scales along the tokens (their weight-gradient GEMMs') would have to be cut as CP cuts the sequence:
+those two recipes are refused with CP. The layers' biases, the embeddings, the output
 layer, norms, attention's softmax and the optimizer stay in the model's precision, as in Megatron."""
 
 import torch
 
-from megalite.tensor_parallel.mappings import max_over_tensor_model_parallel_region
+from megalite.tensor_parallel.mappings import max_over_context_parallel_region, max_over_tensor_model_parallel_region
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn), "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
@@ -70,6 +72,8 @@ class Fp8Site:
         a = t.detach().abs().amax().float().reshape(1)
         if which == "w" or (which == "x") == self.row_parallel:
             a = max_over_tensor_model_parallel_region(a, grid=self.grid)
+        if which != "w":  # (CP shares every sequence's tokens out: an activation's and gradient's are split)
+            a = max_over_context_parallel_region(a, grid=self.grid)
         return a.reshape(())
 
     def quantize(self, which, t):

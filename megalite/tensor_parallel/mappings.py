@@ -285,6 +285,15 @@ def all_reduce_sum_tp(x, grid=None):
     return x
 
 
+def max_over_context_parallel_region(x, grid=None):
+    """In place: x becomes its elementwise maximum over the CP group (an FP8 scale's amax of an activation or
+    gradient whose tokens the CP ranks share out)."""
+    grid = ps.current_grid(grid)
+    if getattr(grid, "cp", 1) > 1:  # (a layer's test grid may name TP alone)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=grid.cp_group)
+    return x
+
+
 def max_over_tensor_model_parallel_region(x, grid=None):
     """In place: x becomes its elementwise maximum over the TP group (an FP8 scale's amax of a tensor whose
     shards the TP ranks hold, so every rank quantizes with the whole tensor's scale)."""

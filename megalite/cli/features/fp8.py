@@ -61,6 +61,9 @@ def validate_fp8(args):
                           f"{args.fp8_margin} >= 0")
     if args.first_last_layers_bf16 and min(args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16) < 0:
         raise ConfigError("--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 must be >= 0")
+    if r in ("rowwise", "blockwise") and args.context_parallel_size > 1:
+        raise ConfigError(f"--fp8-recipe {r} with --context-parallel-size {args.context_parallel_size}: its "
+                          "weight-gradient scales run along the tokens, which CP shares out; use tensorwise or delayed")
     not_yet = [what for what, on in (
         ("MoE experts (--num-experts)", args.num_experts),
         ("multi-token prediction (--mtp-num-layers)", args.mtp_num_layers),
