@@ -37,6 +37,9 @@ def megatron(tmp_path_factory):
     # elements: each stage's parameters span several) and saved with its state in Megatron-LM's default layout
     roots.update({(k, "optim"): str(base / f"{k}_tp2pp2_dp_reshardable") for k in ("llama", "gpt2")})
     optim = [(None, k, 2, 2, {"dp_reshardable": roots[(k, "optim")]}) for k in ("llama", "gpt2")]
+    # and the MoE model at PP2 with its experts over 2 EP ranks: megatron-core chains a dense and an expert optimizer
+    roots[("moe", "optim")] = str(base / "moe_pp2_ep2_dp_reshardable")
+    optim.append((None, "moe", 1, 2, {"dp_reshardable": roots[("moe", "optim")]}))
     run_on_ranks(save_all, 4, [(roots[s], *s) for s in SAVED] + optim, timeout=300, backend="gloo")
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (2, 16))
@@ -169,23 +172,31 @@ def test_a_megatron_run_continues_in_megalite_as_in_megatron(megatron_run, layou
 
 def test_megatrons_default_optimizer_layout_reads_at_any_tp_and_pp(megatron, tmp_path, monkeypatch):
     """Megatron-LM's default dp_reshardable layout at TP2 x PP2 with several buckets per stage (the tied embedding
-    in a bucket of its own on both stages): every parameter's fp32 main weights, assembled whole, are the weights the
-    checkpoint holds, and Adam's moments are each element's own (one step from zero, no clipping: exp_avg_sq /
-    exp_avg^2 = (1 - beta2) / (1 - beta1)^2 = 0.1). Read under the wrong parameter order, it is one line; with
-    --no-load-optim the weights still convert."""
+    in a bucket of its own on both stages), and an MoE model's chained dense and expert optimizers at PP2 x EP2:
+    every parameter's fp32 main weights (each expert's too), assembled whole, are the weights the checkpoint holds,
+    and Adam's moments are each element's own (one step from zero, no clipping: exp_avg_sq / exp_avg^2 =
+    (1 - beta2) / (1 - beta1)^2 = 0.1). Read under the wrong parameter order, it is one line; with --no-load-optim
+    the weights still convert; the MoE model converts with its optimizer state."""
     from megalite.checkpoint import megatron_buckets
     from megalite.checkpoint.megatron import MegatronCheckpoint
     _, roots, _, _ = megatron
-    for kind in ("llama", "gpt2"):
+    for kind in ("llama", "gpt2", "moe"):
         ckpt = MegatronCheckpoint(roots[(kind, "optim")])
         step, got = megatron_buckets.read(ckpt, ["exp_avg", "exp_avg_sq", "param"], KINDS[kind]["swiglu"])
-        weights = [k for k in ckpt.items if hasattr(ckpt.items[k], "chunks") and not k.startswith("optimizer.")]
+        weights = [k for k in ckpt.items if hasattr(ckpt.items[k], "chunks") and "optimizer." not in k]
         assert step == 1.0 and sorted(f"optimizer.state.param.{k}" for k in weights) == sorted(
             k for k in got if ".param." in k), (kind, sorted(got))
         for k in weights:
             assert torch.equal(got[f"optimizer.state.param.{k}"], ckpt.tensor(k)), (kind, k)
             m, v = got[f"optimizer.state.exp_avg.{k}"], got[f"optimizer.state.exp_avg_sq.{k}"]
             assert (m != 0).all() and torch.allclose(v / m ** 2, torch.full_like(m, 0.1), rtol=1e-5), (kind, k)
+    rc, out, err = convert("--loader", "megatron", "--saver", "megalite", "--load-dir", roots[("moe", "optim")],
+                           "--save-dir", str(tmp_path / "moe"))
+    assert rc == 0 and "Adam's state" in out, (out, err)
+    moe = Reader(find_checkpoint(str(tmp_path / "moe"))[0])
+    theirs = got["optimizer.state.exp_avg.decoder.layers.3.mlp.experts.experts.linear_fc2.weight"]
+    assert torch.equal(moe.get("optimizer.exp_avg.decoder.layers.3.mlp.experts.local_experts.2.linear_fc2.weight"),
+                       theirs[2])
     monkeypatch.setattr(megatron_buckets, "ORDERS", {"transformer_engine": megatron_buckets.ORDERS["transformer_engine"]})
     with pytest.raises(Exception, match="does not follow the parameter order of megatron-core's transformer_engine "
                                         "layer spec"):

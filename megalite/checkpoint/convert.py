@@ -334,7 +334,7 @@ def import_megatron(load_dir, save_dir, tp, pp, model_config_of, load_optim=True
                        "checkpoint_version": src.common.get("checkpoint_version")}}
     if optim:
         sched = src.common.get("opt_param_scheduler") or {}
-        scaler = src.common["optimizer"].get("grad_scaler") or {"scale": 1.0}
+        scaler = src.optimizer_common().get("grad_scaler") or {"scale": 1.0}
         meta.update(optimizer={"step": step, "kind": "adam"},
                     scheduler={k: sched[k] for k in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
                                                      "lr_decay_style", "num_steps") if k in sched},

@@ -141,7 +141,15 @@ class MegatronCheckpoint:
     def optimizer_format(self):
         """How Megatron saved its distributed optimizer's state (None: no optimizer state)."""
         o = self.common.get("optimizer")
+        if isinstance(o, dict) and o and all(isinstance(k, int) for k in o):  # (megatron-core's chained optimizers:
+            kinds = {v.get("param_state_sharding_type", "legacy") for v in o.values() if isinstance(v, dict)}
+            return kinds.pop() if len(kinds) == 1 else "mixed"  # an MoE model's dense and expert ones)
         return o.get("param_state_sharding_type", "legacy") if isinstance(o, dict) else None
+
+    def optimizer_common(self):
+        """The optimizer's common state (its step count, loss scaler): the dense one of an MoE model's chain."""
+        o = self.common.get("optimizer") or {}
+        return o[min(o)] if o and all(isinstance(k, int) for k in o) else o
 
     def optimizer(self, cfg):
         """(Adam's step, [(megalite checkpoint name, tensor)]) of the optimizer state: exp_avg, exp_avg_sq and,
@@ -154,7 +162,7 @@ class MegatronCheckpoint:
         if fmt == "dp_reshardable":
             step, source = megatron_buckets.read(self, states, cfg["swiglu"])
         elif fmt == "fully_reshardable":
-            step, source = float(self.common["optimizer"]["optimizer"]["param_groups"][0].get("step", 0)), None
+            step, source = float(self.optimizer_common()["optimizer"]["param_groups"][0].get("step", 0)), None
         else:
             raise CheckpointError(f"{self.path}: its optimizer state is in Megatron's {fmt!r} layout, which megalite "
                                   "does not read; resave it with Megatron-LM's --dist-ckpt-optim-fully-reshardable, "

@@ -17,8 +17,9 @@ import torch
 
 from megalite.checkpoint.storage import CheckpointError
 
-_BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
-                     r"(\w+)$")
+# (an MoE model's optimizer is megatron-core's chain of two: chained_0 the dense parameters', chained_1 the experts')
+_BUCKET = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+                     r"\.bucket_idx_(\d+)\.(\w+)$")
 _NORM = ("layer_norm_weight", "layer_norm_bias")
 # a layer's parameters in registration order (megatron-core's TransformerLayer: input norm, attention - whose
 # output projection its base class builds before the QKV - pre-MLP norm, MLP), under the checkpoint's names
@@ -27,15 +28,20 @@ _QKV = ["self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"]
 _QK_NORMS = ["self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
              "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
 _FC = ["mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
+# an MoE layer's dense parameters (its experts are in the experts' buffers: megatron_expert_buckets.py): the
+# router, then the shared experts; its pre-MLP norm a module of its own under TE (nothing to fuse it into)
+_MOE = ["mlp.router.weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight",
+        "mlp.shared_experts.gate_weight"]
 _IN_NORM = [f"self_attention.linear_qkv.{n}" for n in _NORM]
-_MLP_NORM = [f"mlp.linear_fc1.{n}" for n in _NORM]
+_MLP_NORM = [f"mlp.linear_fc1.{n}" for n in _NORM] + ["pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias"]
 ORDERS = {  # the local spec: norms are modules of their own; Transformer Engine's: fused, first in their linear
-    "local": _IN_NORM + _ATTN + _QKV + _QK_NORMS + _MLP_NORM + _FC,
-    "transformer_engine": _ATTN + _IN_NORM + _QKV + _QK_NORMS + _MLP_NORM + _FC,
+    "local": _IN_NORM + _ATTN + _QKV + _QK_NORMS + _MLP_NORM + _FC + _MOE,
+    "transformer_engine": _ATTN + _IN_NORM + _QKV + _QK_NORMS + _MLP_NORM + _FC + _MOE,
 }
 _COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
-           "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight")
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+           "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight",
+           "mlp.shared_experts.linear_fc1.weight")
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight")
 
 
 def read(ckpt, states, swiglu):
@@ -47,7 +53,8 @@ def read(ckpt, states, swiglu):
                                                                            None):
         raise CheckpointError(f"{ckpt.path}: an interleaved pipeline's optimizer state in Megatron's dp_reshardable "
                               "layout is not read yet; load the weights only (--no-load-optim)")
-    domains = _domains(ckpt)
+    chains = _domains(ckpt)
+    domains, experts = chains.get(None) or chains.get("0") or {}, chains.get("1")
     if sorted(domains) != list(range(tp * pp)):
         raise CheckpointError(f"{ckpt.path}: its dp_reshardable optimizer state has model-parallel groups "
                               f"{sorted(domains)}, not the {tp * pp} of TP {tp} x PP {pp}")
@@ -55,7 +62,7 @@ def read(ckpt, states, swiglu):
     for idx, d in sorted(domains.items()):
         if len(d["buckets"]) != 1:
             raise CheckpointError(f"{ckpt.path}: model-parallel rank {idx} has {len(d['buckets'])} grad buffers (mixed "
-                                  "dtypes or experts), which megalite does not read yet; load with --no-load-optim")
+                                  "dtypes), which megalite does not read yet; load with --no-load-optim")
         t, p = idx % tp, idx // tp
         (_, buckets), = d["buckets"].items()
         flat = {s: [ckpt.tensor(buckets[b][s]) for b in sorted(buckets)] for s in set(states) | {"param"}}
@@ -72,31 +79,40 @@ def read(ckpt, states, swiglu):
                 values = flat[s][b][start:start + math.prod(part)].view(part)
                 _put(whole, local, values)
         step = d["step"] if step is None else step
+    if experts is not None:
+        from megalite.checkpoint.megatron_expert_buckets import read_experts
+        out.update(read_experts(ckpt, experts, states))
     return step, out
 
 
 def _domains(ckpt):
-    """{dp_group_idx: {"buckets": {(gbuf, dtype): {bucket: {state: key}}}, "sizes": [...], "step": Adam's step}}."""
+    """{chain (None, or megatron-core's chained optimizer index): {dp_group_idx: {"buckets": {(gbuf, dtype): {bucket:
+    {state: key}}}, "sizes": [...], "step": Adam's step}}}."""
     found = {}
     for key in ckpt.items:
         m = _BUCKET.match(key)
         if m:
-            idx, gbuf, dtype, bucket, state = m.groups()
-            d = found.setdefault(int(idx), {"buckets": {}})
+            chain, idx, gbuf, dtype, bucket, state = m.groups()
+            d = found.setdefault(chain, {}).setdefault(int(idx), {"buckets": {}})
             d["buckets"].setdefault((int(gbuf), dtype), {}).setdefault(int(bucket), {})[state] = key
-    for idx, d in found.items():
-        base = f"optimizer.distributed.dp_group_idx_{idx}"
-        sizes = ckpt.object(f"{base}.per_bucket_numel_unpadded/shard_0_1")
-        d["sizes"] = [n for per_gbuf in sizes[0] for per_dtype in per_gbuf.values() for n in per_dtype] \
-            if isinstance(sizes, list) and sizes and isinstance(sizes[0], list) else None
-        groups = ckpt.object(f"{base}.optimizer/shard_0_1")
-        try:
-            d["step"] = float(groups[0]["param_groups"][0]["step"])
-        except (TypeError, KeyError, IndexError):
-            raise CheckpointError(f"{ckpt.path}: {base}.optimizer holds no Adam step") from None
-        if d["sizes"] is None:
-            raise CheckpointError(f"{ckpt.path}: {base}.per_bucket_numel_unpadded is not Megatron's bucket record")
+    for chain, domains in found.items():
+        for idx, d in domains.items():
+            _sizes_and_step(ckpt, d, (f"chained_{chain}." if chain is not None else "")
+                            + f"optimizer.distributed.dp_group_idx_{idx}")
     return found
+
+
+def _sizes_and_step(ckpt, d, base):
+    sizes = ckpt.object(f"{base}.per_bucket_numel_unpadded/shard_0_1")
+    d["sizes"] = [n for per_gbuf in sizes[0] for per_dtype in per_gbuf.values() for n in per_dtype] \
+        if isinstance(sizes, list) and sizes and isinstance(sizes[0], list) else None
+    groups = ckpt.object(f"{base}.optimizer/shard_0_1")
+    try:
+        d["step"] = float(groups[0]["param_groups"][0]["step"])
+    except (TypeError, KeyError, IndexError):
+        raise CheckpointError(f"{ckpt.path}: {base}.optimizer holds no Adam step") from None
+    if d["sizes"] is None:
+        raise CheckpointError(f"{ckpt.path}: {base}.per_bucket_numel_unpadded is not Megatron's bucket record")
 
 
 def _layers_of(a, p, pp):
@@ -173,7 +189,7 @@ def _local_index(store, shape, t, tp, swiglu):
     if s not in _COLUMN:
         return None
     n = shape[0] // tp
-    if swiglu and s.startswith("mlp.linear_fc1."):
+    if swiglu and (s.startswith("mlp.linear_fc1.") or s.startswith("mlp.shared_experts.linear_fc1.")):
         half, h = shape[0] // 2, n // 2
         return 0, torch.cat([torch.arange(t * h, (t + 1) * h), torch.arange(half + t * h, half + (t + 1) * h)])
     return 0, torch.arange(t * n, (t + 1) * n)

@@ -40,7 +40,7 @@ MOE_ONLY = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_
 VOCAB, SEQ = 128, 16
 
 
-def megatron_args(kind, tp, pp, iteration, consumed):
+def megatron_args(kind, tp, pp, iteration, consumed, ep=1):
     """Megatron-LM's namespace as its checkpoints carry it (the fields a model and a run are built from)."""
     import torch
     from megatron.core.transformer.enums import AttnBackend
@@ -52,6 +52,7 @@ def megatron_args(kind, tp, pp, iteration, consumed):
         rotary_base=10000, rotary_percent=1.0, norm_epsilon=1e-5, add_qkv_bias=False,
         apply_layernorm_1p=False, vocab_size=None, padded_vocab_size=VOCAB, make_vocab_size_divisible_by=128,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=1, global_batch_size=8,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if "num_experts" in k else None,
         consumed_train_samples=consumed, consumed_valid_samples=0, train_iters=100, lr=1e-3, min_lr=1e-4,
         params_dtype=torch.float32, fp16=False, bf16=False, bias_gelu_fusion=True, ckpt_format="torch_dist",
         attention_backend=AttnBackend.auto, iteration=iteration, seed=1234, tokenizer_type="NullTokenizer")
@@ -175,7 +176,7 @@ def _save(root, kind, tp, pp, iteration, consumed, optim=None):
         for layout, where in (optim or {None: root}).items():
             path = os.path.join(where, f"iter_{iteration:07d}")
             model_sd = model.sharded_state_dict()
-            state = {"args": megatron_args(kind, tp, pp, iteration, consumed), "checkpoint_version": 3.0,
+            state = {"args": megatron_args(kind, tp, pp, iteration, consumed, ep), "checkpoint_version": 3.0,
                      "iteration": iteration, "model": model_sd,
                      "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 1e-4, "num_steps": consumed, "warmup_steps": 0,
                                              "decay_steps": 800, "decay_style": "cosine"}}
