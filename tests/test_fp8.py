@@ -153,7 +153,10 @@ LAYOUTS = [layout("pp2_fp8_tensorwise", pp=2, model=TENSORWISE), layout("dp2_fp8
            layout("pp2_fp8_blockwise", pp=2, model=BLOCKWISE), layout("dp2_fp8_blockwise", dp=2, model=BLOCKWISE),
            # CP: each rank holds part of every sequence, so an activation's or gradient's amax is the largest over
            # the CP ranks (the weights' are not split)
-           layout("cp2_fp8_tensorwise", cp=2, model=TENSORWISE), layout("cp2_fp8_delayed", cp=2, model=DELAYED)]
+           layout("cp2_fp8_tensorwise", cp=2, model=TENSORWISE), layout("cp2_fp8_delayed", cp=2, model=DELAYED),
+           # multi-token prediction: its projection and transformer layer in FP8 too, on the last stage
+           layout("pp2_fp8_mtp_delayed", pp=2,
+                  model=DELAYED + ("--mtp-num-layers", "1", "--position-embedding-type", "rope"))]
 STEP_ONE_ONLY = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-5,
                  "losses": float("inf"), "norms": float("inf"), "params": float("inf")}
 
@@ -205,18 +208,27 @@ def test_delayed_scaling_histories_resume_from_a_checkpoint(tmp_path, more):
     assert first + rest == whole, (first, rest, whole)
 
 
-def test_first_and_last_layers_can_stay_out_of_fp8():
+def _fp8_modules(more):
     from megalite.cli.parser import model_config
     from megalite.models import GPTModel
-    args = parse_args(list(BASE) + list(DELAYED) + ["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"],
-                      world_size=1)
+    args = parse_args(list(BASE) + list(DELAYED) + ["--position-embedding-type", "rope"] + more, world_size=1)
     ps.initialize_model_parallel(1, 1)
     try:
         model = GPTModel(model_config(args, args.vocab_size))
-        fp8 = sorted({n.split(".")[2] for n, m in model.named_modules() if getattr(m, "fp8", None) is not None})
+        return [n for n, m in model.named_modules() if getattr(m, "fp8", None) is not None]
     finally:
         ps.destroy_model_parallel()
-    assert fp8 == ["1"], fp8  # 4 layers: the first and the last two in the model's precision
+
+
+def test_first_and_last_layers_can_stay_out_of_fp8():
+    fp8 = _fp8_modules(["--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "2"])
+    assert sorted({n.split(".")[2] for n in fp8}) == ["1"], fp8  # 4 layers: the first and the last two not
+    # multi-token prediction's layers: their projection and transformer layer's GEMMs, as the decoder's last
+    mtp = [n for n in _fp8_modules(["--mtp-num-layers", "2"]) if n.startswith("mtp.")]
+    assert mtp == [f"mtp.layers.{k}.{m}" for k in range(2) for m in (
+        "eh_proj", "transformer_layer.self_attention.linear_qkv", "transformer_layer.self_attention.linear_proj",
+        "transformer_layer.mlp.linear_fc1", "transformer_layer.mlp.linear_fc2")], mtp
+    assert not [n for n in _fp8_modules(["--mtp-num-layers", "1", "--first-last-layers-bf16"]) if n.startswith("mtp.")]
 
 
 @pytest.mark.cuda

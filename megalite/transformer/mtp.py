@@ -28,6 +28,7 @@ from megalite.moe.router import AuxLossScaler, _record
 from megalite.tensor_parallel import ColumnParallelLinear, checkpoint
 from megalite.tensor_parallel.layers import init_normal
 from megalite.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megalite.transformer.block import attach_fp8, fp8_layer
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.norm import build_norm
 from megalite.transformer.utils import param_seed
@@ -52,6 +53,8 @@ class MTPLayer(nn.Module):
         # numbered after the decoder's layers (the MoE log, the routers' records); built as the decoder's last
         self.transformer_layer = TransformerLayer(c, c.num_layers + k + 1, f"mtp.layers.{k}.transformer_layer", grid)
         self.final_layernorm = build_norm(c, h, grid=grid)
+        if c.fp8 and fp8_layer(c, c.num_layers + k):  # (its projection and layer's GEMMs, as the decoder's last)
+            attach_fp8(self, c)
 
     def _forward(self, h, emb, rotary, attn_mask):
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))

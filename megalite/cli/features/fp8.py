@@ -66,7 +66,6 @@ def validate_fp8(args):
                           "weight-gradient scales run along the tokens, which CP shares out; use tensorwise or delayed")
     not_yet = [what for what, on in (
         ("MoE experts (--num-experts)", args.num_experts),
-        ("multi-token prediction (--mtp-num-layers)", args.mtp_num_layers),
         ("semi-synchronous replicas", args.semi_sync_method),
         ("fault-tolerant replicas", args.ft_lighthouse)) if on]
     if not_yet:
