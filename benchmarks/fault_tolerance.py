@@ -12,7 +12,11 @@ relative to no failures), iterations trained more than once (recomputed) or neve
 and for FT each failure's recovery (the kill to the restarted replica's first iteration with the others) and the
 survivors' longest stall against the Lighthouse's heartbeat timeout plus one step.
 
-    python benchmarks/fault_tolerance.py [--iters 60] [--every 10] [--save-interval 5] [--replicas 3]
+A failure every --every iterations of the survivors, far enough apart that a restarted replica (about 3 s of
+imports) is back before the next: every kill point is reached. Every process runs one intra-op thread (torchrun's
+default for its workers; replicas started alone would each take a thread per core and fight over the cores).
+
+    python benchmarks/fault_tolerance.py [--iters 480] [--every 80] [--save-interval 10] [--replicas 3]
 """
 
 import argparse
@@ -78,7 +82,10 @@ class Proc:
 
 
 def _env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # one intra-op thread a process in every arm, as torchrun gives its workers: an FT replica started alone would
+    # take a thread per core, and three of them would fight over two cores where the torchrun job's ranks do not
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
     env.pop("TORCHFT_LIGHTHOUSE", None)
     return env
 
@@ -88,7 +95,8 @@ def ft_arm(iters, kill_at, log, replicas):
     0, failures, each failure's recovery s, replica 0's longest gap between two iterations s, its median step s)."""
     port = _port()
     lh = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}",
-                           "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
+                           "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS),
+                           "--quorum_tick_ms", "10"],  # (a quorum is checked for every 10 ms, not torchft's 100)
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = [sys.executable, "pretrain_gpt.py", *model(replicas), "--train-iters", str(iters), "--ft-lighthouse",
             f"localhost:{port}", "--ft-heartbeat-ms", "50", "--ft-timeout", "10"]
@@ -140,9 +148,10 @@ def restart_arm(iters, kill_at, save_interval, log, tmp, replicas):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--every", type=int, default=10, help="a failure every this many iterations")
-    ap.add_argument("--save-interval", type=int, default=5, help="checkpoint-restart's --save-interval")
+    ap.add_argument("--iters", type=int, default=480)
+    ap.add_argument("--every", type=int, default=80, help="a failure every this many iterations")
+    # (Young's interval: sqrt(2 x a save's cost x the time between failures), about 10 steps here)
+    ap.add_argument("--save-interval", type=int, default=10, help="checkpoint-restart's --save-interval")
     ap.add_argument("--replicas", type=int, default=3)
     a = ap.parse_args()
     kill_at = list(range(a.every, a.iters, a.every))
