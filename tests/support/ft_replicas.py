@@ -20,7 +20,8 @@ def lighthouse(min_replicas):
     """torchft's Lighthouse: a replica unheard of for 1 s is dead; a quorum waits up to 2 s for heartbeating
     replicas that have not asked yet (the replicas of a test start together)."""
     from torchft._torchft import LighthouseServer
-    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=2000, heartbeat_timeout_ms=1000,
+                            quorum_tick_ms=10)  # (a quorum looked for every 10 ms: torchft's 100 is a step's time here)
 
 
 def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(), env=None, key=None, tmp=None,
@@ -162,6 +163,8 @@ def _launcher(conn, out, barrier):
     each on the 2-core machine); it reaps them and reports their exit codes."""
     import signal
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (as each replica sets it, before anything imports triton)
+    import torch
+    torch.set_num_threads(1)  # (each forked replica one thread, as torchrun's workers: more replicas than cores)
     import pretrain_gpt  # noqa: F401 - (the imports every replica makes, made once)
     import torchft  # noqa: F401
     from megalite.training import ft_rounds, pretrain  # noqa: F401
