@@ -17,6 +17,7 @@ import os
 import torch
 
 from megalite.checkpoint import megatron_buckets
+from megalite.checkpoint.megatron_expert_buckets import read_experts
 from megalite.checkpoint.megatron_names import gpt_rows, unsupported
 from megalite.checkpoint.safe_pickle import loads, torch_load
 from megalite.checkpoint.storage import CheckpointError
@@ -161,6 +162,9 @@ class MegatronCheckpoint:
         rows = self._rows(cfg)
         if fmt == "dp_reshardable":
             step, source = megatron_buckets.read(self, states, cfg["swiglu"])
+            experts = megatron_buckets.chains(self).get("1")  # (an MoE model's expert optimizer)
+            if experts is not None:
+                source.update(read_experts(self, experts, states))
         elif fmt == "fully_reshardable":
             step, source = float(self.optimizer_common()["optimizer"]["param_groups"][0].get("step", 0)), None
         else:

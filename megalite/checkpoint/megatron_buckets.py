@@ -45,7 +45,7 @@ _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "mlp.share
 
 
 def read(ckpt, states, swiglu):
-    """(Adam's step, {f"optimizer.state.{state}.{key}": global tensor}) for the model keys of `ckpt` (a
+    """(Adam's step, {f"optimizer.state.{state}.{key}": global tensor}) for the dense model keys of `ckpt` (a
     MegatronCheckpoint), from its dp_reshardable buckets."""
     a = ckpt.args
     tp, pp = int(a.tensor_model_parallel_size), int(a.pipeline_model_parallel_size)
@@ -53,8 +53,8 @@ def read(ckpt, states, swiglu):
                                                                            None):
         raise CheckpointError(f"{ckpt.path}: an interleaved pipeline's optimizer state in Megatron's dp_reshardable "
                               "layout is not read yet; load the weights only (--no-load-optim)")
-    chains = _domains(ckpt)
-    domains, experts = chains.get(None) or chains.get("0") or {}, chains.get("1")
+    found = chains(ckpt)
+    domains = found.get(None) or found.get("0") or {}  # (an MoE model's experts: megatron_expert_buckets.py)
     if sorted(domains) != list(range(tp * pp)):
         raise CheckpointError(f"{ckpt.path}: its dp_reshardable optimizer state has model-parallel groups "
                               f"{sorted(domains)}, not the {tp * pp} of TP {tp} x PP {pp}")
@@ -79,13 +79,10 @@ def read(ckpt, states, swiglu):
                 values = flat[s][b][start:start + math.prod(part)].view(part)
                 _put(whole, local, values)
         step = d["step"] if step is None else step
-    if experts is not None:
-        from megalite.checkpoint.megatron_expert_buckets import read_experts
-        out.update(read_experts(ckpt, experts, states))
     return step, out
 
 
-def _domains(ckpt):
+def chains(ckpt):
     """{chain (None, or megatron-core's chained optimizer index): {dp_group_idx: {"buckets": {(gbuf, dtype): {bucket:
     {state: key}}}, "sizes": [...], "step": Adam's step}}}."""
     found = {}
