@@ -60,12 +60,8 @@ def read(ckpt, states, swiglu):
                               f"{sorted(domains)}, not the {tp * pp} of TP {tp} x PP {pp}")
     out, step = {}, None
     for idx, d in sorted(domains.items()):
-        if len(d["buckets"]) != 1:
-            raise CheckpointError(f"{ckpt.path}: model-parallel rank {idx} has {len(d['buckets'])} grad buffers (mixed "
-                                  "dtypes), which megalite does not read yet; load with --no-load-optim")
         t, p = idx % tp, idx // tp
-        (_, buckets), = d["buckets"].items()
-        flat = {s: [ckpt.tensor(buckets[b][s]) for b in sorted(buckets)] for s in set(states) | {"param"}}
+        flat = flat_buffers(ckpt, f"model-parallel rank {idx}", d, states)
         rows, places = _placed(ckpt, _params(ckpt, p, pp), d, flat["param"], t, tp, swiglu)
         for (store, read_key, layer, tied), (b, start) in zip(rows, places):
             if tied or not _writes(store, t):
@@ -80,6 +76,16 @@ def read(ckpt, states, swiglu):
                 _put(whole, local, values)
         step = d["step"] if step is None else step
     return step, out
+
+
+def flat_buffers(ckpt, who, d, states):
+    """{state: [its flat tensor per bucket]} of one domain (`who` names it), whose parameters share one grad buffer
+    (several, for mixed dtypes, are not read yet)."""
+    if len(d["buckets"]) != 1:
+        raise CheckpointError(f"{ckpt.path}: {who} has {len(d['buckets'])} grad buffers (mixed dtypes), which megalite "
+                              "does not read yet; load with --no-load-optim")
+    (_, buckets), = d["buckets"].items()
+    return {s: [ckpt.tensor(buckets[b][s]) for b in sorted(buckets)] for s in set(states) | {"param"}}
 
 
 def chains(ckpt):

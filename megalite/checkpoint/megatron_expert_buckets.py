@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from megalite.checkpoint.megatron_buckets import _layers_of, replay
+from megalite.checkpoint.megatron_buckets import _layers_of, flat_buffers, replay
 from megalite.checkpoint.storage import CheckpointError
 
 _SUFFIXES = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
@@ -36,12 +36,8 @@ def read_experts(ckpt, domains, states):
                               f"{sorted(domains)}, not the {ep * pp} of EP {ep} x PP {pp} for {experts} experts")
     local, out = experts // ep, {}
     for idx, d in sorted(domains.items()):
-        if len(d["buckets"]) != 1:
-            raise CheckpointError(f"{ckpt.path}: expert model-parallel rank {idx} has {len(d['buckets'])} grad buffers "
-                                  "(mixed dtypes), which megalite does not read yet; load with --no-load-optim")
         rank, p = idx % ep, idx // ep
-        (_, buckets), = d["buckets"].items()
-        flat = {s: [ckpt.tensor(buckets[b][s]) for b in sorted(buckets)] for s in set(states) | {"param"}}
+        flat = flat_buffers(ckpt, f"expert model-parallel rank {idx}", d, states)
         rows = _rows(ckpt, p, pp, rank * local, local)
         places = replay([math.prod(ckpt.items[key].size[len(at):]) for _, key, at in rows], d["sizes"])
         if places is None or not _holds(ckpt, rows, places, flat["param"]):
