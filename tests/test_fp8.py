@@ -1,6 +1,8 @@
 """FP8 training without Transformer Engine (--fp8-format / --fp8-recipe; megalite/tensor_parallel/fp8.py): the
 GEMMs' arithmetic, layouts against the single process, the delayed recipe's histories through a checkpoint."""
 
+import math
+import os
 import types
 
 import pytest
@@ -218,6 +220,38 @@ def _fp8_modules(more):
         return [n for n, m in model.named_modules() if getattr(m, "fp8", None) is not None]
     finally:
         ps.destroy_model_parallel()
+
+
+def test_an_fp8_checkpoint_loads_without_fp8_and_back(tmp_path):
+    """An FP8 run's checkpoint holds the model's weights (FP8 copies are made from them at each step) with the amax
+    histories beside them: a bf16 run without FP8 resumes from it (the histories unused), an FP8 run resumes from
+    that run's checkpoint (no histories: the first iteration scales by the tensors' own amax), and its Hugging Face
+    export holds the checkpoint's bf16 weights."""
+    import json
+
+    from cli_batch import run_tool
+    from megalite.checkpoint.convert import Reader, find_checkpoint
+    fp8, plain, hf = (str(tmp_path / n) for n in ("fp8", "plain", "hf"))
+    run = ["--bf16", "--train-iters", "6"]
+    _train(run + ["--save", fp8, "--save-interval", "2", "--exit-interval", "2"])
+    def histories(root):
+        d = os.path.join(find_checkpoint(root)[0], "fp8")
+        return os.listdir(d) if os.path.isdir(d) else []
+    assert histories(fp8)
+    resumed = _train_plain(run + ["--load", fp8, "--save", plain, "--save-interval", "4", "--exit-interval", "4"])
+    assert len(resumed) == 2 and not histories(plain), resumed
+    back = _train(run + ["--load", plain])
+    assert len(back) == 2 and all(math.isfinite(x) for x in back), back
+    rc, out, err = run_tool("convert_checkpoint", "--loader", "megalite", "--saver", "hf", "--load-dir", fp8,
+                            "--save-dir", hf)
+    assert rc in (0, None), err
+    from safetensors.torch import load_file
+    theirs = load_file(os.path.join(hf, "model.safetensors"))
+    ours = Reader(find_checkpoint(fp8)[0]).get("decoder.layers.0.mlp.linear_fc2.weight")
+    assert json.load(open(os.path.join(hf, "config.json")))["torch_dtype"] == "bfloat16"
+    assert ours.dtype == torch.bfloat16 and any(  # (GPT-2's Conv1D keeps it transposed)
+        t.dtype == torch.bfloat16 and (torch.equal(t, ours) if t.shape == ours.shape else
+                                       t.shape == ours.t().shape and torch.equal(t, ours.t())) for t in theirs.values())
 
 
 def test_first_and_last_layers_can_stay_out_of_fp8():
