@@ -370,6 +370,24 @@ def test_fp8_param_gather_over_zero_is_the_one_rank_function(zero):
         print(f"bytes gathered per bucket: {wire} (FP8) against {bf16} (bf16)")
 
 
+@pytest.mark.parametrize("layout, counterpart", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], lambda r: r % 2),  # (TP ranks vary fastest)
+    (["--pipeline-model-parallel-size", "2"], lambda r: r // 2)], ids=["tp2_sp", "pp2"])  # (then DP, then PP)
+def test_fp8_param_gather_over_zero3_with_model_parallelism(layout, counterpart):
+    """TP2 + SP or PP2, x DP2 under ZeRO-3: each rank's unit gathers give exactly the FP8 copies, scales and
+    dequantized weights of its counterpart in a run without data parallelism (--lr 0: the same main weights), its
+    GEMMs using them."""
+    from dist_util import run_on_ranks
+    argv = list(PARAM_GATHER) + ["--train-iters", "2", "--lr", "0"] + layout
+    two = run_on_ranks(_gathered_fp8_weights, 2, argv, 2, capability=None)
+    four = run_on_ranks(_gathered_fp8_weights, 4, argv + ["--zero-stage", "3"], 4, capability=None)
+    for r, (_, got, _, _, _, uses_copy) in enumerate(four):
+        ref = two[counterpart(r)][1]
+        assert got and got.keys() == ref.keys() and uses_copy, r
+        for n, (raw, inverse, model) in got.items():
+            assert torch.equal(raw, ref[n][0]) and inverse == ref[n][1] and torch.equal(model, ref[n][2]), (r, n)
+
+
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                     ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2"])
 def test_fp8_param_gather_scales_each_weight_whole(layout):
