@@ -105,7 +105,8 @@ def _run(argv, steps, world=WORLD):
         ps.destroy_model_parallel()
     if "--semi-sync-method" in argv:
         return statistics.mean(times[1:])
-    return (statistics.median(times[1:]), statistics.median(updates[1:])) if world == 1 else statistics.median(times[1:])
+    step_s = statistics.median(times[1:])
+    return (step_s, statistics.median(updates[1:])) if world == 1 else step_s
 
 
 def layouts():

@@ -163,6 +163,27 @@ STEP_ONE_ONLY = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding gr
                  "losses": float("inf"), "norms": float("inf"), "params": float("inf")}
 
 
+def _amaxes_on_tp2_cp2():
+    """On 4 ranks (TP2 x CP2): each rank's amaxes of its own x, w, dy under a column- and a row-parallel site."""
+    ps.initialize_model_parallel(2, context_parallel_size=2)
+    try:
+        grid, rank = ps.current_grid(), torch.distributed.get_rank()
+        t = torch.full((3,), float(rank + 1))  # (this rank's tensor: its amax is rank + 1)
+        return [[Fp8Site("hybrid", "tensorwise", row_parallel=row, grid=grid).amax(k, t).item()
+                 for k in ("x", "w", "dy")] for row in (False, True)]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_amaxes_are_reduced_over_the_ranks_that_split_each_tensor():
+    """TP2 x CP2: a weight's amax over its TP shards; a TP-sharded activation or gradient (a row-parallel layer's
+    x, a column-parallel one's dy) over TP x CP in one collective; a whole-across-TP one over CP."""
+    from dist_util import run_on_ranks
+    for rank, (column, row) in enumerate(run_on_ranks(_amaxes_on_tp2_cp2, 4)):
+        tp_max, cp_max = (rank | 1) + 1, (rank | 2) + 1  # (TP ranks vary fastest, then CP)
+        assert column == [cp_max, tp_max, 4.0] and row == [4.0, tp_max, cp_max], (rank, column, row)
+
+
 def test_scales_along_the_tokens_are_refused_with_context_parallelism():
     from megalite.cli.parser import check_args
     from megalite.config import ConfigError

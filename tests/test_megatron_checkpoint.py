@@ -110,12 +110,14 @@ def test_megatron_rng_states_are_restored_where_they_map(megatron):
         return random.getstate(), np.random.get_state(), torch.get_rng_state()
     before = streams()
     try:
-        for (kind, tp, pp), coords in ((("llama", 2, 2), [(0, 0), (1, 0), (0, 1), (1, 1)]), (("llama", 1, 1), [(0, 0)])):
+        for (kind, tp, pp), coords in ((("llama", 2, 2), [(0, 0), (1, 0), (0, 1), (1, 1)]),
+                                       (("llama", 1, 1), [(0, 0)])):
+            root = roots[(kind, tp, pp)]
             for t, p in coords:
                 lines = []
-                done = restore(MegatronCheckpoint(roots[(kind, tp, pp)]), Grid.of(tp=tp, pp=pp, tp_rank=t, pp_rank=p),
-                               False, lines.append)
-                want = torch.load(os.path.join(roots[(kind, tp, pp)], f"rng_expected_pp{p}_tp{t}.pt"), weights_only=False)
+                done = restore(MegatronCheckpoint(root), Grid.of(tp=tp, pp=pp, tp_rank=t, pp_rank=p), False,
+                               lines.append)
+                want = torch.load(os.path.join(root, f"rng_expected_pp{p}_tp{t}.pt"), weights_only=False)
                 got = streams()
                 assert done == ["python", "numpy", "torch"] and got[0] == want["python"], (tp, pp, t, p)
                 assert all(np.array_equal(a, b) for a, b in zip(got[1], want["numpy"])) and torch.equal(got[2],

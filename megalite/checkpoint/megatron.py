@@ -43,6 +43,12 @@ def iteration_path(root):
     return path, (it if it == "release" else int(it))
 
 
+def _chained(o):
+    """Whether an optimizer's common state is megatron-core's chain ({index: state}: an MoE model's dense and
+    expert optimizers)."""
+    return isinstance(o, dict) and bool(o) and all(isinstance(k, int) for k in o)
+
+
 def is_megatron_checkpoint(root):
     return bool(root) and os.path.isdir(root) and iteration_path(root) is not None
 
@@ -101,6 +107,10 @@ class MegatronCheckpoint:
     def has(self, key):
         return hasattr(self.items.get(key), "chunks")
 
+    def stored(self, key):
+        """The key a tensor is held under (a directory saved from the DDP-wrapped model says module.), or None."""
+        return key if self.has(key) else ("module." + key if self.has("module." + key) else None)
+
     def tensor(self, key):
         """The global tensor `key`, assembled from its chunks."""
         md = self.items.get(key)
@@ -142,15 +152,15 @@ class MegatronCheckpoint:
     def optimizer_format(self):
         """How Megatron saved its distributed optimizer's state (None: no optimizer state)."""
         o = self.common.get("optimizer")
-        if isinstance(o, dict) and o and all(isinstance(k, int) for k in o):  # (megatron-core's chained optimizers:
+        if _chained(o):
             kinds = {v.get("param_state_sharding_type", "legacy") for v in o.values() if isinstance(v, dict)}
-            return kinds.pop() if len(kinds) == 1 else "mixed"  # an MoE model's dense and expert ones)
+            return kinds.pop() if len(kinds) == 1 else "mixed"
         return o.get("param_state_sharding_type", "legacy") if isinstance(o, dict) else None
 
     def optimizer_common(self):
         """The optimizer's common state (its step count, loss scaler): the dense one of an MoE model's chain."""
         o = self.common.get("optimizer") or {}
-        return o[min(o)] if o and all(isinstance(k, int) for k in o) else o
+        return o[min(o)] if _chained(o) else o
 
     def optimizer(self, cfg):
         """(Adam's step, [(megalite checkpoint name, tensor)]) of the optimizer state: exp_avg, exp_avg_sq and,
@@ -161,10 +171,10 @@ class MegatronCheckpoint:
         states = ["exp_avg", "exp_avg_sq"] + (["param"] if cfg["params_dtype"] != "float32" else [])
         rows = self._rows(cfg)
         if fmt == "dp_reshardable":
-            step, source = megatron_buckets.read(self, states, cfg["swiglu"])
-            experts = megatron_buckets.chains(self).get("1")  # (an MoE model's expert optimizer)
-            if experts is not None:
-                source.update(read_experts(self, experts, states))
+            found = megatron_buckets.chains(self)
+            step, source = megatron_buckets.read(self, states, cfg["swiglu"], found)
+            if "1" in found:  # (an MoE model's chained expert optimizer)
+                source.update(read_experts(self, found["1"], states))
         elif fmt == "fully_reshardable":
             step, source = float(self.optimizer_common()["optimizer"]["param_groups"][0].get("step", 0)), None
         else:

@@ -44,16 +44,16 @@ _COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight")
 
 
-def read(ckpt, states, swiglu):
+def read(ckpt, states, swiglu, found=None):
     """(Adam's step, {f"optimizer.state.{state}.{key}": global tensor}) for the dense model keys of `ckpt` (a
-    MegatronCheckpoint), from its dp_reshardable buckets."""
+    MegatronCheckpoint), from its dp_reshardable buckets (found: chains(ckpt), where the caller has it)."""
     a = ckpt.args
     tp, pp = int(a.tensor_model_parallel_size), int(a.pipeline_model_parallel_size)
     if getattr(a, "virtual_pipeline_model_parallel_size", None) or getattr(a, "num_layers_per_virtual_pipeline_stage",
                                                                            None):
         raise CheckpointError(f"{ckpt.path}: an interleaved pipeline's optimizer state in Megatron's dp_reshardable "
                               "layout is not read yet; load the weights only (--no-load-optim)")
-    found = chains(ckpt)
+    found = chains(ckpt) if found is None else found
     domains = found.get(None) or found.get("0") or {}  # (an MoE model's experts: megatron_expert_buckets.py)
     if sorted(domains) != list(range(tp * pp)):
         raise CheckpointError(f"{ckpt.path}: its dp_reshardable optimizer state has model-parallel groups "
@@ -140,8 +140,7 @@ def _layers_of(a, p, pp):
 def _params(ckpt, p, pp):
     """Pipeline stage p's parameters in registration order under each spec: {spec: [(store key, read key, layer or
     None, size placeholder)]}; the store key drops a DDP wrapper's `module.`."""
-    def found(key):
-        return key if ckpt.has(key) else ("module." + key if ckpt.has("module." + key) else None)
+    found = ckpt.stored
     specs = {}
     for spec, order in ORDERS.items():
         rows = []

@@ -42,8 +42,8 @@ def read_experts(ckpt, domains, states):
         places = replay([math.prod(ckpt.items[key].size[len(at):]) for _, key, at in rows], d["sizes"])
         if places is None or not _holds(ckpt, rows, places, flat["param"]):
             raise CheckpointError(f"{ckpt.path}: its experts' dp_reshardable optimizer state (expert model-parallel "
-                                  f"rank {idx}) does not follow megatron-core's expert order (layer, expert, fc1, fc2); "
-                                  "load the weights only (--no-load-optim)")
+                                  f"rank {idx}) does not follow megatron-core's expert order (layer, expert, fc1, "
+                                  "fc2); load the weights only (--no-load-optim)")
         for (store, key, at), (b, start) in zip(rows, places):
             shape = tuple(ckpt.items[key].size)
             for s in states:
@@ -56,9 +56,7 @@ def read_experts(ckpt, domains, states):
 def _rows(ckpt, p, pp, first, local):
     """[(store key, read key, index of this expert in it)] of stage p's local experts first.. in registration order;
     the store key drops a DDP wrapper's `module.`."""
-    def found(key):
-        return key if ckpt.has(key) else ("module." + key if ckpt.has("module." + key) else None)
-    rows = []
+    found, rows = ckpt.stored, []
     for i in _layers_of(ckpt.args, p, pp):
         for e in range(first, first + local):
             for suffix in _SUFFIXES:

@@ -114,11 +114,9 @@ class Fp8ParamGather:
         self.params = [p for c in chunks for b in c.buckets for p in b.params if p in self.sites]
         self.owned = [(pc, mp) for pc, mp in zip(pieces, main_params) if pc.param in self.sites]
         self.buckets = [b for c in chunks for b in c.buckets if any(p in self.sites for p in b.params)]
-        for c in chunks:
-            for b in c.buckets:
-                for p in b.params:
-                    if p in self.sites:  # (ZeRO-3: made at each gather, freed with the unit)
-                        p.fp8_bytes = None if b.stage == 3 else torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
+        gathered_per_unit = {p for b in self.buckets if b.stage == 3 for p in b.params}
+        for p in self.params:  # (ZeRO-3: a copy made at each gather, freed with the unit)
+            p.fp8_bytes = None if p in gathered_per_unit else torch.zeros(p.numel(), dtype=torch.uint8, device=p.device)
         for b in self.buckets:
             b.wire, b.fp8_gather = Fp8Wire(b, self.sites), self
         self.scales, self.quantized = {}, {}

@@ -70,11 +70,11 @@ class Fp8Site:
     def amax(self, which, t):
         """The whole tensor's amax (reduced over TP where this rank holds a shard of it)."""
         a = t.detach().abs().amax().float().reshape(1)
-        if which == "w" or (which == "x") == self.row_parallel:
-            a = max_over_tensor_model_parallel_region(a, grid=self.grid)
-        if which != "w":  # (CP shares every sequence's tokens out: an activation's and gradient's are split)
-            a = max_over_context_parallel_region(a, grid=self.grid)
-        return a.reshape(())
+        if which == "w":
+            return max_over_tensor_model_parallel_region(a, grid=self.grid).reshape(())
+        # (CP shares every sequence's tokens out: an activation's and gradient's are split; one collective)
+        return max_over_context_parallel_region(a, grid=self.grid,
+                                                and_tensor=(which == "x") == self.row_parallel).reshape(())
 
     def quantize(self, which, t):
         dtype = self.grad_dtype if which == "dy" else self.forward_dtype

@@ -285,12 +285,16 @@ def all_reduce_sum_tp(x, grid=None):
     return x
 
 
-def max_over_context_parallel_region(x, grid=None):
+def max_over_context_parallel_region(x, grid=None, and_tensor=False):
     """In place: x becomes its elementwise maximum over the CP group (an FP8 scale's amax of an activation or
-    gradient whose tokens the CP ranks share out)."""
+    gradient whose tokens the CP ranks share out); and_tensor: over TP x CP in one collective (such a tensor that
+    the TP ranks hold shards of too)."""
     grid = ps.current_grid(grid)
-    if getattr(grid, "cp", 1) > 1:  # (a layer's test grid may name TP alone)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=grid.cp_group)
+    cp = getattr(grid, "cp", 1)  # (a layer's test grid may name TP alone)
+    if cp == 1:
+        return max_over_tensor_model_parallel_region(x, grid=grid) if and_tensor else x
+    group = grid.tp_cp_group if and_tensor and grid.tp > 1 else grid.cp_group
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
 

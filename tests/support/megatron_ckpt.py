@@ -89,7 +89,8 @@ def build(kind, pre=True, post=True, tp=1, pp=1, ep=1):
     if mla:  # (its local attention's output width is kv_channels heads: MLA's value heads)
         mla["kv_channels"] = k["v_head_dim"]
     cfg = (MLATransformerConfig if mla else TransformerConfig)(
-        **moe, **mla, qk_layernorm=k.get("qk_layernorm", False), num_layers=k["num_layers"], hidden_size=k["hidden_size"], ffn_hidden_size=k["ffn_hidden_size"],
+        **moe, **mla, qk_layernorm=k.get("qk_layernorm", False), num_layers=k["num_layers"],
+        hidden_size=k["hidden_size"], ffn_hidden_size=k["ffn_hidden_size"],
         num_attention_heads=k["num_attention_heads"], num_query_groups=k["num_query_groups"],
         normalization=k["normalization"], add_bias_linear=k["add_bias_linear"], gated_linear_unit=k["swiglu"],
         # (tanh GeLU, as Megatron-LM's default bias-GeLU fusion computes it; written out: megatron-core's fused
