@@ -372,8 +372,9 @@ def _train_plain(argv):
         ps.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("zero", ["1", "3"])
-def test_fp8_param_gather_over_zero_is_the_one_rank_function(zero):
+@pytest.mark.parametrize("flags", [["--zero-stage", "1"], ["--zero-stage", "3"], ["--context-parallel-size", "2"]],
+                         ids=["zero1", "zero3", "cp2_zero1"])  # (CP2: ZeRO shards over the CP ranks)
+def test_fp8_param_gather_over_zero_is_the_one_rank_function(flags):
     """Two data-parallel ranks (ZeRO-1; ZeRO-3, whose unit gathers move the FP8 bytes each time a unit is gathered)
     gather the FP8 weights as bytes (each weight's amax reduced over the ranks that hold its pieces): every rank ends
     with exactly the FP8 copies, scales and dequantized weights of the one-rank run, each GEMM uses its copy, and a
@@ -382,7 +383,7 @@ def test_fp8_param_gather_over_zero_is_the_one_rank_function(zero):
     from dist_util import run_on_ranks
     argv = list(PARAM_GATHER) + ["--train-iters", "2", "--lr", "0"]
     _, one, _, _, _, _ = _gathered_fp8_weights(argv, 1)
-    for losses, got, _, wire, bf16, uses_copy in run_on_ranks(_gathered_fp8_weights, 2, argv + ["--zero-stage", zero],
+    for losses, got, _, wire, bf16, uses_copy in run_on_ranks(_gathered_fp8_weights, 2, argv + flags,
                                                               2, capability=None):
         assert got.keys() == one.keys() and uses_copy
         for n, (raw, inverse, model) in got.items():
