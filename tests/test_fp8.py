@@ -13,7 +13,7 @@ from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
 from megalite.tensor_parallel.fp8 import Fp8Site, along, blocks, fp8_linear, scaled
 from megalite.training import pretrain
-from parity import BASE, layout, learnable_datasets, reference, run_layouts
+from parity import BASE, MB2, MOE, layout, learnable_datasets, reference, run_layouts
 from parity_check import assert_parity
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -158,7 +158,13 @@ LAYOUTS = [layout("pp2_fp8_tensorwise", pp=2, model=TENSORWISE), layout("dp2_fp8
            layout("cp2_fp8_tensorwise", cp=2, model=TENSORWISE), layout("cp2_fp8_delayed", cp=2, model=DELAYED),
            # multi-token prediction: its projection and transformer layer in FP8 too, on the last stage
            layout("pp2_fp8_mtp_delayed", pp=2,
-                  model=DELAYED + ("--mtp-num-layers", "1", "--position-embedding-type", "rope"))]
+                  model=DELAYED + ("--mtp-num-layers", "1", "--position-embedding-type", "rope")),
+           # MoE experts under EP2: an expert gets two micro-batches' rows at once and runs each apart, as the single
+           # process does (tensorwise scales, row-wise and blockwise weight gradients' scales along the tokens)
+           *(layout(f"ep2_fp8_{name}_{kind}", dp=2, model=MB2 + MOE + recipe,
+                    flags=("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", kind))
+             for name, recipe, kind in (("tensorwise", TENSORWISE, "alltoall"), ("delayed", DELAYED, "allgather"),
+                                        ("rowwise", ROWWISE, "allgather"), ("blockwise", BLOCKWISE, "alltoall")))]
 STEP_ONE_ONLY = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-5,
                  "losses": float("inf"), "norms": float("inf"), "params": float("inf")}
 

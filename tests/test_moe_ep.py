@@ -120,6 +120,34 @@ def _dispatch_checks():
     return out
 
 
+SOURCES = [(1, 2, None), (2, 2, 1), (2, 2, 2), (2, 1, 1)]  # (TP, EP, ETP): ETP 1 at EP2 pairs TP peers as EP peers
+
+
+def _source_checks():
+    """Per (TP, EP, ETP, dispatcher): each dispatched row's micro-batch index from sources() against the data rank
+    its token carries (column 0), or the error where a micro-batch's tokens do not all reach its experts."""
+    out = {}
+    for tp, size, etp in SOURCES:
+        for kind in ("allgather", "alltoall"):
+            ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=size, expert_tensor_parallel_size=etp)
+            try:
+                g = torch.Generator().manual_seed(ps.global_rank())
+                x = torch.randn(6, 5, generator=g)
+                x[:, 0] = ps.current_grid().data_rank()
+                routing = torch.zeros(6, 8, dtype=torch.bool).scatter(
+                    1, torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(6)]), True)
+                d = TokenDispatcher(8, kind)
+                rows, _ = d.dispatch(x, routing.float() * 0.5, routing)
+                try:
+                    index, count = d.sources()
+                    out[(tp, size, etp, kind)] = (rows[:, 0].long(), index, count)
+                except ValueError as e:
+                    out[(tp, size, etp, kind)] = str(e)
+            finally:
+                ps.destroy_model_parallel()
+    return out
+
+
 def _pretrain(argv):
     args = parse_args(list(BASE) + list(MB2) + list(MOE) + list(MOE_BIAS) + list(argv),
                       world_size=max(1, ps.world_size()))
@@ -141,6 +169,7 @@ def _world(root, decided, part):
     out = {lay.name: train(lay, moe_collect, decided[lay.name]) for lay in lays}
     if part == 0:
         out["dispatch"] = _dispatch_checks()
+        out["sources"] = _source_checks()
         return out
     a, b, c, f = (os.path.join(root, n) for n in ("a", "b", "c", "f"))
     out["first"] = _pretrain(list(EP2) + ["--save", a, "--exit-interval", "3"])
@@ -185,6 +214,24 @@ def test_dispatchers_return_the_input_and_conserve_tokens(world, size, kind):
     every = sum(sum(r["counts"]) for r in ranks) // (4 // size)  # counts sum to tokens x k per EP group
     assert every == 4 * 6 * 2 // (4 // size)
     assert ranks[-1]["counts"][-1] == 0  # expert 7 had no token and still ran
+
+
+@pytest.mark.parametrize("tp,size,etp", SOURCES)
+def test_fp8_experts_know_each_rows_micro_batch(world, tp, size, etp):
+    """FP8 experts scale each micro-batch's rows apart (megalite/moe/experts.py): the dispatcher names each row's
+    micro-batch by its sender's data rank, ranks sharing one (TP peers under SP) merged, in data-rank order; where
+    an expert would see only part of a micro-batch's tokens (TP2 + SP at EP1, ETP1), one line says so."""
+    for kind in ("allgather", "alltoall"):
+        for r in world[1]["sources"]:
+            got = r[(tp, size, etp, kind)]
+            if (tp, size) == (2, 1):
+                assert got.startswith("FP8 MoE experts: an expert gets the tokens of 1 of the 2 TP x CP ranks"), got
+                continue
+            data_rank, index, count = got
+            # TP2 x EP2 at ETP1: the EP peers are one micro-batch's TP peers; at ETP2 an expert sees two micro-batches
+            assert count == {(1, 2, None): 2, (2, 2, 1): 1, (2, 2, 2): 2}[(tp, size, etp)], (kind, count)
+            assert torch.equal(index, torch.searchsorted(torch.unique(data_rank), data_rank)), (kind, tp, size, etp)
+            assert torch.unique(data_rank).numel() == count, (kind, data_rank)
 
 
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)

@@ -16,10 +16,11 @@ def sum_over_data_parallel(values, grid=None):
     return values
 
 
-def max_over_data_parallel(values, grid=None):
+def max_over_data_parallel(values, grid=None, expert=False):
     """Elementwise maximum over the DP x CP group (the ranks that ran the iteration's other micro-batches and
-    sequence chunks), e.g. FP8's amaxes."""
-    group, size, _ = ps.current_grid(grid).dp_cp()
+    sequence chunks), e.g. FP8's amaxes; expert: over expert-DP (an MoE expert's copies)."""
+    g = ps.current_grid(grid)
+    group, size, _ = g.expert_dp() if expert else g.dp_cp()
     if size > 1:
         values = values.clone()
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)

@@ -58,8 +58,10 @@ class TokenDispatcher:
     def __init__(self, num_experts, kind="allgather", grid=None):
         self.num_experts, self.kind = num_experts, kind
         self.first, self.count = local_experts(num_experts, grid)
+        self.grid = ps.current_grid(grid)
         self.g = groups(grid)
         self.gathered = self.kind == "allgather" or self.g["ep"][1] == 1
+        self.source_ranks = None  # each source's data rank (sources(): FP8 experts)
 
     def dispatch(self, tokens, probs, routing_map):
         """-> (rows [N, h] sorted by local expert, counts [L] as ints)."""
@@ -93,6 +95,7 @@ class TokenDispatcher:
         probs = all_gather_rows(probs, g)[:, lo:hi]
         local_map = all_gather_rows(routing_map.to(torch.uint8), g).bool()[:, lo:hi]  # (gloo gathers no bool)
         self.token_index, counts = _permute(local_map)
+        self.arrived = None
         expert = torch.repeat_interleave(torch.arange(self.count, device=counts.device), counts)
         self.weights = probs[self.token_index, expert]
         return tokens[self.token_index], counts.tolist()
@@ -111,8 +114,33 @@ class TokenDispatcher:
         rows = all_to_all_rows(tokens[self.token_index], self.recv, self.send, self.g["ep"])
         rows = gather_uneven_rows(rows, self.peer_rows, self.g["etp"])
         # arrived ordered (ETP peer, source, local expert); the experts want (local expert, ...)
-        self.inverse = None
+        self.inverse, self.arrived = None, (chunks, None)
         if n > 1:
             index, self.inverse = _regroup(chunks, etp * ep, n, tokens.device)
-            rows = rows[index]
+            rows, self.arrived = rows[index], (chunks, index)
         return rows, counts
+
+    def sources(self):
+        """The micro-batch each row of the last dispatch belongs to, as an index into the sorted data ranks of the
+        ranks it gathers rows from (FP8 experts scale each micro-batch's rows as one process does,
+        megalite/moe/experts.py), and how many there are. The first call gathers those ranks' data ranks (every
+        rank dispatches at once): each micro-batch's TP x CP ranks must all be among them."""
+        if self.source_ranks is None:
+            mine = torch.tensor([self.grid.data_rank()], device=self.token_index.device)
+            ranks = all_gather_rows(mine, self.g["tp_ep"]) if self.gathered else \
+                all_gather_rows(all_gather_rows(mine, self.g["ep"]), self.g["etp"])  # (arrival order: ETP peer, EP)
+            share = self.grid.tp * self.grid.cp
+            if int((ranks == mine).sum()) != share:
+                raise ValueError(f"FP8 MoE experts: an expert gets the tokens of {int((ranks == mine).sum())} of the "
+                                 f"{share} TP x CP ranks that share a micro-batch, so it cannot scale that micro-batch's "
+                                 "rows whole; use --expert-tensor-parallel-size equal to TP or a larger "
+                                 "--expert-model-parallel-size")
+            distinct = torch.unique(ranks)  # (sorted)
+            self.source_ranks = (torch.searchsorted(distinct, ranks), distinct.numel())
+        of_source, count = self.source_ranks
+        if self.arrived is None:  # gathered: row r of the gathered tokens came from source r // T
+            return of_source[torch.div(self.token_index, self.num_tokens, rounding_mode="floor")], count
+        chunks, index = self.arrived  # (source, local expert)-major chunks as they arrived
+        chunk_source = torch.arange(len(chunks), device=of_source.device) // self.count
+        src = torch.repeat_interleave(of_source[chunk_source], torch.tensor(chunks, device=of_source.device))
+        return (src if index is None else src[index]), count

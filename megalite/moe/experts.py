@@ -40,10 +40,11 @@ class SequentialExperts(nn.Module):
         for p in self.parameters():
             p.expert_parallel = True
 
-    def forward(self, rows, counts, grouped=None):
+    def forward(self, rows, counts, grouped=None, sources=None):
         """rows [N, h] sorted by local expert, counts[l] of them for expert l -> outputs [N, h].
         grouped: None: the grouped GEMMs when --moe-grouped-gemm and the rows are on CUDA; True /
-        False forces one path (tests compare them on CPU under the Triton interpreter)."""
+        False forces one path (tests compare them on CPU under the Triton interpreter).
+        sources: (each row's micro-batch index, how many): FP8 experts run on each micro-batch's rows apart."""
         if grouped is None:
             grouped = self.config.moe_grouped_gemm and rows.is_cuda
         if grouped:
@@ -51,10 +52,30 @@ class SequentialExperts(nn.Module):
         outs = []
         # an expert with no rows still runs (on zero rows): its weights get a (zero) gradient, so
         # every rank's gradient hooks fire and the data-parallel buckets reduce in the same order
-        for expert, x in zip(self.local_experts.values(), torch.split(rows, counts)):
-            y, bias = expert(x)
-            outs.append(y if bias is None else y + bias)
+        split = [None] * len(counts) if sources is None else torch.split(sources[0], counts)
+        for expert, x, src in zip(self.local_experts.values(), torch.split(rows, counts), split):
+            outs.append(_run(expert, x) if src is None else by_micro_batch(expert, x, src, sources[1]))
         return torch.cat(outs)
+
+    def in_fp8(self):
+        return any(getattr(m, "fp8", None) is not None for m in self.local_experts.modules())
+
+
+def _run(expert, x):
+    y, bias = expert(x)
+    return y if bias is None else y + bias
+
+
+def by_micro_batch(expert, x, src, count):
+    """The expert on the rows of each micro-batch apart (src: each row's), its outputs in the rows' order. An FP8
+    GEMM's tensorwise scale (and a row-wise or blockwise weight gradient's scales along the tokens) is of one
+    micro-batch's rows in one process; under expert parallelism an expert gets several micro-batches' rows at once,
+    so it runs each micro-batch's as that process does (its weight gradient the sum of theirs)."""
+    parts = [i for i in (torch.nonzero(src == m).squeeze(1) for m in range(count)) if i.numel()]
+    if len(parts) <= 1:  # (one micro-batch, or none: an expert without rows still runs, on none)
+        return _run(expert, x)
+    order = torch.cat(parts)
+    return torch.cat([_run(expert, x[i]) for i in parts])[torch.argsort(order)]
 
 
 def _weights_ready(layer):

@@ -44,7 +44,8 @@ class MoELayer(nn.Module):
         tokens = x.reshape(s * b, h)
         probs, routing_map = self.router(tokens, seq_length=s)
         rows, counts = self.dispatcher.dispatch(tokens, probs, routing_map)
-        out = self.dispatcher.combine(self.experts(rows, counts))
+        sources = self.dispatcher.sources() if self.experts.in_fp8() else None  # (FP8: each micro-batch's rows apart)
+        out = self.dispatcher.combine(self.experts(rows, counts, sources=sources))
         if self.shared_experts is not None:  # a dense MLP: sequence-parallel as the others
             y = self.shared_experts(x)[0].reshape(s * b, h)
             gate = getattr(self.shared_experts, "gate_weight", None)

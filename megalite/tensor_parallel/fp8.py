@@ -57,21 +57,26 @@ class Fp8Site:
     row_parallel: x is the TP shard of the layer's input (its amax is reduced over TP); else dy is."""
 
     def __init__(self, fmt, recipe, margin=0, history_len=1, algo="most_recent", wgrad=True, row_parallel=False,
-                 grid=None):
+                 grid=None, expert=False):
         if fmt not in FORMATS or recipe not in RECIPES:
             raise ValueError(f"FP8 format {fmt!r} / recipe {recipe!r}: megalite has formats {', '.join(FORMATS)} and "
                              f"recipes {', '.join(RECIPES)}")
         self.forward_dtype, self.grad_dtype = FORMATS[fmt]
         self.recipe, self.margin, self.algo, self.wgrad = recipe, margin, algo, wgrad
         self.row_parallel, self.grid = row_parallel, grid
+        # an MoE expert's layer: sharded over expert-TP; its rows are one micro-batch's (megalite/moe/experts.py)
+        self.expert = expert
         self.history = {k: torch.zeros(history_len) for k in ("x", "w", "dy")}  # newest first
         self.pending = {k: torch.zeros(()) for k in ("x", "w", "dy")}  # this iteration's largest amax so far
 
     def amax(self, which, t):
         """The whole tensor's amax (reduced over TP where this rank holds a shard of it)."""
-        a = t.detach().abs().amax().float().reshape(1)
-        if which == "w":
-            return max_over_tensor_model_parallel_region(a, grid=self.grid).reshape(())
+        # (an expert may get no rows of a micro-batch: nothing to scale)
+        a = t.detach().abs().amax().float().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+        if which == "w" or self.expert:  # (an expert's rows are whole: the dispatcher gathered them)
+            if which == "w" or (which == "x") == self.row_parallel:
+                a = max_over_tensor_model_parallel_region(a, grid=self.grid, expert=self.expert)
+            return a.reshape(())
         # (CP shares every sequence's tokens out: an activation's and gradient's are split; one collective)
         return max_over_context_parallel_region(a, grid=self.grid,
                                                 and_tensor=(which == "x") == self.row_parallel).reshape(())
@@ -111,23 +116,26 @@ class Fp8Site:
             self.history[k] = torch.tensor(v, dtype=torch.float32, device=self.history[k].device)
 
 
-def end_iteration(modules, reduce_max):
+def end_iteration(modules, reduce_max, reduce_max_experts=None):
     """After an iteration's backward, on every rank: the delayed sites of `modules` (in their one order) take the
     iteration's largest amaxes, reduced by reduce_max over the ranks that ran its other micro-batches (one
-    collective), into their histories."""
+    collective; MoE experts' by reduce_max_experts, over the ranks holding the same experts), into their histories."""
     sites = [m.fp8 for m in modules if getattr(m, "fp8", None) is not None and m.fp8.recipe == "delayed"]
-    if not sites:
-        return
-    device = sites[0].pending["x"].device  # (where the GEMMs ran)
-    got = reduce_max(torch.stack([s.pending[k].reshape(()).to(device) for s in sites for k in ("x", "w", "dy")]))
-    for i, s in enumerate(sites):
-        s.roll(got[3 * i:3 * i + 3])
+    for expert, reduce in ((False, reduce_max), (True, reduce_max_experts)):
+        mine = [s for s in sites if s.expert == expert]
+        if not mine:
+            continue
+        device = mine[0].pending["x"].device  # (where the GEMMs ran)
+        got = reduce(torch.stack([s.pending[k].reshape(()).to(device) for s in mine for k in ("x", "w", "dy")]))
+        for i, s in enumerate(mine):
+            s.roll(got[3 * i:3 * i + 3])
 
 
 def along(t, dim, dtype, margin, sharded, grid):
     """Row-wise scaling: t in FP8 with one scale per slice along `dim` (the amax over the other dimension, reduced
     over TP where this rank holds a shard of that dimension); the undo factors broadcast as t's slices."""
-    a = t.detach().abs().amax(dim=1 - dim, keepdim=True).float()
+    a = t.detach().abs().amax(dim=1 - dim, keepdim=True).float() if t.shape[1 - dim] else \
+        t.new_zeros([1, t.shape[1]] if dim else [t.shape[0], 1], dtype=torch.float32)  # (an expert without rows)
     if sharded:
         a = max_over_tensor_model_parallel_region(a.contiguous(), grid=grid)
     return scaled(t, dtype, a, margin)

@@ -110,7 +110,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x, weight=None):
         weight = self.weight if weight is None else weight
         if self.expert:
-            return (F.linear(x, weight), None) if self.skip_bias_add else F.linear(x, weight)
+            y = F.linear(x, weight) if self.fp8 is None else fp8_linear(x, weight, self.fp8)
+            return (y, None) if self.skip_bias_add else y
         bias = None if self.skip_bias_add else self.bias
         if self.fp8 is not None:  # FP8 GEMMs (tensor_parallel/fp8.py; the bias in the model's precision)
             x = gather_from_sequence_parallel_region(x, grid=self.grid) if self.sequence_parallel else \

@@ -298,10 +298,12 @@ def max_over_context_parallel_region(x, grid=None, and_tensor=False):
     return x
 
 
-def max_over_tensor_model_parallel_region(x, grid=None):
+def max_over_tensor_model_parallel_region(x, grid=None, expert=False):
     """In place: x becomes its elementwise maximum over the TP group (an FP8 scale's amax of a tensor whose
-    shards the TP ranks hold, so every rank quantizes with the whole tensor's scale)."""
+    shards the TP ranks hold, so every rank quantizes with the whole tensor's scale); expert: over the group an MoE
+    expert's weights are sharded over (expert-TP)."""
     grid = ps.current_grid(grid)
-    if grid.tp > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=grid.tp_group)
+    size, group = (grid.expert_tp()[0], grid.expert_tp_group()) if expert else _tp(grid) if grid.tp > 1 else (1, None)
+    if size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x

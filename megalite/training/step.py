@@ -47,8 +47,8 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
     mcfg = chunks[0].module.config
     if mcfg.fp8:  # delayed scaling: the iteration's amaxes into every FP8 site's history
         grid = ps.grid_of(chunks)
-        fp8_end_iteration([m for c in chunks for m in c.module.modules()],
-                          lambda t: max_over_data_parallel(t, grid))
+        fp8_end_iteration([m for c in chunks for m in c.module.modules()], lambda t: max_over_data_parallel(t, grid),
+                          lambda t: max_over_data_parallel(t, grid, expert=True))
     if mcfg.calculate_per_token_loss:
         dev = ps.get_device()
         count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only

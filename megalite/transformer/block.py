@@ -18,13 +18,14 @@ def fp8_layer(config, i):
 
 
 def attach_fp8(layer, config):
-    """Every tensor-parallel linear layer of a transformer layer (attention's, the MLP's) gets its FP8 site."""
+    """Every tensor-parallel linear layer of a transformer layer (attention's, the MLP's, MoE experts') gets its FP8
+    site."""
     c = config
     for m in layer.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not m.expert:
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.fp8 = Fp8Site(c.fp8, c.fp8_recipe, c.fp8_margin,
                             c.fp8_amax_history_len, c.fp8_amax_compute_algo, c.fp8_wgrad,
-                            row_parallel=isinstance(m, RowParallelLinear), grid=m.grid)
+                            row_parallel=isinstance(m, RowParallelLinear), grid=m.grid, expert=m.expert)
 
 
 class TransformerBlock(nn.Module):

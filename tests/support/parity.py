@@ -226,8 +226,10 @@ def train(lay, collect=None, decided=None):
     reference's recorded top-k choices (reference(lay)["decided"]), which this run takes where its
     own are ties within the rounding (tests/support/decision_replay.py); None: record them instead."""
     record = {"norms": []}
+    # (FP8 runs, like half-precision ones, part from step 2 on: tests/test_fp8.py compares their step 1)
+    parts = lay.dtype != "fp32" or "--fp8-format" in lay.base
     hook = Recorder() if decided is None else Replayer(decided, MATCH[lay.dtype], KEY_MATCH[lay.dtype],
-                                                       None if lay.dtype == "fp32" else HALF_PRECISION_STEPS)
+                                                       HALF_PRECISION_STEPS if parts else None)
     entry = importlib.import_module(lay.entry)
     args = parse_args(lay.argv(), world_size=max(1, ps.world_size()), defaults=getattr(entry, "ARGS_DEFAULTS", None))
     fault = lay.fault() if lay.fault is not None else contextlib.nullcontext()

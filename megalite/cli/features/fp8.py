@@ -64,8 +64,20 @@ def validate_fp8(args):
     if r in ("rowwise", "blockwise") and args.context_parallel_size > 1:
         raise ConfigError(f"--fp8-recipe {r} with --context-parallel-size {args.context_parallel_size}: its "
                           "weight-gradient scales run along the tokens, which CP shares out; use tensorwise or delayed")
+    if args.num_experts and args.moe_grouped_gemm:
+        raise ConfigError("--fp8-format with --moe-grouped-gemm: the grouped GEMM kernel has no FP8 path in megalite; "
+                          "leave --moe-grouped-gemm out (the experts' GEMMs then run one by one in FP8)")
+    if args.num_experts:
+        etp = args.tensor_model_parallel_size if args.expert_tensor_parallel_size is None else \
+            args.expert_tensor_parallel_size
+        share = args.tensor_model_parallel_size * args.context_parallel_size
+        if (etp * args.expert_model_parallel_size) % share:  # (a micro-batch's TP x CP ranks within ETP x EP's)
+            raise ConfigError(f"--fp8-format with MoE experts: an expert would see only part of a micro-batch's tokens "
+                              f"(expert-TP x EP = {etp * args.expert_model_parallel_size} ranks, not a multiple of "
+                              f"TP x CP = {share}); use --expert-tensor-parallel-size equal to TP or a larger "
+                              "--expert-model-parallel-size")
     not_yet = [what for what, on in (
-        ("MoE experts (--num-experts)", args.num_experts),
+        ("--fp8-param-gather of MoE experts (--num-experts)", args.num_experts and args.fp8_param_gather),
         ("semi-synchronous replicas", args.semi_sync_method),
         ("fault-tolerant replicas", args.ft_lighthouse)) if on]
     if not_yet:
