@@ -243,7 +243,25 @@ def main():
             torch.cuda.empty_cache()
     if not args.only or any("adamw".startswith(o) for o in args.only):
         bench_adamw(dev, bw, args.cpu_smoke)
+    if not args.only or any("fp8_cast".startswith(o) for o in args.only):
+        bench_fp8_cast(dev, bw, args.cpu_smoke)
     return 0
+
+
+def bench_fp8_cast(dev, bw, smoke):
+    """An FP8 GEMM operand's quantization (megalite/tensor_parallel/fp8.py): the fused cast (and, delayed, amax)
+    kernel vs torch's ops (multiply, clamp, cast; amax), a bf16 activation of a Llama-8B layer."""
+    from kernels.fp8_cast import fp8_cast, _torch
+    m, n = (37, 1000) if smoke else (8192, 4096)
+    x = torch.randn(m, n, device=dev, dtype=torch.float32 if smoke else torch.bfloat16)
+    s = torch.tensor(3.0, device=dev)
+    print("| fp8 cast | shape | ours ms | GB/s | %copy | torch ms | x torch |\n|---|---|---|---|---|---|---|")
+    for label, amax in (("tensorwise (cast)", False), ("delayed (cast + amax)", True)):
+        ours = timeit(lambda: fp8_cast(x, s, torch.float8_e4m3fn, amax), dev)
+        eager = timeit(lambda: _torch(x, s, torch.float8_e4m3fn, amax), dev)
+        gbs = x.numel() * (x.element_size() + 1) / ours / 1e6  # (x read once, one byte written an element)
+        print(f"| {label} | {m}x{n} | {ours:.3f} | {gbs:.0f} | {100 * gbs / bw:.0f}% | {eager:.3f} | "
+              f"{eager / ours:.2f} |")
 
 
 def bench_adamw(dev, bw, smoke):

@@ -21,7 +21,8 @@ import torch
 from . import _dispatch
 
 KERNELS = ("layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy", "flash_attention",
-           "adamw_step", "grouped_gemm")  # every kernel with a check (the names use_triton's callers pass)
+           "adamw_step", "grouped_gemm", "fp8_cast")  # every kernel with a check (the names use_triton's callers pass)
+EXACT = ("fp8_cast",)  # integer rounding written out: its fallback's bytes exactly
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 _mode = "cuda"
 _verdicts = {}  # (kernel, device, dtype) -> None (trusted) or the reason it is not
@@ -69,7 +70,7 @@ def trusted(kernel, t):
 
 
 def _check(kernel, device, dtype):
-    bound = 16 * UNIT_ROUNDOFF.get(dtype, 2.0 ** -8)
+    bound = 0.0 if kernel in EXACT else 16 * UNIT_ROUNDOFF.get(dtype, 2.0 ** -8)
     _checking.on = True
     try:
         with torch.enable_grad():  # the first use may come inside a Function's forward, or under no_grad
@@ -110,6 +111,12 @@ def _run(kernel, device, dtype, backend):
             x, w = rnd(48, 64), rnd(3, 32, 64)
             from kernels.grouped_gemm import grouped_gemm
             return _with_grads(grouped_gemm(x, w, [16, 0, 32]), [x, w], g)
+        if kernel == "fp8_cast":  # (held to its fallback byte for byte: EXACT)
+            from kernels.fp8_cast import fp8_cast
+            x = rnd(64, 96, grad=False) * 100
+            return [q.float() for q in (fp8_cast(x, torch.tensor(2.5, device=device), f, with_amax=True)[0]
+                                        for f in (torch.float8_e4m3fn, torch.float8_e5m2))] + \
+                [fp8_cast(x, torch.tensor(1.0, device=device), torch.float8_e4m3fn, with_amax=True)[1]]
         if kernel == "cross_entropy":
             x, t = rnd(16, 512), torch.randint(0, 512, (16,), generator=g).to(device)
             return _with_grads(kernels.cross_entropy(x * 1, t, inplace_backward=True), [x], g)

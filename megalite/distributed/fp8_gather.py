@@ -143,7 +143,8 @@ class Fp8ParamGather:
         self.quantized = {}
         for pc, mp in self.owned:
             site = self.sites[pc.param]
-            q, _ = scaled(mp.detach(), site.forward_dtype, self.scales[pc.param][0], site.margin)
+            with site.kernels():
+                q, _ = scaled(mp.detach(), site.forward_dtype, self.scales[pc.param][0], site.margin)
             self.quantized[pc.param] = q.reshape(-1).view(torch.uint8)
 
     def ready(self):

@@ -26,8 +26,12 @@ and blockwise scales along the tokens (their weight-gradient GEMMs') would have 
 those two recipes are refused with CP. The layers' biases, the embeddings, the output
 layer, norms, attention's softmax and the optimizer stay in the model's precision, as in Megatron."""
 
+import contextlib
+
 import torch
 
+import kernels
+from kernels.fp8_cast import fp8_cast
 from megalite.tensor_parallel.mappings import max_over_context_parallel_region, max_over_tensor_model_parallel_region
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn), "hybrid": (torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -43,8 +47,9 @@ def _scale(dtype, amax, margin):
 def scaled(t, dtype, amax, margin):
     """(t in FP8 `dtype`, the fp32 factor that undoes its scale): t x scale, saturated at the format's largest."""
     top, scale = torch.finfo(dtype).max, _scale(dtype, amax, margin)
-    q = (t.float() * scale).clamp(-top, top).to(dtype)
-    return q, scale.reciprocal()
+    if scale.dim() == 0:  # one scale: one fused pass on CUDA (kernels/fp8_cast.py; on CPU these same torch ops)
+        return fp8_cast(t, scale, dtype)[0], scale.reciprocal()
+    return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
 
 
 def scale_inverse(dtype, amax, margin):
@@ -57,7 +62,7 @@ class Fp8Site:
     row_parallel: x is the TP shard of the layer's input (its amax is reduced over TP); else dy is."""
 
     def __init__(self, fmt, recipe, margin=0, history_len=1, algo="most_recent", wgrad=True, row_parallel=False,
-                 grid=None, expert=False):
+                 grid=None, expert=False, fused=True):
         if fmt not in FORMATS or recipe not in RECIPES:
             raise ValueError(f"FP8 format {fmt!r} / recipe {recipe!r}: megalite has formats {', '.join(FORMATS)} and "
                              f"recipes {', '.join(RECIPES)}")
@@ -65,14 +70,19 @@ class Fp8Site:
         self.recipe, self.margin, self.algo, self.wgrad = recipe, margin, algo, wgrad
         self.row_parallel, self.grid = row_parallel, grid
         # an MoE expert's layer: sharded over expert-TP; its rows are one micro-batch's (megalite/moe/experts.py)
-        self.expert = expert
+        self.expert, self.fused = expert, fused  # fused: the cast kernel on CUDA (kernels/fp8_cast.py)
         self.history = {k: torch.zeros(history_len) for k in ("x", "w", "dy")}  # newest first
         self.pending = {k: torch.zeros(()) for k in ("x", "w", "dy")}  # this iteration's largest amax so far
+        self.positive = {k: [] for k in ("x", "w", "dy")}  # (on the host) each history entry > 0, newest first
 
     def amax(self, which, t):
         """The whole tensor's amax (reduced over TP where this rank holds a shard of it)."""
         # (an expert may get no rows of a micro-batch: nothing to scale)
-        a = t.detach().abs().amax().float().reshape(1) if t.numel() else t.new_zeros(1, dtype=torch.float32)
+        return self._whole(which, t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32))
+
+    def _whole(self, which, a):
+        """This rank's amax of its part of a tensor -> the whole tensor's."""
+        a = a.reshape(1)
         if which == "w" or self.expert:  # (an expert's rows are whole: the dispatcher gathered them)
             if which == "w" or (which == "x") == self.row_parallel:
                 a = max_over_tensor_model_parallel_region(a, grid=self.grid, expert=self.expert)
@@ -81,32 +91,47 @@ class Fp8Site:
         return max_over_context_parallel_region(a, grid=self.grid,
                                                 and_tensor=(which == "x") == self.row_parallel).reshape(())
 
+    def kernels(self):
+        """The context of this site's casts: the fused kernel on CUDA, or torch's ops (--no-fused-kernels)."""
+        return contextlib.nullcontext() if self.fused else kernels.use_backend("torch")
+
     def quantize(self, which, t):
+        with self.kernels():
+            return self._quantize(which, t)
+
+    def _quantize(self, which, t):
         dtype = self.grad_dtype if which == "dy" else self.forward_dtype
         if which == "w" and getattr(t, "fp8_weight", None) is not None:  # --fp8-param-gather: quantized at the step
             wq, inverse, now = t.fp8_weight  # (distributed/fp8_gather.py)
             if self.recipe == "delayed":
                 self.pending["w"] = torch.maximum(self.pending["w"].to(now.device), now)
             return wq, inverse
-        now = self.amax(which, t)
         if self.recipe == "tensorwise":
-            return scaled(t, dtype, now, self.margin)
-        if self.history[which].device != now.device:  # (kept where the tensors are: no host sync per GEMM)
-            self.history[which], self.pending[which] = self.history[which].to(now.device), self.pending[which].to(
-                now.device)
-        self.pending[which] = torch.maximum(self.pending[which], now)
+            return scaled(t, dtype, self.amax(which, t), self.margin)
+        if self.history[which].device != t.device:  # (kept where the tensors are: no host sync per GEMM)
+            self.history[which], self.pending[which] = self.history[which].to(t.device), self.pending[which].to(
+                t.device)
         h = self.history[which]
         known = h.max() if self.algo == "max" else h[0]
+        if any(self.positive[which][:None if self.algo == "max" else 1]):
+            # the scale from the history: cast and amax in one pass (kernels/fp8_cast.py)
+            q, mine = fp8_cast(t, _scale(dtype, known, self.margin), dtype, with_amax=True)
+            self.pending[which] = torch.maximum(self.pending[which], self._whole(which, mine))
+            return q, scale_inverse(dtype, known, self.margin)
         # no history yet (the first iteration): the tensor's own amax, not TE's scale of 1, which would flush most
         # gradients to zero and make the first step depend on the layout
-        return scaled(t, dtype, torch.where(known > 0, known, now), self.margin)
+        now = self.amax(which, t)
+        self.pending[which] = torch.maximum(self.pending[which], now)
+        return scaled(t, dtype, now, self.margin)
 
-    def roll(self, amaxes):
-        """Delayed: this iteration's largest amaxes (x, w, dy) join the histories, newest first."""
-        for k, a in zip(("x", "w", "dy"), amaxes):
+    def roll(self, amaxes, positive):
+        """Delayed: this iteration's largest amaxes (x, w, dy) join the histories, newest first (positive: whether
+        each is > 0, read once an iteration, so a GEMM knows without a host read whether its history scales it)."""
+        for k, a, p in zip(("x", "w", "dy"), amaxes, positive):
             h = self.history[k]
             self.history[k] = torch.cat([a.reshape(1).to(h.device), h[:-1]])
             self.pending[k] = torch.zeros((), device=h.device)
+            self.positive[k] = [p] + self.positive[k][:h.numel() - 1]
 
     def state_dict(self):
         return {k: v.cpu().tolist() for k, v in self.history.items()}
@@ -114,6 +139,7 @@ class Fp8Site:
     def load_state_dict(self, sd):
         for k, v in sd.items():
             self.history[k] = torch.tensor(v, dtype=torch.float32, device=self.history[k].device)
+            self.positive[k] = [a > 0 for a in v]
 
 
 def end_iteration(modules, reduce_max, reduce_max_experts=None):
@@ -127,8 +153,9 @@ def end_iteration(modules, reduce_max, reduce_max_experts=None):
             continue
         device = mine[0].pending["x"].device  # (where the GEMMs ran)
         got = reduce(torch.stack([s.pending[k].reshape(()).to(device) for s in mine for k in ("x", "w", "dy")]))
+        positive = (got > 0).tolist()  # (one host read an iteration)
         for i, s in enumerate(mine):
-            s.roll(got[3 * i:3 * i + 3])
+            s.roll(got[3 * i:3 * i + 3], positive[3 * i:3 * i + 3])
 
 
 def along(t, dim, dtype, margin, sharded, grid):

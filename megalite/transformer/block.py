@@ -25,7 +25,8 @@ def attach_fp8(layer, config):
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.fp8 = Fp8Site(c.fp8, c.fp8_recipe, c.fp8_margin,
                             c.fp8_amax_history_len, c.fp8_amax_compute_algo, c.fp8_wgrad,
-                            row_parallel=isinstance(m, RowParallelLinear), grid=m.grid, expert=m.expert)
+                            row_parallel=isinstance(m, RowParallelLinear), grid=m.grid, expert=m.expert,
+                            fused=c.fused_kernels)
 
 
 class TransformerBlock(nn.Module):

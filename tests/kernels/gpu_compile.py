@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 SMEM_LIMIT = {90: 232448, 80: 166912}  # max dynamic shared memory per block (opt-in), bytes
-KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "grouped_gemm", "layer_norm",
+KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "fp8_cast", "grouped_gemm", "layer_norm",
                   "rms_norm", "rotary", "softmax", "swiglu")
 
 
@@ -141,6 +141,12 @@ def _rotary(b, s, h, d, r):
     return run
 
 
+def _fp8_cast(dtype, with_amax):
+    def run(K):
+        importlib.import_module("kernels.fp8_cast").fp8_cast(_t(8192, 4096), _t(dtype=torch.float32), dtype, with_amax)
+    return run
+
+
 def _grouped(e, rows, n_in, n_out, dtype=torch.bfloat16):
     """An MoE projection: rows routed unevenly over e experts (one gets none), weights [e, n_out, n_in]."""
     def run(K):
@@ -193,6 +199,8 @@ CASES = [
     ("grouped", "grouped_gemm Mixtral fc2 8 x [4096, 14336], 16384 rows fp16", True,
      _grouped(8, 16384, 14336, 4096, dtype=torch.float16)),
     ("grouped", "grouped_gemm 8 x [2048, 1024], 4096 rows fp32", True, _grouped(8, 4096, 1024, 2048, torch.float32)),
+    ("fp8", "fp8_cast e4m3 with amax, 8192 x 4096 bf16 (delayed)", True, _fp8_cast(torch.float8_e4m3fn, True)),
+    ("fp8", "fp8_cast e5m2, 8192 x 4096 bf16 (a gradient, tensorwise)", True, _fp8_cast(torch.float8_e5m2, False)),
 ]
 
 
