@@ -43,3 +43,17 @@ def test_the_scale_of_iteration_k_is_from_the_amaxes_before_it(algo, backend):
             end_iteration([types.SimpleNamespace(fp8=site)], lambda t: t)
             seen.append(max(amaxes))
     assert site.state_dict()["x"] == pytest.approx(seen[-1:-4:-1], rel=1e-7)  # newest first
+
+
+def test_gradient_histories_are_kept_in_the_single_process_units():
+    """A layout whose gradients are DP = 2 times the single process's (grad_units 2) keeps half of each gradient
+    amax in its history and scales its gradients by twice the history: the same scales, the histories any layout
+    resumes."""
+    site = Fp8Site("hybrid", "delayed", grid=ONE)
+    site.grad_units = 2
+    site.quantize("dy", _with_amax(6.0, 0))
+    end_iteration([types.SimpleNamespace(fp8=site)], lambda t: t)
+    assert site.state_dict()["dy"] == [3.0]
+    t = _with_amax(1.0, 1)
+    _, inverse = site.quantize("dy", t)
+    assert inverse.item() == scale_inverse(E5M2, torch.tensor(6.0), 0).item()

@@ -74,6 +74,9 @@ class Fp8Site:
         self.history = {k: torch.zeros(history_len) for k in ("x", "w", "dy")}  # newest first
         self.pending = {k: torch.zeros(()) for k in ("x", "w", "dy")}  # this iteration's largest amax so far
         self.positive = {k: [] for k in ("x", "w", "dy")}  # (on the host) each history entry > 0, newest first
+        # the histories hold the single process's amaxes, whatever the layout: this layout's gradients are grad_units
+        # times that process's (each DP rank divides its loss by its own micro-batches; set by training/setup.py)
+        self.grad_units = 1
 
     def amax(self, which, t):
         """The whole tensor's amax (reduced over TP where this rank holds a shard of it)."""
@@ -112,7 +115,7 @@ class Fp8Site:
             self.history[which], self.pending[which] = self.history[which].to(t.device), self.pending[which].to(
                 t.device)
         h = self.history[which]
-        known = h.max() if self.algo == "max" else h[0]
+        known = (h.max() if self.algo == "max" else h[0]) * (self.grad_units if which == "dy" else 1)
         if any(self.positive[which][:None if self.algo == "max" else 1]):
             # the scale from the history: cast and amax in one pass (kernels/fp8_cast.py)
             q, mine = fp8_cast(t, _scale(dtype, known, self.margin), dtype, with_amax=True)
@@ -128,7 +131,7 @@ class Fp8Site:
         """Delayed: this iteration's largest amaxes (x, w, dy) join the histories, newest first (positive: whether
         each is > 0, read once an iteration, so a GEMM knows without a host read whether its history scales it)."""
         for k, a, p in zip(("x", "w", "dy"), amaxes, positive):
-            h = self.history[k]
+            h, a = self.history[k], a / self.grad_units if k == "dy" else a
             self.history[k] = torch.cat([a.reshape(1).to(h.device), h[:-1]])
             self.pending[k] = torch.zeros((), device=h.device)
             self.positive[k] = [p] + self.positive[k][:h.numel() - 1]
@@ -140,6 +143,13 @@ class Fp8Site:
         for k, v in sd.items():
             self.history[k] = torch.tensor(v, dtype=torch.float32, device=self.history[k].device)
             self.positive[k] = [a > 0 for a in v]
+
+
+def set_gradient_units(modules, units):
+    """Every FP8 site of `modules`: this layout's gradients are `units` times the single process's."""
+    for m in modules:
+        if getattr(m, "fp8", None) is not None:
+            m.fp8.grad_units = units
 
 
 def end_iteration(modules, reduce_max, reduce_max_experts=None):

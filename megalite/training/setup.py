@@ -28,6 +28,7 @@ from megalite.optimizer.lr_scheduler import schedule_steps
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.rerun import initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
+from megalite.tensor_parallel.fp8 import set_gradient_units
 from megalite.training.evaluation import dataset_sizes, eval_batch, report_splits
 
 
@@ -68,6 +69,9 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
     try:
         sizing = (r.train_ds, forward_step_func) if r.train_ds is not None and not args.skip_train else None
         r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing)  # by memory too
+        if r.mcfg.fp8:  # (the delayed histories in the single process's units: checkpoints resume at any layout)
+            set_gradient_units([m for c in r.chunks for m in c.module.modules()],
+                               1 if r.mcfg.calculate_per_token_loss else r.plan.grad_divisor)
         r.semi = semi_sync_for(args, r.optimizer, r.chunks)  # replicas' outer steps (loaded too); None without
         r.load = load_root(args)
         start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args, r.load)
