@@ -29,7 +29,7 @@ describe() {
         bench-mixed-memory) echo "python benchmarks/mixed_memory.py --gpu (per-sample memory; offloaded step with / without overlap)" ;;
         bench-muon) echo "python benchmarks/muon.py --gpu-ns (Newton-Schulz of a 4096x4096 matrix, bf16 and fp32)" ;;
         bench-peers) echo "python benchmarks/peers.py --device cuda (megalite vs FSDP2 on the GPUs there: one rank per GPU)" ;;
-        bench-fp8) echo "python benchmarks/fp8_training.py (whole training steps: bf16 vs FP8 tensorwise / delayed / rowwise); python benchmarks/kernels.py --only fp8_cast (the fused cast vs torch's ops)" ;;
+        bench-fp8) echo "python benchmarks/fp8_training.py (whole training steps: bf16 vs FP8 tensorwise / delayed / rowwise); python benchmarks/kernels.py --only fp8_cast fp8_blockwise (the fused cast vs torch's ops; the blockwise GEMM vs bf16 and tensorwise)" ;;
         *) return 1 ;;
     esac
 }
@@ -54,7 +54,7 @@ else 'NO GPU')" && (nvidia-smi || true) && python -c "import torch, sys; sys.exi
         bench-muon) python benchmarks/muon.py --gpu-ns --size 4096 ;;
         bench-peers) python benchmarks/peers.py --device cuda --layers 8 --hidden 1024 --heads 16 --kv-heads 4 \
             --ffn 2816 --seq 1024 --global-batch 16 --micro-batch 4 --iters 10 --warmup 3 --reps 2 ;;
-        bench-fp8) python benchmarks/fp8_training.py && python benchmarks/kernels.py --only fp8_cast --no-compile ;;
+        bench-fp8) python benchmarks/fp8_training.py && python benchmarks/kernels.py --only fp8_cast fp8_blockwise --no-compile ;;
     esac
 }
 

@@ -245,6 +245,8 @@ def main():
         bench_adamw(dev, bw, args.cpu_smoke)
     if not args.only or any("fp8_cast".startswith(o) for o in args.only):
         bench_fp8_cast(dev, bw, args.cpu_smoke)
+    if not args.only or any("fp8_blockwise".startswith(o) for o in args.only):
+        bench_fp8_blockwise(dev, args.cpu_smoke)
     return 0
 
 
@@ -262,6 +264,27 @@ def bench_fp8_cast(dev, bw, smoke):
         gbs = x.numel() * (x.element_size() + 1) / ours / 1e6  # (x read once, one byte written an element)
         print(f"| {label} | {m}x{n} | {ours:.3f} | {gbs:.0f} | {100 * gbs / bw:.0f}% | {eager:.3f} | "
               f"{eager / ours:.2f} |")
+
+
+def bench_fp8_blockwise(dev, smoke):
+    """DeepSeek-V3's blockwise-scaled FP8 GEMM (kernels/fp8_blockwise.py) at 4096 x 8192 x 16384 against bf16's
+    GEMM and torch._scaled_mm's tensorwise FP8 GEMM (cuBLASLt), and against its own fallback (dequantize, then an
+    fp32 GEMM: what --fp8-recipe blockwise ran before the kernel)."""
+    from kernels.fp8_blockwise import blockwise_mm, _torch
+    m, k, n = (64, 256, 128) if smoke else (4096, 8192, 16384)
+    e4 = torch.float8_e4m3fn
+    a, b = torch.randn(m, k, device=dev).to(e4), torch.randn(n, k, device=dev).to(e4).t()
+    sa, sb = torch.rand(m, k // 128, device=dev), torch.rand(k // 128, n // 128, device=dev)
+    ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    one = torch.ones((), device=dev)
+    runs = {"blockwise (ours)": lambda: blockwise_mm(a, sa, b, sb, 128, torch.bfloat16),
+            "bf16 GEMM": lambda: ab @ bb,
+            "tensorwise _scaled_mm": lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            "fallback (dequantize + fp32)": lambda: _torch(a, sa, b, sb, 128, torch.bfloat16)}
+    ms = {name: timeit(fn, dev) for name, fn in runs.items()}
+    print(f"| fp8 GEMM {m}x{k}x{n} | ms | TFLOP/s | x ours |\n|---|---|---|---|")
+    for name, t in ms.items():
+        print(f"| {name} | {t:.3f} | {2 * m * n * k / t / 1e9:.0f} | {t / ms['blockwise (ours)']:.2f} |")
 
 
 def bench_adamw(dev, bw, smoke):

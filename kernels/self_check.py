@@ -21,7 +21,7 @@ import torch
 from . import _dispatch
 
 KERNELS = ("layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy", "flash_attention",
-           "adamw_step", "grouped_gemm", "fp8_cast")  # every kernel with a check (the names use_triton's callers pass)
+           "adamw_step", "grouped_gemm", "fp8_cast", "fp8_blockwise")  # every kernel with a check (the names use_triton's callers pass)
 EXACT = ("fp8_cast",)  # integer rounding written out: its fallback's bytes exactly
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 _mode = "cuda"
@@ -117,6 +117,12 @@ def _run(kernel, device, dtype, backend):
             return [q.float() for q in (fp8_cast(x, torch.tensor(2.5, device=device), f, with_amax=True)[0]
                                         for f in (torch.float8_e4m3fn, torch.float8_e5m2))] + \
                 [fp8_cast(x, torch.tensor(1.0, device=device), torch.float8_e4m3fn, with_amax=True)[1]]
+        if kernel == "fp8_blockwise":  # a weight-shaped product (128-column groups) and a weight gradient's (1)
+            from kernels.fp8_blockwise import blockwise_mm
+            a, b = rnd(64, 256, grad=False).to(torch.float8_e4m3fn), rnd(256, 192, grad=False).to(torch.float8_e5m2)
+            sa, sb = rnd(64, 2, grad=False).abs(), rnd(2, 2, grad=False).abs()
+            return [blockwise_mm(a, sa.float(), b, sb.float(), 128, torch.float32),
+                    blockwise_mm(a, sa.float(), b, rnd(2, 192, grad=False).abs().float(), 1, torch.float32)]
         if kernel == "cross_entropy":
             x, t = rnd(16, 512), torch.randint(0, 512, (16,), generator=g).to(device)
             return _with_grads(kernels.cross_entropy(x * 1, t, inplace_backward=True), [x], g)

@@ -31,6 +31,7 @@ import contextlib
 import torch
 
 import kernels
+from kernels.fp8_blockwise import blockwise_mm
 from kernels.fp8_cast import fp8_cast
 from megalite.tensor_parallel.mappings import max_over_context_parallel_region, max_over_tensor_model_parallel_region
 
@@ -197,16 +198,23 @@ def _rowwise_backward(site, dy2, x2, weight, dtypes):
     return dx, torch._scaled_mm(dytq, _column_major(xq), scale_a=sdyt, scale_b=sx, out_dtype=torch.float32)
 
 
-def blocks(t, rows, cols, dtype, margin):
-    """t [R, C] rounded to FP8 with one scale per rows x cols block (the last ones partial), dequantized: the fp32
-    values a blockwise-scaled FP8 GEMM multiplies."""
+def quantized_blocks(t, rows, cols, dtype, margin):
+    """t [R, C] rounded to FP8 with one scale per rows x cols block (the last ones partial): (q [R, C], the fp32
+    factors that undo the scales [ceil(R / rows), ceil(C / cols)])."""
     r, c = t.shape
     pr, pc = -(-r // rows) * rows, -(-c // cols) * cols
     padded = torch.zeros(pr, pc, dtype=torch.float32, device=t.device)
     padded[:r, :c] = t
     b = padded.reshape(pr // rows, rows, pc // cols, cols)
     q, undo = scaled(b, dtype, b.abs().amax(dim=(1, 3), keepdim=True), margin)
-    return (q.float() * undo).reshape(pr, pc)[:r, :c]
+    return q.reshape(pr, pc)[:r, :c], undo.reshape(pr // rows, pc // cols)
+
+
+def blocks(t, rows, cols, dtype, margin):
+    """quantized_blocks' t dequantized: the fp32 values a blockwise-scaled FP8 GEMM multiplies."""
+    q, undo = quantized_blocks(t, rows, cols, dtype, margin)
+    r, c = t.shape
+    return (q.float() * undo.repeat_interleave(rows, 0)[:r].repeat_interleave(cols, 1)[:, :c])
 
 
 def _whole_blocks(site, t, dim):
@@ -219,17 +227,22 @@ def _whole_blocks(site, t, dim):
 def _blockwise_forward(site, x2, weight):
     _whole_blocks(site, weight, 1 if site.row_parallel else 0)
     fd, m = site.forward_dtype, site.margin
-    return (blocks(x2, 1, BLOCK, fd, m) @ blocks(weight, BLOCK, BLOCK, fd, m).t()).to(x2.dtype)
+    xq, sx = quantized_blocks(x2, 1, BLOCK, fd, m)  # x: 1 x 128 tiles along K
+    wq, sw = quantized_blocks(weight, BLOCK, BLOCK, fd, m)  # w [N, K]: 128 x 128 blocks
+    return blockwise_mm(xq, sx, wq.t(), sw.t(), BLOCK, x2.dtype)
 
 
 def _blockwise_backward(site, dy2, x2, weight, dtypes):
     fd, gd, m = site.forward_dtype, site.grad_dtype, site.margin
-    wd = blocks(weight, BLOCK, BLOCK, fd, m)  # (square blocks: the same for both contractions)
-    dx = (blocks(dy2, 1, BLOCK, gd, m) @ wd).to(dtypes[0])  # dx = dy w: tiles along N
+    wq, sw = quantized_blocks(weight, BLOCK, BLOCK, fd, m)  # (square blocks: the same for both contractions)
+    dyq, sdy = quantized_blocks(dy2, 1, BLOCK, gd, m)  # dx = dy w: tiles along N
+    dx = blockwise_mm(dyq, sdy, wq, sw, BLOCK, dtypes[0])
     if not site.wgrad:
         return dx, dy2.t().float() @ x2.float()
-    # dw = dy^T x: tiles along M (the tokens) of both
-    return dx, blocks(dy2.t(), 1, BLOCK, gd, m) @ blocks(x2.t(), 1, BLOCK, fd, m).t()
+    # dw = dy^T x: tiles along M (the tokens) of both; x's tiles run down its columns (one factor a column)
+    dytq, sdyt = quantized_blocks(dy2.t(), 1, BLOCK, gd, m)
+    xtq, sxt = quantized_blocks(x2.t(), 1, BLOCK, fd, m)
+    return dx, blockwise_mm(dytq, sdyt, xtq.t(), sxt.t(), 1, torch.float32)
 
 
 def _mm(a, b_t, scale_a, scale_b, out_dtype):

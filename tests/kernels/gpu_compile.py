@@ -31,8 +31,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-SMEM_LIMIT = {90: 232448, 80: 166912}  # max dynamic shared memory per block (opt-in), bytes
-KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "fp8_cast", "grouped_gemm", "layer_norm",
+SMEM_LIMIT = {90: 232448, 80: 166912}
+FP8_GEMMS = {"_blockwise_mm"}  # built for sm_89 and later only (no FP8 type before)  # max dynamic shared memory per block (opt-in), bytes
+KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "fp8_blockwise", "fp8_cast", "grouped_gemm", "layer_norm",
                   "rms_norm", "rotary", "softmax", "swiglu")
 
 
@@ -147,6 +148,15 @@ def _fp8_cast(dtype, with_amax):
     return run
 
 
+def _blockwise(m, k, n, group, a_dtype):
+    def run(K):
+        kb = -(-k // 128)
+        importlib.import_module("kernels.fp8_blockwise").blockwise_mm(
+            _t(m, k, dtype=a_dtype), _t(m, kb, dtype=torch.float32), _t(n, k, dtype=torch.float8_e4m3fn).t(),
+            _t(kb, -(-n // group), dtype=torch.float32), group, torch.float32 if group == 1 else torch.bfloat16)
+    return run
+
+
 def _grouped(e, rows, n_in, n_out, dtype=torch.bfloat16):
     """An MoE projection: rows routed unevenly over e experts (one gets none), weights [e, n_out, n_in]."""
     def run(K):
@@ -201,6 +211,12 @@ CASES = [
     ("grouped", "grouped_gemm 8 x [2048, 1024], 4096 rows fp32", True, _grouped(8, 4096, 1024, 2048, torch.float32)),
     ("fp8", "fp8_cast e4m3 with amax, 8192 x 4096 bf16 (delayed)", True, _fp8_cast(torch.float8_e4m3fn, True)),
     ("fp8", "fp8_cast e5m2, 8192 x 4096 bf16 (a gradient, tensorwise)", True, _fp8_cast(torch.float8_e5m2, False)),
+    ("fp8 gemm", "blockwise_mm x [8192, 4096] e4m3 . w^T [4096, 14336] e4m3 (forward)", True,
+     _blockwise(8192, 4096, 14336, 128, torch.float8_e4m3fn)),
+    ("fp8 gemm", "blockwise_mm dy [8192, 14336] e5m2 . w [14336, 4096] e4m3 (input gradient)", True,
+     _blockwise(8192, 14336, 4096, 128, torch.float8_e5m2)),
+    ("fp8 gemm", "blockwise_mm dy^T [14336, 8192] e5m2 . x [8192, 4096] e4m3 (weight gradient)", True,
+     _blockwise(14336, 8192, 4096, 1, torch.float8_e5m2)),
 ]
 
 
@@ -221,6 +237,8 @@ def build(arch, only=None):
     for group, label, hot, fn in CASES:
         if only and only not in group and only not in label:
             continue
+        if group == "fp8 gemm" and arch < 89:  # (FP8 tensor cores: Ada and Hopper on; megalite's FP8 needs them)
+            continue
         _BUILT.clear()
         t0 = time.time()
         try:
@@ -239,7 +257,7 @@ def build(arch, only=None):
                          "num_stages": md.num_stages, "seconds": round(time.time() - t0, 2)})
             t0 = time.time()
     built = {r["kernel"] for r in rows}
-    unbuilt = [] if only else sorted(set(_launchable(mods)) - built)
+    unbuilt = [] if only else sorted(set(_launchable(mods)) - built - (FP8_GEMMS if arch < 89 else set()))
     return {"arch": arch, "triton": triton.__version__, "smem_limit": SMEM_LIMIT[arch], "rows": rows,
             "errors": errors, "unbuilt": unbuilt}
 
