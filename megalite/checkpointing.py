@@ -221,7 +221,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
         dist.barrier(group=group)
     if not args.no_save_rng:
         fsync_write(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), json.dumps(rng_state()).encode())
-    if fp8 := fp8_state(chunks):  # delayed FP8 scaling's amax histories (as TE's modules keep them in the model)
+    # delayed FP8 scaling's amax histories (as TE's modules keep them in the model; each replica its own)
+    if fp8 := {_replica_prefix(g) + n: h for n, h in fp8_state(chunks).items()}:
         fsync_write(os.path.join(tmp, "fp8", f"rank_{rank:05d}.json"), json.dumps(fp8).encode())
     entries = model_entries(chunks, for_save=True)
     if not args.no_save_optim:  # each semi-synchronous replica its own inner state, the first the outer one
@@ -324,8 +325,10 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None)
     _restore_rng(meta, path, args, weights_only, g)
     fp8_dir = os.path.join(path, "fp8")
     if os.path.isdir(fp8_dir):  # every rank's histories, merged by module name: any layout takes its own
+        saved = (meta.get("parallel") or {}).get("semi_sync_replicas", 1)  # (another count: the first replica's)
         set_fp8_state(chunks, {k: v for f in sorted(os.listdir(fp8_dir))
-                               for k, v in read_json(os.path.join(fp8_dir, f), "FP8 state").items()})
+                               for k, v in read_json(os.path.join(fp8_dir, f), "FP8 state").items()},
+                      _replica_prefix(g) if g.replica_rank < saved else "")
     if load_optim and getattr(optimizer, "fp8_gather", None) is not None:  # --fp8-param-gather: the FP8 weights
         optimizer.publish_main_params()  # from the loaded main weights and histories, as after the saved step
     if getattr(optimizer, "semi_sync", None) is not None:  # saved at an outer step: the weights are global

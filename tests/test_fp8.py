@@ -159,6 +159,10 @@ LAYOUTS = [layout("pp2_fp8_tensorwise", pp=2, model=TENSORWISE), layout("dp2_fp8
            # multi-token prediction: its projection and transformer layer in FP8 too, on the last stage
            layout("pp2_fp8_mtp_delayed", pp=2,
                   model=DELAYED + ("--mtp-num-layers", "1", "--position-embedding-type", "rope")),
+           # interleaved pipeline (2 chunks a stage) and full recompute (each layer's forward, FP8 casts and the
+           # delayed amaxes, run twice)
+           layout("pp2_vp_fp8_delayed", pp=2, vp=1, model=DELAYED),
+           layout("dp2_fp8_tensorwise_recompute", dp=2, recompute="full", model=TENSORWISE),
            # MoE experts under EP2: an expert gets two micro-batches' rows at once and runs each apart, as the single
            # process does (tensorwise scales, row-wise and blockwise weight gradients' scales along the tokens)
            *(layout(f"ep2_fp8_{name}_{kind}", dp=2, model=MB2 + MOE + recipe,

@@ -130,6 +130,38 @@ def test_replicas_match_the_serial_reference(world, i):
     check_reference({"losses": ref["losses"][0]}, margin=0.3)
 
 
+# -- FP8 inside the replicas ------------------------------------------------------------------------
+FP8_DELAYED = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "2", "--fp8-amax-compute-algo", "max")
+# each replica one rank: its inner steps the serial reference's single process's arithmetic, on this machine's
+# rounding (an FP8 operand an fp32 rounding apart can land on the other FP8 neighbour); each keeps its own delayed
+# histories (reduced over its own DP ranks)
+FP8_CASE = (semi("dp2_r2_fp8_delayed_diloco", 2, "2", dp=2, model=FP8_DELAYED), 2, [2, 2], DILOCO, 2)
+
+
+def test_fp8_replicas_match_the_serial_reference():
+    lay, replicas, steps, method, dp = FP8_CASE
+    ranks = run_layouts([lay], 2, collect=collect, capability=None)[0]
+    ref = serial_reference(lay, replicas, steps, method, dp)
+    bad = semi_sync_mismatches(lay, ranks, ref, steps, method)
+    assert not bad, f"{lay.name}: {len(bad)} mismatches against the serial reference:\n" + "\n".join(bad[:30])
+    check_reference({"losses": ref["losses"][0]}, margin=0.3)
+
+
+@pytest.mark.parametrize("recipe", [("--fp8-recipe", "tensorwise"), ()], ids=["tensorwise", "delayed"])
+def test_one_fp8_replica_is_the_ordinary_fp8_run_bit_for_bit(recipe):
+    lay = layout("one_fp8_replica", model=FP8_DELAYED + recipe, flags=("--semi-sync-method", "diloco",
+                 "--semi-sync-steps", "3", "--outer-lr", "1", "--outer-momentum", "0"))
+    want, threads = reference(lay), torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference ran
+    try:
+        got = train(lay)
+    finally:
+        torch.set_num_threads(threads)
+    assert got["losses"] == want["losses"], (got["losses"], want["losses"])
+    for name, p in want["params"].items():
+        assert torch.equal(got["params"][name], p), f"{name} differs after {STEPS} steps with one FP8 replica"
+
+
 # -- what does not compose: one line each ---------------------------------------------------------
 @pytest.mark.parametrize("flags, world, message", [
     (("--semi-sync-replicas", "2"), 2, "need --semi-sync-method"),
@@ -218,6 +250,20 @@ def test_checkpoints_resume_exactly_and_cross_to_synchronous_training(tmp_path):
         hf.update(load_file(str(f)))
     emb = runs[0]["first 4"][1]["embedding.word_embeddings.weight"]
     assert torch.equal(hf["transformer.wte.weight"].float(), emb[:hf["transformer.wte.weight"].shape[0]])
+
+
+def _fp8_checkpoint_runs(d):
+    flags = list(DILOCO) + list(FP8_DELAYED) + ["--semi-sync-replicas", "2", "--semi-sync-steps", "2"]
+    return _run(flags), _run(flags + ["--train-iters", "4", "--save", d]), _run(flags + ["--load", d])
+
+
+def test_fp8_replicas_resume_their_own_histories(tmp_path):
+    """Two FP8 replicas (delayed scaling) each save their own amax histories (replica 1's under its names) and a
+    resumed run is the uninterrupted one bit for bit (with one set of histories for both it is not)."""
+    for whole, first, resumed in run_on_ranks(_fp8_checkpoint_runs, 2, str(tmp_path)):
+        assert first[0] + resumed[0] == whole[0], (first[0], resumed[0], whole[0])
+        for name, t in whole[1].items():
+            assert torch.equal(resumed[1][name], t), f"{name} differs after resuming"
 
 
 def _auto_run():

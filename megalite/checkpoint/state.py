@@ -190,8 +190,9 @@ def fp8_state(chunks):
     return {n: s.state_dict() for n, s in fp8_sites(chunks).items()}
 
 
-def set_fp8_state(chunks, saved):
-    """The histories of `saved` ({module name: history}, every rank's merged) for the sites this rank holds."""
+def set_fp8_state(chunks, saved, prefix=""):
+    """The histories of `saved` ({module name: history}, every rank's merged) for the sites this rank holds (prefix:
+    a semi-synchronous replica's names)."""
     for n, s in fp8_sites(chunks).items():
-        if n in saved:
-            s.load_state_dict(saved[n])
+        if prefix + n in saved:
+            s.load_state_dict(saved[prefix + n])
