@@ -23,7 +23,9 @@ setup(
         # transformers: the HF conversion tests load real GPT2LMHeadModel / LlamaForCausalLM.
         # tensorboard: Megatron's launch scripts pass --tensorboard-dir (tests/test_megatron_scripts.py).
         # torchft: the fault-tolerant replicas' tests (tests/test_ft.py).
-        "test": ["pytest", "megatron-core>=0.16", "transformers", "matplotlib", "tensorboard", "torchft>=0.2"],
+        # torchao: the external FP8 reference (its Float8Linear in emulation mode, tests/test_fp8_torchao.py).
+        "test": ["pytest", "megatron-core>=0.16", "transformers", "matplotlib", "tensorboard", "torchft>=0.2",
+                 "torchao>=0.18"],
         "hf": ["transformers", "safetensors"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],  # tools/plot_metrics.py
