@@ -25,7 +25,7 @@ VARIANTS = [("bf16", ""),
                                                "--fp8-amax-compute-algo max"),
             ("fp8 hybrid rowwise", "--fp8-format hybrid --fp8-recipe rowwise"),
             ("fp8 e4m3 blockwise", "--fp8-format e4m3 --fp8-recipe blockwise")]
-VALID = re.compile(r"validation loss at (?:iteration\s+(\d+)|the end of training) for val data \| lm loss value: "
+VALID = re.compile(r"validation loss at (?:iteration\s+(\d+)|the end of training for val data) \| lm loss value: "
                    r"([0-9.E+-]+)")
 
 

@@ -23,11 +23,15 @@ BAD = {
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --ft-min-replicas 0": "--ft-min-replicas 0 must be at least 1",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --ft-replica-share 0":
         "--ft-replica-share 0 must be a positive integer",
+    "--ft-lighthouse localhost:29510 --ft-replica-id 0 --ft-replica-share auto --ft-share-profile-iters 0":
+        "--ft-share-profile-iters 0 must be at least 1",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --optimizer-cpu-offload": "is not built yet in megalite",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --semi-sync-method diloco --semi-sync-fragment-alpha 0.5":
         "--ft-lighthouse with --semi-sync-fragments/-delay/-alpha (streaming) is not built yet",
     "--ft-lighthouse localhost:29510 --ft-replica-id 0 --semi-sync-method local_sgd --semi-sync-steps auto":
         "--ft-lighthouse with --semi-sync-steps auto is not built yet",
+    "--ft-lighthouse localhost:29510 --ft-replica-id 0 --semi-sync-method diloco --ft-replica-share auto":
+        "--ft-replica-share auto with --semi-sync-method is not built yet",
     # FP8 (megalite/cli/features/fp8.py)
     "--fp8-format hybrid --fp8-recipe mxfp8": "--fp8-recipe mxfp8 needs Blackwell GPUs",
     "--fp8-format hybrid --fp8-recipe custom": "--fp8-recipe custom (a Transformer Engine quantizer factory)",

@@ -39,7 +39,8 @@ def test_the_scale_of_iteration_k_is_from_the_amaxes_before_it(algo, backend):
                     want = a * scale if not known else max(known) if algo == "max" else known[-1]
                     expect, undo = scaled(t, dtype, torch.tensor(want), 0)
                     assert q.dtype == dtype and torch.equal(q.view(torch.uint8), expect.view(torch.uint8)), (k, which)
-                    assert inverse.item() == undo.item() == scale_inverse(dtype, torch.tensor(want), 0).item(), (k, which)
+                    assert inverse.item() == undo.item() == scale_inverse(dtype, torch.tensor(want), 0).item(), \
+                        (k, which)
             end_iteration([types.SimpleNamespace(fp8=site)], lambda t: t)
             seen.append(max(amaxes))
     assert site.state_dict()["x"] == pytest.approx(seen[-1:-4:-1], rel=1e-7)  # newest first

@@ -2,6 +2,8 @@
 Lighthouse, held to the uninterrupted one-process run (fp32, no dropout: the gradient sums run in another order, so
 within the 1e-5 the parity harness holds reordered sums to) and to each other (bit for bit)."""
 
+import re
+
 import pytest
 import torch
 
@@ -130,6 +132,31 @@ def _checkpointed(path, config):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         ps.destroy_model_parallel()
+
+
+def test_measured_shares_give_the_slow_replica_less(tmp_path, capfd):
+    """--ft-replica-share auto: two replicas time their first two iterations (equal halves of the batch); replica 1
+    sleeps 60 ms in each micro-batch's forward step (a slower GPU), so from then on the batch is split by the measured
+    speeds and the fast replica trains most of it. Every batch is still trained exactly once: the losses and weights
+    are the one-process run's, and the replicas end bit-identical."""
+    lh = lighthouse(min_replicas=1)
+    try:
+        got = run_replicas(lh.address(), 2, tmp_path, ["--ft-replica-share", "auto", "--ft-share-profile-iters", "2"],
+                           iters=ITERS + 1, slow={1: 0.06})
+    finally:
+        lh.shutdown()
+    out = capfd.readouterr().out
+    ref_losses, ref, _ = _one_process(ITERS + 1)
+    assert "2 live replicas; this one trains 4 of 8 samples (replica 0)" in out  # the profiled iterations
+    chosen = [ln for ln in out.splitlines() if "--ft-replica-share auto: ms per micro-batch" in ln]
+    assert len(chosen) == 2, chosen  # (once, on each replica)
+    fast, slow = (int(n) for n in re.search(r"-> micro-batches (\d+), (\d+)", chosen[0]).groups())
+    assert fast >= 6 and slow >= 1 and fast + slow == 8, chosen
+    assert f"2 live replicas; this one trains {fast} of 8 samples (replica 0)" in out, chosen
+    (l0, w0, s0, *_), (l1, w1, *_) = got[0], got[1]
+    assert max(abs(a - b) / abs(b) for a, b in zip(l0, ref_losses)) <= 1e-5, (l0, ref_losses)
+    for n in ref:
+        assert _rel(torch.from_numpy(w0[n]), ref[n]) <= 1e-5 and (w0[n] == w1[n]).all(), n
 
 
 def test_an_unreachable_lighthouse_is_one_line(capsys):

@@ -132,8 +132,8 @@ class TokenDispatcher:
             share = self.grid.tp * self.grid.cp
             if int((ranks == mine).sum()) != share:
                 raise ValueError(f"FP8 MoE experts: an expert gets the tokens of {int((ranks == mine).sum())} of the "
-                                 f"{share} TP x CP ranks that share a micro-batch, so it cannot scale that micro-batch's "
-                                 "rows whole; use --expert-tensor-parallel-size equal to TP or a larger "
+                                 f"{share} TP x CP ranks that share a micro-batch, so it cannot scale that "
+                                 "micro-batch's rows whole; use --expert-tensor-parallel-size equal to TP or a larger "
                                  "--expert-model-parallel-size")
             distinct = torch.unique(ranks)  # (sorted)
             self.source_ranks = (torch.searchsorted(distinct, ranks), distinct.numel())

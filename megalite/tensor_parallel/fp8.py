@@ -82,7 +82,8 @@ class Fp8Site:
     def amax(self, which, t):
         """The whole tensor's amax (reduced over TP where this rank holds a shard of it)."""
         # (an expert may get no rows of a micro-batch: nothing to scale)
-        return self._whole(which, t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32))
+        mine = t.detach().abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+        return self._whole(which, mine)
 
     def _whole(self, which, a):
         """This rank's amax of its part of a tensor -> the whole tensor's."""

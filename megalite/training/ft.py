@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.config import ExecutionConfig
-from megalite.iteration_plan import IterationPlan
+from megalite.iteration_plan import IterationPlan, balanced_counts
 from megalite.microbatches import BatchSchedule
 from megalite.rerun import _capture_rng, _restore_rng
 from megalite.training.parts import Part
@@ -35,6 +35,9 @@ class FaultTolerance(Part):
         self.grid = g = ps.grid_of(trainer.chunks)
         self.split, self.healed, self.committed, self.done = None, None, True, trainer.start_iter
         self.waiting = None  # the live replicas' count while below --ft-min-replicas
+        # --ft-replica-share auto: this replica's forward-backward seconds per micro-batch over its first committed
+        # iterations, then its slowest rank's fastest (0 until measured)
+        self.auto, self.profile, self.seconds = args.ft_replica_share == "auto", [], 0.0
         self.fingerprint = fingerprint(args, g, trainer.mcfg)
         if dist.is_initialized():  # torchrun's store, shared by the replica's ranks (torchft keys its own prefix)
             self.store, addr, port = None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -90,14 +93,47 @@ class FaultTolerance(Part):
             shrink_only = False
         self._check_same()  # every quorum, on every replica: the same collectives whoever joined or left
         rank, replicas = self.manager.participating_rank(), self.manager.num_participants()
-        shares = torch.zeros(replicas, dtype=torch.float64)  # every live replica's --ft-replica-share, in rank order
-        shares[rank or 0] = self.args.ft_replica_share
+        # every live replica's --ft-replica-share and (auto) its measured seconds per micro-batch, in rank order
+        shares = torch.zeros(2 * replicas, dtype=torch.float64)
+        shares[rank or 0], shares[replicas + (rank or 0)] = 1 if self.auto else self.args.ft_replica_share, self.seconds
         self.manager.allreduce(shares, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return
-        split = (rank, replicas, tuple(int(x) for x in shares.tolist()))
+        weights, seconds = tuple(int(x) for x in shares[:replicas].tolist()), shares[replicas:].tolist()
+        if self.auto and all(seconds):  # every live replica measured: the counts that finish the batch soonest
+            weights = tuple(balanced_counts(seconds, self._units(replicas)))
+        split = (rank, replicas, weights)
         if split != self.split:
+            if self.auto and all(seconds) and self.grid.rank == 0:
+                print(f"megalite: fault tolerance: --ft-replica-share auto: ms per micro-batch by live replica "
+                      f"{', '.join(f'{1e3 * t:.1f}' for t in seconds)} -> micro-batches {', '.join(map(str, weights))} "
+                      f"(replica {self.args.ft_replica_id})", flush=True)
             self._resplit(*split)
+
+    def _units(self, replicas):
+        """Micro-batches of each inner DP rank in a global batch, all told (at least one per live replica)."""
+        g, a = self.grid, self.args
+        units = a.global_batch_size // (a.micro_batch_size * g.dp)
+        if units < replicas:
+            self.abort(f"--global-batch-size {a.global_batch_size} gives {units} micro-batches per data-parallel "
+                       f"rank of a replica, fewer than the {replicas} live replicas; raise it (or "
+                       "--micro-batch-size lower) so every live replica gets one")
+        return units
+
+    def timed(self):
+        return self.auto and not self.seconds
+
+    def _measure(self, step):
+        """--ft-replica-share auto: one committed iteration's forward-backward seconds per micro-batch; after
+        --ft-share-profile-iters of them, the fastest, the maximum over the replica's ranks (its slowest)."""
+        if not (self.auto and not self.seconds and step.timed and step.num_micro):
+            return
+        self.profile.append(step.times["forward-backward"] / step.num_micro)
+        if len(self.profile) >= self.args.ft_share_profile_iters:
+            t = torch.tensor([min(self.profile)], dtype=torch.float64)
+            if dist.is_initialized():  # (the replica's own job)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.seconds = t.item()
 
     def _check_same(self):
         """The quorum's replicas run the same model at the same inner layout with the same batch flags."""
@@ -114,12 +150,7 @@ class FaultTolerance(Part):
         taking one more), each replica's part the contiguous run after the parts before it; this rank's plan and
         data."""
         g, t, a = self.grid, self.run, self.args
-        units = a.global_batch_size // (a.micro_batch_size * g.dp)  # micro-batches of each inner DP rank, all told
-        if units < replicas:
-            self.abort(f"--global-batch-size {a.global_batch_size} gives {units} micro-batches per data-parallel "
-                       f"rank of a replica, fewer than the {replicas} live replicas; raise it (or "
-                       "--micro-batch-size lower) so every live replica gets one")
-        counts = dealt(units, weights)
+        counts = dealt(self._units(replicas), weights)
         shares = [n for n in counts for _ in range(g.dp)]  # one per DP rank across the replicas
         t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares,
                                self.plan_replicas(replicas))
@@ -153,6 +184,7 @@ class FaultTolerance(Part):
 
     def after(self, it, step):
         step.across = self._sum  # the log line's losses: each replica's is its part of the batch's mean
+        self._measure(step)
 
     def _sum(self, t):
         self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM).wait()
@@ -201,7 +233,8 @@ def fingerprint(args, grid, mcfg):
     pairs = (("model architecture", digest), ("--tensor-model-parallel-size", grid.tp),
              ("--pipeline-model-parallel-size", grid.pp), ("--context-parallel-size", grid.cp),
              ("data-parallel size inside a replica", grid.dp), ("--micro-batch-size", args.micro_batch_size),
-             ("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length))
+             ("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length),
+             ("--ft-replica-share auto (on every replica or none)", args.ft_replica_share == "auto"))
     if args.semi_sync_method:  # semi-synchronous replicas: one outer optimizer, rounds of the same length
         outer = repr((args.semi_sync_method, max(args.semi_sync_steps), args.outer_lr, args.outer_momentum,
                       args.outer_nesterov))

@@ -25,7 +25,7 @@ def lighthouse(min_replicas):
 
 
 def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(), env=None, key=None, tmp=None,
-             dies_sending=False):
+             dies_sending=False, slow=0.0):
     """One replica's run. die_at: (iteration, where): the process ends (as SIGKILL would: no goodbye) in the middle
     of that iteration, after its forward-backward: "before" the cross-replica reduction, or "during" it (its part
     sent, the result not awaited). hold: [(iteration, paths)]: before that iteration the replica waits for those
@@ -33,7 +33,8 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
     heartbeats. start: a barrier the first replicas pass together. reach: [(iteration, path)]: the file written when
     the replica is about to run that iteration. env: a rank's torchrun variables (a replica of several ranks);
     key: what names its results. tmp: where each outer step of semi-synchronous replicas is recorded as it happens
-    (outer_records reads them). dies_sending: the process ends when a healing peer asks for its state."""
+    (outer_records reads them). dies_sending: the process ends when a healing peer asks for its state. slow: seconds
+    this replica sleeps in each micro-batch's forward step (a slower GPU)."""
     import time
     os.environ.update(env or {})
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -124,8 +125,12 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
             build(self, *a, **k)
             _SCHEDULER[:] = [self.scheduler]
         trainer_module.Trainer.__init__ = keeping
-        losses, chunks, optimizer = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
-                                             args, return_state=True)
+        def forward_step(it, model):
+            time.sleep(slow)
+            return pretrain_gpt.forward_step(it, model)
+        losses, chunks, optimizer = pretrain(learnable_datasets, pretrain_gpt.model_provider,
+                                             forward_step if slow else pretrain_gpt.forward_step, args,
+                                             return_state=True)
         # numpy, not tensors: a tensor crosses the queue as a shared-memory handle that dies with this process
         weights = {}
         for c in chunks:
@@ -236,7 +241,7 @@ def _free_port():
 
 
 def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None, ranks=1, own=None,
-                 lose=(), rejoin_when_waiting=False):
+                 lose=(), rejoin_when_waiting=False, slow=None):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
     {replica id (with ranks > 1: (replica id, rank)): (losses, weights, optimizer state, LR schedule, iterations
     saved)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
@@ -245,7 +250,8 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
     new replica (number n) starts when the first replica is about to run that iteration, and everyone waits for it
     there. ranks: processes per replica (a gloo job of its own, as torchrun would start it). own: {replica: its
     own extra flags}. lose: replicas that die when a healing peer asks them for their state (not started again).
-    rejoin_when_waiting: the dead are started again only once a survivor waits below --ft-min-replicas."""
+    rejoin_when_waiting: the dead are started again only once a survivor waits below --ft-min-replicas. slow:
+    {replica: seconds it sleeps in each micro-batch's forward step}."""
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(n * ranks)
     ours, theirs = ctx.Pipe()
@@ -269,7 +275,7 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
                    "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)} if ranks > 1 else None
             kwargs = dict(kw, announce=files(name, i)[k], env=env, key=(i, k) if ranks > 1 else i, tmp=tmp,
                           dies_sending=i in lose and name == "joined", reach=kw.get("reach", []) if k == 0 else [],
-                          barrier=kw.get("barrier", False))
+                          barrier=kw.get("barrier", False), slow=(slow or {}).get(i, 0.0))
             ours.send(("start", (argv + ["--ft-replica-id", str(i)] + (own or {}).get(i, []), kwargs)))
             procs.append(_Forked(link, ours.recv()))
         return procs

@@ -15,9 +15,12 @@ def add_ft_flags(a):
            f"(default: ${ENV_LIGHTHOUSE} when --ft-replica-id is given)")
     a("--ft-replica-id", type=int, default=None,
       help="this replica's number (0, 1, ...): each replica is its own torchrun job with the same flags")
-    a("--ft-replica-share", type=int, default=1,
+    a("--ft-replica-share", type=_share, default=1,
       help="this replica's weight in the split of each global batch over the live replicas (e.g. 2 for a replica "
-           "twice as fast; micro-batches dealt out in proportion, at least one each)")
+           "twice as fast; micro-batches dealt out in proportion, at least one each), or auto: every replica times "
+           "its first --ft-share-profile-iters iterations and the batch is split by the measured speeds")
+    a("--ft-share-profile-iters", type=int, default=3,
+      help="--ft-replica-share auto: the iterations each replica times (its fastest per micro-batch counts)")
     a("--ft-min-replicas", type=int, default=1,
       help="a step commits only with at least this many live replicas; below it training waits (torchft's "
            "min_replica_size)")
@@ -41,6 +44,11 @@ _NOT_YET = (
 )
 
 
+def _share(text):
+    """--ft-replica-share: a positive integer or auto (checked by validate_ft, one line)."""
+    return "auto" if text.strip().lower() == "auto" else int(text)
+
+
 def validate_ft(args):
     """The Lighthouse's address (flag or $TORCHFT_LIGHTHOUSE), torchft installed, the flags that compose."""
     if args.ft_replica_id is not None and args.ft_lighthouse is None:
@@ -52,8 +60,10 @@ def validate_ft(args):
         return
     if args.ft_replica_id is None or args.ft_replica_id < 0:
         raise ConfigError("--ft-lighthouse needs --ft-replica-id 0, 1, ...: each replica's own number")
-    if args.ft_replica_share < 1:
-        raise ConfigError(f"--ft-replica-share {args.ft_replica_share} must be a positive integer")
+    if args.ft_replica_share != "auto" and args.ft_replica_share < 1:
+        raise ConfigError(f"--ft-replica-share {args.ft_replica_share} must be a positive integer or auto")
+    if args.ft_share_profile_iters < 1:
+        raise ConfigError(f"--ft-share-profile-iters {args.ft_share_profile_iters} must be at least 1")
     if args.ft_min_replicas < 1:
         raise ConfigError(f"--ft-min-replicas {args.ft_min_replicas} must be at least 1")
     for name in ("ft_timeout", "ft_quorum_timeout", "ft_connect_timeout", "ft_heartbeat_ms"):
@@ -77,6 +87,9 @@ def validate_ft(args):
 def _validate_rounds(args):
     """Semi-synchronous replicas under faults: every fault-tolerant replica is one semi-synchronous replica, the
     same H inner steps per round for all, whole outer steps in fp32."""
+    if args.ft_replica_share == "auto":
+        raise ConfigError("--ft-replica-share auto with --semi-sync-method is not built yet in megalite: give each "
+                          "replica's share")
     if args.semi_sync_replicas != 1:
         raise ConfigError(f"--ft-lighthouse with --semi-sync-replicas {args.semi_sync_replicas}: each fault-tolerant "
                           "replica (its own job) is one semi-synchronous replica; drop --semi-sync-replicas")
