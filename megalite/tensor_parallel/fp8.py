@@ -265,7 +265,8 @@ class _Fp8Linear(torch.autograd.Function):
         if site.recipe in ("rowwise", "blockwise"):  # (each GEMM requantizes from the unquantized operands)
             ctx.save_for_backward(x2, weight)
             fwd = _rowwise_forward if site.recipe == "rowwise" else _blockwise_forward
-            return fwd(site, x2, weight).reshape(*shape[:-1], weight.shape[0])
+            with site.kernels():  # (blockwise: its GEMM kernel on CUDA)
+                return fwd(site, x2, weight).reshape(*shape[:-1], weight.shape[0])
         xq, sx = site.quantize("x", x2)
         wq, sw = site.quantize("w", weight)
         y = _mm(xq, wq.t(), sx, sw, out_dtype)
@@ -278,7 +279,8 @@ class _Fp8Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         if site.recipe in ("rowwise", "blockwise"):
             bwd = _rowwise_backward if site.recipe == "rowwise" else _blockwise_backward
-            dx, dw = bwd(site, dy2, *ctx.saved_tensors, ctx.dtypes)
+            with site.kernels():
+                dx, dw = bwd(site, dy2, *ctx.saved_tensors, ctx.dtypes)
             return dx.reshape(ctx.shape), dw.to(ctx.dtypes[1]), None
         saved, sx, wq, sw = ctx.saved_tensors
         dyq, sdy = site.quantize("dy", dy2)

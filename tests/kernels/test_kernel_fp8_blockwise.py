@@ -61,3 +61,14 @@ def test_blockwise_layers_through_the_kernel_are_the_torch_path():
     largest)."""
     for got, want in zip(_layer("triton"), _layer("torch")):
         assert (got - want).abs().max() <= 2.0 ** -15 * want.abs().max(), (got - want).abs().max()
+
+
+def test_no_fused_kernels_keeps_the_blockwise_gemm_in_torch(monkeypatch):
+    from kernels import fp8_blockwise as module
+    ran = []
+    monkeypatch.setattr(module._blockwise_mm, "run", lambda *a, **k: ran.append(1))
+    x, w = torch.randn(4, 128, requires_grad=True), torch.randn(128, 128, requires_grad=True)
+    with kernels.use_backend("triton"):
+        site = Fp8Site("e4m3", "blockwise", grid=types.SimpleNamespace(tp=1, cp=1), fused=False)
+        fp8_linear(x, w, site).sum().backward()
+    assert not ran
