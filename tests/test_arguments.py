@@ -40,8 +40,6 @@ BAD = {
         "--fp8-param-gather needs --bf16 or --fp16",
     "--fp8-format hybrid --fp8-param-gather --use-distributed-optimizer --bf16 --fp8-recipe rowwise":
         "--fp8-param-gather needs --fp8-recipe tensorwise or delayed",
-    "--fp8-format hybrid --num-experts 4 --disable-bias-linear --moe-grouped-gemm":
-        "--fp8-format with --moe-grouped-gemm: the grouped GEMM kernel has no FP8 path",
     "--fp8-format hybrid --num-experts 4 --disable-bias-linear --fp8-param-gather --use-distributed-optimizer --bf16":
         "--fp8-format with --fp8-param-gather of MoE experts (--num-experts) is not built yet",
     "--first-last-layers-bf16": "--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid",

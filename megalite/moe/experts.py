@@ -46,7 +46,7 @@ class SequentialExperts(nn.Module):
         False forces one path (tests compare them on CPU under the Triton interpreter).
         sources: (each row's micro-batch index, how many): FP8 experts run on each micro-batch's rows apart."""
         if grouped is None:
-            grouped = self.config.moe_grouped_gemm and rows.is_cuda
+            grouped = self.wants_grouped(rows)
         if grouped:
             return grouped_experts(self.config, list(self.local_experts.values()), rows, counts)
         outs = []
@@ -56,6 +56,11 @@ class SequentialExperts(nn.Module):
         for expert, x, src in zip(self.local_experts.values(), torch.split(rows, counts), split):
             outs.append(_run(expert, x) if src is None else by_micro_batch(expert, x, src, sources[1]))
         return torch.cat(outs)
+
+    def wants_grouped(self, rows):
+        """--moe-grouped-gemm on CUDA rows, unless the experts run in FP8 (the grouped kernel has no FP8 path:
+        their GEMMs one by one)."""
+        return bool(self.config.moe_grouped_gemm and rows.is_cuda and not self.in_fp8())
 
     def in_fp8(self):
         return any(getattr(m, "fp8", None) is not None for m in self.local_experts.modules())
