@@ -132,18 +132,35 @@ def test_replicas_match_the_serial_reference(world, i):
 
 # -- FP8 inside the replicas ------------------------------------------------------------------------
 FP8_DELAYED = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "2", "--fp8-amax-compute-algo", "max")
-# each replica one rank: its inner steps the serial reference's single process's arithmetic, on this machine's
-# rounding (an FP8 operand an fp32 rounding apart can land on the other FP8 neighbour); each keeps its own delayed
-# histories (reduced over its own DP ranks)
+# each replica one rank, on this machine's rounding (an FP8 operand an fp32 rounding apart can land on the other FP8
+# neighbour), keeping its own delayed histories (reduced over its own DP ranks)
 FP8_CASE = (semi("dp2_r2_fp8_delayed_diloco", 2, "2", dp=2, model=FP8_DELAYED), 2, [2, 2], DILOCO, 2)
 
 
-def test_fp8_replicas_match_the_serial_reference():
+def collect_fp8(chunks, opt):
+    from megalite.checkpoint.state import fp8_state
+    return {**collect(chunks, opt), "fp8": fp8_state(chunks)}
+
+
+def test_fp8_replicas_match_the_serial_reference_and_keep_their_own_histories():
+    """Two one-rank FP8 replicas under DiLoCo: step 1 (losses, every gradient) is the serial reference's within
+    1e-5; from step 2 on FP8 training parts from the reference as a rounding twin does (a weight an fp32 rounding
+    apart moves a value across an FP8 midpoint: 2e-5 after six steps under ATen's default kernels), so the later steps
+    are not compared. The replicas end on the same weights bit for bit, and each kept its own delayed histories
+    (amaxes of its own samples: the two differ; reduced over all replicas they would be one)."""
+    from parity import VOCAB, _cut_vocab
     lay, replicas, steps, method, dp = FP8_CASE
-    ranks = run_layouts([lay], 2, collect=collect, capability=None)[0]
+    ranks = run_layouts([lay], 2, collect=collect_fp8, capability=None)[0]
     ref = serial_reference(lay, replicas, steps, method, dp)
-    bad = semi_sync_mismatches(lay, ranks, ref, steps, method)
-    assert not bad, f"{lay.name}: {len(bad)} mismatches against the serial reference:\n" + "\n".join(bad[:30])
+    for r in ranks:
+        rep = r["collected"]["replica"]
+        assert abs(r["losses"][0] - ref["losses"][rep][0]) <= 1e-5 * abs(ref["losses"][rep][0]), rep
+        for name, t in r["grads"].items():
+            assert rel_err(t, _cut_vocab(name, ref["grads"][rep][name], VOCAB)) <= 1e-5, (rep, name)
+    a, b = ranks
+    assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"]), "the replicas' weights differ"
+    ha, hb = a["collected"]["fp8"], b["collected"]["fp8"]
+    assert ha.keys() == hb.keys() and ha and all(ha[n]["x"] != hb[n]["x"] for n in ha), "one history for both"
     check_reference({"losses": ref["losses"][0]}, margin=0.3)
 
 
