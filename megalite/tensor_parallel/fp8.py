@@ -154,20 +154,40 @@ def set_gradient_units(modules, units):
             m.fp8.grad_units = units
 
 
-def end_iteration(modules, reduce_max, reduce_max_experts=None):
-    """After an iteration's backward, on every rank: the delayed sites of `modules` (in their one order) take the
-    iteration's largest amaxes, reduced by reduce_max over the ranks that ran its other micro-batches (one
-    collective; MoE experts' by reduce_max_experts, over the ranks holding the same experts), into their histories."""
+def iteration_amaxes(modules, reduce_max, reduce_max_experts=None):
+    """After an iteration's backward, on every rank: [(the delayed sites of `modules`, in their one order; their
+    pending amaxes (x, w, dy each) reduced by reduce_max over the ranks that ran the iteration's other micro-batches,
+    one collective; MoE experts' by reduce_max_experts, over the ranks holding the same experts)]. roll() takes them
+    into the histories (fault-tolerant replicas reduce them over the quorum first, and roll only a committed step)."""
     sites = [m.fp8 for m in modules if getattr(m, "fp8", None) is not None and m.fp8.recipe == "delayed"]
+    out = []
     for expert, reduce in ((False, reduce_max), (True, reduce_max_experts)):
         mine = [s for s in sites if s.expert == expert]
-        if not mine:
-            continue
-        device = mine[0].pending["x"].device  # (where the GEMMs ran)
-        got = reduce(torch.stack([s.pending[k].reshape(()).to(device) for s in mine for k in ("x", "w", "dy")]))
+        if mine:
+            device = mine[0].pending["x"].device  # (where the GEMMs ran)
+            out.append((mine, reduce(torch.stack([s.pending[k].reshape(()).to(device) for s in mine
+                                                  for k in ("x", "w", "dy")]))))
+    return out
+
+
+def roll(amaxes):
+    """iteration_amaxes' values into their sites' histories."""
+    for sites, got in amaxes:
         positive = (got > 0).tolist()  # (one host read an iteration)
-        for i, s in enumerate(mine):
+        for i, s in enumerate(sites):
             s.roll(got[3 * i:3 * i + 3], positive[3 * i:3 * i + 3])
+
+
+def discard(modules):
+    """An iteration that did not commit (a fault-tolerant replica failed): its amaxes forgotten (it runs again)."""
+    for m in modules:
+        if getattr(m, "fp8", None) is not None:
+            m.fp8.pending = {k: torch.zeros_like(v) for k, v in m.fp8.pending.items()}
+
+
+def end_iteration(modules, reduce_max, reduce_max_experts=None):
+    """iteration_amaxes, then roll."""
+    roll(iteration_amaxes(modules, reduce_max, reduce_max_experts))
 
 
 def along(t, dim, dtype, margin, sharded, grid):

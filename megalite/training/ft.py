@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
+from megalite.checkpoint.state import fp8_state, set_fp8_state
 from megalite.config import ExecutionConfig
 from megalite.iteration_plan import IterationPlan, balanced_counts
 from megalite.microbatches import BatchSchedule
 from megalite.rerun import _capture_rng, _restore_rng
+from megalite.tensor_parallel.fp8 import set_gradient_units
 from megalite.training.parts import Part
 
 
@@ -154,6 +156,8 @@ class FaultTolerance(Part):
         shares = [n for n in counts for _ in range(g.dp)]  # one per DP rank across the replicas
         t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares,
                                self.plan_replicas(replicas))
+        # (each micro-batch loss divided by the global batch's count: gradients in the single process's units)
+        set_gradient_units([m for c in t.chunks for m in c.module.modules()], t.plan.grad_divisor)
         t.dp_rank = (rank or 0) * g.dp + g.dp_rank
         t.cursor.plan = t.plan
         t.cursor.rebuild(rank=t.dp_rank, ranks=g.dp * replicas)
@@ -167,14 +171,17 @@ class FaultTolerance(Part):
         replicas' gradients are summed every step)."""
         return 1
 
-    def vote(self, chunks):
+    def vote(self, chunks, amaxes=()):
         """The replicas' gradients summed over the quorum, then the commit vote: True when every replica went
         through this step (the optimizer steps), False when one failed (nothing is applied). Every micro-batch
         loss was divided by the global batch's micro-batch count (the plan's shares), so the sum over the quorum
         is the single process's mean once the replica's own reduction is undone of its average (its divisor).
-        With ZeRO each rank sums only the shard it owns, with the same rank of the other replicas."""
+        With ZeRO each rank sums only the shard it owns, with the same rank of the other replicas. amaxes: the
+        iteration's FP8 amaxes (delayed scaling), their maximum over the quorum, in place, before the vote."""
         for grad in replica_sums(chunks):
             self.manager.allreduce(grad, reduce_op=dist.ReduceOp.SUM).wait()
+        for t in amaxes:
+            self.manager.allreduce(t, reduce_op=dist.ReduceOp.MAX).wait()
         self.committed = self.manager.should_commit()
         if not self.committed:
             for c in chunks:
@@ -198,10 +205,11 @@ class FaultTolerance(Part):
     def _state(self):
         t = self.run
         return {"iteration": self.done, "consumed": t.cursor.consumed, "optimizer": t.optimizer.state_dict(),
-                "scheduler": t.scheduler.state_dict(), "rng": _capture_rng()}
+                "scheduler": t.scheduler.state_dict(), "rng": _capture_rng(), "fp8": fp8_state(t.chunks)}
 
     def _load(self, sd):
         t = self.run
+        set_fp8_state(t.chunks, sd.get("fp8", {}))  # (delayed FP8 scaling's histories)
         t.optimizer.load_state_dict(sd["optimizer"])
         t.scheduler.load_state_dict(sd["scheduler"])
         _restore_rng(sd["rng"])

@@ -61,9 +61,10 @@ class FaultTolerantRounds(FaultTolerance):
             if self.manager.errored() is None:
                 return
 
-    def vote(self, chunks):
-        """An inner step: no other replica takes part; the replica's own reduction averaged over its DP ranks what
-        the plan already weighed over the replica's samples, so that average is undone."""
+    def vote(self, chunks, amaxes=()):
+        """An inner step: no other replica takes part (its FP8 histories are its own, as a semi-synchronous
+        replica's); the replica's own reduction averaged over its DP ranks what the plan already weighed over the
+        replica's samples, so that average is undone."""
         for _ in replica_sums(chunks):
             pass
         return True

@@ -15,7 +15,7 @@ from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.qk_clip import after_step
 from megalite.pipeline.schedules import run_forward_backward
 from megalite.rerun import get_rerun_state_machine
-from megalite.tensor_parallel.fp8 import end_iteration as fp8_end_iteration
+from megalite.tensor_parallel import fp8
 
 
 class StepNotCommitted(Exception):
@@ -26,8 +26,9 @@ class StepNotCommitted(Exception):
 def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None,
                loss_divisor=None, sync=False, iteration=None, vote=None):
     """One iteration; timers gets the host-side times (sync: after a device sync, for
-    --data-parallel-shares auto). vote(chunks), between the gradients' finalisation and the optimizer step: False
-    raises StepNotCommitted (fault-tolerant replicas' cross-replica reduction and commit vote)."""
+    --data-parallel-shares auto). vote(chunks, amaxes), between the gradients' finalisation and the optimizer step:
+    False raises StepNotCommitted (fault-tolerant replicas' cross-replica reduction and commit vote; amaxes: the
+    iteration's FP8 amaxes, which it reduces over the quorum too, taken into the histories only once committed)."""
     if sync and ps.get_device().type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -45,16 +46,20 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
     t1 = time.perf_counter()
     finalize_model_grads(chunks)
     mcfg = chunks[0].module.config
-    if mcfg.fp8:  # delayed scaling: the iteration's amaxes into every FP8 site's history
+    modules = [m for c in chunks for m in c.module.modules()] if mcfg.fp8 else []
+    amaxes = []
+    if mcfg.fp8:  # delayed scaling: the iteration's amaxes, for every FP8 site's history
         grid = ps.grid_of(chunks)
-        fp8_end_iteration([m for c in chunks for m in c.module.modules()], lambda t: max_over_data_parallel(t, grid),
-                          lambda t: max_over_data_parallel(t, grid, expert=True))
+        amaxes = fp8.iteration_amaxes(modules, lambda t: max_over_data_parallel(t, grid),
+                                      lambda t: max_over_data_parallel(t, grid, expert=True))
     if mcfg.calculate_per_token_loss:
         dev = ps.get_device()
         count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only
         scale_grads_by_token_count(chunks, count)
-    if vote is not None and not vote(chunks):
+    if vote is not None and not vote(chunks, [got for _, got in amaxes]):
+        fp8.discard(modules)
         raise StepNotCommitted(iteration)
+    fp8.roll(amaxes)
     stepped, grad_norm = optimizer.step()
     if mcfg.qk_clip or mcfg.log_max_attention_logit:  # MuonClip (and the logged maximum), after the update
         after_step(chunks, optimizer, stepped, clip=mcfg.qk_clip)

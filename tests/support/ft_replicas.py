@@ -42,7 +42,7 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
     init, quorum = ft.FaultTolerance.__init__, ft.FaultTolerance._quorum
     votes = {cls: cls.vote for cls in (ft.FaultTolerance, ft_rounds.FaultTolerantRounds)}
 
-    def dying(self, chunks):
+    def dying(self, chunks, *amaxes):
         vote = votes[type(self)]
         if die_at is not None and self.done + 1 == die_at[0]:
             if die_at[1] == "before":
@@ -54,7 +54,7 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
                 time.sleep(0.05)
                 os._exit(17)
             self.manager.allreduce = sending_then_dying
-        return vote(self, chunks)
+        return vote(self, chunks, *amaxes)
 
     def announcing(self, *a, **k):
         init(self, *a, **k)
@@ -142,8 +142,9 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         else:
             moments = {k: {n: v.numpy().copy() for n, v in st.items() if torch.is_tensor(v)}
                        for k, st in sd["optimizer"]["state"].items()}
+        from megalite.checkpoint.state import fp8_state
         out.put((args.ft_replica_id if key is None else key, losses, weights, moments, _SCHEDULER[0].state_dict(),
-                 saves, rounds))
+                 saves, rounds, fp8_state(chunks)))
         ps.destroy_model_parallel()
         del torch
     except BaseException:  # noqa: BLE001 - the test prints it
@@ -244,7 +245,7 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
                  lose=(), rejoin_when_waiting=False, slow=None):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
     {replica id (with ranks > 1: (replica id, rank)): (losses, weights, optimizer state, LR schedule, iterations
-    saved)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
+    saved, outer steps, FP8 histories)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
     iteration; rejoin_at: each is then started again (as its torchrun would restart it), and the others wait before
     that iteration until it heartbeats (files under `tmp` say so), so it heals while the others train. join_at: a
     new replica (number n) starts when the first replica is about to run that iteration, and everyone waits for it

@@ -80,6 +80,6 @@ def validate_fp8(args):
     not_yet = [what for what, on in (
         ("--fp8-param-gather of MoE experts (--num-experts)", args.num_experts and args.fp8_param_gather),
         ("--fp8-param-gather with semi-synchronous replicas", args.semi_sync_method and args.fp8_param_gather),
-        ("fault-tolerant replicas", args.ft_lighthouse)) if on]
+        ("--fp8-param-gather with fault-tolerant replicas", args.ft_lighthouse and args.fp8_param_gather)) if on]
     if not_yet:
         raise ConfigError(f"--fp8-format with {', '.join(not_yet)} is not built yet in megalite")
