@@ -20,13 +20,19 @@ from semi_sync_reference import DILOCO, EP2, LOCAL_SGD, collect, semi, semi_sync
 
 
 # -- one replica is the ordinary run ---------------------------------------------------------
-@pytest.mark.parametrize("flags, dtype", [(LOCAL_SGD + ("--semi-sync-steps", "2"), "fp32"),
-                                          (("--semi-sync-method", "diloco", "--semi-sync-steps", "4", "--outer-lr", "1",
-                                            "--outer-momentum", "0"), "fp32"),
-                                          (LOCAL_SGD + ("--semi-sync-steps", "3"), "bf16")],
-                         ids=["local_sgd", "diloco_lr1_mu0", "local_sgd_bf16"])
-def test_one_replica_is_the_ordinary_run_bit_for_bit(flags, dtype):
-    lay = layout("one_replica", flags=flags, dtype=dtype)
+DILOCO_LR1 = ("--semi-sync-method", "diloco", "--outer-lr", "1", "--outer-momentum", "0")
+FP8_DELAYED = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "2", "--fp8-amax-compute-algo", "max")
+
+
+@pytest.mark.parametrize("flags, dtype, model", [
+    (LOCAL_SGD + ("--semi-sync-steps", "2"), "fp32", ()),
+    (DILOCO_LR1 + ("--semi-sync-steps", "4"), "fp32", ()),
+    (LOCAL_SGD + ("--semi-sync-steps", "3"), "bf16", ()),
+    (DILOCO_LR1 + ("--semi-sync-steps", "3"), "fp32", FP8_DELAYED + ("--fp8-recipe", "tensorwise")),
+    (DILOCO_LR1 + ("--semi-sync-steps", "3"), "fp32", FP8_DELAYED)],
+    ids=["local_sgd", "diloco_lr1_mu0", "local_sgd_bf16", "diloco_fp8_tensorwise", "diloco_fp8_delayed"])
+def test_one_replica_is_the_ordinary_run_bit_for_bit(flags, dtype, model):
+    lay = layout("one_replica", flags=flags, dtype=dtype, model=model)
     want, threads = reference(lay), torch.get_num_threads()
     torch.set_num_threads(1)  # as the reference ran: another thread count sums in another order
     try:
@@ -130,8 +136,7 @@ def test_replicas_match_the_serial_reference(world, i):
     check_reference({"losses": ref["losses"][0]}, margin=0.3)
 
 
-# -- FP8 inside the replicas ------------------------------------------------------------------------
-FP8_DELAYED = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "2", "--fp8-amax-compute-algo", "max")
+# -- FP8 inside the replicas (one FP8 replica is the ordinary FP8 run: above) ---------------------------
 # each replica one rank, on this machine's rounding (an FP8 operand an fp32 rounding apart can land on the other FP8
 # neighbour), keeping its own delayed histories (reduced over its own DP ranks)
 FP8_CASE = (semi("dp2_r2_fp8_delayed_diloco", 2, "2", dp=2, model=FP8_DELAYED), 2, [2, 2], DILOCO, 2)
@@ -162,21 +167,6 @@ def test_fp8_replicas_match_the_serial_reference_and_keep_their_own_histories():
     ha, hb = a["collected"]["fp8"], b["collected"]["fp8"]
     assert ha.keys() == hb.keys() and ha and all(ha[n]["x"] != hb[n]["x"] for n in ha), "one history for both"
     check_reference({"losses": ref["losses"][0]}, margin=0.3)
-
-
-@pytest.mark.parametrize("recipe", [("--fp8-recipe", "tensorwise"), ()], ids=["tensorwise", "delayed"])
-def test_one_fp8_replica_is_the_ordinary_fp8_run_bit_for_bit(recipe):
-    lay = layout("one_fp8_replica", model=FP8_DELAYED + recipe, flags=("--semi-sync-method", "diloco",
-                 "--semi-sync-steps", "3", "--outer-lr", "1", "--outer-momentum", "0"))
-    want, threads = reference(lay), torch.get_num_threads()
-    torch.set_num_threads(1)  # as the reference ran
-    try:
-        got = train(lay)
-    finally:
-        torch.set_num_threads(threads)
-    assert got["losses"] == want["losses"], (got["losses"], want["losses"])
-    for name, p in want["params"].items():
-        assert torch.equal(got["params"][name], p), f"{name} differs after {STEPS} steps with one FP8 replica"
 
 
 # -- what does not compose: one line each ---------------------------------------------------------

@@ -6,7 +6,7 @@ step is applied only when every replica of the quorum votes that it went through
 that did not commit is run again, over the new quorum, on the same global batch: every batch is trained exactly
 once. A replica that starts (restarted
 or new) heals from a live peer through torchft's checkpoint transport: optimizer state and fp32 main weights, LR
-schedule, iteration, samples consumed and RNG streams.
+schedule, iteration, samples consumed, RNG streams and FP8 amax histories.
 
 The part's hooks: iterations() runs the quorum before each iteration (and heals), vote() reduces across replicas
 and votes between the gradient finalisation and the optimizer step (training/step.py), finish() leaves."""
