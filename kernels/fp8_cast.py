@@ -59,8 +59,9 @@ def _fp8_cast(X, Q, SCALE, AMAX, N, TOP: tl.constexpr, BIAS: tl.constexpr, MBITS
 def _torch(x, scale, dtype, with_amax):
     top = torch.finfo(dtype).max
     q = (x.float() * scale).clamp(-top, top).to(dtype)
-    return q, (x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)) \
-        if with_amax else None
+    if not with_amax:
+        return q, None
+    return q, x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
 
 
 def fp8_cast(x, scale, dtype, with_amax=False):

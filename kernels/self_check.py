@@ -20,8 +20,9 @@ import torch
 
 from . import _dispatch
 
+# every kernel with a check (the names use_triton's callers pass)
 KERNELS = ("layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy", "flash_attention",
-           "adamw_step", "grouped_gemm", "fp8_cast", "fp8_blockwise")  # every kernel with a check (the names use_triton's callers pass)
+           "adamw_step", "grouped_gemm", "fp8_cast", "fp8_blockwise")
 EXACT = ("fp8_cast",)  # integer rounding written out: its fallback's bytes exactly
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 _mode = "cuda"

@@ -116,9 +116,9 @@ class Fp8Site:
         if self.history[which].device != t.device:  # (kept where the tensors are: no host sync per GEMM)
             self.history[which], self.pending[which] = self.history[which].to(t.device), self.pending[which].to(
                 t.device)
-        h = self.history[which]
-        known = (h.max() if self.algo == "max" else h[0]) * (self.grad_units if which == "dy" else 1)
         if any(self.positive[which][:None if self.algo == "max" else 1]):
+            h = self.history[which]
+            known = (h.max() if self.algo == "max" else h[0]) * (self.grad_units if which == "dy" else 1)
             # the scale from the history: cast and amax in one pass (kernels/fp8_cast.py)
             q, mine = fp8_cast(t, _scale(dtype, known, self.margin), dtype, with_amax=True)
             self.pending[which] = torch.maximum(self.pending[which], self._whole(which, mine))
