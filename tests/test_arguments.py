@@ -57,6 +57,14 @@ def test_user_error_is_one_line(flags, capsys, monkeypatch):
     assert len(err) == 1 and err[0].startswith("megalite: error (rank 0):") and BAD[flags] in err[0], err
 
 
+def test_torchft_missing_names_the_extra(capsys, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "torchft", None)  # (find_spec: as if not installed)
+    with pytest.raises(SystemExit):
+        parse_args((OK + " --ft-lighthouse localhost:29510 --ft-replica-id 0").split(), world_size=1)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--ft-lighthouse needs torchft: pip install 'megalite[ft]'" in err[0], err
+
+
 def test_stage_without_layers_is_rejected(capsys):
     with pytest.raises(SystemExit):
         parse_args((OK + " --num-layers 4 --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 4")

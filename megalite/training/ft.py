@@ -32,11 +32,15 @@ from megalite.training.parts import Part
 
 class FaultTolerance(Part):
     def __init__(self, args, trainer, abort):
+        # torchft's manager logs four lines a step at its default level; megalite prints the quorum's changes itself
+        # (RUST_LOG=info brings torchft's back)
+        os.environ.setdefault("RUST_LOG", "warn")
         import torchft
         self.args, self.run, self.abort = args, trainer, abort
         self.grid = g = ps.grid_of(trainer.chunks)
         self.split, self.healed, self.committed, self.done = None, None, True, trainer.start_iter
         self.waiting = None  # the live replicas' count while below --ft-min-replicas
+        self.exchanged = None  # the process group's configuration when the replicas last exchanged shares
         # --ft-replica-share auto: this replica's forward-backward seconds per micro-batch over its first committed
         # iterations, then its slowest rank's fastest (0 until measured)
         self.auto, self.profile, self.seconds = args.ft_replica_share == "auto", [], 0.0
@@ -46,9 +50,10 @@ class FaultTolerance(Part):
         else:  # a replica of one process: its own store
             self.store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
             addr, port = "localhost", self.store.port
+        self.pg = _counting_gloo(torchft, timedelta(seconds=args.ft_timeout))
         try:
             self.manager = torchft.Manager(
-                pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=args.ft_timeout)),
+                pg=self.pg,
                 load_state_dict=self._load, state_dict=self._state, min_replica_size=args.ft_min_replicas,
                 use_async_quorum=False, timeout=timedelta(seconds=args.ft_timeout),
                 quorum_timeout=timedelta(seconds=args.ft_quorum_timeout),
@@ -93,6 +98,8 @@ class FaultTolerance(Part):
             self.waiting = live
             time.sleep(self.args.ft_heartbeat_ms / 100)  # (ten heartbeats) then a new quorum, open to newcomers
             shrink_only = False
+        if self.split is not None and self.exchanged == self.pg.configured:
+            return  # the quorum of the last exchange (no replica left, joined or healed; it committed): kept
         self._check_same()  # every quorum, on every replica: the same collectives whoever joined or left
         rank, replicas = self.manager.participating_rank(), self.manager.num_participants()
         # every live replica's --ft-replica-share and (auto) its measured seconds per micro-batch, in rank order
@@ -102,6 +109,8 @@ class FaultTolerance(Part):
         if self.manager.errored() is not None:
             return
         weights, seconds = tuple(int(x) for x in shares[:replicas].tolist()), shares[replicas:].tolist()
+        # (auto: exchanged again each quorum until every live replica has measured)
+        self.exchanged = self.pg.configured if not self.auto or all(seconds) else None
         if self.auto and all(seconds):  # every live replica measured: the counts that finish the batch soonest
             weights = tuple(balanced_counts(seconds, self._units(replicas)))
         split = (rank, replicas, weights)
@@ -220,6 +229,19 @@ class FaultTolerance(Part):
     def finish(self, last):
         self.manager.shutdown(wait=False)
         return last
+
+
+def _counting_gloo(torchft, timeout):
+    """torchft's gloo process group, counting its configurations: torchft configures it anew for each new quorum
+    (a replica left or joined: a restarted one comes back under a new id), so an unchanged count is an unchanged
+    quorum."""
+    class CountingGloo(torchft.ProcessGroupGloo):
+        configured = 0
+
+        def configure(self, *args, **kwargs):
+            self.configured += 1
+            return super().configure(*args, **kwargs)
+    return CountingGloo(timeout=timeout)
 
 
 def dealt(units, weights):

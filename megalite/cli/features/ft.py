@@ -2,6 +2,7 @@
 job (its own TP x CP x PP and inner DP); torchft's Lighthouse forms a quorum of the live ones every step, and a
 replica that dies does not stop the others. Its flags and their checks, each user error one line."""
 
+import importlib.util
 import os
 
 from megalite.config import ConfigError
@@ -78,10 +79,8 @@ def validate_ft(args):
     if args.pipeline_model_parallel_layout == "auto":
         raise ConfigError("--ft-lighthouse with --pipeline-model-parallel-layout auto is not built yet in megalite: "
                           "give the layout")
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        raise ConfigError("--ft-lighthouse needs torchft: pip install 'megalite[ft]'") from None
+    if importlib.util.find_spec("torchft") is None:  # (not imported here: training/ft.py sets its log level first)
+        raise ConfigError("--ft-lighthouse needs torchft: pip install 'megalite[ft]'")
 
 
 def _validate_rounds(args):
