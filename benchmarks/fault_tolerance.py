@@ -50,6 +50,7 @@ def model(replicas):
     """The model's flags with a global batch of two micro-batches per replica."""
     return MODEL + ["--global-batch-size", str(8 * replicas)]
 ITER = re.compile(r"iteration\s+(\d+)/")
+QUORUM = re.compile(r"the quorum took ([0-9.]+) s")  # (a replica's line at each change of the quorum)
 
 
 def _port():
@@ -67,12 +68,16 @@ class Proc:
                                   start_new_session=True)
         self.kill_at, self.victim, self.iters, self.killed = set(kill_at), victim, [], []
         self.times, self.kill_times = [], []  # (when each iteration was logged; when each kill was sent)
+        self.waits = []  # how long each new quorum took it (the first: the start)
         self.thread = threading.Thread(target=self._read, args=(log,), daemon=True)
         self.thread.start()
 
     def _read(self, log):
         for line in self.p.stdout:
             log.write(line)
+            q = QUORUM.search(line)
+            if q:
+                self.waits.append(float(q.group(1)))
             m = ITER.search(line)
             if m:
                 it = int(m.group(1))
@@ -101,7 +106,8 @@ def _env():
 
 def ft_arm(iters, kill_at, log, replicas, join_ms=1000):
     """R FT replicas; replica 1 killed at kill_at and restarted at once. Returns (wall s, iterations run by replica
-    0, failures, each failure's recovery s, replica 0's longest gap between two iterations s, its median step s)."""
+    0, failures, each failure's recovery s, replica 0's longest gap between two iterations s, its median step s,
+    its longest wait for a new quorum after the first s)."""
     port = _port()
     lh = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}",
                            "--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS),
@@ -133,7 +139,7 @@ def ft_arm(iters, kill_at, log, replicas, join_ms=1000):
         # the iterations some replica completed (one that lagged a commit heals past it: another applied it)
         done = sorted(set(it for p in others + victims for it in p.iters))
         return (time.perf_counter() - start, done, failures, recovery, gaps[-1] if gaps else 0.0,
-                gaps[len(gaps) // 2] if gaps else 0.0)
+                gaps[len(gaps) // 2] if gaps else 0.0, max(others[0].waits[1:], default=0.0))
     finally:
         lh.kill()
 
@@ -195,8 +201,9 @@ def main():
         rec = ", ".join(f"{r:.1f}" for r in ft[3] if r is not None)
         print(f"join timeout {j / 1000:g} s: megalite FT is {crs[best][0] / ft[0]:.2f}x faster to the same loss than "
               f"checkpoint-restart at its fastest save interval (* {best}); recovery per failure (the kill to the "
-              f"restarted replica's first iteration) {rec} s; replica 0's longest stall {ft[4]:.2f} s (median step "
-              f"{ft[5]:.3f} s; goal: at most the heartbeat timeout {HEARTBEAT_TIMEOUT_MS / 1000:g} s + one step)")
+              f"restarted replica's first iteration) {rec} s; replica 0's longest stall {ft[4]:.2f} s between two "
+              f"iterations, of which it waited {ft[6]:.2f} s for the quorum (median step {ft[5]:.3f} s; goal: at "
+              f"most the heartbeat timeout {HEARTBEAT_TIMEOUT_MS / 1000:g} s + one step)")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
     assert sorted(got) == [0, 1, 2, 3], sorted(got)
     out = capfd.readouterr().out
     for r, n in ((0, 2), (1, 2), (2, 3), (3, 1)):  # the four replicas' last split: shares 1, 1, 2, 1 of 8
-        assert f"4 live replicas; this one trains {n} of 8 samples (replica {r})" in out, (r, n)
+        assert f"4 live replicas; this one trains {n} of 8 samples (replica {r};" in out, (r, n)
     l0, w0, s0, lr0, saved0, *_ = got[0]
     assert saved0 == [2, 4, 6, 7] and all(got[r][4] == [] for r in (1, 2, 3)), [got[r][4] for r in got]  # one writer
     assert len(l0) == ITERS + 3, len(l0)
@@ -79,6 +79,31 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
         assert all((p.detach().numpy() == w0[n]).all() for n, p in model.named_parameters()), "checkpoint differs"
     finally:
         ps.destroy_model_parallel()
+
+
+def test_a_reduction_failed_on_one_side_frees_the_peers_waiting_in_it(tmp_path):
+    """Three replicas; in iteration 2 replica 1's cross-replica reduction fails on its side alone (as when a peer
+    died and only this replica's exchanges with it failed) while replicas 0 and 2 wait inside the reduction for it.
+    Once the vote went against the step, replica 1 closes its process group: the two fail at once, not after
+    --ft-timeout (60 s here), and the step runs again over all three (nobody died): the one-process run. Without
+    the close they wait the whole timeout, and no quorum forms meanwhile (one replica asking of three
+    heartbeating is not a majority)."""
+    import time
+    lh = lighthouse(min_replicas=1)
+    start = time.perf_counter()
+    try:
+        got = run_replicas(lh.address(), 3, tmp_path, ["--ft-timeout", "60"], iters=ITERS, refuse={1: 2})
+    finally:
+        lh.shutdown()
+    took = time.perf_counter() - start
+    assert took < 30, f"the replicas waited {took:.0f} s: the peers sat in the failed reduction until the timeout"
+    ref_losses, ref, _ = _one_process(ITERS)
+    l0, w0, *_ = got[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(l0, ref_losses)) <= 1e-5, (l0, ref_losses)
+    for r in (1, 2):
+        assert got[r][0] == l0 and all((got[r][1][n] == w0[n]).all() for n in ref), f"replica {r} differs"
+    for n in ref:
+        assert _rel(torch.from_numpy(w0[n]), ref[n]) <= 1e-5, f"{n} differs from the uninterrupted run"
 
 
 @pytest.mark.parametrize("inner", [["--use-distributed-optimizer", "--ft-min-replicas", "2"],
@@ -150,14 +175,14 @@ def test_measured_shares_give_the_slow_replica_less(tmp_path, capfd):
         lh.shutdown()
     out = capfd.readouterr().out
     ref_losses, ref, _ = _one_process(ITERS + 1)
-    assert "2 live replicas; this one trains 4 of 8 samples (replica 0)" in out  # the profiled iterations
+    assert "2 live replicas; this one trains 4 of 8 samples (replica 0;" in out  # the profiled iterations
     # (once on each replica; the two processes' lines may interleave in the captured output)
     chosen = re.findall(r"--ft-replica-share auto: ms per micro-batch by live replica [0-9., ]+-> micro-batches "
                         r"(\d+), (\d+) \(replica", out)
     assert len(chosen) == 2 and chosen[0] == chosen[1], chosen
     fast, slow = (int(n) for n in chosen[0])
     assert fast >= 6 and slow >= 1 and fast + slow == 8, chosen
-    assert f"2 live replicas; this one trains {fast} of 8 samples (replica 0)" in out, chosen
+    assert f"2 live replicas; this one trains {fast} of 8 samples (replica 0;" in out, chosen
     (l0, w0, s0, *_), (l1, w1, *_) = got[0], got[1]
     assert max(abs(a - b) / abs(b) for a, b in zip(l0, ref_losses)) <= 1e-5, (l0, ref_losses)
     for n in ref:

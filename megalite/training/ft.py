@@ -82,6 +82,7 @@ class FaultTolerance(Part):
                 self.done, it = it, it + 1
 
     def _quorum(self, shrink_only=False):
+        start = time.perf_counter()
         while True:
             # synchronous: a replica that must heal has loaded its peer's state on return
             self.manager.start_quorum(shrink_only=shrink_only)
@@ -119,7 +120,7 @@ class FaultTolerance(Part):
                 print(f"megalite: fault tolerance: --ft-replica-share auto: ms per micro-batch by live replica "
                       f"{', '.join(f'{1e3 * t:.1f}' for t in seconds)} -> micro-batches {', '.join(map(str, weights))} "
                       f"(replica {self.args.ft_replica_id})", flush=True)
-            self._resplit(*split)
+            self._resplit(*split, time.perf_counter() - start)
 
     def _units(self, replicas):
         """Micro-batches of each inner DP rank in a global batch, all told (at least one per live replica)."""
@@ -155,11 +156,11 @@ class FaultTolerance(Part):
             self.abort(f"replica {self.args.ft_replica_id}: the live replicas were launched with different "
                        f"{', '.join(different)}; every replica needs the same model, inner layout and batch flags")
 
-    def _resplit(self, rank, replicas, weights):
+    def _resplit(self, rank, replicas, weights, waited):
         """The global batch over the live replicas' DP ranks: its micro-batches of every inner DP rank dealt out
         in proportion to the replicas' shares (weights; equal ones: as evenly as they go, the first replicas
         taking one more), each replica's part the contiguous run after the parts before it; this rank's plan and
-        data."""
+        data. waited: how long the quorum took (after a replica died: the wait for the Lighthouse to give up on it)."""
         g, t, a = self.grid, self.run, self.args
         counts = dealt(self._units(replicas), weights)
         shares = [n for n in counts for _ in range(g.dp)]  # one per DP rank across the replicas
@@ -172,7 +173,7 @@ class FaultTolerance(Part):
         t.cursor.rebuild(rank=t.dp_rank, ranks=g.dp * replicas)
         print(f"megalite: fault tolerance: {replicas} live replica{'s' if replicas > 1 else ''}; this one trains "
               f"{counts[rank or 0] * g.dp * a.micro_batch_size} of {a.global_batch_size} samples (replica "
-              f"{self.args.ft_replica_id})", flush=True)
+              f"{self.args.ft_replica_id}; the quorum took {waited:.2f} s)", flush=True)
         self.split = (rank, replicas, weights)
 
     def plan_replicas(self, replicas):
@@ -193,10 +194,19 @@ class FaultTolerance(Part):
             self.manager.allreduce(t, reduce_op=dist.ReduceOp.MAX).wait()
         self.committed = self.manager.should_commit()
         if not self.committed:
+            self.leave_reduction()
             for c in chunks:
                 c.zero_grad_buffer()
             self.split = None  # the next quorum deals the same batch out again (the data read anew, whatever split)
         return self.committed
+
+    def leave_reduction(self):
+        """After a vote against the step: this replica's process group closed at once, so that a peer still waiting
+        inside the reduction for this replica (whose own exchanges with a dead one failed first) fails now, not at
+        --ft-timeout; until it asks, no quorum forms without it (the Lighthouse wants a majority of the replicas
+        that heartbeat). The Lighthouse gives a new quorum after a failed commit: every replica configures a new
+        group at the next one."""
+        self.pg.abort()
 
     def after(self, it, step):
         step.across = self._sum  # the log line's losses: each replica's is its part of the batch's mean

@@ -85,6 +85,7 @@ class FaultTolerantRounds(FaultTolerance):
             started = attempt()
             if self.manager.should_commit():
                 break
+            self.leave_reduction()
             self._quorum(shrink_only=True)  # the survivors (a newcomer joins at the next round)
             if self.healed is not None:  # a peer had committed it: this was its next round's quorum
                 self.phase, self.ahead = "start", True

@@ -25,7 +25,7 @@ def lighthouse(min_replicas):
 
 
 def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(), env=None, key=None, tmp=None,
-             dies_sending=False, slow=0.0):
+             dies_sending=False, slow=0.0, refuse_at=None):
     """One replica's run. die_at: (iteration, where): the process ends (as SIGKILL would: no goodbye) in the middle
     of that iteration, after its forward-backward: "before" the cross-replica reduction, or "during" it (its part
     sent, the result not awaited). hold: [(iteration, paths)]: before that iteration the replica waits for those
@@ -34,7 +34,9 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
     the replica is about to run that iteration. env: a rank's torchrun variables (a replica of several ranks);
     key: what names its results. tmp: where each outer step of semi-synchronous replicas is recorded as it happens
     (outer_records reads them). dies_sending: the process ends when a healing peer asks for its state. slow: seconds
-    this replica sleeps in each micro-batch's forward step (a slower GPU)."""
+    this replica sleeps in each micro-batch's forward step (a slower GPU). refuse_at: the iteration whose cross-replica
+    reduction fails on this replica's side (reported before it reduces: the peers wait inside the reduction for it)
+    and nowhere else: it lives on."""
     import time
     os.environ.update(env or {})
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -44,6 +46,9 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
 
     def dying(self, chunks, *amaxes):
         vote = votes[type(self)]
+        if refuse_at is not None and self.done + 1 == refuse_at and not refused:
+            refused.append(refuse_at)
+            self.manager.report_error(RuntimeError("injected: this replica's reduction failed"))
         if die_at is not None and self.done + 1 == die_at[0]:
             if die_at[1] == "before":
                 os._exit(17)
@@ -77,11 +82,12 @@ def _replica(argv, out, die_at=None, hold=(), announce=None, start=None, reach=(
         def waiting(seconds):
             open(os.path.join(str(tmp), "waiting"), "w").close()
             real.sleep(seconds)
-        ft.time = types.SimpleNamespace(sleep=waiting)
+        ft.time = types.SimpleNamespace(sleep=waiting, perf_counter=real.perf_counter)
     if dies_sending:
         def sending(self):
             os._exit(17)
         ft.FaultTolerance._state = sending
+    refused = []  # (once: the iteration's second attempt goes through)
     for cls in votes:
         cls.vote = dying
     from megalite.training import parts
@@ -242,7 +248,7 @@ def _free_port():
 
 
 def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, join_at=None, ranks=1, own=None,
-                 lose=(), rejoin_when_waiting=False, slow=None):
+                 lose=(), rejoin_when_waiting=False, slow=None, refuse=None):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
     {replica id (with ranks > 1: (replica id, rank)): (losses, weights, optimizer state, LR schedule, iterations
     saved, outer steps, FP8 histories)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
@@ -252,7 +258,8 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
     there. ranks: processes per replica (a gloo job of its own, as torchrun would start it). own: {replica: its
     own extra flags}. lose: replicas that die when a healing peer asks them for their state (not started again).
     rejoin_when_waiting: the dead are started again only once a survivor waits below --ft-min-replicas. slow:
-    {replica: seconds it sleeps in each micro-batch's forward step}."""
+    {replica: seconds it sleeps in each micro-batch's forward step}. refuse: {replica: iteration whose reduction
+    fails on that replica's side only}."""
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(n * ranks)
     ours, theirs = ctx.Pipe()
@@ -276,7 +283,8 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
                    "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)} if ranks > 1 else None
             kwargs = dict(kw, announce=files(name, i)[k], env=env, key=(i, k) if ranks > 1 else i, tmp=tmp,
                           dies_sending=i in lose and name == "joined", reach=kw.get("reach", []) if k == 0 else [],
-                          barrier=kw.get("barrier", False), slow=(slow or {}).get(i, 0.0))
+                          barrier=kw.get("barrier", False), slow=(slow or {}).get(i, 0.0),
+                          refuse_at=(refuse or {}).get(i) if name == "joined" else None)
             ours.send(("start", (argv + ["--ft-replica-id", str(i)] + (own or {}).get(i, []), kwargs)))
             procs.append(_Forked(link, ours.recv()))
         return procs
