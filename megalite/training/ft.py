@@ -101,7 +101,7 @@ class FaultTolerance(Part):
             shrink_only = False
         if self.split is not None and self.exchanged == self.pg.configured:
             return  # the quorum of the last exchange (no replica left, joined or healed; it committed): kept
-        self._check_same()  # every quorum, on every replica: the same collectives whoever joined or left
+        self._check_same()  # every new quorum, on every replica: the same collectives whoever joined or left
         rank, replicas = self.manager.participating_rank(), self.manager.num_participants()
         # every live replica's --ft-replica-share and (auto) its measured seconds per micro-batch, in rank order
         shares = torch.zeros(2 * replicas, dtype=torch.float64)
