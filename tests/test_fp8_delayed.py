@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from megalite.tensor_parallel.fp8 import Fp8Site, end_iteration, scale_inverse, scaled
+from megalite.tensor_parallel.fp8 import Fp8Site, iteration_amaxes, roll, scale_inverse, scaled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE = types.SimpleNamespace(tp=1, cp=1)
@@ -41,7 +41,7 @@ def test_the_scale_of_iteration_k_is_from_the_amaxes_before_it(algo, backend):
                     assert q.dtype == dtype and torch.equal(q.view(torch.uint8), expect.view(torch.uint8)), (k, which)
                     assert inverse.item() == undo.item() == scale_inverse(dtype, torch.tensor(want), 0).item(), \
                         (k, which)
-            end_iteration([types.SimpleNamespace(fp8=site)], lambda t: t)
+            roll(iteration_amaxes([types.SimpleNamespace(fp8=site)], lambda t: t))
             seen.append(max(amaxes))
     assert site.state_dict()["x"] == pytest.approx(seen[-1:-4:-1], rel=1e-7)  # newest first
 
@@ -53,7 +53,7 @@ def test_gradient_histories_are_kept_in_the_single_process_units():
     site = Fp8Site("hybrid", "delayed", grid=ONE)
     site.grad_units = 2
     site.quantize("dy", _with_amax(6.0, 0))
-    end_iteration([types.SimpleNamespace(fp8=site)], lambda t: t)
+    roll(iteration_amaxes([types.SimpleNamespace(fp8=site)], lambda t: t))
     assert site.state_dict()["dy"] == [3.0]
     t = _with_amax(1.0, 1)
     _, inverse = site.quantize("dy", t)

@@ -185,11 +185,6 @@ def discard(modules):
             m.fp8.pending = {k: torch.zeros_like(v) for k, v in m.fp8.pending.items()}
 
 
-def end_iteration(modules, reduce_max, reduce_max_experts=None):
-    """iteration_amaxes, then roll."""
-    roll(iteration_amaxes(modules, reduce_max, reduce_max_experts))
-
-
 def along(t, dim, dtype, margin, sharded, grid):
     """Row-wise scaling: t in FP8 with one scale per slice along `dim` (the amax over the other dimension, reduced
     over TP where this rank holds a shard of that dimension); the undo factors broadcast as t's slices."""

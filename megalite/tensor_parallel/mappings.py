@@ -303,10 +303,6 @@ def max_over_tensor_model_parallel_region(x, grid=None, expert=False):
     shards the TP ranks hold, so every rank quantizes with the whole tensor's scale); expert: over the group an MoE
     expert's weights are sharded over (expert-TP)."""
     grid = ps.current_grid(grid)
-    if expert:
-        size, group = grid.expert_tp()[0], grid.expert_tp_group()
-    else:
-        size, group = grid.tp, getattr(grid, "tp_group", None)  # (a layer's test grid may name its size alone)
-    if size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    if (grid.expert_tp()[0] if expert else grid.tp) > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=grid.expert_tp_group() if expert else grid.tp_group)
     return x

@@ -101,6 +101,11 @@ class FaultTolerance(Part):
             shrink_only = False
         if self.split is not None and self.exchanged == self.pg.configured:
             return  # the quorum of the last exchange (no replica left, joined or healed; it committed): kept
+        self._deal(time.perf_counter() - start)
+
+    def _deal(self, waited):
+        """A new quorum: its replicas checked alike, their shares (and measured speeds) exchanged, the batch dealt
+        out again if the split changed. waited: how long the quorum took."""
         self._check_same()  # every new quorum, on every replica: the same collectives whoever joined or left
         rank, replicas = self.manager.participating_rank(), self.manager.num_participants()
         # every live replica's --ft-replica-share and (auto) its measured seconds per micro-batch, in rank order
@@ -120,7 +125,7 @@ class FaultTolerance(Part):
                 print(f"megalite: fault tolerance: --ft-replica-share auto: ms per micro-batch by live replica "
                       f"{', '.join(f'{1e3 * t:.1f}' for t in seconds)} -> micro-batches {', '.join(map(str, weights))} "
                       f"(replica {self.args.ft_replica_id})", flush=True)
-            self._resplit(*split, time.perf_counter() - start)
+            self._resplit(*split, waited)
 
     def _units(self, replicas):
         """Micro-batches of each inner DP rank in a global batch, all told (at least one per live replica)."""
