@@ -3,9 +3,14 @@
 `set_backend("triton")` forces Triton even on CPU tensors; that only works when
 TRITON_INTERPRET=1 was set before `kernels` was imported (Triton reads it when the
 kernels are decorated), which is how the CPU tests exercise the Triton code.
+
+A named kernel's Triton path also passes a gate: kernels/choice.py registers it when the package is
+imported (the self-check, then the measured choice against the fallback). The gate is registered rather
+than imported so that this module, which every kernel imports, imports none of them back.
 """
 import contextlib
 import os
+import threading
 
 import torch
 
@@ -18,6 +23,8 @@ except ImportError:  # the kernel modules import triton themselves: megalite nee
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _BACKENDS = ("auto", "triton", "torch")
 _backend = "auto"
+_gate = None  # gate(kernel, tensors, forced) -> bool; set by kernels.choice at package import
+_pinned = threading.local()  # .on inside a self-check or a race: the path they asked for runs, ungated
 
 
 def set_backend(name):
@@ -42,21 +49,44 @@ def use_backend(name):
         set_backend(old)
 
 
+def set_gate(gate):
+    """Install gate(kernel, tensors, forced) -> bool, asked before a named kernel's Triton path runs
+    (forced: the backend was set to 'triton'). kernels/choice.py installs its own at import."""
+    global _gate
+    _gate = gate
+
+
+@contextlib.contextmanager
+def pinned(name):
+    """Run exactly backend `name`, the gate not asked: the self-check and the race compare the two paths
+    themselves, and a gate consulted from inside them would check or time again."""
+    old = getattr(_pinned, "on", False)
+    _pinned.on = True
+    try:
+        with use_backend(name):
+            yield
+    finally:
+        _pinned.on = old
+
+
 def use_triton(*tensors, kernel=None):
     """True when the Triton path should run for these tensors (None entries ignored). With `kernel`
-    named, the Triton path must also have passed its self-check on this device (self_check.py)."""
+    named, the gate must also let it (its self-check on this device passed; measured the faster)."""
     if _backend == "torch":
         return False
     ts = [t for t in tensors if isinstance(t, torch.Tensor)]
     on_cuda = bool(ts) and all(t.is_cuda for t in ts)
     if _backend == "auto":
-        return HAVE_TRITON and on_cuda and not INTERPRET and (kernel is None or _self_check.trusted(kernel, ts[0]))
-    if not HAVE_TRITON:
+        if not (HAVE_TRITON and on_cuda and not INTERPRET):
+            return False
+    elif not HAVE_TRITON:
         raise RuntimeError("kernels backend 'triton' was forced but triton is not installed")
-    if not on_cuda and not INTERPRET:
+    elif not on_cuda and not INTERPRET:
         raise RuntimeError("kernels backend 'triton' on CPU tensors needs TRITON_INTERPRET=1 "
                            "set before `kernels` is imported; use backend 'torch' or CUDA tensors")
-    return kernel is None or _self_check.trusted(kernel, ts[0])
+    if kernel is None or _gate is None or getattr(_pinned, "on", False):
+        return True
+    return _gate(kernel, ts, _backend == "triton")
 
 
 def num_warps(block):
@@ -82,5 +112,3 @@ def empty(shape, device, dtype):
 def empty_like(t):
     return _poison(torch.empty_like(t, memory_format=torch.contiguous_format))
 
-
-from . import self_check as _self_check  # noqa: E402  (it uses use_backend, defined above)
