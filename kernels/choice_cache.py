@@ -103,7 +103,8 @@ def _read(p, quiet=False):
     except (OSError, ValueError, UnicodeDecodeError) as e:  # (json's decode error is a ValueError)
         if not quiet:
             why = (str(e).splitlines() or [type(e).__name__])[0][:120]
-            _say(p, "read", f"megalite kernels: ignoring the kernel-choice cache {p} ({why}); its classes are timed again")
+            _say(p, "read", f"megalite kernels: ignoring the kernel-choice cache {p} ({why}); "
+                            "its classes are timed again")
         return None
 
 

@@ -44,6 +44,7 @@ BAD = {
         "--fp8-format with --fp8-param-gather of MoE experts (--num-experts) is not built yet",
     "--first-last-layers-bf16": "--first-last-layers-bf16 needs --fp8-format e4m3 or hybrid",
     "--fp8-format hybrid --fp8-interval 2": "--fp8-interval 2: Megatron deprecated it",
+    "--kernel-choice fast": "argument --kernel-choice: invalid choice: 'fast' (choose from 'auto', 'triton', 'torch')",
 }
 
 

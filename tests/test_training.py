@@ -70,17 +70,20 @@ def test_a_trained_model_is_freed_when_dropped():
     assert all(r() is None for r in refs), "the model outlives its last reference"
 
 
-def test_no_kernel_self_check_turns_the_check_off():
-    """--no-kernel-self-check reaches the kernels (their self-check: tests/kernels/test_kernel_self_check.py)."""
+def test_kernel_flags_reach_the_kernels():
+    """--no-kernel-self-check and --kernel-choice reach the kernels (their self-check and race:
+    tests/kernels/test_kernel_self_check.py, test_kernel_choice.py)."""
+    import kernels
     from kernels import self_check
     one = [a if a != "10" else "1" for a in BASE]  # --train-iters 1
     try:
-        _train(one + ["--no-kernel-self-check"], 1)
-        assert self_check.get_self_check() == "off"
+        _train(one + ["--no-kernel-self-check", "--kernel-choice", "torch"], 1)
+        assert self_check.get_self_check() == "off" and kernels.get_kernel_choice() == "torch"
         _train(one, 1)
-        assert self_check.get_self_check() == "cuda"
+        assert self_check.get_self_check() == "cuda" and kernels.get_kernel_choice() == "auto"
     finally:
         self_check.set_self_check("cuda")
+        kernels.set_kernel_choice("auto")
 
 
 def test_nothing_below_the_command_line_changes_args(tmp_path, capsys):

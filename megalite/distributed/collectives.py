@@ -52,6 +52,16 @@ def max_per_data_parallel_rank(value, grid=None):
     return out
 
 
+def sum_over_replica_world(values, grid=None):
+    """Sum over every rank of this rank's replica (the world without semi-synchronous replicas, which agree nothing
+    else between them) of a float tensor, returned on the host: the kernels' race times (kernels/choice.py)."""
+    t = values.to(ps.get_device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        g = grid if grid is not None or not ps.model_parallel_is_initialized() else ps.current_grid()
+        dist.all_reduce(t, group=g.replica_world_group if g is not None else None)
+    return t.cpu()
+
+
 def broadcast_from_last_rank(values, grid=None):
     """Give every rank its replica's last rank's tensor (the last pipeline stage holds the loss; without
     semi-synchronous replicas: the world's last rank)."""

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import kernels
 from megalite import parallel_state as ps
 from megalite.checkpointing import save_checkpoint
 from megalite.data_iterators import data_iterators
@@ -160,16 +161,26 @@ class ManualGC(Part):
 
 
 class Logging(Part):
-    """The log line every --log-interval iterations (and at the last), with TensorBoard / W&B / JSON."""
+    """The log line every --log-interval iterations (and at the last), with TensorBoard / W&B / JSON; after the
+    first iteration, once, the kernels' measured choices (kernels/choice.py: those made in setup, and those the
+    first iteration made on this rank), when any was measured."""
 
     def __init__(self, args, run):
         self.args, self.run = args, run
         self.padded = getattr(run.chunks[0].module, "padded_vocab_size", None)
+        self.kernels_said = False
 
     def after(self, it, step):
+        if not it % self.args.log_interval or it == self.args.train_iters:
+            self.log(it, step)
+        if not self.kernels_said:
+            self.kernels_said = True
+            line = kernels.choice.summary()
+            if line:
+                print_rank_last(line)
+
+    def log(self, it, step):
         a, run = self.args, self.run
-        if it % a.log_interval and it != a.train_iters:
-            return
         run.read_losses()
         f = run.window.close(it)
         flops = num_floating_point_operations(run.mcfg, step.batch, self.padded) if self.padded else 0.0

@@ -30,6 +30,7 @@ from megalite.rerun import initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.tensor_parallel.fp8 import set_gradient_units
 from megalite.training.evaluation import dataset_sizes, eval_batch, report_splits
+from megalite.training.kernel_choice import decide_kernels
 
 
 def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
@@ -164,6 +165,7 @@ def setup(args, model_provider, plan=None, sizing=None):
     mcfg = model_config(rank_args, args.vocab_size)
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
     chunks = build_model(mcfg, model_provider, args, plan)
+    decide_kernels(args, mcfg, ps.current_grid())  # before anything runs the model (the measurements below do)
     optimizer = build_optimizer(args, chunks, tcfg)
     from megalite.pipeline import auto_layout
     if args.pipeline_model_parallel_layout == "auto" and sizing is not None:

@@ -129,6 +129,11 @@ def _mla_flags(a):
     a("--no-kernel-self-check", action="store_true",
       help="trust each Triton kernel on a CUDA device without first running it once against its torch fallback "
            "there (the check replaces a kernel that fails on that device; kernels/self_check.py)")
+    a("--kernel-choice", default="auto", choices=["auto", "triton", "torch"],
+      help="auto: on CUDA, each Triton kernel is timed against its torch fallback (SDPA for attention) per shape "
+           "class once its self-check has passed, and the faster runs, the same on every rank (measurements cached "
+           "in $MEGALITE_KERNEL_CACHE, default ~/.cache/megalite/kernels); triton: Triton untimed; torch: the "
+           "fallbacks everywhere. --no-fused-kernels overrides it (kernels/choice.py)")
     a("--use-flash-attn", action="store_true",
       help="megalite's Triton flash attention (the default on CUDA; this also overrides --no-fused-kernels)")
     a("--deterministic-mode", action="store_true", help="deterministic algorithms only (bitwise-repeatable runs)")
