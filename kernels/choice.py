@@ -44,6 +44,7 @@ FALLBACK = {"flash_attention": "sdpa"}  # how the summary names a fallback (else
 _mode = "auto"
 _timer = None  # None: _default_timer
 _decided = {}  # ShapeClass -> (triton_ms, torch_ms): summed over the ranks for the classes decide() was given
+_answers = {}  # (kernel, shape, dtype, device) -> the gate's answer: a call's class built once per shape, not per call
 
 
 def set_kernel_choice(mode):
@@ -51,6 +52,7 @@ def set_kernel_choice(mode):
     if mode not in MODES:
         raise ValueError(f"kernels choice must be one of {', '.join(MODES)}, got {mode!r}")
     _mode = mode
+    _answers.clear()
 
 
 def get_kernel_choice():
@@ -66,6 +68,7 @@ def set_timer(timer):
 def reset():
     """Forget every decision and what was read from disk (tests)."""
     _decided.clear()
+    _answers.clear()
     choice_cache.forget()
 
 
@@ -93,6 +96,7 @@ def decide(shapes, reduce_fn=None):
         times = reduce_fn(times).to("cpu", torch.float64)
     for cls, (tt, tf) in zip(classes, times.tolist()):
         _decided[cls] = (tt, tf)
+    _answers.clear()
     return {cls: d for cls, d in decisions().items() if cls in classes}
 
 
@@ -128,7 +132,13 @@ def _gate(kernel, tensors, forced):
         return False
     if not _races(t.device, forced):
         return True
-    cls = shape_class.of(kernel, t.shape, t.dtype, t.device)
+    key = (kernel, t.shape, t.dtype, t.device)
+    if key not in _answers:
+        _answers[key] = _answer(shape_class.of(kernel, t.shape, t.dtype, t.device))
+    return _answers[key]
+
+
+def _answer(cls):
     if cls is None:
         return True
     if cls not in _decided:  # met here first: this rank decides alone (see the module docstring)
