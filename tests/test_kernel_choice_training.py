@@ -42,14 +42,16 @@ def _named(cfg, tp=1):
     return {shape_class.of(*s) for s in kernel_shapes(cfg, 2, tp, 1, torch.device("cpu"))}
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
-def test_the_configuration_names_every_class_a_run_meets(grid, flavour):
-    cfg = tiny_config(flavour, num_layers=1, fused_kernels=True, params_dtype=torch.bfloat16)
+@pytest.mark.parametrize("flavour,extra", [("gpt2", {}), ("llama", {}), ("llama", {"qk_layernorm": True})])
+def test_the_configuration_names_every_class_a_run_meets(grid, flavour, extra):
+    cfg = tiny_config(flavour, num_layers=1, fused_kernels=True, params_dtype=torch.bfloat16, **extra)
     met, named = _met(cfg), _named(cfg)
     assert met and met <= named, (met - named, named)
     assert {c.kernel for c in met} == ({"layer_norm", "flash_attention", "bias_gelu", "cross_entropy"}
                                        if flavour == "gpt2" else
                                        {"rms_norm", "flash_attention", "rotary", "swiglu", "cross_entropy"})
+    norms = {c for c in met if c.kernel in ("rms_norm", "layer_norm")}
+    assert len(norms) == (3 if extra else 1), norms  # the hidden states'; q's and k's per head
 
 
 # each rank's own times (ms: Triton, fallback): rank 0 finds every Triton path faster, rank 1 finds RMSNorm's and
