@@ -103,7 +103,8 @@ def decide(shapes, reduce_fn=None):
 def summary():
     """One line, each decided kernel's choice and Triton's speed against its fallback (fallback time / Triton
     time), e.g. 'kernels: flash_attention sdpa 0.61x | rms_norm triton 1.42x'; a kernel decided for several
-    classes names each by its bucket. '' when nothing was raced."""
+    classes names each by its bucket; "(Triton failed)" where its self-check failed or it raised while timed on
+    some rank. '' when nothing was raced."""
     if not _decided:
         return ""
     count = {}
@@ -113,7 +114,7 @@ def summary():
     for cls, (tt, tf) in sorted(_decided.items(), key=lambda kv: (kv[0].kernel, str(kv[0].dtype), kv[0].bucket)):
         name = cls.kernel if count[cls.kernel] == 1 else f"{cls.kernel}[{'x'.join(map(str, cls.bucket))}]"
         path = "triton" if tt < tf else FALLBACK.get(cls.kernel, "torch")
-        parts.append(f"{name} {path} {tf / tt:.2f}x" if math.isfinite(tt) else f"{name} {path} (Triton untrusted)")
+        parts.append(f"{name} {path} {tf / tt:.2f}x" if math.isfinite(tt) else f"{name} {path} (Triton failed)")
     return "kernels: " + " | ".join(parts)
 
 

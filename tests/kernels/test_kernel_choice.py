@@ -177,9 +177,17 @@ def test_summed_times_decide_and_an_untrusted_kernel_loses_everywhere(raced):
     shapes = [("rms_norm", (37, 100), torch.float32, "cpu"), ("swiglu", (37, 64), torch.float32, "cpu")]
     d = choice.decide(shapes, reduce_fn=lambda t: t + other)
     assert list(d.values()) == ["torch", "torch"]
-    assert choice.summary() == "kernels: rms_norm torch 0.50x | swiglu torch (Triton untrusted)"
+    assert choice.summary() == "kernels: rms_norm torch 0.50x | swiglu torch (Triton failed)"
     # the cache keeps this rank's own measurements, not the sums
     assert choice_cache.lookup("cpu", "rms_norm float32 32x100") == (1.0, 2.0)
+
+
+def test_a_kernel_that_failed_its_self_check_is_not_timed(raced):
+    self_check.set_self_check("always")
+    self_check.distrust("swiglu", "cpu", torch.float32, "set by the test")
+    choice.set_timer(StandIn({}))
+    assert list(choice.decide([("swiglu", (37, 64), torch.float32, "cpu")]).values()) == ["torch"]
+    assert choice._timer.calls == [] and not kernels.use_triton(torch.randn(37, 64), kernel="swiglu")
 
 
 def test_kernels_import_no_circle():
