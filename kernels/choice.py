@@ -100,6 +100,12 @@ def decide(shapes, reduce_fn=None):
     return {cls: d for cls, d in decisions().items() if cls in classes}
 
 
+def times():
+    """{ShapeClass: (triton_ms, torch_ms)} of every class decided so far (summed over the ranks where decide()
+    was given a reduce_fn)."""
+    return dict(_decided)
+
+
 def summary():
     """One line, each decided kernel's choice and Triton's speed against its fallback (fallback time / Triton
     time), e.g. 'kernels: flash_attention sdpa 0.61x | rms_norm triton 1.42x'; a kernel decided for several
