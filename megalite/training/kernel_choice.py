@@ -7,7 +7,8 @@ on every rank of a replica (its dtype aside: replicas of other precisions agree 
 reads or times its classes and the times are summed over the replica's ranks in one all-reduce
 (distributed/collectives.py). What the list leaves out is decided by the rank that meets it, alone: the MoE
 experts' activations (their rows vary with the routing), ring attention's sub-blocks (CP > 1), DSA's and MLA's
-own shapes, the softmax of the unfused attention (document masks), the grouped GEMM and the FP8 kernels.
+own shapes, the softmax of the unfused attention (document masks), the FP8 cast (the grouped GEMM and the FP8
+product are never raced: kernels/shape_class.py).
 """
 import torch
 
