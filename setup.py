@@ -8,7 +8,8 @@ setup(
     # every package under megalite/ and kernels/, found (a hand-kept list once shipped a wheel without
     # megalite/planner); tests/test_packaging.py builds the wheel and checks it holds every module
     packages=find_packages(include=["megalite", "megalite.*", "kernels", "kernels.*"]),
-    package_data={"megalite.cli": ["megatron_flags.json"]},  # Megatron-LM's flag list (megalite/cli/compat.py)
+    package_data={"megalite.cli": ["megatron_flags.json"],  # Megatron-LM's flag list (megalite/cli/compat.py)
+                  "kernels": ["tuned_configs.json"]},  # the kernels' tuned launch configurations (kernels/tuned.py)
     install_requires=[
         "torch>=2.4",
         "triton>=3.0; platform_system == 'Linux'",

@@ -1,7 +1,7 @@
 """What `pip install .` (not editable) ships: the wheel built from this tree holds every module of megalite/ and
-kernels/ and the data files the code opens (megatron_flags.json). A package missing from setup.py is invisible to
-an editable install and to every other test: tools/plan.py failed for anyone who installed the wheel (no
-megalite/planner)."""
+kernels/ and the data files the code opens (megatron_flags.json, tuned_configs.json). A package missing from
+setup.py is invisible to an editable install and to every other test: tools/plan.py failed for anyone who
+installed the wheel (no megalite/planner)."""
 
 import glob
 import os
@@ -11,7 +11,7 @@ import sys
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_FILES = ("megalite/cli/megatron_flags.json",)
+DATA_FILES = ("megalite/cli/megatron_flags.json", "kernels/tuned_configs.json")
 
 
 def test_every_source_directory_is_a_package():

@@ -6,6 +6,7 @@ import kernels
 import importlib
 
 ln_mod = importlib.import_module("kernels.layer_norm")  # the module, not the function
+tuned = importlib.import_module("kernels.tuned")
 
 from kernel_testutil import backend, check, cuda_relerr_ok  # noqa: F401
 
@@ -56,6 +57,48 @@ def test_norms_strided_3d(backend):
     b = torch.randn(1000).requires_grad_()
     assert not x.is_contiguous()
     check(lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5), lambda x, w, b: _ref_ln(x, w, b, 1e-5), [x, w, b])
+
+
+def _interpreter_distinct(kernel, n):
+    """The configurations of a kernel's tuning space (at n's bucket) that run differently under the interpreter:
+    rows per tile and, forward, whether w and b stay in registers. Warps, stages and programs per SM only change
+    the machine code (the interpreter runs INTERPRET_PROGRAMS programs, each loop unpipelined)."""
+    bucket = 1 << (n - 1).bit_length()
+    out = {}
+    for cfg in tuned.spaces()[kernel].candidates(bucket, torch.float32):
+        key = (cfg["ROWS"], kernel.endswith(".fwd") and ln_mod._hoist(cfg["ROWS"], bucket, cfg["num_warps"]))
+        out.setdefault(key, cfg)
+    return list(out.values())
+
+
+@pytest.mark.parametrize("kernel", ["layer_norm.fwd", "layer_norm.bwd", "rms_norm.fwd", "rms_norm.bwd"])
+def test_norms_every_configuration(backend, kernel):
+    """Every configuration the tuner may choose, on 37 rows: tiles of 1-8 rows over 3 persistent programs, so the
+    programs walk unequal tile counts and the last tile is partial (37 = 4 * 8 + 5); w, b kept or reloaded."""
+    if backend != "triton":
+        pytest.skip("configurations are the Triton path's")
+    configs = _interpreter_distinct(kernel, 1000)
+    assert {c["ROWS"] for c in configs} >= {1, 2, 4}, configs
+    x, w, b = _inputs(37, 1000, kernel.startswith("layer_norm"))
+    for cfg in configs:
+        with tuned.forced(kernel, cfg):
+            if b is not None:
+                check(lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5), lambda x, w, b: _ref_ln(x, w, b, 1e-5),
+                      [x, w, b])
+            else:
+                check(lambda x, w: kernels.rms_norm(x, w, 1e-5), lambda x, w: _ref_rms(x, w, 1e-5), [x, w])
+
+
+def test_norms_fewer_rows_than_programs(backend):
+    """2 rows, 3 programs, tiles of 4: one program, one partial tile (each program writes its dW row: they
+    start as NaN here); and no rows at all (dW, dB are zeros)."""
+    x, w, b = _inputs(2, 1000)
+    with tuned.forced("layer_norm.bwd", {**ln_mod.default_config(1024, torch.float32, True), "ROWS": 4}):
+        check(lambda x, w, b: kernels.layer_norm(x, w, b, 1e-5), lambda x, w, b: _ref_ln(x, w, b, 1e-5), [x, w, b])
+    x0 = torch.randn(0, 1000, requires_grad=True)
+    y = kernels.layer_norm(x0, w, b, 1e-5)
+    gx, gw, gb = torch.autograd.grad(y, (x0, w, b), torch.randn_like(y))
+    assert y.shape == (0, 1000) and gx.shape == (0, 1000) and not gw.any() and not gb.any()
 
 
 def test_fallback_is_plain_torch():
