@@ -13,38 +13,48 @@ from ._dispatch import empty, use_triton
 
 
 @triton.jit
-def _rotary_kernel(X, OUT, COS, SIN, S, H, D, HALF,
+def _rotary_kernel(X, OUT, COS, SIN, B, H, D, HALF,
                    sxb, sxs, sxh, sob, sos, soh, scb, scs, scd,
-                   CONJ: tl.constexpr, COPY_REST: tl.constexpr,
+                   CONJ: tl.constexpr, COPY_REST: tl.constexpr, SHARED_CS: tl.constexpr, STAGES: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr):
-    pos = tl.program_id(0).to(tl.int64)
-    bi = pos // S
-    si = pos % S
+    """One program: one position, BLOCK_H heads, every batch row. cos/sin are the same for all of them when the
+    table is shared over the batch (SHARED_CS, stride 0): loaded once, before the loop, and reused; the batch
+    loop is pipelined, so the next row's x is in flight while this one is stored."""
+    si = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     c = tl.arange(0, BLOCK_HALF)
     cm = c < HALF
     msk = (heads[:, None] < H) & cm[None, :]
-    xp = X + bi * sxb + si * sxs + heads[:, None].to(tl.int64) * sxh
-    op = OUT + bi * sob + si * sos + heads[:, None].to(tl.int64) * soh
-    cp = bi * scb + si * scs
-    c1 = tl.load(COS + cp + c * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(COS + cp + (c + HALF) * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(SIN + cp + c * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(SIN + cp + (c + HALF) * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
-    x1 = tl.load(xp + c[None, :], mask=msk, other=0.0).to(tl.float32)
-    x2 = tl.load(xp + HALF + c[None, :], mask=msk, other=0.0).to(tl.float32)
-    if CONJ:  # transpose of the rotation: dx = dy*cos + rotate_half^T(dy*sin)
-        o1 = x1 * c1 + x2 * s2
-        o2 = x2 * c2 - x1 * s1
-    else:
-        o1 = x1 * c1 - x2 * s1
-        o2 = x2 * c2 + x1 * s2
-    tl.store(op + c[None, :], o1.to(OUT.dtype.element_ty), mask=msk)
-    tl.store(op + HALF + c[None, :], o2.to(OUT.dtype.element_ty), mask=msk)
-    if COPY_REST:  # pass-through dims when rotating only part of the head
-        rc = 2 * HALF + tl.arange(0, BLOCK_REST)
-        rm = (heads[:, None] < H) & (rc[None, :] < D)
-        tl.store(op + rc[None, :], tl.load(xp + rc[None, :], mask=rm, other=0.0), mask=rm)
+    xh = X + si * sxs + heads[:, None].to(tl.int64) * sxh
+    oh = OUT + si * sos + heads[:, None].to(tl.int64) * soh
+    if SHARED_CS:
+        c1 = tl.load(COS + si * scs + c * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
+        c2 = tl.load(COS + si * scs + (c + HALF) * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
+        s1 = tl.load(SIN + si * scs + c * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
+        s2 = tl.load(SIN + si * scs + (c + HALF) * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
+    for bi in tl.range(0, B, num_stages=STAGES):
+        xp = xh + tl.cast(bi, tl.int64) * sxb
+        op = oh + tl.cast(bi, tl.int64) * sob
+        if not SHARED_CS:  # per-sample positions: this row's own cos/sin
+            cp = tl.cast(bi, tl.int64) * scb + si * scs
+            c1 = tl.load(COS + cp + c * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
+            c2 = tl.load(COS + cp + (c + HALF) * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
+            s1 = tl.load(SIN + cp + c * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
+            s2 = tl.load(SIN + cp + (c + HALF) * scd, mask=cm, other=0.0).to(tl.float32)[None, :]
+        x1 = tl.load(xp + c[None, :], mask=msk, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF + c[None, :], mask=msk, other=0.0).to(tl.float32)
+        if CONJ:  # transpose of the rotation: dx = dy*cos + rotate_half^T(dy*sin)
+            o1 = x1 * c1 + x2 * s2
+            o2 = x2 * c2 - x1 * s1
+        else:
+            o1 = x1 * c1 - x2 * s1
+            o2 = x2 * c2 + x1 * s2
+        tl.store(op + c[None, :], o1.to(OUT.dtype.element_ty), mask=msk)
+        tl.store(op + HALF + c[None, :], o2.to(OUT.dtype.element_ty), mask=msk)
+        if COPY_REST:  # pass-through dims when rotating only part of the head
+            rc = 2 * HALF + tl.arange(0, BLOCK_REST)
+            rm = (heads[:, None] < H) & (rc[None, :] < D)
+            tl.store(op + rc[None, :], tl.load(xp + rc[None, :], mask=rm, other=0.0), mask=rm)
 
 
 def _cos3(t, b, s):
@@ -68,10 +78,12 @@ def _launch(x, out, cos, sin, conj):
     block_h = min(triton.next_power_of_2(h), max(1, 4096 // bh))
     rest = d - 2 * half
     if x.numel():
-        _rotary_kernel[(b * s, triton.cdiv(h, block_h))](
-            x, out, c3, s3, s, h, d, half, *x.stride()[:3], *out.stride()[:3], *c3.stride(),
-            CONJ=conj, COPY_REST=rest > 0 and out is not x, BLOCK_H=block_h,
-            BLOCK_HALF=bh, BLOCK_REST=triton.next_power_of_2(max(rest, 1)), num_warps=4)
+        # pipelining only pays with a batch loop to overlap (and costs shared memory without one)
+        _rotary_kernel[(s, triton.cdiv(h, block_h))](
+            x, out, c3, s3, b, h, d, half, *x.stride()[:3], *out.stride()[:3], *c3.stride(),
+            CONJ=conj, COPY_REST=rest > 0 and out is not x, SHARED_CS=c3.stride(0) == 0 or b == 1,
+            STAGES=2 if b > 1 else 1, BLOCK_H=block_h, BLOCK_HALF=bh, BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
+            num_warps=4)
 
 
 class _RotaryFn(torch.autograd.Function):

@@ -27,16 +27,18 @@ def _freqs(b, s, r, d_base=10000.0):
     return ang.cos().float(), ang.sin().float()
 
 
-@pytest.mark.parametrize("layout", ["s_d", "b_s_1_r_partial", "strided_qkv"])
+@pytest.mark.parametrize("layout", ["s_d", "b_s_1_r_partial", "strided_qkv", "b1_s_1_r"])
 def test_rotary(backend, layout):
-    b, s, h, d = 3, 100 if layout == "s_d" else 37, 4, 64
+    """cos/sin shared over the batch (loaded once a program, the batch loop reusing them), per sample (loaded in
+    the loop), and per sample with one sample (treated as shared)."""
+    b, s, h, d = 1 if layout == "b1_s_1_r" else 3, 100 if layout == "s_d" else 37, 4, 64
     if layout == "strided_qkv":  # q as a view of a fused [b, s, h, 3d] projection
         x = torch.randn(b, s, h, 3 * d)[..., d: 2 * d].requires_grad_()
         assert not x.is_contiguous()
     else:
         x = torch.randn(b, s, h, d).requires_grad_()
-    if layout == "b_s_1_r_partial":  # per-sample positions; halves differ so a half swap shows up
-        cos, sin = _freqs(b, s, 48)
+    if layout in ("b_s_1_r_partial", "b1_s_1_r"):  # per-sample positions; halves differ so a half swap shows up
+        cos, sin = _freqs(b, s, 48 if layout == "b_s_1_r_partial" else d)
         cos, sin = cos + 0.3 * torch.randn_like(cos), sin + 0.3 * torch.randn_like(sin)
     else:
         cos, sin = _freqs(0, s, d)
