@@ -26,31 +26,37 @@ import triton.language as tl
 from ._dispatch import empty, empty_like, use_triton
 
 BLOCK_V = 4096  # tests lower it to cover several chunks per row
+STAGES = 3  # the forward's chunk loop keeps STAGES - 1 chunks of loads in flight (cp.async) while one is reduced
 
 
 @triton.jit
-def _ce_fwd(LOGITS, TARGET, STATS, N, stride, V_REAL, vocab_start, SMOOTH: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_fwd(LOGITS, TARGET, STATS, N, stride, V_REAL, vocab_start, SMOOTH: tl.constexpr, BLOCK: tl.constexpr,
+            STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride
     t = tl.load(TARGET + row).to(tl.int64) - vocab_start
     cols = tl.arange(0, BLOCK)
     m = float("-inf")
     s = 0.0
-    tgt = tl.zeros([BLOCK], dtype=tl.float32)
+    # the target's logit by one load (0 when another rank holds it), not a [BLOCK] accumulator in the loop: the
+    # pipelined loop's registers are what limits how many programs share an SM
+    mine = (t >= 0) & (t < V_REAL)
+    tgt = tl.load(base + tl.where(mine, t, 0), mask=mine, other=0.0).to(tl.float32)
     sx = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(0, V_REAL, BLOCK):
+    # pipelined: a row's chunks are independent loads (only the running max/sum carry over), so the next ones are
+    # fetched while this one is reduced; one chunk a loop step was latency-bound
+    for off in tl.range(0, V_REAL, BLOCK, num_stages=STAGES):
         c = off + cols
         msk = c < V_REAL
         x = tl.load(base + c, mask=msk, other=float("-inf")).to(tl.float32)
         new_m = tl.maximum(m, tl.max(x, axis=0))  # every chunk has a real column: finite
         s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
         m = new_m
-        tgt += tl.where((c == t) & msk, x, 0.0)  # masked lanes hold -inf
         if SMOOTH:
             sx += tl.where(msk, x, 0.0)
     tl.store(STATS + row, m)
     tl.store(STATS + N + row, s)
-    tl.store(STATS + 2 * N + row, tl.sum(tgt, axis=0))
+    tl.store(STATS + 2 * N + row, tgt)
     if SMOOTH:
         tl.store(STATS + 3 * N + row, tl.sum(sx, axis=0))
 
@@ -104,8 +110,9 @@ class _CrossEntropyFn(torch.autograd.Function):
         if triton_path:
             stats = empty((4 if smooth else 3, n), x2.device, torch.float32)
             if n:
-                _ce_fwd[(n,)](x2, t, stats, n, x2.stride(0), v_real, vocab_start, SMOOTH=smooth,
-                              BLOCK=min(BLOCK_V, triton.next_power_of_2(max(v, 1))), num_warps=8)
+                block = min(BLOCK_V, triton.next_power_of_2(max(v, 1)))
+                _ce_fwd[(n,)](x2, t, stats, n, x2.stride(0), v_real, vocab_start, SMOOTH=smooth, BLOCK=block,
+                              STAGES=STAGES if v_real > block else 1, num_warps=8)
         else:
             stats = _stats_torch(x2, t, v_real, vocab_start, smooth)
         m = stats[0]

@@ -30,6 +30,16 @@ def test_cross_entropy_single_rank(backend, ls):
           lambda x: _ref(x, target, ls, 1000), [logits])
 
 
+@pytest.mark.parametrize("v", [200, 1000])
+def test_cross_entropy_chunks_and_edges(backend, v):
+    """One chunk (no loop to pipeline) and four (the last partial: 1000 = 3 * 256 + 232); targets at the first
+    and last column (the target logit is one load at its index)."""
+    logits = (torch.randn(37, v) * 4).requires_grad_()
+    target = torch.randint(0, v, (37,))
+    target[:3], target[3:6] = 0, v - 1
+    check(lambda x: kernels.cross_entropy(x, target), lambda x: _ref(x, target, 0.0, v), [logits])
+
+
 def test_cross_entropy_padded_vocab_inplace(backend):
     """Columns past vocab_size are padding; in-place backward overwrites the logits with the grad."""
     logits = (torch.randn(37, 1000) * 4)
