@@ -96,7 +96,8 @@ def test_autotune_only_when_asked(fake_gpu, monkeypatch):
     space = tuned.Space(kernel="fake", params={"X": (1, 2, 3)}, buckets=(64,), default=lambda b, d: {"X": 1},
                         make=lambda b, d, dev, small=False: runs.append)
     monkeypatch.setitem(tuned._spaces, "fake", space)
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), {1: 3.0, 2: 1.0, 3: 2.0}[runs[-1]["X"]])[1])
+    ms = {1: 3.0, 2: 1.0, 3: 2.0}
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), ms[runs[-1]["X"]])[1])
     tuned.reset({"devices": {}})
     monkeypatch.delenv(tuned.ENV_AUTOTUNE, raising=False)
     assert tuned.config("fake", GPU, torch.bfloat16, 64, {"X": 1}) == {"X": 1} and not runs
