@@ -1,6 +1,6 @@
 """Build every Triton kernel in kernels/ to a real cubin for a GPU target, on a machine without one.
 
-    python tests/kernels/gpu_compile.py --arch 90 [--json out.json] [--only flash]
+    python tests/kernels/gpu_compile.py --arch 90 [--json out.json] [--only flash] [--sass-dir DIR]
 
 Triton's NVIDIA backend and its bundled ptxas compile for any target the active driver
 reports, so this process installs a driver that reports GPUTarget("cuda", arch, 32) and
@@ -11,7 +11,10 @@ warps and stages are therefore the ones the host code picks on a GPU. Triton's k
 cache dedupes identical specializations, so each distinct build is compiled once.
 
 Registers and local memory (spills) come from the bundled cuobjdump's resource usage on the
-cubin; shared memory from Triton's metadata (what the launch asks the driver for).
+cubin; shared memory from Triton's metadata (what the launch asks the driver for); each row also
+carries the launch's constexpr arguments and the SASS statistics of tests/kernels/cubin_stats.py,
+which benchmarks/sm90_report.py turns into instructions per MFLOP (the sm_90 gate,
+tests/kernels/test_sm90_report.py, reads the suite's one build of this).
 Must build in a process where `kernels` was not imported under TRITON_INTERPRET=1 (build()
 sets it to 0 before importing kernels); the test runs it in a subprocess for that reason, and
 importing this module changes nothing.
@@ -31,10 +34,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-SMEM_LIMIT = {90: 232448, 80: 166912}
-FP8_GEMMS = {"_blockwise_mm"}  # built for sm_89 and later only (no FP8 type before)  # max dynamic shared memory per block (opt-in), bytes
-KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "fp8_blockwise", "fp8_cast", "grouped_gemm", "layer_norm",
-                  "rms_norm", "rotary", "softmax", "swiglu")
+import cubin_stats  # a sibling module: this file runs as a script and is imported from tests/kernels
+
+SMEM_LIMIT = {90: 232448, 80: 166912}  # max dynamic shared memory per block (opt-in), bytes
+FP8_GEMMS = {"_blockwise_mm"}  # built for sm_89 and later only (no FP8 type before)
+KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "fp8_blockwise", "fp8_cast",
+                  "grouped_gemm", "layer_norm", "rms_norm", "rotary", "softmax", "swiglu")
 
 
 class _TargetOnlyDriver:
@@ -56,7 +61,11 @@ class _TargetOnlyDriver:
         return torch.device("meta")
 
 
-_BUILT = []  # (kernel name, CompiledKernel) of every launch in the current case
+_BUILT = []  # (kernel name, CompiledKernel, its constexpr arguments) of every launch in the current case
+
+
+def _plain(value):
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
 
 
 def _warmup_instead_of_launch():
@@ -64,27 +73,12 @@ def _warmup_instead_of_launch():
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = orig(self, *args, grid=grid, warmup=True, **kwargs)
-        _BUILT.append((self.fn.__name__, kernel))
+        given = {**dict(zip(self.arg_names, args)), **kwargs}  # the block sizes: what the SASS report divides by
+        constexprs = {p.name: _plain(given[p.name]) for p in self.params if p.is_constexpr and p.name in given}
+        _BUILT.append((self.fn.__name__, kernel, constexprs))
         return kernel
 
     JITFunction.run = run
-
-
-def _cuobjdump():
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return path if os.path.exists(path) else "cuobjdump"
-
-
-def _resources(kernel):
-    """(registers, local-memory bytes per thread: stack frame + local = spills) of one cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
-    if m is None:
-        raise RuntimeError(f"cannot parse cuobjdump output: {out!r}")
-    return int(m.group(1)), int(m.group(2)) + int(m.group(3))
 
 
 def _t(*shape, dtype=torch.bfloat16, grad=False):
@@ -168,6 +162,15 @@ def _grouped(e, rows, n_in, n_out, dtype=torch.bfloat16):
     return run
 
 
+# the sm_90 report's production shapes (benchmarks/sm90_report.py) whose configurations another case already
+# builds for sm_80 (fp16 beside bf16, non-causal beside causal): built for sm_90 only, to save the suite's time
+SM90_REPORT_CASES = [
+    ("flash", "d64 causal MHA s4096 fp16", True, _attn(1, 4096, 12, 12, 64, dtype=torch.float16)),
+    ("flash", "d64 non-causal MHA s4096 bf16", True, _attn(1, 4096, 12, 12, 64, False)),
+    ("flash", "d64 non-causal MHA s4096 fp16", True, _attn(1, 4096, 12, 12, 64, False, dtype=torch.float16)),
+    ("flash", "d128 non-causal MHA s4096 bf16", True, _attn(1, 4096, 32, 32, 128, False)),
+    ("flash", "d128 non-causal GQA 32:8 s4096 fp16", True, _attn(1, 4096, 32, 8, 128, False, dtype=torch.float16)),
+]
 CASES = [
     ("flash", "d64 causal MHA s4096 bf16 (GPT-2/BERT heads)", True, _attn(1, 4096, 12, 12, 64)),
     ("flash", "d80 causal s2048 bf16", True, _attn(1, 2048, 32, 32, 80)),
@@ -188,9 +191,12 @@ CASES = [
     ("softmax", "padding mask s512 bf16 (BERT)", True, _softmax(8, 12, 512, causal=False, mask=True)),
     ("softmax", "causal s2048 fp32", True, _softmax(1, 16, 2048, dtype=torch.float32)),
     ("norm", "layer_norm h768 bf16", True, _norm(8192, 768, False)),
+    ("norm", "layer_norm h2048 bf16", True, _norm(8192, 2048, False)),
     ("norm", "layer_norm h4096 bf16", True, _norm(8192, 4096, False)),
+    ("norm", "layer_norm h8192 bf16", True, _norm(8192, 8192, False)),
     ("norm", "layer_norm h16384 bf16", True, _norm(2048, 16384, False)),
     ("norm", "layer_norm h12288 fp32", True, _norm(2048, 12288, False, dtype=torch.float32)),
+    ("norm", "rms_norm h2048 bf16", True, _norm(8192, 2048, True)),
     ("norm", "rms_norm h4096 bf16", True, _norm(8192, 4096, True)),
     ("norm", "rms_norm h8192 bf16", True, _norm(8192, 8192, True)),
     ("norm", "rms_norm h16384 bf16", True, _norm(2048, 16384, True)),
@@ -217,11 +223,14 @@ CASES = [
      _blockwise(8192, 14336, 4096, 128, torch.float8_e5m2)),
     ("fp8 gemm", "blockwise_mm dy^T [14336, 8192] e5m2 . x [8192, 4096] e4m3 (weight gradient)", True,
      _blockwise(14336, 8192, 4096, 1, torch.float8_e5m2)),
-]
+] + SM90_REPORT_CASES
+SM90_REPORT_ONLY = {label for _, label, _, _ in SM90_REPORT_CASES}
 
 
-def build(arch, only=None):
-    """Compile every case for sm_<arch>; returns one row per distinct compiled kernel, plus errors."""
+def build(arch, only=None, sass_dir=None):
+    """Compile every case for sm_<arch>; returns one row per distinct compiled kernel (with its constexpr
+    arguments, SASS statistics (tests/kernels/cubin_stats.py) and every case that launched it), the cases
+    built, and errors. sass_dir: write each kernel's SASS there."""
     if "kernels" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("gpu_compile.build: kernels was imported under TRITON_INTERPRET=1; run in a fresh process")
     os.environ["TRITON_INTERPRET"] = "0"
@@ -233,11 +242,13 @@ def build(arch, only=None):
     for mod in mods:  # the host code takes its Triton path for these (meta) tensors
         if hasattr(mod, "use_triton"):
             mod.use_triton = lambda *tensors, kernel=None: True
-    rows, errors, seen = [], [], {}
+    rows, errors, kerns, seen, cases = [], [], [], {}, []
     for group, label, hot, fn in CASES:
         if only and only not in group and only not in label:
             continue
         if group == "fp8 gemm" and arch < 89:  # (FP8 tensor cores: Ada and Hopper on; megalite's FP8 needs them)
+            continue
+        if label in SM90_REPORT_ONLY and arch != 90:
             continue
         _BUILT.clear()
         t0 = time.time()
@@ -246,20 +257,39 @@ def build(arch, only=None):
         except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
             errors.append({"arch": arch, "case": label, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
             continue
-        for name, kern in _BUILT:
-            if id(kern) in seen:
+        cases.append(label)
+        for name, kern, constexprs in _BUILT:
+            if id(kern) in seen:  # built for an earlier case: this case uses it too
+                seen[id(kern)]["cases"] += [label] if label not in seen[id(kern)]["cases"] else []
                 continue
-            seen[id(kern)] = kern
-            regs, local = _resources(kern)
+            regs, local = cubin_stats.resources(kern.asm["cubin"])
             md = kern.metadata
-            rows.append({"arch": arch, "kernel": name, "case": label, "group": group, "hot": hot,
-                         "regs": regs, "spill_bytes": local, "shared": md.shared, "num_warps": md.num_warps,
-                         "num_stages": md.num_stages, "seconds": round(time.time() - t0, 2)})
+            seen[id(kern)] = {"arch": arch, "kernel": name, "case": label, "cases": [label], "group": group,
+                              "hot": hot, "regs": regs, "spill_bytes": local, "shared": md.shared,
+                              "num_warps": md.num_warps, "num_stages": md.num_stages, "constexprs": constexprs,
+                              "seconds": round(time.time() - t0, 2)}
+            rows.append(seen[id(kern)])
+            kerns.append(kern)
             t0 = time.time()
+    _add_sass(rows, kerns, arch, sass_dir)
     built = {r["kernel"] for r in rows}
     unbuilt = [] if only else sorted(set(_launchable(mods)) - built - (FP8_GEMMS if arch < 89 else set()))
     return {"arch": arch, "triton": triton.__version__, "smem_limit": SMEM_LIMIT[arch], "rows": rows,
-            "errors": errors, "unbuilt": unbuilt}
+            "cases": cases, "errors": errors, "unbuilt": unbuilt}
+
+
+def _add_sass(rows, kernels, arch, sass_dir):
+    """Every row's SASS statistics, from one disassembly of all the cubins (nvdisasm's start-up is the cost)."""
+    if not kernels:
+        return
+    listings = cubin_stats.disassemble([k.asm["cubin"] for k in kernels], arch)
+    for i, (row, listing) in enumerate(zip(rows, listings)):
+        row["sass"] = cubin_stats.stats(listing)
+        if sass_dir:
+            os.makedirs(sass_dir, exist_ok=True)
+            with open(os.path.join(sass_dir, f"sm{arch}_{i:03d}{row['kernel']}.sass"), "w") as f:
+                f.write(f"// {row['kernel']}: {row['case']}\n// {row['constexprs']}\n")
+                f.write(cubin_stats.listing_text(listing) + "\n")
 
 
 def _launchable(mods):
@@ -284,12 +314,13 @@ def table(results):
     return "\n".join(lines)
 
 
-def _per_arch_processes(archs, only):
+def _per_arch_processes(archs, only, sass_dir):
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for arch in archs:
             cmd = [sys.executable, os.path.abspath(__file__), "--arch", str(arch), "--json", f"{tmp}/{arch}.json"]
-            procs.append(subprocess.Popen(cmd + (["--only", only] if only else []), stdout=subprocess.DEVNULL))
+            cmd += (["--only", only] if only else []) + (["--sass-dir", sass_dir] if sass_dir else [])
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
         for p in procs:
             p.wait()
         results = []
@@ -310,15 +341,16 @@ def main(argv=None):
                     help="several: one process per arch, run side by side (a target is fixed per process)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--only", help="only cases whose group or label contains this")
+    ap.add_argument("--sass-dir", help="write every built kernel's SASS here, one file each")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # triton has read it already: start afresh
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         return subprocess.run([sys.executable, os.path.abspath(__file__)] + (sys.argv[1:] if argv is None else argv),
                               env=env).returncode
     if len(a.arch) == 1:
-        results = [build(a.arch[0], a.only)]
+        results = [build(a.arch[0], a.only, a.sass_dir)]
     else:
-        results = _per_arch_processes(a.arch, a.only)
+        results = _per_arch_processes(a.arch, a.only, a.sass_dir)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f)
