@@ -67,11 +67,13 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselected what will not run
 def pytest_collection_modifyitems(config, items):
-    # The sm_80/sm_90 builds (tests/kernels/test_gpu_compile.py) are a minute or more of CPU in
+    # The sm_80/sm_90 builds (tests/kernels/test_gpu_compile.py, and the sm_90 machine-code gate
+    # tests/kernels/test_sm90_report.py reading the same build) are a minute or more of CPU in
     # their own processes: start them now at the lowest priority, where they use the cores the
     # rest of the suite leaves idle (spawned ranks waiting on each other, timeouts), and run
     # their tests last, which wait for them.
-    gpu_compile = [item for item in items if item.nodeid.startswith("tests/kernels/test_gpu_compile.py")]
+    builds = ("tests/kernels/test_gpu_compile.py", "tests/kernels/test_sm90_report.py")
+    gpu_compile = [item for item in items if item.nodeid.startswith(builds)]
     if gpu_compile and len(gpu_compile) < len(items):
         items[:] = [item for item in items if item not in gpu_compile] + gpu_compile
         from kernels_compile_bg import start

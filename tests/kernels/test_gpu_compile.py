@@ -5,11 +5,8 @@ attention at head dim <= 128, norms, softmax up to 8k, cross-entropy, elementwis
 must not spill registers. The interpreter accepts things the GPU compiler rejects (a Python
 global read inside @jit, oversized blocks), which is what this catches.
 """
-import json
 import os
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -23,19 +20,11 @@ def results(request):
     """The build started in the background when the suite started (tests/conftest.py), or,
     when this module runs alone, started here."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "support"))
-    from kernels_compile_bg import log_of, start
-    proc, out, t0 = getattr(request.config, "megalite_gpu_compile", None) or start()
-    if proc is None:
+    from kernels_compile_bg import results as build_results
+    res, seconds = build_results(request.config)
+    if res is None:
         pytest.skip("this triton build has no NVIDIA backend, so nothing can be compiled for sm_80/sm_90")
-    try:
-        proc.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert os.path.exists(out), f"compile driver failed (exit {proc.returncode}):\n{log_of(out)[-6000:]}"
-    with open(out) as f:
-        res = json.load(f)
-    print(f"\nbuilt for sm_90 and sm_80 {time.time() - t0:.1f} s after the start, with triton {res[0]['triton']}")
+    print(f"\nbuilt for sm_90 and sm_80 {seconds:.1f} s after the start, with triton {res[0]['triton']}")
     print(table(res))
     return res
 

@@ -1,7 +1,9 @@
 """The sm_80/sm_90 build of every Triton kernel (tests/kernels/gpu_compile.py) as a background
 process of the lowest CPU priority, started when the suite starts (tests/conftest.py) and
-waited for by tests/kernels/test_gpu_compile.py."""
+waited for by tests/kernels/test_gpu_compile.py and tests/kernels/test_sm90_report.py, which
+read the one build (its SASS statistics included)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -37,3 +39,23 @@ def start():
 def log_of(out_json):
     with open(os.path.join(os.path.dirname(out_json), "log.txt")) as f:
         return f.read()
+
+
+def results(config):
+    """(gpu_compile.py's results, seconds since the build started): the suite's build, or one started
+    here and kept on the pytest config for the next caller (a test module run alone). Results None when
+    this triton has no NVIDIA backend."""
+    if getattr(config, "megalite_gpu_compile", None) is None:
+        config.megalite_gpu_compile = start()
+    proc, out, t0 = config.megalite_gpu_compile
+    if proc is None:
+        return None, 0.0
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if not os.path.exists(out):
+        raise RuntimeError(f"compile driver failed (exit {proc.returncode}):\n{log_of(out)[-6000:]}")
+    with open(out) as f:
+        return json.load(f), time.time() - t0
