@@ -88,11 +88,11 @@ def _memory(sass):
             "instr_per_byte": round(instructions / moved, 4) if moved else None}
 
 
-def _row(r, shape, res):
+def _row(r, case, res):
     sass = r["sass"]
-    row = {"kernel": r["kernel"], "shape": shape, "hot": r["hot"], "group": r["group"], "arch": res["arch"],
-           "triton": res["triton"], "regs": r["regs"], "spills": r["spill_bytes"], "smem": r["shared"],
-           "warps": r["num_warps"], "stages": r["num_stages"], "constexprs": r["constexprs"],
+    row = {"kernel": r["kernel"], "shape": case["case"], "hot": case["hot"], "group": case["group"],
+           "arch": res["arch"], "triton": res["triton"], "regs": r["regs"], "spills": r["spill_bytes"],
+           "smem": r["shared"], "warps": r["num_warps"], "stages": r["num_stages"], "constexprs": r["constexprs"],
            "hgmma": sass["wgmma"], "hmma": sass["mma_sync"], "ldgsts": sass["ldgsts"], "tma": sass["tma"]}
     row.update(_matmul(row, sass) if row["hgmma"] + row["hmma"] else _memory(sass))
     return row
@@ -104,7 +104,7 @@ def report_rows(results, arch=90):
     rows = []
     for res in results:
         if res["arch"] == arch:
-            rows += [_row(r, case, res) for case in res["cases"] for r in res["rows"] if case in r["cases"]]
+            rows += [_row(r, case, res) for case in res["cases"] for r in res["rows"] if case["case"] in r["cases"]]
     return rows
 
 

@@ -257,7 +257,7 @@ def build(arch, only=None, sass_dir=None):
         except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
             errors.append({"arch": arch, "case": label, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
             continue
-        cases.append(label)
+        cases.append({"case": label, "group": group, "hot": hot})
         for name, kern, constexprs in _BUILT:
             if id(kern) in seen:  # built for an earlier case: this case uses it too
                 seen[id(kern)]["cases"] += [label] if label not in seen[id(kern)]["cases"] else []
