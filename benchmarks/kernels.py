@@ -3,16 +3,20 @@ flash-attn when importable), all in one process on one GPU.
 
     python benchmarks/kernels.py [--only NAME ...] [--no-compile] [--cpu-smoke]
 
-Prints, per kernel and shape: forward and forward+backward time, achieved GB/s (ideal bytes
-moved / time) as % of the copy bandwidth measured in this run (attention: TFLOP/s), speed
-ratios vs the baselines, and for cross-entropy the peak extra memory vs unfused.
+Prints, per kernel and shape: forward and forward+backward time, achieved GB/s (the bytes our kernels
+move / time) as % of the copy bandwidth measured in this run (attention: TFLOP/s), speed ratios vs the
+baselines, and for cross-entropy the peak extra memory vs unfused. Times are device time per call from
+many calls per measurement (gpu_timer.py: a CUDA graph of the calls, replayed), so host dispatch is not in
+them; only the call itself is timed (inputs and the output gradient are made before). Bytes are counted as
+our kernels move them: every tensor read and written, the statistics, the norms' per-program partial dW
+rows and their sum, bias_gelu's bias-gradient sum.
 Without CUDA it prints one line and exits 0; --cpu-smoke runs the fallbacks at tiny shapes
 on CPU to check the script itself. Works with torch >= 2.4 and triton >= 3.0.
 """
 import argparse
+import importlib
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -20,27 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kernels  # noqa: E402
 from kernels.softmax import _softmax_torch  # noqa: E402
+from gpu_timer import call_ms  # noqa: E402
 
 
-def timeit(fn, dev, min_iters=5, budget_s=0.5):
-    """Median milliseconds of fn() (CUDA events on GPU)."""
-    for _ in range(3):
-        fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_iters or (time.perf_counter() - start < budget_s and len(times) < 200):
-        if dev == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
+def timeit(fn, dev=None):
+    """Median device milliseconds of one call of fn (wall time on CPU)."""
+    return call_ms(fn)[0]
 
 
 def copy_bandwidth(dev, nbytes):
@@ -48,6 +37,19 @@ def copy_bandwidth(dev, nbytes):
     y = torch.empty_like(x)
     ms = timeit(lambda: y.copy_(x), dev)
     return 2 * nbytes / ms / 1e6  # GB/s (read + write)
+
+
+def norm_bytes(x, bias):
+    """(forward, forward+backward) bytes of kernels.layer_norm / rms_norm on x [m, n] as its kernels move them:
+    x read, y written, fp32 mean (LayerNorm) and rstd written; backward x, dy and the statistics read, dx
+    written, each program's fp32 partial dW (dB) row written then read by the sum, dW (dB) written."""
+    ln = importlib.import_module("kernels.layer_norm")
+    m, n = x.shape
+    es, stats, params = x.element_size(), 2 if bias else 1, 2 if bias else 1
+    g = ln.backward_programs(x, not bias) if x.is_cuda else 1
+    fwd = 2 * m * n * es + params * n * es + stats * 4 * m
+    bwd = 3 * m * n * es + stats * 4 * m + n * es + params * (2 * g * n * 4 + n * es)
+    return fwd, fwd + bwd
 
 
 def _optional(name):
@@ -69,6 +71,8 @@ def cases(dev, dt, smoke):
     out = []
     m, n = S((4096, 8192), (37, 1000))
     es = torch.tensor([], dtype=dt).element_size()
+    nb_ln = norm_bytes(torch.empty(m, n, device=dev, dtype=dt), True)
+    nb_rms = norm_bytes(torch.empty(m, n, device=dev, dtype=dt), False)
 
     def norm_inputs(bias):
         x = torch.randn(m, n, device=dev, dtype=dt, requires_grad=True)
@@ -83,7 +87,7 @@ def cases(dev, dt, smoke):
         if liger:
             fns["liger"] = lambda: liger.liger_layer_norm(x, w, b, 1e-5)
         return [x, w, b], fns
-    out.append(("layer_norm", f"{m}x{n}", ln, 2 * m * n * es, 5 * m * n * es, None))
+    out.append(("layer_norm", f"{m}x{n}", ln, *nb_ln, None))
 
     def rms():
         x, w, _ = norm_inputs(False)
@@ -92,7 +96,7 @@ def cases(dev, dt, smoke):
         if liger:
             fns["liger"] = lambda: liger.liger_rms_norm(x, w, 1e-5)
         return [x, w], fns
-    out.append(("rms_norm", f"{m}x{n}", rms, 2 * m * n * es, 5 * m * n * es, None))
+    out.append(("rms_norm", f"{m}x{n}", rms, *nb_rms, None))
 
     b, h, s = S((4, 32, 2048), (3, 2, 100))
 
@@ -109,7 +113,8 @@ def cases(dev, dt, smoke):
         bias = torch.randn(f, device=dev, dtype=dt, requires_grad=True)
         return [x, bias], {"ours": lambda: kernels.bias_gelu(x, bias),
                            "eager": lambda: F.gelu(x + bias, approximate="tanh")}
-    out.append(("bias_gelu", f"{t}x{f}", bg, 2 * t * f * es, 5 * t * f * es, None))
+    # backward: x, dy read, dx written, then dx read again by the bias gradient's sum
+    out.append(("bias_gelu", f"{t}x{f}", bg, 2 * t * f * es + f * es, 6 * t * f * es + f * (2 * es + 4), None))
 
     t2, f2 = S((8192, 14336), (37, 1000))
 
@@ -133,22 +138,24 @@ def cases(dev, dt, smoke):
         ang = torch.cat((ang, ang), -1)
         cos, sin = ang.cos(), ang.sin()
         return [x], {"ours": lambda: kernels.rotary(x, cos, sin), "eager": lambda: _rot_eager(x, cos, sin)}
-    nb = rb * rs * rh * rd * es
-    out.append(("rotary", f"{rb}x{rs}x{rh}x{rd}", rot, 2 * nb, 4 * nb, None))
+    nb, cs = rb * rs * rh * rd * es, 2 * rs * rd * 4  # x; fp32 cos and sin, read once a position
+    out.append(("rotary", f"{rb}x{rs}x{rh}x{rd}", rot, 2 * nb + cs, 4 * nb + 2 * cs, None))
 
     cn, cv = S((8 * 2048, 131072), (37, 1000))
 
     def ce():
         x = torch.randn(cn, cv, device=dev, dtype=dt, requires_grad=True)
         tg = torch.randint(0, cv, (cn,), device=dev)
-        fns = {"ours": lambda: kernels.cross_entropy(x * 1, tg, inplace_backward=True),
-               "eager": lambda: F.cross_entropy(x * 1, tg, reduction="none")}
+        # ours as training runs it, the gradient written over the logits (inplace_backward): every call after
+        # the first reads the last one's gradient as its logits, which costs the same; so does Liger, which
+        # writes it there in its forward. Nothing but the loss and its gradient is timed.
+        fns = {"ours": lambda: kernels.cross_entropy(x, tg, inplace_backward=True),
+               "eager": lambda: F.cross_entropy(x, tg, reduction="none")}
         if liger:
-            fns["liger"] = lambda: liger.liger_cross_entropy(x * 1, tg, reduction="mean")
+            fns["liger"] = lambda: liger.liger_cross_entropy(x, tg, reduction="mean")
         return [x], fns
-    # x*1 stands for the logits matmul output (a fresh non-leaf the kernel may overwrite); counted bytes
-    # are the loss itself: read logits (fwd), read + write (bwd)
-    out.append(("cross_entropy", f"{cn}x{cv}", ce, cn * cv * es, 3 * cn * cv * es, None))
+    # forward: logits read, targets read, 3 fp32 statistics written; backward: logits read, gradient written
+    out.append(("cross_entropy", f"{cn}x{cv}", ce, cn * cv * es + cn * (8 + 12), 3 * cn * cv * es + cn * 28, None))
 
     for sa in S((2048, 4096, 8192, 16384), (100,)):
         ab, ah, ahk, ad = S((4, 32, 32, 128), (3, 4, 1, 64))
@@ -183,12 +190,14 @@ def _sdpa(q, k, v, dev):
 
 
 def fwd_bwd(fn, inputs):
+    """fn's forward and backward, the output gradient made once, before (not a fill inside the timing)."""
     leaves = [t for t in inputs if t is not None and t.requires_grad]
+    dy = torch.randn_like(fn()).detach()
 
     def run():
         y = fn()
         # inputs outside this fn's graph (the other layout's copies) just get None
-        torch.autograd.grad(y, leaves, torch.ones_like(y), allow_unused=True)
+        torch.autograd.grad(y, leaves, dy, allow_unused=True)
     return run
 
 
@@ -208,7 +217,7 @@ def main():
     bw = copy_bandwidth(dev, (1 << 20) if args.cpu_smoke else (1 << 30))
     print(f"# device: {name} | torch {torch.__version__} | dtype {dt} | copy bandwidth {bw:.0f} GB/s")
     hdr = ("kernel", "shape", "pass", "ours ms", "GB/s|TF/s", "%copy", "eager ms", "x eager",
-           "compile ms", "x compile", "other")
+           "compile ms", "x compile", "other", "timed by")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for kname, shape, make, b_f, b_fb, flops in cases(dev, dt, args.cpu_smoke):
@@ -219,9 +228,13 @@ def main():
         if not args.no_compile and not args.cpu_smoke:
             compiled = torch.compile(fns["eager"])
         for pas, nbytes, mult in (("fwd", b_f, 1.0), ("fwd+bwd", b_fb, 3.5)):
+            hows = set()
+
             def timed(fn):
                 try:
-                    return timeit(fn if pas == "fwd" else fwd_bwd(fn, inputs), dev)
+                    ms, how = call_ms(fn if pas == "fwd" else fwd_bwd(fn, inputs))
+                    hows.add(how)
+                    return ms
                 except Exception as e:  # a baseline that cannot run this case is reported, not fatal
                     print(f"#   {kname} {pas}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
                     return float("nan")
@@ -235,7 +248,7 @@ def main():
                 rate, pct = f"{gbs:.0f}", f"{100 * gbs / bw:.0f}%"
             other = "; ".join(f"{k} x{timed(f) / ours:.2f}" for k, f in fns.items() if k not in ("ours", "eager"))
             print(f"| {kname} | {shape} | {pas} | {ours:.3f} | {rate} | {pct} | {eager:.3f} | "
-                  f"{eager / ours:.2f} | {comp:.3f} | {comp / ours:.2f} | {other or '-'} |")
+                  f"{eager / ours:.2f} | {comp:.3f} | {comp / ours:.2f} | {other or '-'} | {'/'.join(sorted(hows))} |")
         if kname == "cross_entropy" and dev == "cuda":
             print(f"# cross_entropy peak extra memory, fwd+bwd: {ce_peak(fns, inputs)}")
         del inputs, fns, compiled
@@ -279,7 +292,8 @@ def bench_fp8_blockwise(dev, smoke):
     one = torch.ones((), device=dev)
     runs = {"blockwise (ours)": lambda: blockwise_mm(a, sa, b, sb, 128, torch.bfloat16),
             "bf16 GEMM": lambda: ab @ bb,
-            "tensorwise _scaled_mm": lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            "tensorwise _scaled_mm": lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                                              out_dtype=torch.bfloat16),
             "fallback (dequantize + fp32)": lambda: _torch(a, sa, b, sb, 128, torch.bfloat16)}
     ms = {name: timeit(fn, dev) for name, fn in runs.items()}
     print(f"| fp8 GEMM {m}x{k}x{n} | ms | TFLOP/s | x ours |\n|---|---|---|---|")

@@ -93,9 +93,12 @@ def run(config_flags, micro, steps, extra, profile=False, model_out=None):
             from torch.profiler import ProfilerActivity, profile as torch_profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with torch_profile(activities=acts) as prof:
+                sync()
+                t = time.perf_counter()
                 train_step(pretrain_gpt.forward_step, its, chunks, opt, 1, shape, mcfg.params_dtype)
                 sync()
-            return flops / step, step, top_kernels(prof)
+                wall = time.perf_counter() - t
+            return flops / step, step, [step_device_time(prof, wall, step)] + top_kernels(prof)
         return flops / step, step
     finally:
         ps.destroy_model_parallel()
@@ -103,14 +106,32 @@ def run(config_flags, micro, steps, extra, profile=False, model_out=None):
             torch.cuda.empty_cache()
 
 
+def _on_device(e):
+    """A profiler event that ran on the GPU (a kernel, memcpy, memset), not a host op that launched some."""
+    from torch.autograd import DeviceType
+    return getattr(e, "device_type", None) == DeviceType.CUDA
+
+
+def step_device_time(prof, wall_s, median_s):
+    """One line: the profiled step's time on the device (every kernel, copy and fill it ran, from the profiler),
+    against its wall time; the device's time is the step without the host's gaps in it."""
+    if not torch.cuda.is_available():
+        return f"device time of one step: n/a on CPU (wall {wall_s * 1e3:.1f} ms under the profiler)"
+    dev_us = sum(e.device_time_total for e in prof.events() if _on_device(e))
+    return (f"device time of one step (profiler, all kernels): {dev_us / 1e3:.1f} ms = {dev_us / 1e4 / median_s:.0f}% "
+            f"of the median step's {median_s * 1e3:.1f} ms wall ({wall_s * 1e3:.1f} ms under the profiler)")
+
+
 def top_kernels(prof, n=5):
-    """The n kernels with the most self device time (CPU time where no device ran), as text lines."""
+    """The n kernels with the most device time (host ops' CPU time where no device ran), as text lines; shares of
+    the step's total device time (a host op's time is not counted again beside the kernels it launched)."""
     rows = []
     for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if not torch.cuda.is_available():
+        if torch.cuda.is_available():
+            if not _on_device(e):
+                continue
+            t = e.device_time_total
+        else:
             t = e.self_cpu_time_total
         rows.append((t, e.key))
     total = sum(t for t, _ in rows) or 1

@@ -161,6 +161,13 @@ def launch_config(x2, is_rms, backward):
                         default_config(bucket, x2.dtype, backward))
 
 
+def backward_programs(x2, is_rms):
+    """Programs (so partial dW rows) the backward launches for x2 [m, n]: what a byte count needs."""
+    cfg = launch_config(x2, is_rms, True)
+    block, one_pass = _blocks(x2.shape[1], x2.element_size(), backward=True)
+    return _grid(x2.device, triton.cdiv(x2.shape[0], cfg["ROWS"] if one_pass else 1), cfg)
+
+
 class _NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms):
