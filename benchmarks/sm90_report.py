@@ -20,7 +20,8 @@ ones (`hmma`: HMMA, and QMMA / IMMA), cp.async (LDGSTS) and TMA / bulk copies (U
   the worst; `loops` lists them all. None when the kernel's constexprs are not in the table.
   Scale: an H100/H200 SM does about 4096 dense bf16 FLOP and issues 4 warp-instructions per clock, so
   244 clocks per MFLOP of tensor work; `issue_ratio` = instr_per_mflop x warps / 4 / 244 is the
-  steady loop's issue time over its tensor time (above 1: the instructions, not the tensor cores, bound it).
+  steady loop's issue time over its tensor time (above 1: the instructions, not the tensor cores, bound it;
+  at the bf16/fp16 rate: FP8 tensor work is twice as fast, TF32 half).
 - instructions per byte, for the others (memory-bound): the innermost loops that move global memory
   (or the whole kernel if it has none), instructions x warps / bytes the program moves in one iteration
   of each. The bytes are approximated from the SASS: each global load/store (LDG, STG, LDGSTS, RED,
@@ -104,7 +105,7 @@ def report_rows(results, arch=90):
     rows = []
     for res in results:
         if res["arch"] == arch:
-            rows += [_row(r, case, res) for case in res["cases"] for r in res["rows"] if case["case"] in r["cases"]]
+            rows += [_row(res["rows"][i], case, res) for case in res["cases"] for i in case["rows"]]
     return rows
 
 

@@ -229,8 +229,8 @@ SM90_REPORT_ONLY = {label for _, label, _, _ in SM90_REPORT_CASES}
 
 def build(arch, only=None, sass_dir=None):
     """Compile every case for sm_<arch>; returns one row per distinct compiled kernel (with its constexpr
-    arguments, SASS statistics (tests/kernels/cubin_stats.py) and every case that launched it), the cases
-    built, and errors. sass_dir: write each kernel's SASS there."""
+    arguments and SASS statistics, tests/kernels/cubin_stats.py), the cases built (each with the rows it
+    launched: a build several cases launch is one row), and errors. sass_dir: write each kernel's SASS there."""
     if "kernels" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("gpu_compile.build: kernels was imported under TRITON_INTERPRET=1; run in a fresh process")
     os.environ["TRITON_INTERPRET"] = "0"
@@ -257,20 +257,20 @@ def build(arch, only=None, sass_dir=None):
         except Exception as e:  # noqa: BLE001 - reported, and the test fails on it
             errors.append({"arch": arch, "case": label, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
             continue
-        cases.append({"case": label, "group": group, "hot": hot})
+        launched = []  # this case's builds (indices into rows) in launch order, those of earlier cases too
         for name, kern, constexprs in _BUILT:
-            if id(kern) in seen:  # built for an earlier case: this case uses it too
-                seen[id(kern)]["cases"] += [label] if label not in seen[id(kern)]["cases"] else []
-                continue
-            regs, local = cubin_stats.resources(kern.asm["cubin"])
-            md = kern.metadata
-            seen[id(kern)] = {"arch": arch, "kernel": name, "case": label, "cases": [label], "group": group,
-                              "hot": hot, "regs": regs, "spill_bytes": local, "shared": md.shared,
-                              "num_warps": md.num_warps, "num_stages": md.num_stages, "constexprs": constexprs,
-                              "seconds": round(time.time() - t0, 2)}
-            rows.append(seen[id(kern)])
-            kerns.append(kern)
-            t0 = time.time()
+            if id(kern) not in seen:
+                regs, local = cubin_stats.resources(kern.asm["cubin"])
+                md = kern.metadata
+                seen[id(kern)] = len(rows)
+                rows.append({"arch": arch, "kernel": name, "case": label, "group": group, "hot": hot,
+                             "regs": regs, "spill_bytes": local, "shared": md.shared, "num_warps": md.num_warps,
+                             "num_stages": md.num_stages, "constexprs": constexprs,
+                             "seconds": round(time.time() - t0, 2)})
+                kerns.append(kern)
+                t0 = time.time()
+            launched += [seen[id(kern)]] if seen[id(kern)] not in launched else []
+        cases.append({"case": label, "group": group, "hot": hot, "rows": launched})
     _add_sass(rows, kerns, arch, sass_dir)
     built = {r["kernel"] for r in rows}
     unbuilt = [] if only else sorted(set(_launchable(mods)) - built - (FP8_GEMMS if arch < 89 else set()))
