@@ -32,16 +32,18 @@ def checked():
 
 
 @triton.jit
-def _broken_norm_fwd(X, W, B, Y, MEAN, RSTD, N, eps, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    """Writes y = x: the normalisation and the weight forgotten."""
-    row = tl.program_id(0).to(tl.int64)
+def _broken_norm_fwd(X, W, B, Y, MEAN, RSTD, M, N, eps, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
+                     HOIST: tl.constexpr):
+    """Writes y = x: the normalisation and the weight forgotten (persistent, as norm_kernels._norm_fwd)."""
     cols = tl.arange(0, BLOCK)
-    x = tl.load(X + row * N + cols, mask=cols < N, other=0.0)
-    tl.store(Y + row * N + cols, x, mask=cols < N)
-    if not IS_RMS:
-        tl.store(MEAN + row, 0.0)
-    tl.store(RSTD + row, 1.0)
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        off = tl.cast(row, tl.int64) * N
+        x = tl.load(X + off + cols, mask=cols < N, other=0.0)
+        tl.store(Y + off + cols, x, mask=cols < N)
+        if not IS_RMS:
+            tl.store(MEAN + row, 0.0)
+        tl.store(RSTD + row, 1.0)
 
 
 def test_every_healthy_kernel_passes(checked):
