@@ -6,8 +6,9 @@
 Every space registered with kernels/tuned.py (the norms' today; attention's once it registers one), for each of
 its buckets and dtypes: the valid configurations are timed with triton.testing.do_bench on the space's own
 inputs, the default first, then the others nearest the default first, and the fastest is kept. The search
-stops at the budget (compiles included; the whole command stays under two minutes): a key it did not reach
-keeps its previous entry, a key cut short keeps the best it timed. Only this device's entries are rewritten;
+stops at the budget (compiles included; the whole command stays under two minutes), each key given a share of
+what is left in proportion to its space's size: a key it did not reach keeps its previous entry, a key cut
+short keeps the best it timed. Only this device's entries are rewritten;
 other devices' stay. One line per key: the choice, its time, the default's, the gain. Without CUDA it prints
 one line naming the missing GPU and exits 0 (the table unchanged).
 """
@@ -46,12 +47,13 @@ def search(keys, device, budget_s, smoke):
     from kernels import tuned
     found = {}
     deadline = time.perf_counter() + budget_s
+    sizes = [len(space.candidates(bucket, dtype)) for space, dtype, bucket in keys]
     for i, (space, dtype, bucket) in enumerate(keys):
         left = deadline - time.perf_counter()
         if left <= 0:
             print(f"{space.kernel} {tuned.dtype_key(dtype)} {bucket}: not reached (budget spent)")
             continue
-        share = left / (len(keys) - i)  # what is left, shared by the keys not yet searched
+        share = left * sizes[i] / sum(sizes[i:])  # what is left, shared by the keys to come, by their space's size
         cfg, ms, default_ms, timed = tuned.autotune(space, bucket, dtype, device, budget_s=share,
                                                     timer=_cpu_timer if smoke else None, small=smoke,
                                                     limit=2 if smoke else None)
