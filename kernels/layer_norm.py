@@ -51,7 +51,7 @@ def _hoist(rows, block, warps):
 
 def _stage_bytes(bucket, dtype, cfg, backward):
     """Shared memory one pipeline stage holds (the pipeliner keeps num_stages - 1 of them in flight)."""
-    es = torch.tensor([], dtype=dtype).element_size()
+    es = dtype.itemsize
     block, one_pass = _blocks(bucket, es, backward)
     tile = cfg["ROWS"] * block
     if not backward:  # x, and w and b when reloaded per tile (the pipeliner stages them too)
@@ -61,7 +61,7 @@ def _stage_bytes(bucket, dtype, cfg, backward):
 
 def default_config(bucket, dtype, backward):
     """The built-in configuration for a power-of-two hidden-size bucket (the table overrides it)."""
-    es = torch.tensor([], dtype=dtype).element_size()
+    es = dtype.itemsize
     block, one_pass = _blocks(bucket, es, backward)
     rows = max(1, TILE_ELEMS // block) if one_pass else 1
     # the chunked backward at 16 warps: ptxas caps it at 64 registers and spills (sm_80); 8 warps do not
@@ -79,7 +79,7 @@ def default_config(bucket, dtype, backward):
 
 def _valid(backward):
     def valid(bucket, dtype, cfg):
-        es = torch.tensor([], dtype=dtype).element_size()
+        es = dtype.itemsize
         block, one_pass = _blocks(bucket, es, backward)
         if cfg["ROWS"] != 1 and (not one_pass or cfg["ROWS"] * block > 2 * TILE_ELEMS):
             return False
