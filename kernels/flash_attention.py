@@ -34,9 +34,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from . import tuned
 from ._dispatch import INTERPRET, empty, use_triton
 from .flash_attention_bwd import _attn_bwd_dkdv, _attn_bwd_dq
+from . import flash_attention_config as cfgs, tuned
+from .flash_attention_config import MAX_HEAD_DIM, arch, launch_config
 from .flash_attention_fwd import _attn_bwd_delta, _attn_fwd
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -49,71 +50,11 @@ FWD_BLOCKS = None  # (BLOCK_M, BLOCK_N) override of the configuration table; tes
 BWD_BLOCKS = None  # (BLOCK_M, BLOCK_N) of both backward kernels
 TMA = None  # None: tensor descriptors where the device has TMA (sm_90+) and the layout allows; tests force True
 
-# (arch class, BLOCK_D, bytes per q/k/v element) -> (BLOCK_M, BLOCK_N, warps, stages) of the forward, the dK/dV
-# and the dQ kernel; arch class 90 is Hopper (wgmma, TMA, 227 KB of shared memory per block), 80 everything else
-# (and the interpreter). dK/dV's BLOCK_N is the key block it holds (its matmuls' M: 128 for wgmma's 64 rows per
-# warpgroup at 8 warps), its BLOCK_M the query step; dQ holds BLOCK_M query rows. Chosen by building for sm_90
-# and sm_80 (benchmarks/sm90_report.py, tests/kernels/gpu_compile.py): no spills under triton 3.6 and 3.9,
-# shared memory within each chip's limit, and on sm_90 the steady-state loops within the report's budgets.
-# A table tuned on a device (kernels/tuned.py, benchmarks/tune_kernels.py) overrides the plain entries.
-_CONFIGS = {
-    (90, 64, 2): ((128, 128, 8, 3), (64, 128, 8, 3), (128, 64, 8, 3)),
-    (90, 128, 2): ((128, 128, 8, 2), (32, 128, 8, 2), (128, 64, 8, 2)),
-    (90, 256, 2): ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
-    (90, 64, 4): ((64, 64, 4, 2), (16, 32, 4, 2), (32, 64, 4, 2)),
-    (90, 128, 4): ((64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 4, 2)),
-    (90, 256, 4): ((32, 32, 4, 2), (16, 32, 4, 2), (16, 32, 4, 2)),
-    (80, 64, 2): ((128, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)),
-    (80, 128, 2): ((128, 64, 8, 2), (32, 64, 8, 3), (64, 64, 8, 3)),
-    (80, 256, 2): ((64, 32, 8, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
-    (80, 64, 4): ((64, 64, 4, 2), (16, 32, 4, 2), (32, 64, 4, 2)),
-    (80, 128, 4): ((64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 4, 2)),
-    (80, 256, 4): ((32, 32, 4, 2), (16, 32, 4, 2), (16, 32, 4, 2)),
-}
-# kernels that need other tiles for dropout (Philox's registers) or a head dim below its power-of-two block
-# (masked head loads, no TMA): {kernel index: config}, dropout's first
-_VARIANTS = {
-    (90, 64, 2, "dropout"): {1: (32, 128, 8, 2)},
-    (90, 128, 2, "dropout"): {0: (128, 64, 8, 2), 1: (16, 128, 8, 2)},
-    (90, 128, 2, "pad"): {1: (16, 128, 8, 2)},
-    (80, 64, 2, "dropout"): {2: (128, 64, 8, 3)},
-    (80, 128, 2, "pad"): {0: (128, 32, 8, 3)},
-}
-_KERNELS = ("flash_attention.fwd", "flash_attention.dkdv", "flash_attention.dq")  # kernels/tuned.py's names
-MAX_HEAD_DIM = 256
-
-
-def _arch(t):
-    """Compute capability as 90 / 80 / ...; for meta tensors the target Triton builds for; 0 in the interpreter."""
-    if t.is_cuda:
-        major, minor = torch.cuda.get_device_capability(t.device)
-        return 10 * major + minor
-    if INTERPRET:
-        return 0
-    try:  # a build without a GPU (tests/kernels/gpu_compile.py): the target its driver reports
-        return int(triton.runtime.driver.active.get_current_target().arch)
-    except Exception:
-        return 0
-
-
-def _default(arch, bd, dtype, kernel, dropout=False, pad=False):
-    """The built-in (BLOCK_M, BLOCK_N, warps, stages) of one kernel."""
-    key = (90 if arch >= 90 else 80, max(64, bd), 4 if dtype == torch.float32 else 2)
-    for tag, on in (("dropout", dropout), ("pad", pad)):
-        if on and kernel in _VARIANTS.get(key + (tag,), {}):
-            return _VARIANTS[key + (tag,)][kernel]
-    return _CONFIGS[key][kernel]
-
-
 def _config(t, kernel, dropout=False):
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of kernel 0 (fwd), 1 (dK/dV), 2 (dQ) for t's head dim."""
     d = t.shape[-1]
     bd = max(16, triton.next_power_of_2(d))
-    bm, bn, warps, stages = _default(_arch(t), bd, t.dtype, kernel, dropout, d != bd)
-    if not dropout and d == bd:  # a tuned entry for this device, if any (plain variant only)
-        cfg = tuned.config(_KERNELS[kernel], t.device, t.dtype, bd,
-                           dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages))
-        bm, bn, warps, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
+    bm, bn, warps, stages = launch_config(t, kernel, dropout)
     override = BWD_BLOCKS if kernel else FWD_BLOCKS
     if override is not None:
         bm, bn = override
@@ -122,7 +63,7 @@ def _config(t, kernel, dropout=False):
 
 def _tma(*tensors):
     """Tensor descriptors for these [b, s, h, d] tensors: each must view as [b * s, h * d] with 16-byte rows."""
-    if TMA is False or _TensorDescriptor is None or (TMA is None and _arch(tensors[0]) < 90):
+    if TMA is False or _TensorDescriptor is None or (TMA is None and arch(tensors[0]) < 90):
         return False
     for t in tensors:
         b, s, h, d = t.shape
@@ -171,8 +112,9 @@ def _forward(q, k, v, causal, scale, kpm, dropout_p):
     return o, lse, seed
 
 
-def _backward(do, q, k, v, o, lse, kpm, seed, causal, scale, dropout_p):
-    """The backward kernels for output o and base-2 lse (any o/lse: e.g. merged over ring blocks)."""
+def _backward(do, q, k, v, o, lse, kpm, seed, causal, scale, dropout_p, only=None):
+    """The backward kernels for output o and base-2 lse (any o/lse: e.g. merged over ring blocks); `only` = 1
+    or 2 launches just dK/dV or dQ after delta (the tuner's runs)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     kpm_t = kpm.view(torch.uint8) if kpm is not None else lse
@@ -188,15 +130,17 @@ def _backward(do, q, k, v, o, lse, kpm, seed, causal, scale, dropout_p):
     meta = dict(CAUSAL=causal, HAS_KPM=kpm is not None, DROPOUT=seed is not None, PREC="tf32", D=d, BLOCK_D=bd)
     tma = _tma(q, k, v, do)
     bm, bn, _, warps, stages = _config(q, 1, seed is not None)
-    _attn_bwd_dkdv[(b * hk, triton.cdiv(sk, bn))](
-        q, _desc(q, bm, tma), k, v, do, _desc(do, bm, tma), lse, delta, dk, dv, kpm_t, *common, h, hk, h // hk,
-        sq, sk, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), skpm, TMA=tma,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
+    if only != 2:
+        _attn_bwd_dkdv[(b * hk, triton.cdiv(sk, bn))](
+            q, _desc(q, bm, tma), k, v, do, _desc(do, bm, tma), lse, delta, dk, dv, kpm_t, *common, h, hk,
+            h // hk, sq, sk, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), skpm,
+            TMA=tma, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **meta)
     bm, bn, _, warps, stages = _config(q, 2, seed is not None)
-    _attn_bwd_dq[(b * h, triton.cdiv(sq, bm))](
-        q, k, _desc(k, bn, tma), v, _desc(v, bn, tma), do, lse, delta, dq, kpm_t, *common, h, h // hk, sq, sk,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), skpm, TMA=tma, BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=warps, num_stages=stages, **meta)
+    if only != 1:
+        _attn_bwd_dq[(b * h, triton.cdiv(sq, bm))](
+            q, k, _desc(k, bn, tma), v, _desc(v, bn, tma), do, lse, delta, dq, kpm_t, *common, h, h // hk, sq, sk,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), skpm, TMA=tma, BLOCK_M=bm, BLOCK_N=bn,
+            num_warps=warps, num_stages=stages, **meta)
     return dq, dk, dv
 
 
@@ -303,3 +247,27 @@ def flash_attention(q, k, v, causal=True, softmax_scale=None, dropout_p=0.0, key
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         return _FlashAttnFn.apply(q, k, v, bool(causal), float(scale), kpm, float(dropout_p))
     return _attention_torch(q, k, v, causal, scale, kpm, float(dropout_p))
+
+
+# ---- the tuning space (kernels/tuned.py; benchmarks/tune_kernels.py searches it) ------------------------------
+def _make(kernel):
+    def make(bucket, dtype, device, small=False):
+        b, s, h, hk = (1, 64, 2, 1) if small else (2, 4096, 32, 8)  # Llama-3's GQA 32:8 at 4k
+        q = torch.randn(b, s, h, bucket, device=device, dtype=dtype)
+        k, v = (torch.randn(b, s, hk, bucket, device=device, dtype=dtype) for _ in range(2))
+        scale = bucket ** -0.5
+        o, lse, _ = _forward(q, k, v, True, scale, None, 0.0)
+        do = torch.randn_like(o)
+
+        def run(cfg):
+            with tuned.forced(cfgs.KERNELS[kernel], cfg):
+                if kernel == 0:
+                    return _forward(q, k, v, True, scale, None, 0.0)
+                return _backward(do, q, k, v, o, lse, None, None, True, scale, 0.0, only=kernel)
+        return run
+    return make
+
+
+SPACES = tuple(tuned.register(tuned.Space(
+    kernel=cfgs.KERNELS[i], params=cfgs.PARAMS[i], buckets=(64, 128), make=_make(i), valid=cfgs.valid(i),
+    default=cfgs.default_for(i), dtypes=(torch.bfloat16,))) for i in range(3))
