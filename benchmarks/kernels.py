@@ -212,6 +212,7 @@ def main():
               "Use --cpu-smoke to check the script on CPU.")
         return 0
     dev = "cpu" if args.cpu_smoke else "cuda"
+    kernels.set_kernel_choice("triton")  # "ours" is the Triton kernel itself, not whichever path the race picks
     dt = torch.float32 if args.cpu_smoke else torch.bfloat16
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (smoke: torch fallbacks, not a measurement)"
     bw = copy_bandwidth(dev, (1 << 20) if args.cpu_smoke else (1 << 30))
