@@ -128,6 +128,12 @@ def _races(device, forced):
     return _mode == "always" or (_mode == "auto" and not forced and device.type == "cuda")
 
 
+# kernels whose fallback is not the one the race times: ring attention's blocks (kernels.flash_attention_block and
+# its backward) fall back to an explicit fp32 computation, never faster than the kernel, so the self-check of the
+# kernel named here alone decides them (and every rank of a CP ring runs its blocks alike)
+SELF_CHECK_ONLY = {"flash_attention_block": "flash_attention"}
+
+
 def _gate(kernel, tensors, forced):
     """use_triton's question for a named kernel (registered with _dispatch below): may its Triton path run?"""
     if not tensors:
@@ -135,9 +141,9 @@ def _gate(kernel, tensors, forced):
     t = tensors[0]
     if _mode == "torch" and not forced:
         return False
-    if not self_check.trusted(kernel, t):
+    if not self_check.trusted(SELF_CHECK_ONLY.get(kernel, kernel), t):
         return False
-    if not _races(t.device, forced):
+    if kernel in SELF_CHECK_ONLY or not _races(t.device, forced):
         return True
     key = (kernel, t.shape, t.dtype, t.device)
     if key not in _answers:

@@ -168,8 +168,8 @@ def _scale(q, softmax_scale):
     return float(scale)
 
 
-def _triton_path(q, k, v, kpm=None):
-    return q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v, kpm, kernel="flash_attention")
+def _triton_path(q, k, v, kpm=None, kernel="flash_attention"):
+    return q.shape[-1] <= MAX_HEAD_DIM and use_triton(q, k, v, kpm, kernel=kernel)
 
 
 def _block_probs(q, k, causal, scale, lse=None):
@@ -188,7 +188,7 @@ def flash_attention_block(q, k, v, causal=True, softmax_scale=None):
     fp32, natural log, -inf where a query sees no key). Inputs as flash_attention's (strided
     views allowed; the last dim contiguous). Triton on CUDA (d <= 256), else torch in fp32."""
     scale = _scale(q, softmax_scale)
-    if _triton_path(q, k, v):
+    if _triton_path(q, k, v, kernel="flash_attention_block"):
         o, lse, _ = _forward(q, k, v, bool(causal), float(scale), None, 0.0)
         return o, torch.where(torch.isinf(lse), torch.full_like(lse, float("-inf")), lse / LOG2E)
     lse, p = _block_probs(q, k, causal, scale)
@@ -201,7 +201,7 @@ def flash_attention_block_backward(dout, q, k, v, out, lse, causal=True, softmax
     the block is part of (ring attention merges them over blocks): the recomputed
     probabilities exp(s - lse) are the block's share; dk, dv summed over each KV head's queries."""
     scale = _scale(q, softmax_scale)
-    if _triton_path(q, k, v):
+    if _triton_path(q, k, v, kernel="flash_attention_block"):
         lse2 = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse * LOG2E).contiguous()
         return _backward(dout.contiguous(), q, k, v, out.contiguous(), lse2, None, None, bool(causal), float(scale),
                          0.0)

@@ -12,9 +12,9 @@ than the calls it stands for. Buckets, by kernel:
       sees q alone at some call sites)
   adamw_step: one class (an elementwise update's speed ratio does not depend on its length past a few MB),
       timed at ADAMW_NUMEL
-  grouped_gemm, fp8_blockwise, and flash_attention with a query that is not [b, s, h, d] (ring attention's
-      [b, hkv, g, s, d]): no class (None); the self-check alone decides, and ring attention's own block calls
-      (4-D) are raced as any attention.
+  grouped_gemm, fp8_blockwise, and flash_attention with a query that is not [b, s, h, d]: no class (None); the
+      self-check alone decides. Ring attention's blocks ask as flash_attention_block, never raced (choice.py's
+      SELF_CHECK_ONLY: their fallback is an explicit fp32 path, not the SDPA the race times).
 """
 import math
 from typing import NamedTuple

@@ -207,7 +207,8 @@ class RingAttention(torch.autograd.Function):
         qi = index_of(r) if q_index is None else q_index
         mode, padded = None, doc_mask is not None and doc_mask.shape[2] == 1
         if p == 0 and doc_mask is None:
-            triton = kernels.use_triton(q, kernel="flash_attention") and q.shape[-1] <= MAX_HEAD_DIM  # larger heads: the explicit path
+            # larger heads: the explicit path; the blocks' kernel is not raced (its fallback is that explicit path)
+            triton = kernels.use_triton(q, kernel="flash_attention_block") and q.shape[-1] <= MAX_HEAD_DIM
             mode = "triton" if triton else "flash" if _FLASH is not None and q.device.type == "cpu" else None
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)

@@ -60,6 +60,27 @@ def raced(tmp_path, monkeypatch):
     choice.reset()
 
 
+
+def test_ring_attention_blocks_are_not_raced(raced):
+    """A ring-attention block's fallback is an explicit fp32 computation, not what the race times (SDPA): the
+    self-check alone decides it, so a race lost by attention never sends the blocks down that path."""
+    timer = StandIn({"flash_attention": "triton"})
+    choice.set_timer(timer)
+    q = torch.randn(1, 32, 2, 16)
+    kernels.flash_attention(q, q, q)  # whole attention: raced, Triton made slower, SDPA chosen
+    assert choice.decisions() == {shape_class.ShapeClass("flash_attention", torch.float32, "cpu", (1, 32, 2, 16)):
+                                  "torch"}
+    out, lse = kernels.flash_attention_block(q, q, q, causal=True)  # the same shape: Triton, untimed
+    assert len(timer.calls) == 2 and raced[-1] == ("flash_attention_block", True)
+    ref, ref_lse = (t.detach() for t in fa_block_torch(q))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def fa_block_torch(q):
+    with kernels.use_backend("torch"):
+        return kernels.flash_attention_block(q, q, q, causal=True)
+
 def test_a_kernel_made_slower_is_not_chosen(raced):
     timer = StandIn({"rms_norm": "triton", "swiglu": "torch"}, runs=True)
     choice.set_timer(timer)
