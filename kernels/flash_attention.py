@@ -121,8 +121,9 @@ def _backward(do, q, k, v, o, lse, kpm, seed, causal, scale, dropout_p, only=Non
     skpm = kpm.stride(0) if kpm is not None else 0
     delta = empty((b, h, sq), q.device, torch.float32)
     bd = max(16, triton.next_power_of_2(d))
-    _attn_bwd_delta[(triton.cdiv(sq, 64), b * h)](o, do, delta, h, sq, d, *_strides(o), *_strides(do),
-                                                  BLOCK_M=64, BLOCK_D=bd)
+    rows = 64 if bd <= 128 else 16  # two [rows, bd] fp32 tiles in registers: d256 at 64 rows spilled (triton 3.6)
+    _attn_bwd_delta[(triton.cdiv(sq, rows), b * h)](o, do, delta, h, sq, d, *_strides(o), *_strides(do),
+                                                    BLOCK_M=rows, BLOCK_D=bd)
     dq = empty((b, sq, h, d), q.device, q.dtype)
     dk = empty((b, sk, hk, d), k.device, k.dtype)
     dv = empty((b, sk, hk, d), v.device, v.dtype)
