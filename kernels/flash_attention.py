@@ -15,8 +15,8 @@ flash_attention(q, k, v, causal=True, softmax_scale=None, dropout_p=0.0, key_pad
   current torch generator of q's device (torch.randint on the device: no host sync; inside
   megalite's `get_rng_tracker().fork()` that is the TP-rank stream, and activation
   recomputation replays it), and the kernels regenerate the mask from it: element (b, h, i, j)
-  is kept iff (Philox4x32-10(key=seed, counter=(i*sk + j, b*h_total + h, 0, 0))[0] >> 1) >=
-  round(p * 2**31), the same numbers in the forward and in both backward kernels.
+  is kept iff (Philox4x32-10(key=seed, counter=(i*ceil(sk/4) + j//4, b*h_total + h, 0, 0))[j % 4] >> 1)
+  >= round(p * 2**31) (one Philox call per 4 keys), the same numbers in the forward and both backward kernels.
 fp32 inputs: the two matmuls of the Triton path run on TF32 tensor cores (inputs rounded to
   10-bit mantissas, fp32 accumulation, as torch's matmuls with allow_tf32); softmax, running
   max/sum and accumulators stay fp32. For full-fp32 products use kernels.use_backend("torch")

@@ -16,14 +16,16 @@ from .flash_attention_fwd import _keep, _kpm_ok, _tile
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Q, qd, DO, dod, LSE, DELTA, b, hk, cols, n_iter, first, gap_lo, gap_hi, end, H, GROUP,
+def _dkdv_loop(dk, dv, k, v, Q, qd, DO, dod, LSE, DELTA, b, hk, n0, n_iter, first, gap_lo, gap_hi, end, H, GROUP,
                SQ, SK, qk_scale, sqb, sqs, sqh, sob, sos, soh, seed, drop_thr, keep_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr,
-               TMA: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+               TMA: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):
     """n_iter query blocks: for each head g of the GQA group the blocks first, first + BLOCK_M, ... below end,
     jumping from gap_lo to gap_hi. One flat loop over (head, block) rather than a loop per head: the software
     pipeline runs across heads and no per-head loop state holds registers."""
     offs = tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
     start = first
     g = 0
     for _ in tl.range(0, n_iter):
@@ -45,7 +47,7 @@ def _dkdv_loop(dk, dv, k, v, Q, qd, DO, dod, LSE, DELTA, b, hk, cols, n_iter, fi
             pt = tl.where(cols[:, None] <= rows[None, :] + (SK - SQ), pt, 0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
         if DROPOUT:  # O = (P * Z) V: dV = (P * Z)^T dO, dP = (dO V^T) * Z
-            z = tl.where(_keep(seed, bh, rows[None, :] * SK + cols[:, None], drop_thr), keep_scale, 0.0)
+            z = tl.where(tl.trans(_keep(seed, bh, rows, n0, SK, drop_thr, BLOCK_N)), keep_scale, 0.0)
             dv = tl.dot((pt * z).to(do.dtype), do, dv, input_precision=PREC)
             dpt = dpt * z
         else:
@@ -94,12 +96,12 @@ def _attn_bwd_dkdv(Q, qd, K, V, DO, dod, LSE, DELTA, DK, DV, KPM, SEED, qk_scale
     n_masked = (full - lo) // BLOCK_M + (tail2 < SQ).to(tl.int32)
     first = tl.where(lo < full, lo, tail2)
     n_full = tl.maximum(tail - full, 0) // BLOCK_M
-    dk, dv = _dkdv_loop(dk, dv, k, v, Q, qd, DO, dod, LSE, DELTA, b, hk, cols, GROUP * n_masked, first, full, tail2,
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, qd, DO, dod, LSE, DELTA, b, hk, n0, GROUP * n_masked, first, full, tail2,
                         SQ, H, GROUP, SQ, SK, qk_scale, sqb, sqs, sqh, sob, sos, soh, seed, drop_thr, keep_scale,
-                        True, CAUSAL, DROPOUT, PREC, TMA, D, BLOCK_M, BLOCK_D)
-    dk, dv = _dkdv_loop(dk, dv, k, v, Q, qd, DO, dod, LSE, DELTA, b, hk, cols, GROUP * n_full, full, -1, -1, tail,
+                        True, CAUSAL, DROPOUT, PREC, TMA, D, BLOCK_M, BLOCK_N, BLOCK_D)
+    dk, dv = _dkdv_loop(dk, dv, k, v, Q, qd, DO, dod, LSE, DELTA, b, hk, n0, GROUP * n_full, full, -1, -1, tail,
                         H, GROUP, SQ, SK, qk_scale, sqb, sqs, sqh, sob, sos, soh, seed, drop_thr, keep_scale,
-                        False, CAUSAL, DROPOUT, PREC, TMA, D, BLOCK_M, BLOCK_D)
+                        False, CAUSAL, DROPOUT, PREC, TMA, D, BLOCK_M, BLOCK_N, BLOCK_D)
     if HAS_KPM:  # a padded key has probability 0 for every query: its gradients are 0
         keep = _kpm_ok(KPM, b, skpm, cols, SK)[:, None]
         dk = tl.where(keep, dk, 0.0)
@@ -130,7 +132,7 @@ def _dq_loop(dq, q, do, lse, delta, K, kd, V, vd, KPM, b, hk, bh, rows, lo, hi, 
             p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if DROPOUT:
-            dp = tl.where(_keep(seed, bh, rows[:, None] * SK + cols[None, :], drop_thr), dp * keep_scale, 0.0)
+            dp = tl.where(_keep(seed, bh, rows, start, SK, drop_thr, BLOCK_N), dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     return dq

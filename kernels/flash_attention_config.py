@@ -32,9 +32,10 @@ _CONFIGS = {
 # (masked head loads, no TMA): {kernel index: config}, dropout's first
 _VARIANTS = {
     (90, 64, 2, "dropout"): {1: (32, 128, 8, 2)},
-    (90, 128, 2, "dropout"): {0: (128, 64, 8, 2), 1: (16, 128, 8, 2)},
+    (90, 128, 2, "dropout"): {0: (128, 64, 8, 2), 1: (16, 128, 8, 2), 2: (128, 32, 8, 2)},
     (90, 128, 2, "pad"): {1: (16, 128, 8, 2)},
-    (80, 64, 2, "dropout"): {2: (128, 64, 8, 3)},
+    (80, 64, 2, "dropout"): {1: (16, 64, 4, 3), 2: (128, 32, 8, 3)},
+    (80, 128, 2, "dropout"): {0: (128, 32, 8, 2)},
     (80, 128, 2, "pad"): {0: (128, 32, 8, 3)},
 }
 KERNELS = ("flash_attention.fwd", "flash_attention.dkdv", "flash_attention.dq")  # kernels/tuned.py's names

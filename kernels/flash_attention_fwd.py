@@ -29,11 +29,17 @@ def _tile(T, desc, row0, start, limit, col, stride, MASK_ROWS: tl.constexpr, TMA
 
 
 @triton.jit
-def _keep(seed, bh, counter, drop_thr):
-    """Dropout keep-mask from Philox on (counter = i * sk + j, b * h + h): the same bits in all three kernels."""
-    zero = counter * 0
-    r0, _, _, _ = tl.philox(seed, counter, zero + bh.to(tl.int32), zero, zero)
-    return (r0 >> 1).to(tl.int32) >= drop_thr
+def _keep(seed, bh, rows, start, SK, drop_thr, BLOCK_N: tl.constexpr):
+    """Dropout keep-mask [rows, BLOCK_N] of keys start + [0, BLOCK_N) (start a multiple of 4): one Philox4x32-10
+    call per 4 keys, each key taking one of its 32-bit words, the same bits in all three kernels: element
+    (i, j) is kept iff (Philox(seed, (i * ceil(sk / 4) + j // 4, b * h + h, 0, 0))[j % 4] >> 1) >= drop_thr."""
+    groups = start // 4 + tl.arange(0, BLOCK_N // 4)
+    c0 = rows[:, None] * tl.cdiv(SK, 4) + groups[None, :]
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, zero + bh.to(tl.int32), zero, zero)
+    # [.., g, a, b] = r_(2a + b): row-major flattening puts word j % 4 at key 4 g + j % 4
+    bits = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [rows.shape[0], BLOCK_N])
+    return (bits >> 1).to(tl.int32) >= drop_thr
 
 
 @triton.jit
@@ -71,7 +77,7 @@ def _fwd_loop(acc, l_i, m_i, q, K, kd, V, vd, b, hk, bh, rows, lo, hi, SQ, SK, q
         acc = acc * alpha[:, None]
         v = _tile(V, vd, b * SK + start, start, SK, hk * D, svs, MASKED, TMA, D, BLOCK_N, BLOCK_D)
         if DROPOUT:  # the normaliser l_i sums the probabilities before dropout
-            p = tl.where(_keep(seed, bh, rows[:, None] * SK + cols[None, :], drop_thr), p * keep_scale, 0.0)
+            p = tl.where(_keep(seed, bh, rows, start, SK, drop_thr, BLOCK_N), p * keep_scale, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i

@@ -18,10 +18,12 @@ M32 = 0xFFFFFFFF
 
 
 def philox_keep(seed, b, h, sq, sk, p):
-    """bool [b, h, sq, sk]: kept iff (Philox(key=seed, ctr=(i*sk + j, b*h+h, 0, 0))[0] >> 1) >= round(p*2^31)."""
-    i, j = np.meshgrid(np.arange(sq, dtype=np.uint64), np.arange(sk, dtype=np.uint64), indexing="ij")
+    """bool [b, h, sq, sk]: kept iff (Philox(key=seed, ctr=(i*ceil(sk/4) + j//4, b*h+h, 0, 0))[j % 4] >> 1) >=
+    round(p*2^31): one Philox call per 4 keys, each key one of its words."""
+    sk4 = -(-sk // 4)
+    i, g = np.meshgrid(np.arange(sq, dtype=np.uint64), np.arange(sk4, dtype=np.uint64), indexing="ij")
     bh = np.arange(b * h, dtype=np.uint64)[:, None, None]
-    c0 = np.broadcast_to((i * sk + j) & M32, (b * h, sq, sk)).copy()
+    c0 = np.broadcast_to((i * sk4 + g) & M32, (b * h, sq, sk4)).copy()
     c1 = np.broadcast_to(bh, c0.shape).copy()
     c2 = np.zeros_like(c0)
     c3 = np.zeros_like(c0)
@@ -31,7 +33,8 @@ def philox_keep(seed, b, h, sq, sk, p):
         p0, p2 = c0 * ra, c2 * rb  # 32x32 -> 64-bit products
         c0, c2, c1, c3 = (p2 >> np.uint64(32)) ^ c1 ^ k0, (p0 >> np.uint64(32)) ^ c3 ^ k1, p2 & M32, p0 & M32
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & M32, (k1 + np.uint64(0xBB67AE85)) & M32
-    keep = (c0 >> np.uint64(1)).astype(np.int64) >= int(round(p * 2 ** 31))
+    words = np.stack([c0, c1, c2, c3], axis=-1).reshape(b * h, sq, 4 * sk4)[..., :sk]  # key j: word j % 4
+    keep = (words >> np.uint64(1)).astype(np.int64) >= int(round(p * 2 ** 31))
     return torch.from_numpy(keep.reshape(b, h, sq, sk))
 
 
