@@ -58,6 +58,15 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
     return gen()
 
 
+def close_iterators(its):
+    """End these iterators' DataLoader worker processes now (a generator closed drops its loader, whose workers
+    exit): not whenever a garbage collection finds them, which can be in the middle of a later run in the same
+    process (Megatron's scripts run back to back in one interpreter: tests/test_megatron_scripts.py hung so)."""
+    for it in its or ():
+        if it is not None:
+            it.close()
+
+
 def chunk_iterators(it, num_chunks, grid=None):
     """Per model chunk: the first chunk of the first stage and the last chunk of the last
     stage read the data; other chunks get None."""

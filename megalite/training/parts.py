@@ -20,7 +20,7 @@ import torch
 import kernels
 from megalite import parallel_state as ps
 from megalite.checkpointing import save_checkpoint
-from megalite.data_iterators import data_iterators
+from megalite.data_iterators import close_iterators, data_iterators
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.planner.flops import num_floating_point_operations
@@ -235,6 +235,7 @@ class Evaluation(Part):
                 its = self.valid_iters if split == "validation" else \
                     data_iterators(ds, 0, self.args, self.run.chunks, self.mbs, self.plan)
                 self.run.log.evaluation(last, split, self.evaluate(its), final=True)
+                close_iterators(its)
 
 
 class Saver(Part):

@@ -6,6 +6,7 @@ import dataclasses
 from megalite import parallel_state as ps
 from megalite.checkpointing import finish_checkpointing
 from megalite.config import fail
+from megalite.data_iterators import close_iterators
 from megalite.iteration_plan import auto_shares
 from megalite.logger import TrainingWindow, print_rank_last
 from megalite.optimizer.optimizer import NonFiniteGradError
@@ -150,6 +151,7 @@ class Trainer:
         if self.evaluation is not None:  # as Megatron, after training: the validation and test sets
             self.evaluation.final(last)
             self.evaluation.valid_iters = None
-        self.cursor.iters = None  # the data loaders' worker processes end now, not when a collection finds them
+        close_iterators(self.cursor.iters)  # the data loaders' worker processes end now, not when a collection
+        self.cursor.iters = None            # finds them
         self.log.close()
         return losses, self.chunks, self.optimizer
