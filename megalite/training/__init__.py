@@ -33,11 +33,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
     gc_enabled = gc.isenabled()
     if args.manual_gc:  # as Megatron: collections at the same iterations on every rank
         gc.disable()
-    # With or without --manual-gc, a full collection first: what an earlier pretrain() in this process left in
-    # reference cycles (its data loaders, its process groups) is collected here, on every rank at the same point,
-    # not at whatever allocation triggers a collection in the middle of this run (Megatron's scripts run back to
-    # back in one interpreter hung in their final evaluation so: tests/test_megatron_scripts.py)
-    gc.collect()
+        gc.collect()
     try:
         losses, chunks, optimizer = Trainer(datasets_provider, model_provider, forward_step_func, args, started,
                                             owns).train()

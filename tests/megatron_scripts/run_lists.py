@@ -7,6 +7,7 @@ a printed line); a script that fails stops the run non-zero. A run still going a
 test reports where every rank waited instead of only a timeout."""
 
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -31,6 +32,10 @@ def main(path, stack_after_s):
         losses = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step,
                           args)
         ps.destroy_model_parallel()
+        # the finished script's cyclic garbage (loaders, process groups) collected now, on every rank at once:
+        # left to an arbitrary allocation in the middle of the next script, such a collection hung its final
+        # evaluation (a full collection at every pretrain() instead cost the suite minutes: 0.2 s each)
+        gc.collect()
         if ps.global_rank() == ps.world_size() - 1:
             done[name] = losses
             with open(path + ".losses", "w") as f:
