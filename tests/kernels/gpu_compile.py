@@ -39,8 +39,8 @@ import cubin_stats  # a sibling module: this file runs as a script and is import
 SMEM_LIMIT = {90: 232448, 80: 166912}  # max dynamic shared memory per block (opt-in), bytes
 FP8_GEMMS = {"_blockwise_mm"}  # built for sm_89 and later only (no FP8 type before)
 KERNEL_MODULES = ("adamw", "bias_gelu", "cross_entropy", "flash_attention", "flash_attention_bwd",
-                  "flash_attention_fwd", "fp8_blockwise", "fp8_cast", "grouped_gemm", "layer_norm", "norm_kernels", "rms_norm", "rotary",
-                  "softmax", "swiglu")
+                  "flash_attention_fwd", "fp8_blockwise", "fp8_cast", "grouped_gemm", "layer_norm", "norm_kernels",
+                  "rms_norm", "rotary", "softmax", "swiglu")
 
 
 class _TargetOnlyDriver:
