@@ -12,7 +12,7 @@ the key blocks as the forward does: wholly visible blocks unmasked, the diagonal
 import triton
 import triton.language as tl
 
-from .flash_attention_fwd import _keep, _kpm_ok, _tile
+from .flash_attention_fwd import _keep, _key_range, _kpm_ok, _tile
 
 
 @triton.jit
@@ -164,13 +164,7 @@ def _attn_bwd_dq(Q, K, kd, V, vd, DO, LSE, DELTA, DQ, KPM, SEED, qk_scale, sm_sc
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
-    hi = SK
-    full = SK // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(SK, m0 + BLOCK_M + SK - SQ)
-        full = tl.minimum(full, tl.maximum(m0 + 1 + SK - SQ, 0) // BLOCK_N * BLOCK_N)
-    if HAS_KPM:
-        full = 0
+    full, hi = _key_range(m0, SQ, SK, CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
     dq = _dq_loop(dq, q, do, lse, delta, Kb, kd, Vb, vd, KPM, b, hk, bh, rows, 0, full, SQ, SK, qk_scale, sks, svs,

@@ -48,6 +48,21 @@ def _kpm_ok(KPM, b, skpm, cols, SK):
 
 
 @triton.jit
+def _key_range(m0, SQ, SK, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """(full, hi) for the query block at row m0: keys [0, full) are visible to every row of the block and inside
+    the sequence (the unmasked loop); [full, hi) need the mask (the forward's and dQ's key loops)."""
+    hi = SK
+    full = SK // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(SK, m0 + BLOCK_M + SK - SQ)
+        full = tl.minimum(full, tl.maximum(m0 + 1 + SK - SQ, 0) // BLOCK_N * BLOCK_N)
+    if HAS_KPM:
+        full = 0
+    return full, hi
+
+
+@triton.jit
 def _fwd_loop(acc, l_i, m_i, q, K, kd, V, vd, b, hk, bh, rows, lo, hi, SQ, SK, qk_scale, sks, svs,
               KPM, skpm, seed, drop_thr, keep_scale,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
@@ -107,14 +122,7 @@ def _attn_fwd(Q, K, kd, V, vd, O, LSE, KPM, SEED, qk_scale, drop_thr, keep_scale
     seed = 0
     if DROPOUT:
         seed = tl.load(SEED)
-    # keys [0, full) are visible to every row of the block and inside the sequence; [full, hi) need the mask
-    hi = SK
-    full = SK // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(SK, m0 + BLOCK_M + SK - SQ)
-        full = tl.minimum(full, tl.maximum(m0 + 1 + SK - SQ, 0) // BLOCK_N * BLOCK_N)
-    if HAS_KPM:
-        full = 0
+    full, hi = _key_range(m0, SQ, SK, CAUSAL, HAS_KPM, BLOCK_M, BLOCK_N)
     Kb = K + b * skb + hk * skh
     Vb = V + b * svb + hk * svh
     acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, Kb, kd, Vb, vd, b, hk, bh, rows, 0, full, SQ, SK, qk_scale, sks,

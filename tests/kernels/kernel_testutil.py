@@ -54,3 +54,29 @@ def cuda_relerr_ok(out, ref, tol):
     """GPU tests: low-precision output vs fp32 reference, same max-abs relative measure."""
     err = relerr(out.float(), ref.float())
     assert err <= tol, f"rel err {err:.3g} > {tol}"
+
+
+def tiny_gpt_losses(steps=2):
+    """Losses of a one-layer Llama-shaped GPT trained `steps` SGD steps on the fused-kernel path (the self-check's
+    and the race's tests: which path each kernel took shows in the losses)."""
+    from megalite import parallel_state as ps
+    from megalite.models import GPTModel
+    from megalite.tensor_parallel import model_parallel_manual_seed
+    from model_util import batch, tiny_config
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_manual_seed(0)
+    try:
+        cfg = tiny_config("llama", num_layers=1, fused_kernels=True)
+        model = GPTModel(cfg)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        ids, labels = batch(cfg)
+        out = []
+        for _ in range(steps):
+            loss = model(ids, labels=labels).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+    finally:
+        ps.destroy_model_parallel()

@@ -15,10 +15,7 @@ import torch
 
 import kernels
 from kernels import _dispatch, choice, choice_cache, self_check, shape_class
-from megalite import parallel_state as ps
-from megalite.models import GPTModel
-from megalite.tensor_parallel import model_parallel_manual_seed
-from model_util import batch, tiny_config
+from kernel_testutil import tiny_gpt_losses
 
 SWIGLU = importlib.import_module("kernels.swiglu")  # the module (the package's name is the function)
 
@@ -114,26 +111,6 @@ def test_modes_and_forced_backends(raced):
         choice.set_kernel_choice("fast")
 
 
-def _losses(steps=2):
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_manual_seed(0)
-    try:
-        cfg = tiny_config("llama", num_layers=1, fused_kernels=True)
-        model = GPTModel(cfg)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        ids, labels = batch(cfg)
-        out = []
-        for _ in range(steps):
-            loss = model(ids, labels=labels).float().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
-    finally:
-        ps.destroy_model_parallel()
-
-
 def test_a_run_trains_as_the_path_chosen(raced, monkeypatch):
     """RMSNorm's Triton path measured faster, the others' slower (the interpreter's attention, rotary and loss are
     slow to run here), and SwiGLU's Triton path made wrong by 1%: the run's losses are bit for bit those of a run
@@ -144,14 +121,14 @@ def test_a_run_trains_as_the_path_chosen(raced, monkeypatch):
     slow = {"flash_attention": "triton", "rms_norm": "torch", "swiglu": "triton", "rotary": "triton",
             "cross_entropy": "triton"}
     choice.set_timer(StandIn(slow))
-    raced_losses = _losses()
+    raced_losses = tiny_gpt_losses()
     chosen = {k: "torch" if b == "triton" else "triton" for k, b in slow.items()}
     assert {c.kernel: d for c, d in choice.decisions().items()} == chosen
     assert {k for k, a in raced} == set(slow) and all(a == (chosen[k] == "triton") for k, a in raced)
     monkeypatch.setattr(_dispatch, "_gate", lambda kernel, ts, forced: chosen[kernel] == "triton")
-    assert raced_losses == _losses()
+    assert raced_losses == tiny_gpt_losses()
     monkeypatch.setattr(_dispatch, "_gate", lambda kernel, ts, forced: kernel in ("rms_norm", "swiglu"))
-    assert raced_losses[0] != _losses(1)[0]
+    assert raced_losses[0] != tiny_gpt_losses(1)[0]
 
 
 def _decide(shape=(37, 100)):

@@ -11,10 +11,7 @@ import triton.language as tl
 
 import kernels
 from kernels import self_check
-from megalite import parallel_state as ps
-from megalite.models import GPTModel
-from megalite.tensor_parallel import model_parallel_manual_seed
-from model_util import batch, tiny_config
+from kernel_testutil import tiny_gpt_losses
 
 LN = importlib.import_module("kernels.layer_norm")  # the modules (the package's names are the functions)
 SWIGLU = importlib.import_module("kernels.swiglu")
@@ -81,38 +78,19 @@ def test_off_means_unchecked(checked, monkeypatch):
     assert self_check.verdicts() == {}
 
 
-def _losses(steps=2):
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_manual_seed(0)
-    try:
-        cfg = tiny_config("llama", num_layers=1, fused_kernels=True)
-        model = GPTModel(cfg)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        ids, labels = batch(cfg)
-        out = []
-        for _ in range(steps):
-            loss = model(ids, labels=labels).float().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            out.append(loss.item())
-        return out
-    finally:
-        ps.destroy_model_parallel()
-
-
 def test_a_run_with_a_broken_kernel_trains_as_the_fallback(checked, monkeypatch):
     """The caught kernel's first call already returns the fallback's result: the losses are the
     losses of the run where that kernel was never trusted (every other kernel on Triton in both)."""
     monkeypatch.setattr(LN, "_norm_fwd", _broken_norm_fwd)
-    caught = _losses()
+    caught = tiny_gpt_losses()
     assert self_check.verdicts()[("rms_norm", "cpu", torch.float32)] is not None
     assert self_check.verdicts()[("flash_attention", "cpu", torch.float32)] is None
     self_check.reset()
     self_check.distrust("rms_norm", "cpu", torch.float32, "set by the test")
-    assert caught == _losses()
+    assert caught == tiny_gpt_losses()
     self_check.set_self_check("off")
-    assert caught[:1] != _losses(1), "the broken kernel, run unchecked, must change the losses (else this proves nothing)"
+    assert caught[:1] != tiny_gpt_losses(1), \
+        "the broken kernel, run unchecked, must change the losses (else this proves nothing)"
 
 
 def test_every_checked_call_names_a_kernel_with_a_check():
