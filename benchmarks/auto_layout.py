@@ -119,7 +119,8 @@ def main():
           f"{', '.join(f'{1e3 * u:.2f}' for u, _ in times['auto stages'])}, outside the layers "
           f"{', '.join(f'{1e3 * e:.2f}' for _, e in times['auto stages'])}")
     print(f"  even split {'-'.join(str(a.layers // 4) for _ in range(4)):<10} {even:8.1f} ms")
-    print(f"  auto       {'-'.join(map(str, times['auto cut'])):<10} {auto:8.1f} ms   {even / auto:.2f}x the even split, "
+    print(f"  auto       {'-'.join(map(str, times['auto cut'])):<10} {auto:8.1f} ms   "
+          f"{even / auto:.2f}x the even split, "
           f"{auto / top:.3f} of the best cut's time")
     print(f"  best of {len(cuts)} cuts tried {'-'.join(map(str, best)):<10} {top:8.1f} ms   "
           f"{even / top:.2f}x the even split")

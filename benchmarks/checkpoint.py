@@ -29,7 +29,7 @@ def _worker(rank, world, port, flags, out_dir, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import pretrain_gpt
-    from megalite import checkpointing as ck
+    from megalite.checkpoint import manager as ck
     from megalite import parallel_state as ps
     from megalite.cli.parser import parse_args
     from megalite.tensor_parallel import model_parallel_manual_seed

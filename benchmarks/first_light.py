@@ -57,7 +57,8 @@ def main():
         else:
             start = time.time()
             with open(os.path.join(a.out, f"{name}.txt"), "w") as f:
-                env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                env = dict(os.environ, PYTHONUNBUFFERED="1",
+                           PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 try:
                     rc = subprocess.run([sys.executable, os.path.abspath(__file__), "--step", name], cwd=ROOT,
                                         stdout=f, stderr=subprocess.STDOUT, env=env, timeout=limit).returncode
@@ -81,7 +82,8 @@ def _summary(out, name):
 def step_env():
     # no registry there: build with the machine's own setuptools (--use-pep517: setup.py develop re-runs pip
     # with build isolation, which fetches setuptools)
-    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--use-pep517", "--no-build-isolation",
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--use-pep517",
+                          "--no-build-isolation",
                           "-e", ROOT],
                          capture_output=True, text=True)
     print(pip.stdout + pip.stderr)
@@ -131,7 +133,8 @@ def step_tests():
     print(r.stdout[-200000:] + r.stderr[-50000:])
     tail = [ln for ln in r.stdout.splitlines() if ln.startswith("=") or " passed" in ln or " failed" in ln]
     fails = [ln.split(" ")[1] for ln in r.stdout.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
-    print(f"SUMMARY {tail[-1].strip('= ') if tail else 'no result'}" + (f" | failed: {', '.join(fails)}" if fails else ""))
+    print(f"SUMMARY {tail[-1].strip('= ') if tail else 'no result'}"
+          + (f" | failed: {', '.join(fails)}" if fails else ""))
     return r.returncode
 
 
@@ -152,16 +155,19 @@ def step_fp8():
 
 def step_bandwidth():
     names = ["layer_norm", "rms_norm", "softmax", "bias_gelu", "swiglu", "rotary", "cross_entropy", "adamw"]
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), "--no-compile", "--only", *names],
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), "--no-compile", "--only",
+                        *names],
                        capture_output=True, text=True)
     print(r.stdout + r.stderr[-20000:])
-    rows = [c for c in (ln.split("|") for ln in r.stdout.splitlines() if ln.startswith("| ")) if c[6].strip().endswith("%")]
+    rows = [c for c in (ln.split("|") for ln in r.stdout.splitlines() if ln.startswith("| "))
+            if c[6].strip().endswith("%")]
     pct = [f"{c[1].strip()} {c[3].strip()} {c[6].strip()} (x{c[8].strip()} eager)" for c in rows]
     print("SUMMARY % of copy bandwidth: " + ("; ".join(pct) if pct else "no rows"))
     return r.returncode
 
 
-STEP_FNS = {"env": step_env, "selfcheck": step_selfcheck, "tests": step_tests, "mfu": step_mfu, "attention": step_attention, "fp8": step_fp8,
+STEP_FNS = {"env": step_env, "selfcheck": step_selfcheck, "tests": step_tests, "mfu": step_mfu,
+            "attention": step_attention, "fp8": step_fp8,
             "bandwidth": step_bandwidth}
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ def _sdpa_flash_repeated(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rep = q.shape[1] // k.shape[1]
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              is_causal=True)
 
 
 def _fwd_bwd(fn, leaves):
@@ -84,7 +85,8 @@ def _attention(smoke):
                   f"{flops * mult / t_ours / 1e9:>9.0f}  {name}; {diff:.2e}", flush=True)
             parts.append(f"{s // 1024 if s >= 1024 else s}{'k' if s >= 1024 else ''} {pas} x{t_base / t_ours:.2f}")
         del q, k, v, qt, kt, vt
-    print("SUMMARY flash attention vs SDPA: " + "; ".join(parts) + ("" if ok else " | OUTPUTS DIFFER beyond bf16 bound"))
+    print("SUMMARY flash attention vs SDPA: " + "; ".join(parts)
+          + ("" if ok else " | OUTPUTS DIFFER beyond bf16 bound"))
     return 0 if ok else 1
 
 

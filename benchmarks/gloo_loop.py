@@ -1,4 +1,4 @@
-"""gloo's event-loop threads at the lowest CPU priority (megalite.launch.gloo_loops_yielding) against their
+"""gloo's event-loop threads at the lowest CPU priority (megalite.parallel.launch.gloo_loops_yielding) against their
 default priority, side by side: N CPU ranks on this machine's cores, each step a few small matmuls (a tiny
 layer's work) and one 4 KB all-reduce, the pattern of the test suite's worlds. Prints seconds per arm and the ratio.
 Then what the lowering adds to the making of a group: milliseconds per group with and without it, each rank making
@@ -20,7 +20,7 @@ def _steps(lowered, steps):
     import torch
     import torch.distributed as dist
 
-    from megalite.launch import new_group
+    from megalite.parallel.launch import new_group
     group = new_group(list(range(dist.get_world_size()))) if lowered else dist.new_group()
     x, a, layer = torch.ones(1000), torch.randn(64, 64), torch.nn.Linear(64, 64)
     dist.all_reduce(x, group=group)
@@ -36,7 +36,7 @@ def _steps(lowered, steps):
 def _making(lowered, n):
     import torch.distributed as dist
 
-    from megalite.launch import new_group
+    from megalite.parallel.launch import new_group
     make = new_group if lowered else dist.new_group
     groups, t = [], time.perf_counter()
     for _ in range(n):

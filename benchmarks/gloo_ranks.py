@@ -26,7 +26,8 @@ def _rank(rank, world, port, fn, args, out_dir, env, backend):
     torch.set_num_threads(1)
     import torch.distributed as dist
     if backend != "gloo":
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                        "tests", "support"))
         import shm_group
         shm_group.register()
     dist.init_process_group(backend, rank=rank, world_size=world)

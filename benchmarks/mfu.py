@@ -29,7 +29,7 @@ from megalite.data.mock_dataset import MockGPTDataset
 from megalite.planner.flops import num_floating_point_operations
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.tensor_parallel import model_parallel_manual_seed
-from megalite.data_iterators import build_data_iterator, chunk_iterators
+from megalite.batching.data_iterators import build_data_iterator, chunk_iterators
 from megalite.training.setup import setup
 from megalite.training.step import train_step
 

@@ -59,7 +59,7 @@ def _timed_runs(a, modes, log_dir):
         if ps.global_rank() == 1:
             lines = [json.loads(x) for x in open(path)]
             out[name] = statistics.median(1e3 * x["iteration-time"] for x in lines if x["iteration"] > a.warmup)
-    from megalite.iteration_plan import AutoShares
+    from megalite.batching.iteration_plan import AutoShares
     out["auto counts"] = AutoShares.last
     return out
 

@@ -54,7 +54,7 @@ def _runs(a, modes, log_dir):
     def launch_bound(it, model):
         time.sleep(a.launch_ms / 1e3)
         return pretrain_gpt.forward_step(it, model)
-    from megalite.memory_budget import GIB, Profile
+    from megalite.training.memory_budget import GIB, Profile
     out = {}
     for name, flags in modes:
         if callable(flags):  # budgets from the probe's measured bytes
@@ -84,7 +84,7 @@ def _single(a):
     import torch
     from megalite import parallel_state as ps
     from megalite.cli.parser import parse_args
-    from megalite.memory_budget import GIB, Profile
+    from megalite.training.memory_budget import GIB, Profile
     from megalite.training import pretrain
     cuda = torch.cuda.is_available()
     budget = [] if cuda else ["--device-memory-budget", "64"]  # (CPU: a dry run of the same path)
@@ -128,7 +128,8 @@ def main():
                    "bench-mixed-memory): per-sample memory, offloaded step time with / without overlap")
     a = p.parse_args()
     if a.gpu:
-        print(f"GPT h{a.hidden} L{a.layers} seq {a.seq} bf16, global batch {a.batch}, median after iteration {a.warmup}")
+        print(f"GPT h{a.hidden} L{a.layers} seq {a.seq} bf16, global batch {a.batch}, "
+              f"median after iteration {a.warmup}")
         return _single(a)
     sizes = ["--data-parallel-micro-batch-sizes", f"{a.big},1"]
     def budgets(base, per, gib):  # replica 0 holds a.big samples, replica 1 one

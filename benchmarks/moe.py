@@ -190,7 +190,8 @@ def _gpu(a):
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n
     flops = 2 * rows * h * 2 * ffn
-    print(f"\n3. Grouped GEMM, bf16, {e} experts, {rows} rows (uneven: {counts}), [{rows}, {h}] x [{e}, {2 * ffn}, {h}]^T")
+    print(f"\n3. Grouped GEMM, bf16, {e} experts, {rows} rows (uneven: {counts}), "
+          f"[{rows}, {h}] x [{e}, {2 * ffn}, {h}]^T")
     print(f"{'pass':>18} {'loop TFLOP/s':>13} {'grouped TFLOP/s':>16} {'ratio':>6}")
     for backward in (False, True):
         f = flops * (3 if backward else 1)

@@ -38,7 +38,8 @@ from gloo_ranks import spawn  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
 from megalite.planner.cost import FRAGMENTATION, predict  # noqa: E402
 from megalite.planner.gpus import GPU, Cluster  # noqa: E402
-from megalite.planner.layout import Layout, validated  # noqa: E402
+from megalite.cli.plan import validated  # noqa: E402
+from megalite.planner.layout import Layout  # noqa: E402
 
 WORLD = 4
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",

@@ -34,8 +34,8 @@ import argparse  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
 from megalite.planner.cost import predict  # noqa: E402
 from megalite.planner.gpus import parse_cluster  # noqa: E402
-from megalite.planner.layout import Layout, validated  # noqa: E402
-from megalite.planner.search import search  # noqa: E402
+from megalite.cli.plan import search, validated  # noqa: E402
+from megalite.planner.layout import Layout  # noqa: E402
 
 # params (B), heads, hidden, layers, TP, PP, GPUs, batch, published TFLOP/s per GPU
 NARAYANAN_2021 = [

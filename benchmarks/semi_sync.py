@@ -7,11 +7,13 @@ The cluster: 2 "nodes" of 2 ranks (ranks 0-1, 2-3). The GPUs are emulated by a s
 compute, shared by the 4 ranks, is a small part of a step. The link between the nodes is slow: this
 script wraps torch.distributed's collectives (not megalite's) and, for every collective whose group spans
 both nodes, sleeps the bytes a ring puts on the cross-node link (all-reduce 2(n-1)/n x payload,
-all-gather / reduce-scatter (n-1)/n x, broadcast and point-to-point send 1x) at --link-gbit Gbit/s, and counts them. With
+all-gather / reduce-scatter (n-1)/n x, broadcast and point-to-point send 1x) at --link-gbit Gbit/s, and counts
+them. With
 replicas (R = 2) each node is one replica.
 
 Every mode trains the same GPT (default corpus, its 8192-token vocabulary) for --iters iterations of
-global batch --batch, evaluating every --eval-interval iterations (Streaming DiLoCo and the asynchronous modes: at the end only).
+global batch --batch, evaluating every --eval-interval iterations (Streaming DiLoCo and the asynchronous modes: at
+the end only).
 Printed per mode: validation loss against wall-clock (evaluation time excluded) and tokens trained, the
 wall-clock to reach the target (synchronous DP's validation loss at 3/4 of its run), bytes over the slow
 link per token trained, and the loss at the end relative to synchronous DP's.

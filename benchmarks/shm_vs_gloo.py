@@ -4,7 +4,7 @@ machine's cores. Three patterns of the suite's worlds, each arm best of two alte
 - all-gather: bare 1 KB all-gathers into one tensor;
 - messages: 4 KB isend / irecv ping-pong between rank pairs (a pipeline's boundary);
 and the making of a group (a layout makes 10-40 per rank). gloo's loops are lowered as megalite does
-(megalite.launch.new_group), as the suite ran them.
+(megalite.parallel.launch.new_group), as the suite ran them.
 
     python benchmarks/shm_vs_gloo.py [--steps 500] [--worlds 2 4 8]
 """
@@ -23,7 +23,7 @@ SHM = "megalite_shm"
 def _group():
     import torch.distributed as dist
 
-    from megalite.launch import new_group
+    from megalite.parallel.launch import new_group
     return new_group(list(range(dist.get_world_size())))
 
 

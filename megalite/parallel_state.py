@@ -18,9 +18,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from megalite.grid import Grid, rank_of  # noqa: F401  (re-exported: ps.Grid, ps.rank_of)
-from megalite.launch import initialize_distributed, new_group  # noqa: F401  (re-exported: ps.initialize_distributed)
-from megalite.process_groups import build_groups, build_replica_groups
+from megalite.parallel.grid import Grid, rank_of  # noqa: F401  (re-exported: ps.Grid, ps.rank_of)
+from megalite.parallel.launch import initialize_distributed, new_group  # noqa: F401  (ps.initialize_distributed)
+from megalite.parallel.process_groups import build_groups, build_replica_groups
 
 _GRID = None
 
@@ -52,7 +52,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     expert_model_parallel_size (MoE models): also the expert grid, see _expert_groups (its expert-TP size
     defaults to the TP size, as Megatron's). replicas (semi-synchronous training): the DP ranks split into
     this many consecutive blocks, each a whole model copy whose DP groups (gradients, ZeRO) are its block
-    (megalite/distributed/semi_sync.py). The groups' rank lists: megalite/process_groups.py."""
+    (megalite/distributed/semi_sync.py). The groups' rank lists: megalite/parallel/process_groups.py."""
     global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size

@@ -28,12 +28,12 @@ import os
 import random
 import sys
 
-import numpy as np
 import torch
 
 from megalite import parallel_state as ps
 from megalite.distributed.collectives import any_rank, max_per_data_parallel_rank, sum_over_data_parallel
 from megalite.logger import print_rank_last
+from megalite.tensor_parallel.random import get_rng_states, set_rng_states
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
@@ -115,23 +115,6 @@ class ErrorInjector:
         return MATCH
 
 
-def _capture_rng():
-    from megalite.tensor_parallel import get_rng_tracker
-    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None, get_rng_tracker().get_states())
-
-
-def _restore_rng(state):
-    from megalite.tensor_parallel import get_rng_tracker
-    py, npy, cpu, cuda, tracker = state
-    random.setstate(py)
-    np.random.set_state(npy)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    get_rng_tracker().set_states(tracker)
-
-
 def _compressors(chunks):
     return list({id(c.compressor): c.compressor for c in chunks if getattr(c, "compressor", None)}.values())
 
@@ -204,7 +187,7 @@ class RerunStateMachine:
         if self.state == "not_running":
             self._new_iteration()
             self.iteration, self.state = iteration, "initial_run"
-            self.saved = (_capture_rng(), _save_model_state(chunks))
+            self.saved = (get_rng_states(), _save_model_state(chunks))
             return True
         if self.state == "initial_run":
             rerun = self.mode == "report_stats" or (self.mode == "validate_results" and any_rank(self.rerun_requested))
@@ -228,12 +211,12 @@ class RerunStateMachine:
                 return False
             if any_rank(self.checkpoint_requested):
                 self.state = "will_rerun_from_checkpoint"
-            _restore_rng(self.saved[0])  # as Megatron: a checkpoint taken now resumes at this iteration's start
+            set_rng_states(self.saved[0])  # as Megatron: a checkpoint taken now resumes at this iteration's start
             return False
         raise RuntimeError(f"re-run state machine: unexpected state {self.state}")
 
     def _restore(self, iters, chunks):
-        _restore_rng(self.saved[0])
+        set_rng_states(self.saved[0])
         _reset_model_state(chunks, self.saved[1])
         for it in {id(i): i for i in iters if i is not None}.values():
             it.rewind()
@@ -357,7 +340,7 @@ def destroy_rerun_state_machine():
 
 def exit_after(e, save, owns):
     """RerunExit in the loop: the checkpoint (save: a function, None without --save), the message, the exit."""
-    from megalite.checkpointing import finish_checkpointing
+    from megalite.checkpoint.manager import finish_checkpointing
     print_rank_last(f"megalite: {e.message}" + ("" if not e.checkpoint or save else " (no --save: nothing saved)"))
     if e.checkpoint and save is not None:
         save()

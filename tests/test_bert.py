@@ -19,7 +19,7 @@ from cli_batch import convert, tool
 from dist_util import rel_err
 from megalite import parallel_state as ps
 from megalite.checkpoint.convert import Reader, find_checkpoint
-from megalite.checkpointing import load_weights
+from megalite.checkpoint.manager import load_weights
 from megalite.config import ModelConfig
 from megalite.data.bert_dataset import build_bert_datasets, mask_tokens
 from megalite.models import BertModel

@@ -111,7 +111,8 @@ def test_resume_is_bit_identical(name, resumed):
     if "verified" in name:  # --verify-integrity: every file hashed at save (and checked at the load above)
         for it in ("iter_0000003", "iter_0000005"):
             recorded = json.load(open(os.path.join(d, it, "integrity.json")))
-            on_disk = {os.path.relpath(os.path.join(r, f), os.path.join(d, it)) for r, _, fs in os.walk(os.path.join(d, it))
+            on_disk = {os.path.relpath(os.path.join(r, f), os.path.join(d, it))
+                       for r, _, fs in os.walk(os.path.join(d, it))
                        for f in fs}
             assert set(recorded) == on_disk - {"integrity.json"} and "rng/rank_00003.json" in recorded, recorded
 
@@ -213,7 +214,7 @@ def test_pickle_payload_is_refused(victim, tmp_path, capsys):
 
 
 def _pending_is_empty(out):
-    from megalite import checkpointing
+    from megalite.checkpoint import manager as checkpointing
     out.put(all(v is None for v in checkpointing._pending.values()))
 
 
@@ -223,7 +224,7 @@ def test_forked_process_starts_without_the_parents_save_thread():
     import multiprocessing as mp
     from concurrent.futures import ThreadPoolExecutor
 
-    from megalite import checkpointing
+    from megalite.checkpoint import manager as checkpointing
     old = dict(checkpointing._pending)
     checkpointing._pending["executor"] = ThreadPoolExecutor(max_workers=1)
     try:
@@ -292,11 +293,12 @@ def _metadata_only_checkpoint(root, model_config):
     "--num-layers 4 --num-experts 4 --moe-ffn-hidden-size 32 --moe-layer-freq ([0]+[1]*3) --moe-router-topk 1 "
     "--moe-router-pre-softmax --moe-shared-expert-intermediate-size 48 --moe-shared-expert-gate --disable-bias-linear",
     "--multi-latent-attention --q-lora-rank 16 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
-    "--v-head-dim 16 --position-embedding-type rope --normalization RMSNorm --qk-layernorm"], ids=["llama", "moe", "mla"])
+    "--v-head-dim 16 --position-embedding-type rope --normalization RMSNorm --qk-layernorm"],
+    ids=["llama", "moe", "mla"])
 def test_use_checkpoint_args_gives_back_every_model_field(tmp_path, flags):
     """A command line with no model flag at all builds the model the checkpoint recorded, field for field."""
     from megalite.cli.parser import model_config
-    from megalite.checkpointing import config_json
+    from megalite.checkpoint.manager import config_json
     sizes = "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 32".split()
     a = parse_args(sizes + flags.split() + ARGS_ONLY, world_size=1)
     saved = config_json(model_config(a, a.vocab_size))
@@ -337,7 +339,8 @@ def test_missing_load_dir_trains_from_scratch_and_bad_paths_fail(tmp_path, capsy
     f = tmp_path / "afile"
     f.write_text("x")
     for argv, expect in ((["--load", str(f)], "is a file"), (["--save", str(f)], "is a file"),
-                         (["--load", str(tmp_path / "nothing"), "--exit-on-missing-checkpoint"], "holds no checkpoint")):
+                         (["--load", str(tmp_path / "nothing"), "--exit-on-missing-checkpoint"],
+                          "holds no checkpoint")):
         with pytest.raises(SystemExit):
             _train(argv)
         err = capsys.readouterr().err.strip().splitlines()

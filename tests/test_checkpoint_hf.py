@@ -18,7 +18,7 @@ from cli_batch import convert  # in process; test_converter_refuses_what_it_cann
 from dist_util import run_on_ranks
 from megalite import parallel_state as ps
 from megalite.checkpoint.convert import Reader, find_checkpoint
-from megalite.checkpointing import config_for_one_process, load_weights
+from megalite.checkpoint.manager import config_for_one_process, load_weights
 from megalite.models import GPTModel
 from megalite.tensor_parallel import model_parallel_manual_seed
 from parity import VOCAB, BigramChainDataset

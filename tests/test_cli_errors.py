@@ -36,12 +36,14 @@ CASES = {
     "a2a_heads_vs_cp": (4, "--context-parallel-size 4 --cp-comm-type a2a --num-attention-heads 2 --hidden-size 32",
                         "a2a splits each TP rank's heads over 4 CP ranks: 2 heads and 2 query groups / TP 1 must be "
                         "divisible by 4"),
-    "cp_hierarchical_sizes": (4, "--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes "
+    "cp_hierarchical_sizes": (4, "--context-parallel-size 4 --cp-comm-type a2a+p2p "
+                                 "--hierarchical-context-parallel-sizes "
                                  "2 3", "--hierarchical-context-parallel-sizes 2 3: need two sizes A B with A x B = "
                                         "--context-parallel-size 4"),
     "layers_vs_pp": (2, "--pipeline-model-parallel-size 2 --num-layers 3",
                      "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
-    "layers_vs_virtual": (2, "--pipeline-model-parallel-size 2 --num-layers 6 --num-layers-per-virtual-pipeline-stage 2",
+    "layers_vs_virtual": (2, "--pipeline-model-parallel-size 2 --num-layers 6 "
+                             "--num-layers-per-virtual-pipeline-stage 2",
                           "--num-layers 6 is not divisible by --pipeline-model-parallel-size 2 x "
                           "--num-layers-per-virtual-pipeline-stage 2 = 4"),
     "micro_vs_pp_interleaved": (2, "--pipeline-model-parallel-size 2 --num-layers 4 "
@@ -53,7 +55,8 @@ CASES = {
     "save_unwritable": (1, "--save {tmp}/afile/sub", "cannot be created"),
     "load_is_file": (1, "--load {tmp}/afile", "is a file; give the checkpoint directory"),
     "load_missing_exit": (1, "--load {tmp}/empty --exit-on-missing-checkpoint", "holds no checkpoint"),
-    "ckpt_other_shape": (1, "--load {tmp}/ckpt --hidden-size 64", "saved with hidden_size=32 but this run has hidden_size=64"),
+    "ckpt_other_shape": (1, "--load {tmp}/ckpt --hidden-size 64",
+                         "saved with hidden_size=32 but this run has hidden_size=64"),
     "ckpt_corrupt_index": (1, "--load {tmp}/ckpt_corrupt", "tensors.json is not the JSON tensor index"),
     "ckpt_pickle_payload": (1, "--load {tmp}/ckpt_pickle", "refusing to load it"),
     "ckpt_format": (1, "--ckpt-format zarr", "--ckpt-format zarr: megalite writes one checkpoint layout"),

@@ -1,4 +1,5 @@
-"""ModelConfig's fields declare what they are once (megalite/config/model.py, Field): the flag they come from, whether they
+"""ModelConfig's fields declare what they are once (megalite/config/model.py, Field): the flag they come from,
+whether they
 shape the model's tensors (a checkpoint must agree: SHAPE_FIELDS), whether they describe the run's layout (reset for
 a one-process rebuild: LAYOUT_FIELDS), whether --use-checkpoint-args restores them (CHECKPOINT_ARGS). The lists are
 derived; what keeps the declarations honest is measured here: every field whose change changes a parameter's name
@@ -31,7 +32,8 @@ STRINGS = {"position_embedding_type": ["rope", "learned_absolute"], "normalizati
            "experimental_attention_variant": ["dsa", None]}
 # fields that change a shape which the checkpoint itself accounts for, each for its reason
 SHAPED_ELSEWHERE = {
-    "make_vocab_size_divisible_by": "vocabulary padding: checkpoints hold the real rows only (checkpoint/layout.py), as "
+    "make_vocab_size_divisible_by": "vocabulary padding: checkpoints hold the real rows only "
+                                    "(checkpoint/layout.py), as "
                                     "another TP pads otherwise too",
     "max_position_embeddings": "learned positions' table: checked where it shapes it (checkpointing._check_compatible)",
     "seq_length": "only through max_position_embeddings' default"}
@@ -101,4 +103,5 @@ def test_the_derived_lists():
     assert all(hasattr(args, dest) for dest in CHECKPOINT_ARGS), [d for d in CHECKPOINT_ARGS if not hasattr(args, d)]
     assert all(hasattr(args, dest) for dest in FLAG_FIELDS.values()), \
         [d for d in FLAG_FIELDS.values() if not hasattr(args, d)]
-    assert CHECKPOINT_ARGS["num_experts"] == "num_moe_experts" and CHECKPOINT_ARGS["norm_epsilon"] == "layernorm_epsilon"
+    assert (CHECKPOINT_ARGS["num_experts"] == "num_moe_experts"
+            and CHECKPOINT_ARGS["norm_epsilon"] == "layernorm_epsilon")

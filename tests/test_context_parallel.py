@@ -126,7 +126,8 @@ def cases():
 def test_cp_attention_equals_whole_sequence_attention(cases):
     """fp32 against float64 over sums of <= 24 terms: DESIGN's 1e-5 bound."""
     keys = set(cases[0])
-    assert {("p2p", 3, SHAPES[2]), ("a2a", 4, SHAPES[0]), ("allgather", 4, SHAPES[2]), ("p2p docs", 3), ("p2p explicit", 3), ("p2p padded", 3), ("a2a padded", 4), ("allgather padded", 2), ("p2p triton", 3),
+    assert {("p2p", 3, SHAPES[2]), ("a2a", 4, SHAPES[0]), ("allgather", 4, SHAPES[2]), ("p2p docs", 3),
+            ("p2p explicit", 3), ("p2p padded", 3), ("a2a padded", 4), ("allgather padded", 2), ("p2p triton", 3),
             ("a2a docs", 4), ("allgather docs", 2), ("a2a+p2p", 4, SHAPES[1]), ("a2a+p2p docs", 4)} <= keys
     bad = []
     for key in sorted(keys, key=str):
@@ -246,4 +247,5 @@ def test_ring_blocks_on_the_triton_kernel_on_cuda(dtype):
         out.backward(dout[:, qi].to(dtype))
         assert rel_err(out.float(), ref_out[:, qi]) <= tol
         assert rel_err(mine.grad.float(), ref_in[0].grad[:, qi]) <= tol
-    assert rel_err(kg.grad.float(), ref_in[1].grad[:, gi]) <= tol and rel_err(vg.grad.float(), ref_in[2].grad[:, gi]) <= tol
+    assert (rel_err(kg.grad.float(), ref_in[1].grad[:, gi]) <= tol
+            and rel_err(vg.grad.float(), ref_in[2].grad[:, gi]) <= tol)

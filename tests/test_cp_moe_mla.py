@@ -1,4 +1,5 @@
-"""MoE and multi-latent attention under context parallelism (issue 38, items 1 and 2) against the single process (tests/support/parity.py: losses with
+"""MoE and multi-latent attention under context parallelism (issue 38, items 1 and 2) against the single process
+(tests/support/parity.py: losses with
 the aux and z losses, every gradient before clipping including routers and experts, grad norms, parameters
 after 6 steps, DESIGN's fp32 bound; routing choices that are ties replayed, tests/support/decision_replay.py).
 

@@ -1,4 +1,4 @@
-"""megalite/decisions.py and the parity harness's replay of ties (tests/support/decision_replay.py).
+"""megalite/moe/decisions.py and the parity harness's replay of ties (tests/support/decision_replay.py).
 
 - decisions.topk is torch.topk when nobody hooks it, and takes a hook's indices otherwise;
 - the Replayer takes the single process's choice for a row whose own choice differs by a tie
@@ -12,7 +12,7 @@
 import torch
 
 from decision_replay import KEY_MATCH, MATCH, Recorder, Replayer
-from megalite import decisions
+from megalite.moe import decisions
 from parity import layout, patched, reference, train
 from parity_check import mismatches
 

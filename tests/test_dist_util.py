@@ -62,7 +62,8 @@ def test_other_machine_ranks_round_as_that_machine_on_both_axes():
     from dist_util import OTHER_CAPABILITY, OTHER_MACHINE
     if OTHER_MACHINE is None:
         pytest.skip("this machine's ATen capability is the lowest: there is no other machine below it to emulate")
-    code = "import sys; sys.path[:0] = ['tests', 'tests/support']; import test_dist_util as t; print(repr(t._bf16_product()))"
+    code = ("import sys; sys.path[:0] = ['tests', 'tests/support']; import test_dist_util as t; "
+            "print(repr(t._bf16_product()))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(os.environ, **OTHER_MACHINE),
                          capture_output=True, text=True, timeout=120, check=True)

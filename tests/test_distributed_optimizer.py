@@ -205,7 +205,8 @@ def full4(dp4):
 
 @pytest.fixture(scope="module")
 def dp2(dp4, full4):
-    return run_on_ranks(_topology, 2, 1, 2, ("bf16", "fp16", "memory"), (full4, dp4[0]["zero1_state"]))  # 2 micro-batches: gradient accumulation
+    return run_on_ranks(_topology, 2, 1, 2, ("bf16", "fp16", "memory"),
+                        (full4, dp4[0]["zero1_state"]))  # 2 micro-batches: gradient accumulation
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,8 @@ def tp_duplicates_counted_tp_times():
     from megalite import parallel_state as ps
     from megalite.optimizer import clip_grads
     return patched(clip_grads, "counted_once",
-                    lambda p: not (getattr(p, "shared_embedding", False) and not ps.is_pipeline_first_stage(ignore_virtual=True)))
+                    lambda p: not (getattr(p, "shared_embedding", False)
+                                   and not ps.is_pipeline_first_stage(ignore_virtual=True)))
 
 
 def loss_not_divided_by_microbatches():
@@ -106,7 +107,8 @@ def cp_chunk_pairing_reversed():
 
     def reversed_index(local_len, rank, size, device=None):
         c, a, b = local_len // 2, rank, 2 * size - 1 - rank
-        return torch.cat([torch.arange(b * c, (b + 1) * c, device=device), torch.arange(a * c, (a + 1) * c, device=device)])
+        return torch.cat([torch.arange(b * c, (b + 1) * c, device=device),
+                          torch.arange(a * c, (a + 1) * c, device=device)])
     return patched(cp_attention, "local_token_index", reversed_index)
 
 
@@ -141,9 +143,10 @@ def cp_local_positions():
 def shares_weighted_by_rank_means():
     """Uneven data-parallel shares averaged as per-rank means (each rank's loss over its own
     count, the reduction averaging): the small share is over-weighted."""
-    from megalite.iteration_plan import IterationPlan
+    from megalite.batching.iteration_plan import IterationPlan
     stack = contextlib.ExitStack()
-    stack.enter_context(patched(IterationPlan, "loss_divisor", lambda self, consumed, rank: self.counts(consumed)[rank]))
+    stack.enter_context(patched(IterationPlan, "loss_divisor",
+                                lambda self, consumed, rank: self.counts(consumed)[rank]))
     stack.enter_context(patched(IterationPlan, "grad_divisor", property(lambda self: self.dp)))
     return stack
 
@@ -151,7 +154,7 @@ def shares_weighted_by_rank_means():
 def microbatches_weighted_equally():
     """Micro-batches of unequal sizes weighted alike (each loss over the replica's micro-batch count
     instead of its samples / the micro-batch's size): the small micro-batches' samples are over-weighted."""
-    from megalite.iteration_plan import IterationPlan
+    from megalite.batching.iteration_plan import IterationPlan
 
     def total(self, consumed, rank=0):
         counts = self.counts(consumed)

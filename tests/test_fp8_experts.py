@@ -130,7 +130,8 @@ def test_grouped_gemm_flag_runs_fp8_experts_one_by_one(capsys):
     from megalite.transformer.block import attach_fp8
     from megalite.transformer.mlp import MLP
     args = check_args(list(BASE) + list(MOE) + list(DELAYED) + ["--moe-grouped-gemm"], world_size=1)
-    assert "--moe-grouped-gemm with --fp8-format: the grouped GEMM kernel has no FP8 path yet" in capsys.readouterr().out
+    assert ("--moe-grouped-gemm with --fp8-format: the grouped GEMM kernel has no FP8 path yet"
+            in capsys.readouterr().out)
     ps.initialize_model_parallel(1, 1)
     try:
         layer = MoELayer(model_config(args, 512), "decoder.layers.0.mlp", 1, MLP)

@@ -40,7 +40,8 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
     before it (two at once): the survivor applies neither attempt (the vote) and trains alone on the whole batch
     until both, started again, heal from it (by iteration 4), and a new fourth replica joins at iteration 5. Replica
     2 has --ft-replica-share 2: the batch of 8 is split 2, 2, 4 over the first three, taken whole by the survivor
-    alone, and split 2, 2, 3, 1 over the four. All four end with the same weights and Adam state, bit for bit, and those, and every
+    alone, and split 2, 2, 3, 1 over the four. All four end with the same weights and Adam state, bit for bit, and
+    those, and every
     iteration's logged loss, are the uninterrupted run's (every global batch trained exactly once, whatever the
     split)."""
     lh = lighthouse(min_replicas=1)
@@ -70,7 +71,7 @@ def test_replicas_that_die_stop_nobody_heal_and_a_new_one_joins(tmp_path, capfd)
         for k in s0:
             assert all((s0[k][n] == s[k][n]).all() for n in s0[k]), f"replica {r}'s optimizer state {k} differs"
         assert lrs == lr0 and lr0["num_steps"] == (ITERS + 3) * 8, (r, lrs, lr0)  # the LR schedule healed too
-    from megalite.checkpointing import load_weights
+    from megalite.checkpoint.manager import load_weights
     ps.initialize_model_parallel(1, 1)
     try:  # the checkpoint holds the replicas' state
         model = pretrain_gpt.model_provider(config)
@@ -109,13 +110,15 @@ def test_a_reduction_failed_on_one_side_frees_the_peers_waiting_in_it(tmp_path):
 @pytest.mark.parametrize("inner", [["--use-distributed-optimizer", "--ft-min-replicas", "2"],
                                    ["--use-distributed-optimizer", "--zero-stage", "3"],
                                    ["--tensor-model-parallel-size", "2", *MB2],
-                                   ["--pipeline-model-parallel-size", "2"]], ids=["dp2-zero1", "dp2-zero3", "tp2", "pp2"])
+                                   ["--pipeline-model-parallel-size", "2"]],
+                         ids=["dp2-zero1", "dp2-zero3", "tp2", "pp2"])
 def test_replicas_of_two_ranks_heal(tmp_path, inner, capfd):
     """Two replicas of two ranks each: data-parallel inside with ZeRO-1 or ZeRO-3 (each rank sums only the gradient
     shard it owns with its counterpart in the other replica, HSDP-style; ZeRO-3's weights gathered from the healed
     shards as they are used), or tensor-parallel (each rank its own slice of the
     weights), or pipeline-parallel (each rank its stage's layers); both ranks of replica 1 die in iteration 2 and
-    are started again (as its torchrun would): they heal rank by rank from replica 0's. Every rank's weights and optimizer state equal its counterpart's bit for bit,
+    are started again (as its torchrun would): they heal rank by rank from replica 0's. Every rank's weights and
+    optimizer state equal its counterpart's bit for bit,
     and the weights and losses are the one-process run's."""
     lh = lighthouse(min_replicas=1)
     try:
@@ -152,7 +155,7 @@ def test_replicas_of_two_ranks_heal(tmp_path, inner, capfd):
 
 def _checkpointed(path, config):
     """The weights a checkpoint holds, loaded whole in one process."""
-    from megalite.checkpointing import load_weights
+    from megalite.checkpoint.manager import load_weights
     ps.initialize_model_parallel(1, 1)
     try:
         model = pretrain_gpt.model_provider(config)

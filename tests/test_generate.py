@@ -1,4 +1,4 @@
-"""tools/generate.py and megalite.inference: the KV cache changes nothing, TP2 samples what TP1
+"""tools/generate.py and megalite.models.generation: the KV cache changes nothing, TP2 samples what TP1
 samples, and the CLI prints a continuation. Checkpoints come from short runs on the parity
 harness's learnable data."""
 
@@ -28,7 +28,7 @@ def ckpts(tmp_path_factory):
 
 
 def _generate(root, tp, use_cache, steps=12):
-    from megalite.inference import generate
+    from megalite.models.generation import generate
     model, _ = tool("generate").load_model(root, tp)
     try:
         return generate(model, torch.tensor([PROMPT, PROMPT[::-1]]), steps, model.config.vocab_size,

@@ -133,7 +133,7 @@ def _loader_batches(workers):
     """On a TP2 x DP2 grid: 5 micro-batches from consumed sample 6, and this process's reads."""
     from types import SimpleNamespace
 
-    from megalite.data_iterators import build_data_iterator
+    from megalite.batching.data_iterators import build_data_iterator
     ps.initialize_model_parallel(2, 1)
     try:
         ds = GPTBatchDataset(_Counting(64, 16, 1), EOD, True, True, True)

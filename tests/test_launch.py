@@ -1,4 +1,4 @@
-"""megalite.launch: the job's process groups. gloo's event-loop threads run at the lowest CPU priority
+"""megalite.parallel.launch: the job's process groups. gloo's event-loop threads run at the lowest CPU priority
 (a spinning loop would take the cores CPU ranks compute on); nothing else in the rank is lowered."""
 
 import os
@@ -8,7 +8,7 @@ from dist_util import run_on_ranks
 
 def _priorities():
     from megalite import parallel_state as ps
-    from megalite.launch import GLOO_LOOP_NICE
+    from megalite.parallel.launch import GLOO_LOOP_NICE
     ps.initialize_model_parallel(2, 1)  # a TP group and a DP group per rank, besides the world's
     ps.new_group(backend="gloo")  # as checkpointing's side group
     got = []
@@ -34,7 +34,7 @@ def test_a_loop_that_names_itself_late_is_still_lowered():
     import threading
     import time
 
-    from megalite.launch import GLOO_LOOP_NICE, gloo_loops_yielding
+    from megalite.parallel.launch import GLOO_LOOP_NICE, gloo_loops_yielding
     done, tid = threading.Event(), []
 
     def late_loop():

@@ -16,8 +16,8 @@ import pretrain_gpt
 from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args, training_config
 from megalite.config import ConfigError
-from megalite.iteration_plan import batch_schedule
-from megalite.microbatches import BatchSchedule, parse_step_schedule
+from megalite.batching.iteration_plan import batch_schedule
+from megalite.batching.microbatches import BatchSchedule, parse_step_schedule
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.training import pretrain
 from megalite.training.setup import build_scheduler
@@ -131,7 +131,8 @@ BATCH_ERRORS = {
     "--rampup-batch-size 64 8 100 --global-batch-size 32": "the start batch 64 exceeds --global-batch-size 32",
     "--rampup-batch-size 4 4 100 --global-batch-size 32 --pipeline-model-parallel-size 2 --num-layers 4 "
     "--num-layers-per-virtual-pipeline-stage 1": "global batch 4: interleaved pipelining needs the number of "
-                                                 "micro-batches (1) to be a multiple of --pipeline-model-parallel-size 2",
+                                                 "micro-batches (1) to be a multiple of "
+                                                 "--pipeline-model-parallel-size 2",
     "--train-samples 10 --global-batch-size 16": "--train-samples 10 is less than one global batch (16)",
 }
 

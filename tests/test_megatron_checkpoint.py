@@ -103,7 +103,7 @@ def test_megatron_rng_states_are_restored_where_they_map(megatron):
 
     from megalite.checkpoint.megatron import MegatronCheckpoint
     from megalite.checkpoint.megatron_rng import restore
-    from megalite.grid import Grid
+    from megalite.parallel.grid import Grid
     _, roots, _, _ = megatron
 
     def streams():
@@ -202,7 +202,8 @@ def test_megatrons_default_optimizer_layout_reads_at_any_tp_and_pp(megatron, tmp
     theirs = got["optimizer.state.exp_avg.decoder.layers.3.mlp.experts.experts.linear_fc2.weight"]
     assert torch.equal(moe.get("optimizer.exp_avg.decoder.layers.3.mlp.experts.local_experts.2.linear_fc2.weight"),
                        theirs[2])
-    monkeypatch.setattr(megatron_buckets, "ORDERS", {"transformer_engine": megatron_buckets.ORDERS["transformer_engine"]})
+    monkeypatch.setattr(megatron_buckets, "ORDERS",
+                        {"transformer_engine": megatron_buckets.ORDERS["transformer_engine"]})
     with pytest.raises(Exception, match="does not follow the parameter order of megatron-core's transformer_engine "
                                         "layer spec"):
         megatron_buckets.read(MegatronCheckpoint(roots[("llama", "optim")]), ["exp_avg"], True)

@@ -88,7 +88,8 @@ def test_required_flags_listed_in_one_line(capsys):
         assert flag in line, line
 
 
-@pytest.mark.parametrize("given,parsed", [("969,30,1", "969,30,1"), ("'99,1,0'", "99,1,0"), ('"949, 50, 1"', "949,50,1"),
+@pytest.mark.parametrize("given,parsed", [("969,30,1", "969,30,1"), ("'99,1,0'", "99,1,0"),
+                                          ('"949, 50, 1"', "949,50,1"),
                                           ("98/2/0", "98,2,0"), ("100", "100,0,0"), ("0.9,0.1", "0.9,0.1,0")])
 def test_split_spellings(given, parsed):
     assert normalize_split(given) == parsed
@@ -153,14 +154,17 @@ def test_unknown_and_not_implemented_are_told_apart(capsys):
     assert "--fp4-format: FP4 training (Transformer Engine's NVFP4) is not implemented" in line
     assert "--cuda-graph-scope: CUDA graphs are not implemented" in line
     assert "--batch-size: renamed in Megatron-LM: use --micro-batch-size" in line
-    assert "'3'" not in line and "'4'" not in line and "'p'" not in line and "e2m1" not in line  # values go with their flags
+    # values go with their flags
+    assert "'3'" not in line and "'4'" not in line and "'p'" not in line and "e2m1" not in line
 
 
 def test_implementation_flags_are_accepted_with_a_notice(capsys):
-    flags = ["--transformer-impl", "transformer_engine", "--attention-backend", "fused", "--no-gradient-accumulation-fusion",
+    flags = ["--transformer-impl", "transformer_engine", "--attention-backend", "fused",
+             "--no-gradient-accumulation-fusion",
              "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
              "--no-persist-layer-norm", "--cross-entropy-loss-fusion", "--no-create-attention-mask-in-dataloader",
-             "--no-mmap-bin-files", "--empty-unused-memory-level", "1", "--timing-log-level", "2", "--logging-level", "20"]
+             "--no-mmap-bin-files", "--empty-unused-memory-level", "1", "--timing-log-level", "2",
+             "--logging-level", "20"]
     parse_args(SMALL + flags, world_size=1)
     out = capsys.readouterr().out
     for flag in (f for f in flags if f.startswith("--")):

@@ -72,7 +72,8 @@ def _corpus(path, docs=1500):
 
 
 def _data(root):
-    """Megatron's functional-test layout under root: text/common_pile/v01_filtered_data/{bpe/, my-gpt3_00_text_document}."""
+    """Megatron's functional-test layout under root:
+    text/common_pile/v01_filtered_data/{bpe/, my-gpt3_00_text_document}."""
     from tokenizers import ByteLevelBPETokenizer
     d = os.path.join(root, "text", "common_pile", "v01_filtered_data")
     os.makedirs(os.path.join(d, "bpe"))

@@ -1,5 +1,5 @@
 """Mixed GPUs. --data-parallel-shares: DP ranks take unequal shares of the global batch, and
-the update is still the single process's on the whole batch (megalite/iteration_plan.py).
+the update is still the single process's on the whole batch (megalite/batching/iteration_plan.py).
 --pipeline-model-parallel-layout: stages with unequal numbers of layers.
 
 Parity (tests/support/parity.py: losses, every step-1 gradient before clipping, the norms, the
@@ -23,8 +23,8 @@ import torch
 from dist_util import rel_err
 from megalite.config import ConfigError
 from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
-from megalite.iteration_plan import IterationPlan, balanced_counts, parse_shares
-from megalite.microbatches import BatchSchedule
+from megalite.batching.iteration_plan import IterationPlan, balanced_counts, parse_shares
+from megalite.batching.microbatches import BatchSchedule
 from parity import MB2, STEPS, BigramChainDataset, layout, reference, run_layouts, train
 from parity_check import assert_parity
 
@@ -132,7 +132,7 @@ AUTO = layout("dp2_auto_rank1_slow", dp=2, fault=slow_second_replica,
 def _with_checkpoints(directory):
     """In the ranks: shares 3,1 uninterrupted; saving at step 3 and stopping; then resumed with
     the same shares and with 1,3; plus the `auto` layout. Returns the runs' results."""
-    from megalite.iteration_plan import AutoShares
+    from megalite.batching.iteration_plan import AutoShares
     full = train(layout("full", dp=2, flags=shares(3, 1)))
     first = train(layout("save", dp=2, flags=shares(3, 1) + ("--save", directory, "--save-interval", "3",
                                                              "--exit-interval", "3")))
@@ -151,7 +151,8 @@ def _with_checkpoints(directory):
         if os.path.exists(path):  # the last rank logs
             with open(path) as f:
                 evals[name] = [v for line in f for k, v in json.loads(line).items() if k == "validation lm loss"]
-    return {"evals": evals,"full": full, "first": first, "same": same, "other": other, "from_layout": from_layout, "auto": auto, "chosen": AutoShares.last}
+    return {"evals": evals,"full": full, "first": first, "same": same, "other": other, "from_layout": from_layout,
+            "auto": auto, "chosen": AutoShares.last}
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +295,10 @@ def test_plan_weights_and_counts():
     (("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
       "--global-batch-size", "3", "--microbatch-group-size-per-virtual-pipeline-stage", "4"),
      "must lie in [PP=2, micro-batches=3]"),
-    (("--hierarchical-grad-reduce", "--use-distributed-optimizer"), "the distributed optimizer's reduce-scatter is flat"),
-    (("--grad-compression", "topk", "--use-distributed-optimizer"), "does not compose with --use-distributed-optimizer"),
+    (("--hierarchical-grad-reduce", "--use-distributed-optimizer"),
+     "the distributed optimizer's reduce-scatter is flat"),
+    (("--grad-compression", "topk", "--use-distributed-optimizer"),
+     "does not compose with --use-distributed-optimizer"),
     (("--grad-compression", "powersgd", "--grad-compression-ratio", "0"), "must be in (0, 1]"),
     (("--grad-compression", "gzip"), "invalid choice"),
     (("--grad-compression", "topk", "--fp16"), "does not compose with --fp16's loss scaling"),
@@ -338,7 +341,8 @@ def test_lossy_compression_starts_when_asked_learns_and_keeps_replicas_identical
         assert rel_err(r["grads"]["decoder.layers.0.mlp.linear_fc1.weight"],
                        ref["grads"]["decoder.layers.0.mlp.linear_fc1.weight"]) <= 1e-5
     for r in runs[power.name]:
-        print(f"\npowersgd losses {[round(x, 3) for x in r['losses']]}, reference {[round(x, 3) for x in ref['losses']]}")
+        print(f"\npowersgd losses {[round(x, 3) for x in r['losses']]}, "
+              f"reference {[round(x, 3) for x in ref['losses']]}")
         assert r["losses"][0] - r["losses"][-1] >= 0.3, r["losses"]
         assert r["grads"]["decoder.layers.0.mlp.linear_fc1.weight"].shape == \
             ref["grads"]["decoder.layers.0.mlp.linear_fc1.weight"].shape

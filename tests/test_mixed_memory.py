@@ -1,6 +1,6 @@
 """Mixed GPUs of different memory. --data-parallel-micro-batch-sizes: DP replica r runs micro-batches
 of M_r samples, and the update is still the single process's on the whole batch (each sample
-weighs 1/G: a micro-batch loss is divided by the replica's samples / M_r, megalite/iteration_plan.py).
+weighs 1/G: a micro-batch loss is divided by the replica's samples / M_r, megalite/batching/iteration_plan.py).
 --optimizer-cpu-offload: a fraction of the optimizer lives and steps in host memory
 (megalite/optimizer/offload.py), bit for bit the update without offload.
 
@@ -24,8 +24,8 @@ import torch
 
 from dist_util import rel_err, start_on_ranks
 from megalite.config import ConfigError
-from megalite.iteration_plan import IterationPlan
-from megalite.microbatches import BatchSchedule
+from megalite.batching.iteration_plan import IterationPlan
+from megalite.batching.microbatches import BatchSchedule
 from parity import MB2, STEPS, layout, patched, reference, start_layouts, train
 from parity_check import assert_parity
 from test_mixed_gpus import slow_second_replica
@@ -64,11 +64,12 @@ TWO = [layout("dp2_sizes_4_1", dp=2, flags=sizes(4, 1))]
 # --data-parallel-shares auto at sizes 2,1, replica 1 sleeping 20 ms per micro-batch: balanced in units of
 # lcm(2, 1) = 2 samples, a unit costing replica 0 one micro-batch and replica 1 two.
 SHARES_AUTO = layout("dp2_sizes_2_1_shares_auto_rank1_slow", dp=2, fault=slow_second_replica,
-                     flags=sizes(2, 1) + ("--data-parallel-shares", "auto", "--data-parallel-shares-profile-iters", "2"))
+                     flags=sizes(2, 1) + ("--data-parallel-shares", "auto",
+                                          "--data-parallel-shares-profile-iters", "2"))
 
 
 def auto_shares_choice(chunks, optimizer):
-    from megalite.iteration_plan import AutoShares
+    from megalite.batching.iteration_plan import AutoShares
     return AutoShares.last
 
 
@@ -99,7 +100,8 @@ def not_copied_back():
 def _offload_runs(directory):
     """In two ranks: per layout, the run without offload and with fractions; faults; resumes."""
     out = {}
-    # (two samples per micro-batch, tests/support/parity.py's MB2: offload is the optimizer's, whatever the micro-batches)
+    # (two samples per micro-batch, tests/support/parity.py's MB2: offload is the optimizer's, whatever the
+    # micro-batches)
     cases = {"dp2_zero1": dict(dp=2, zero=1, model=MB2), "dp2_zero2": dict(dp=2, zero=2, model=MB2),
              "dp2_zero3": dict(dp=2, zero=3, model=MB2), "pp2_interleaved": dict(pp=2, vp=1, model=MB2),
              "tp2": dict(tp=2, model=MB2), "tp2_bf16": dict(tp=2, dtype="bf16", model=MB2),
@@ -138,9 +140,9 @@ def _auto_runs():
     """--data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto: a probe with a large budget
     measures the rank; budgets from its figures then force replica 0 to 4 samples per micro-batch and
     replica 1 to 2, and, with less, replica 1 to size 1 with part of its optimizer on the host."""
-    from megalite.memory_budget import GIB, Profile
+    from megalite.training.memory_budget import GIB, Profile
 
-    from megalite.iteration_plan import AutoShares
+    from megalite.batching.iteration_plan import AutoShares
 
     def run(name, budgets, flags=(), **kw):
         lay = layout(name, dp=2, flags=("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget",
@@ -182,7 +184,7 @@ def test_micro_batch_sizes_per_replica_match_single_process(runs, lay):
 
 
 def test_auto_shares_follow_the_speeds_at_the_sizes_and_keep_parity(runs):
-    from megalite.iteration_plan import balanced_counts
+    from megalite.batching.iteration_plan import balanced_counts
     ranks = runs[SHARES_AUTO.name]
     seconds, counts = ranks[0]["collected"]
     print(f"\nshares auto at sizes 2,1: seconds per micro-batch by replica {seconds}, micro-batches {counts}")
@@ -272,7 +274,8 @@ def test_plan_with_sizes_weighs_each_sample_once():
     (offload("0.5,0.5,0.5"), "gives 3 values for data-parallel size 2"),
     (("--optimizer-offload-fraction", "0.5"), "need --optimizer-cpu-offload"),
     (("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "1", "--semi-sync-method", "diloco",
-      "--semi-sync-steps", "2"), "does not compose with (semi-synchronous replicas|--data-parallel-micro-batch-sizes auto)"),
+      "--semi-sync-steps", "2"),
+     "does not compose with (semi-synchronous replicas|--data-parallel-micro-batch-sizes auto)"),
     (("--device-memory-budget", "1"), "add one or drop the budget"),
     (("--data-parallel-micro-batch-sizes", "auto"), "need --device-memory-budget"),
     (("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "0"), "every budget must be positive"),
@@ -314,7 +317,7 @@ def test_auto_sizes_are_the_largest_that_fit_and_keep_parity(runs):
 
 
 def test_auto_sizes_then_auto_shares_at_them_keep_parity(runs):
-    from megalite.iteration_plan import balanced_counts
+    from megalite.batching.iteration_plan import balanced_counts
     ranks = [rank["auto_sizes_shares_auto"] for rank in runs["offload"]]
     (seconds, counts), micros = ranks[0]["shares"], ranks[0]["micros"]
     print(f"\nsizes auto -> {micros}; shares auto: seconds per micro-batch {seconds} -> micro-batches {counts}")
@@ -326,7 +329,7 @@ def test_auto_sizes_then_auto_shares_at_them_keep_parity(runs):
 
 
 def test_a_budget_nothing_fits_names_the_replica_and_the_cost():
-    from megalite.memory_budget import GIB, Profile, choose
+    from megalite.training.memory_budget import GIB, Profile, choose
     p = Profile(states=GIB, at1=GIB // 4, at2=GIB // 2, pp_size=1, pp_rank=0)  # 0.25 GiB per sample
     assert choose(p, 2 * GIB, 8, None, False, 0, 1, False, 0) == (4, None)  # 1 + 4 x 0.25 GiB
     stage0 = Profile(states=GIB, at1=GIB // 4, at2=GIB // 2, pp_size=4, pp_rank=0)  # 1F1B: up to 4 in flight
@@ -334,5 +337,6 @@ def test_a_budget_nothing_fits_names_the_replica_and_the_cost():
     assert choose(p, 2 * GIB, 8, 2, True, GIB, 1, False, 0) == (2, 0.0)
     assert choose(p, 1.5 * GIB, 8, 4, True, GIB, 1, False, 0) == (4, 0.5)  # 0.5 GiB of the states moved
     for fraction_auto, hint in ((False, "add --optimizer-cpu-offload"), (True, "even with the whole optimizer")):
-        with pytest.raises(ConfigError, match=f"replica 1 cannot fit a micro-batch of 1.*{hint}.*0.2500 GiB per sample"):
+        with pytest.raises(ConfigError,
+                           match=f"replica 1 cannot fit a micro-batch of 1.*{hint}.*0.2500 GiB per sample"):
             choose(p, 0.5 * GIB, 8, None, fraction_auto, 0.1 * GIB, 1, False, 1)

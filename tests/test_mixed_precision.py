@@ -11,7 +11,8 @@ step 1 the run drifts from the fp32 trajectory by half precision's own chaos on 
 farthest of the bf16 process's rounding twins from the fp32 run (parity_check.TWINS: each twin is a whole bf16
 run and one more rounding of every weight away, farther from fp32 than a run that is bf16 on half its samples).
 TP2 + SP and interleaved PP2 inside bf16 / fp32 replicas: every quantity within that bound, one set of
-main weights per (TP, PP) position. These worlds run under the test process's own ATen capability, as the harness's bf16 layouts do
+main weights per (TP, PP) position. These worlds run under the test process's own ATen capability, as the
+harness's bf16 layouts do
 (half-precision kernels round at other places under another capability).
 """
 

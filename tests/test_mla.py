@@ -228,7 +228,8 @@ def test_core_attention_takes_another_value_head_dim_and_a_softmax_scale(path, d
     probs = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
     want = torch.einsum("bhqk,bkhd->bqhd", probs, v64)
     (want * grad.double()).sum().backward()
-    assert out.shape == (b, s, h, dv) and torch.allclose(out.double(), want, atol=2e-5), (out.double() - want).abs().max()
+    assert (out.shape == (b, s, h, dv)
+            and torch.allclose(out.double(), want, atol=2e-5)), (out.double() - want).abs().max()
     for got, ref in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
         assert torch.allclose(got.double(), ref, atol=5e-5), (got.double() - ref).abs().max()
 
@@ -367,7 +368,7 @@ def test_generation_with_the_kv_cache_equals_full_recompute(world):
     """Incremental decoding (rotary tables sliced at each step's positions, keys of dn + dr dims and values
     of dv cached) samples what recomputing the whole sequence samples, from the TP2 checkpoint at TP1."""
     import importlib.util
-    from megalite.inference import generate
+    from megalite.models.generation import generate
     spec = importlib.util.spec_from_file_location("generate_tool", os.path.join(os.path.dirname(
         os.path.dirname(os.path.abspath(__file__))), "tools", "generate.py"))
     tool = importlib.util.module_from_spec(spec)

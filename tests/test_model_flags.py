@@ -1,5 +1,6 @@
 """Megatron's model flags: --qk-layernorm, --apply-layernorm-1p, --rotary-percent,
---rotary-interleaved, --squared-relu, and the run flags --deterministic-mode / --use-flash-attn. Parity against one process through the
+--rotary-interleaved, --squared-relu, and the run flags --deterministic-mode / --use-flash-attn. Parity against one
+process through the
 harness (tests/support/parity.py); the pieces against direct formulas."""
 
 import pytest
@@ -215,7 +216,8 @@ def test_checkpoint_round_trip_and_hf_refusal(tmp_path):
     _train(["--train-iters", "4", "--save", ckpt, "--exit-interval", "2"])
     resumed = _train(["--train-iters", "4", "--load", ckpt])[0]
     assert resumed == straight[2:]
-    rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", ckpt, "--save-dir", str(tmp_path / "hf"))
+    rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", ckpt,
+                         "--save-dir", str(tmp_path / "hf"))
     assert rc != 0
     assert "LlamaForCausalLM cannot represent qk_layernorm=True" in err, err
 

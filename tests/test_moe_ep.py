@@ -280,7 +280,8 @@ def _tensors(root):
 
 def test_ep_checkpoint_resumes_exactly_and_moves_between_ep_sizes(world, tmp_path):
     """Saved at EP2 ZeRO-2 over DP4 with an expert bias (a): continued at EP2, bit for bit the
-    uninterrupted run's losses (the bias is saved); loaded and saved again at EP4 (plain optimizer), EP1 ZeRO-1 and one process: every
+    uninterrupted run's losses (the bias is saved); loaded and saved again at EP4 (plain optimizer), EP1 ZeRO-1 and
+    one process: every
     expert weight and Adam state under its global index, bit for bit. Saved with experts named by
     their local index, the checkpoint cannot be read as the model it was."""
     root, w = world

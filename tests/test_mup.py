@@ -17,7 +17,7 @@ from megalite import mup, parallel_state as ps
 from megalite.cli.parser import model_config, parse_args, training_config
 from megalite.checkpoint.convert import export_hf
 
-from megalite.checkpointing import META, TRACKER, config_json
+from megalite.checkpoint.manager import META, TRACKER, config_json
 from megalite.models import GPTModel
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.tensor_parallel import model_parallel_manual_seed
@@ -160,7 +160,8 @@ def test_bert_and_hf_export_refuse_mup(tmp_path, capsys):
     it = tmp_path / "iter_0000001"
     it.mkdir()
     (tmp_path / TRACKER).write_text("1")
-    (it / META).write_text(json.dumps({"format": "megalite-checkpoint", "version": 1, "model_config": config_json(cfg)}))
+    (it / META).write_text(json.dumps({"format": "megalite-checkpoint", "version": 1,
+                                       "model_config": config_json(cfg)}))
     with pytest.raises(Exception, match="cannot represent a muP model"):
         export_hf(str(tmp_path), str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf" / "config.json")

@@ -143,7 +143,8 @@ def random_state_not_kept():
     return patched(auto_layout, "_random_state_kept", contextlib.nullcontext)
 
 
-# The slowed layouts take two samples per micro-batch (tests/support/parity.py's MB2: half the micro-batches, and so half
+# The slowed layouts take two samples per micro-batch (tests/support/parity.py's MB2: half the micro-batches,
+# and so half
 # the sleeps); the budgets above are sized for one sample's activations.
 LAYOUTS = [layout("pp2_auto_stage1_slowed", pp=2, model=MB2, fault=slow_last_stage, flags=AUTO),
            layout("pp2_auto_stage0_budget_one_layer", pp=2, flags=AUTO + ("--device-memory-budget", f"{BUDGET},100")),

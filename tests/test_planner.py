@@ -11,8 +11,8 @@ import pytest
 from megalite.config import ConfigError
 from megalite.planner import cost
 from megalite.planner.gpus import GPUS, LINK_EFFICIENCY, parse_cluster
-from megalite.planner.layout import Layout, layout_from_args, validated
-from megalite.planner.search import search
+from megalite.cli.plan import search, validated
+from megalite.planner.layout import Layout, layout_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",

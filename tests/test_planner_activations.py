@@ -64,7 +64,7 @@ def _saved_bytes(cases, layer_cases=()):
     from megalite import parallel_state as ps
     from megalite.cli.parser import model_config, parse_args
     from megalite.models.gpt import GPTModel
-    from megalite.memory_budget import saved_activation_bytes
+    from megalite.training.memory_budget import saved_activation_bytes
     from megalite.planner.activations import chunk_bytes, layer_bytes
     from megalite.tensor_parallel import model_parallel_manual_seed
     out = []
@@ -129,7 +129,7 @@ def _one_process_saved(flags, layers):
     import torch
     from megalite import parallel_state as ps
     from megalite.cli.parser import model_config, parse_args
-    from megalite.memory_budget import saved_activation_bytes
+    from megalite.training.memory_budget import saved_activation_bytes
     from megalite.models.gpt import GPTModel
     from megalite.tensor_parallel import model_parallel_manual_seed
     argv = MODEL[2:] + flags + ["--num-layers", str(layers)]  # MODEL[:2]: its --num-layers

@@ -105,7 +105,8 @@ def test_predicted_data_parallel_bytes_equal_the_counted(world, i):
                 f"rank {rank} {op}: predicted {predicted.get(op, 0.0):.0f} wire bytes, counted {sent.get(op, 0.0):.0f}"
 
 
-@pytest.mark.parametrize("i", [i for i, k in enumerate(LAYOUTS) if "muon" in k], ids=[k for k in LAYOUTS if "muon" in k])
+@pytest.mark.parametrize("i", [i for i, k in enumerate(LAYOUTS) if "muon" in k],
+                         ids=[k for k in LAYOUTS if "muon" in k])
 def test_predicted_newton_schulz_work_equals_the_done(world, i):
     """The Newton-Schulz FLOPs the planner gives each rank (its matrices by the same balanced assignment) are
     those the rank's Muon did in the step."""

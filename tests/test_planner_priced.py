@@ -11,8 +11,8 @@ import pytest
 from megalite.config import ConfigError
 from megalite.planner import cost
 from megalite.planner.gpus import GPUS, LINK_EFFICIENCY, parse_cluster
-from megalite.planner.layout import Layout, layout_from_args, validated
-from megalite.planner.search import search
+from megalite.cli.plan import search, validated
+from megalite.planner.layout import Layout, layout_from_args
 from test_planner import GPT, ROOT
 
 
@@ -71,7 +71,7 @@ def test_the_search_gives_the_replica_that_runs_out_smaller_micro_batches():
     lay = Layout(1, 1, 1, 2, None, None, 1, None, 16, False, shares=(3, 1))
     args = validated(long, lay, 2)
     assert not cost.predict(args, lay, cluster).fits  # the 3090 cannot hold 16 sequences of 4096
-    p = _fit_replicas(long, args, lay, cluster)
+    p = _fit_replicas(long, args, lay, cluster, validated)
     assert p.fits and p.layout.micros == (16, 8) and "--data-parallel-micro-batch-sizes 16,8" in " ".join(p.flags)
 
 
@@ -185,7 +185,7 @@ def test_the_search_offloads_the_optimizer_of_the_replica_that_runs_out():
     lay = Layout(1, 1, 1, 2, None, None, 0, None, 1, False)
     args = validated(big, lay, 2)
     assert not cost.predict(args, lay, cluster).fits
-    p = _fit_replicas(big, args, lay, cluster)
+    p = _fit_replicas(big, args, lay, cluster, validated)
     assert p.fits and p.layout.offload in ((0.0, 0.5), (0.0, 1.0)) and "--optimizer-cpu-offload" in p.flags
     found, _ = search(big + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25"], cluster, top=3)
     assert found and all(p.layout.offload == (0.25,) * p.layout.dp for p in found)

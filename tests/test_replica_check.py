@@ -15,7 +15,8 @@ from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
 from parity import BASE, learnable_datasets
 
-FLAGS = ["--tensor-model-parallel-size", "2", "--train-iters", "4", "--check-weight-hash-across-dp-replicas-interval", "2"]
+FLAGS = ["--tensor-model-parallel-size", "2", "--train-iters", "4",
+         "--check-weight-hash-across-dp-replicas-interval", "2"]
 ZERO = ["--use-distributed-optimizer", "--overlap-param-gather"]
 VICTIM = "decoder.layers.1.mlp.linear_fc1.weight"
 NORM = "decoder.layers.0.input_layernorm.weight"  # whole on every TP rank

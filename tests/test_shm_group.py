@@ -1,4 +1,5 @@
-"""tests/support/shm_group.py, the shared-memory backend of the suite's worlds: every collective and message megalite uses
+"""tests/support/shm_group.py, the shared-memory backend of the suite's worlds: every collective and message
+megalite uses
 gives what gloo gives (reductions: the members' tensors added in member order, so every member gets the same bits),
 outputs appear at wait(), the rings wrap, and a member that has ended fails its peers with gloo's words."""
 

@@ -9,7 +9,8 @@
     python tools/convert_checkpoint.py --loader megalite --saver hf --load-dir ckpt --save-dir hf_out
     # continue a Megatron-LM run: its torch_dist --save directory (any TP/PP) at its iteration
     python tools/convert_checkpoint.py --loader megatron --saver megalite --load-dir megatron_ckpt --save-dir ckpt
-    # and back to Megatron-LM (its --load reads it at any TP/PP; the vocabulary padded for --target-tensor-parallel-size)
+    # and back to Megatron-LM (its --load reads it at any TP/PP; the vocabulary padded for
+    # --target-tensor-parallel-size)
     python tools/convert_checkpoint.py --loader megalite --saver megatron --load-dir ckpt --save-dir megatron_ckpt
     # import a save_pretrained directory (safetensors) as a megalite "release" checkpoint
     python tools/convert_checkpoint.py --loader hf --saver megalite --load-dir hf_dir --save-dir ckpt \\

@@ -43,7 +43,7 @@ def build_parser():
 
 def load_model(root, tp):
     from megalite.checkpoint.convert import find_checkpoint
-    from megalite.checkpointing import config_for_one_process, load_weights
+    from megalite.checkpoint.manager import config_for_one_process, load_weights
     from megalite.models import GPTModel
     from megalite.tensor_parallel import model_parallel_manual_seed
     _, meta = find_checkpoint(root)
@@ -95,7 +95,7 @@ def main(argv=None):
                               f"{limit} positions")
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         fail(str(e).splitlines()[0])
-    from megalite.inference import generate
+    from megalite.models.generation import generate
     out = generate(model, torch.tensor([ids], device=ps.get_device()), a.max_new_tokens, vocab,
                    use_cache=not a.no_kv_cache, eod=getattr(tok, "eod", None), seed=a.seed, greedy=a.greedy,
                    temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)[0].tolist()

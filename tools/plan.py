@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config import ConfigError  # noqa: E402
 from megalite.planner.cost import GiB, predict  # noqa: E402
 from megalite.planner.gpus import parse_cluster  # noqa: E402
-from megalite.planner.layout import layout_from_args, validated  # noqa: E402
-from megalite.planner.search import search  # noqa: E402
+from megalite.cli.plan import search, validated  # noqa: E402
+from megalite.planner.layout import layout_from_args  # noqa: E402
 
 
 def build_parser():
@@ -53,7 +53,8 @@ def report(p):
 
 
 # Flags pretrain_gpt.py requires that change neither memory nor step time: a plan needs none of them.
-UNPRICED = ((("--lr",), ["--lr", "1e-4"]), (("--train-iters", "--train-samples", "--skip-train"), ["--train-iters", "1"]))
+UNPRICED = ((("--lr",), ["--lr", "1e-4"]),
+            (("--train-iters", "--train-samples", "--skip-train"), ["--train-iters", "1"]))
 
 
 def with_unpriced(model_argv):

@@ -71,7 +71,8 @@ def main(argv=None):
             print(f"plot_metrics: error: {path} holds no logged loss", file=sys.stderr)
             return 2
         runs.append((os.path.splitext(os.path.basename(path))[0], rows, keys))
-    extra = [(k, title) for k, title in (("learning-rate", "learning rate"), ("throughput", "throughput (TFLOP/s per GPU)"))
+    extra = [(k, title) for k, title in (("learning-rate", "learning rate"),
+                                         ("throughput", "throughput (TFLOP/s per GPU)"))
              if any(r.get(k) is not None for _, rows, _ in runs for r in rows)]  # panels with something to show
     fig, ax = plt.subplots(1, 1 + len(extra), figsize=(5 * (1 + len(extra)) + (2 if not extra else 0), 4),
                            squeeze=False)

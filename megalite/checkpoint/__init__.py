@@ -1,1 +1,1 @@
-"""Checkpoint storage, layouts, integrity, the HF tables and conversion (megalite/checkpointing.py uses them)."""
+"""Checkpoint storage, layouts, integrity, the HF tables and conversion (megalite/checkpoint/manager.py uses them)."""

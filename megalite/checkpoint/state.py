@@ -9,7 +9,6 @@ when the model computes in bf16/fp16 (an fp32 model steps its own parameters).
 """
 
 import base64
-import random
 
 import numpy as np
 import torch
@@ -17,7 +16,7 @@ import torch
 from megalite import parallel_state as ps
 from megalite.checkpoint.layout import ParamLayout
 from megalite.checkpoint.planner import Entry
-from megalite.tensor_parallel import get_rng_tracker
+from megalite.tensor_parallel.random import get_rng_states, set_rng_states
 
 
 def _module(chunk):
@@ -159,24 +158,24 @@ def _unb64(s):
 
 
 def rng_state():
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    """get_rng_states() as JSON (a checkpoint's rng/rank_<r>.json)."""
+    s = get_rng_states()
+    version, internal, gauss = s["python"]
+    kind, keys, pos, has_gauss, cached = s["numpy"]
     return {"python": [version, list(internal), gauss],
             "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch": _b64(torch.get_rng_state()),
-            "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
-            "tracker": {k: _b64(v) for k, v in get_rng_tracker().get_states().items()}}
+            "torch": _b64(s["torch"]), "cuda": [_b64(x) for x in s["cuda"]],
+            "tracker": {k: _b64(v) for k, v in s["tracker"].items()}}
 
 
 def set_rng_state(s):
+    """The streams of a checkpoint's rng_state() JSON restored (set_rng_states)."""
     version, internal, gauss = s["python"]
-    random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = s["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_unb64(s["torch"]))
-    if torch.cuda.is_available() and s["cuda"]:
-        torch.cuda.set_rng_state_all([_unb64(x) for x in s["cuda"]])
-    get_rng_tracker().set_states({k: _unb64(v) for k, v in s["tracker"].items()})  # CPU byte states
+    set_rng_states({"python": (version, tuple(internal), gauss),
+                    "numpy": (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached),
+                    "torch": _unb64(s["torch"]), "cuda": [_unb64(x) for x in s["cuda"]],
+                    "tracker": {k: _unb64(v) for k, v in s["tracker"].items()}})  # CPU byte states
 
 
 def fp8_sites(chunks):

@@ -7,7 +7,7 @@ import os
 
 from megalite.checkpoint.storage import CheckpointError, read_json
 from megalite.config import CHECKPOINT_ARGS
-from megalite.checkpointing import META, TRACKER, iteration_dir, read_tracker
+from megalite.checkpoint.manager import META, TRACKER, iteration_dir, read_tracker
 
 # Command-line dest -> the ModelConfig field a checkpoint records (config.Field(restored=True): Megatron's list for
 # what megalite has, and MLA's; disable_bias_linear is add_bias_linear negated). The checkpoint's value replaces

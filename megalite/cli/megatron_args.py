@@ -39,7 +39,7 @@ def model_flags(margs, vocab_size):
 
 def model_config_of(margs, vocab_size):
     """megalite's ModelConfig (its checkpoint JSON) of the model in Megatron's namespace, validated by megalite."""
-    from megalite.checkpointing import config_json
+    from megalite.checkpoint.manager import config_json
     from megalite.cli.parser import check_args, model_config
     run = ["--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "1"]
     args = check_args(model_flags(margs, vocab_size) + run, world_size=1)

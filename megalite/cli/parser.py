@@ -15,7 +15,7 @@ import os
 
 from megalite.config import ConfigError, fail
 from megalite.config.run import freeze
-from megalite.cli.to_config import model_config, training_config  # noqa: F401 (imported from here too)
+from megalite.config.from_flags import model_config, training_config  # noqa: F401 (imported from here too)
 from megalite.cli.compat import print_notices, sort_unknown
 from megalite.cli.features.model import add_model_flags
 from megalite.cli.features.mixed_gpu import add_mixed_gpu_flags
@@ -236,7 +236,7 @@ def _operations_flags(a):
 
 
 def _checkpoint_flags(a):
-    """Checkpoints (megalite/checkpointing.py), exit interval, replica checks."""
+    """Checkpoints (megalite/checkpoint/manager.py), exit interval, replica checks."""
     a("--save", default=None, help="directory to save checkpoints in")
     a("--load", default=None, help="directory to resume from (no checkpoint there: train from scratch)")
     a("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")

@@ -4,10 +4,10 @@ one line naming the values and what to change (all missing required flags in one
 import os
 import re
 
-from megalite.cli.to_config import model_config, training_config
+from megalite.config.from_flags import model_config, training_config
 from megalite.config import ConfigError
 from megalite.cli.compat import print_notices
-from megalite.mup import validate_args as validate_mup
+from megalite.cli.features.mup import validate_mup
 from megalite.cli.features.mixed_gpu import check_uneven_composes, is_auto, validate_mixed_gpus, validate_precisions
 from megalite.cli.features.semi_sync import validate_semi_sync
 from megalite.cli.features.ft import validate_ft
@@ -118,8 +118,8 @@ def _validate_recompute(args):
 
 def _validate_micro_batches(args, pp):
     """Every reachable global batch against uneven shares / sizes, or the micro-batch count against interleaving."""
-    from megalite.iteration_plan import batch_schedule, interleaving
-    from megalite.microbatches import interleaving_problem
+    from megalite.batching.iteration_plan import batch_schedule, interleaving
+    from megalite.batching.microbatches import interleaving_problem
     if args.data_parallel_shares is not None or args.data_parallel_micro_batch_sizes is not None:
         # every reachable global batch against the shares / sizes (and interleaving), per rank
         check_uneven_composes(args, batch_schedule(args))
@@ -132,7 +132,7 @@ def _validate_micro_batches(args, pp):
 def _validate_shares(args):
     """--data-parallel-shares: one positive integer per DP rank, or auto (the batches are checked
     against the shares once the batch schedule is known)."""
-    from megalite.iteration_plan import parse_shares
+    from megalite.batching.iteration_plan import parse_shares
     args.data_parallel_shares = parse_shares(args.data_parallel_shares, args.data_parallel_size)
     if args.data_parallel_shares == "auto":
         if args.rampup_batch_size is not None or getattr(args, "step_batch_size_schedule", None):
@@ -165,17 +165,17 @@ def _validate_eval_batch(args):
     g, m, dp = args.eval_global_batch_size, args.eval_micro_batch_size, args.data_parallel_size
     shares = args.data_parallel_shares if isinstance(args.data_parallel_shares, list) else None
     if (shares or args.eval_micro_batch_sizes) and g >= 1 and m >= 1:
-        from megalite.iteration_plan import IterationPlan
-        from megalite.iteration_plan import interleaving
-        from megalite.microbatches import BatchSchedule
+        from megalite.batching.iteration_plan import IterationPlan
+        from megalite.batching.iteration_plan import interleaving
+        from megalite.batching.microbatches import BatchSchedule
         plan = IterationPlan(BatchSchedule(g, m, dp), shares, micros=args.eval_micro_batch_sizes)
         plan.check(0, args.pipeline_model_parallel_size, interleaving(args), what="--eval-global-batch-size")
         return
     if g < 1 or m < 1 or g % (m * dp):
         raise ConfigError(f"--eval-global-batch-size {g} must be a positive multiple of --eval-micro-batch-size {m} x "
                           f"data-parallel size {dp} = {m * dp}")
-    from megalite.iteration_plan import interleaving
-    from megalite.microbatches import interleaving_problem
+    from megalite.batching.iteration_plan import interleaving
+    from megalite.batching.microbatches import interleaving_problem
     if interleaving(args) and (why := interleaving_problem(g // (m * dp), args.pipeline_model_parallel_size,
                                                            interleaving(args))):
         raise ConfigError(f"evaluation: {why}; change --eval-global-batch-size")
@@ -361,7 +361,7 @@ def _validate_schedule(args):
                               "and samples >= 0")
     if args.train_samples is not None or args.rampup_batch_size is not None or \
             getattr(args, "step_batch_size_schedule", None):
-        from megalite.iteration_plan import derive_train_iters
+        from megalite.batching.iteration_plan import derive_train_iters
         derive_train_iters(args)  # sets args.train_iters from the samples and the batch schedule
 
 

@@ -79,11 +79,12 @@ def _validate_moe(args):
              f"--moe-layer-freq has {len(freq) if isinstance(freq, list) else 0} entries for --num-layers "
              f"{args.num_layers}"),
             (args.moe_router_load_balancing_type == "sinkhorn" and args.moe_aux_loss_coeff > 0,
-             "--moe-router-load-balancing-type sinkhorn has no auxiliary loss: set --moe-aux-loss-coeff 0 (as Megatron)"),
+             "--moe-router-load-balancing-type sinkhorn has no auxiliary loss: set --moe-aux-loss-coeff 0 "
+             "(as Megatron)"),
             (args.moe_router_load_balancing_type == "sinkhorn" and args.moe_router_enable_expert_bias,
              "--moe-router-enable-expert-bias does not apply to sinkhorn routing; pick one balancing"),
-            (args.moe_token_dispatcher_type == "flex", "--moe-token-dispatcher-type flex (DeepEP) is not implemented in "
-                                                       "megalite; use allgather or alltoall"),
+            (args.moe_token_dispatcher_type == "flex",
+             "--moe-token-dispatcher-type flex (DeepEP) is not implemented in megalite; use allgather or alltoall"),
             (args.tensor_model_parallel_size > 1 and not args.sequence_parallel,
              "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (as Megatron)"),
             (args.expert_tensor_parallel_size not in (None, 1, args.tensor_model_parallel_size),

@@ -9,7 +9,7 @@ from typing import Optional
 class Field:
     """What a ModelConfig field is, declared once with its type (`Annotated[type, Field(...)]`); every list of
     names is derived from these (below): flag: the command-line dest it comes from ("": its own name; None:
-    derived from other flags in cli/to_config.py); shape: it decides tensor shapes or their meaning, so a
+    derived from other flags in config/from_flags.py); shape: it decides tensor shapes or their meaning, so a
     checkpoint must agree (SHAPE_FIELDS); layout: how this run executes, not what the model is, reset when a
     checkpoint's model is rebuilt on one process (LAYOUT_FIELDS); restored: --use-checkpoint-args takes it from
     the checkpoint (CHECKPOINT_ARGS, Megatron's load_args_from_checkpoint)."""

@@ -153,7 +153,8 @@ class ModelConfig(ExecutionConfig):
         if self.squared_relu and self.swiglu:
             raise ConfigError("--squared-relu and --swiglu are exclusive (as Megatron); pick one activation")
         if self.ffn_hidden_size < 1:
-            raise ConfigError(f"the FFN size of --hidden-size {h} rounds to {self.ffn_hidden_size}; pass --ffn-hidden-size")
+            raise ConfigError(f"the FFN size of --hidden-size {h} rounds to {self.ffn_hidden_size}; "
+                              "pass --ffn-hidden-size")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if a % self.num_query_groups:
@@ -199,7 +200,8 @@ class ModelConfig(ExecutionConfig):
                                   "yarn is for --multi-latent-attention")
             return
         self.rope_type = self.rope_type or "yarn"  # Megatron's MLA default
-        rot = self.qk_pos_emb_head_dim if self.rope_type == "yarn" else int(self.qk_pos_emb_head_dim * self.rotary_percent)
+        rot = self.qk_pos_emb_head_dim if self.rope_type == "yarn" else \
+            int(self.qk_pos_emb_head_dim * self.rotary_percent)
         dims = dict(q_lora_rank=self.q_lora_rank if self.q_lora_rank is not None else 1, kv_lora_rank=self.kv_lora_rank,
                     qk_head_dim=self.qk_head_dim, v_head_dim=self.v_head_dim)
         for cond, msg in (
@@ -216,7 +218,8 @@ class ModelConfig(ExecutionConfig):
                                           "Megatron: MLA always rotates pairs of its pos-emb dims)"),
                 (self.qk_layernorm and self.q_lora_rank is None,
                  "--qk-layernorm with --multi-latent-attention needs --q-lora-rank (the norm is on the query latent)"),
-                (self.add_qkv_bias, "--add-qkv-bias: multi-latent attention's projections have no biases (as Megatron)"),
+                (self.add_qkv_bias,
+                 "--add-qkv-bias: multi-latent attention's projections have no biases (as Megatron)"),
                 (self.model_type != "gpt", "--multi-latent-attention is implemented for GPT models only")):
             if cond:
                 raise ConfigError(msg)
@@ -233,8 +236,9 @@ class ModelConfig(ExecutionConfig):
                 (bool(missing), f"--experimental-attention-variant dsa needs {', '.join(missing)} >= 1"),
                 (self.add_bias_linear,
                  "--experimental-attention-variant dsa needs --disable-bias-linear (as Megatron)"),
-                (self.cp_comm_type is not None, "--experimental-attention-variant dsa with --context-parallel-size > 1 "
-                                                "is not built in megalite (its indexer scores every key of a sequence)"),
+                (self.cp_comm_type is not None,
+                 "--experimental-attention-variant dsa with --context-parallel-size > 1 is not built in megalite "
+                 "(its indexer scores every key of a sequence)"),
                 (self.dsa_indexer_topk_freq != 1, f"--dsa-indexer-topk-freq {self.dsa_indexer_topk_freq}: sharing "
                                                   "top-k indices across layers is not implemented in megalite (use 1)"),
                 (self.dsa_indexer_skip_topk_offset < 0,

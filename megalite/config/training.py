@@ -1,6 +1,6 @@
 """The training's configuration: batch, schedule, optimizer, precision and loss scaling (TrainingConfig)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -84,3 +84,8 @@ class TrainingConfig:
             raise ConfigError(f"--global-batch-size {g} is not divisible by --micro-batch-size {m} x "
                               f"data-parallel size {dp} = {m * dp}")
         return g // (m * dp)
+
+
+# The optimizers' own fields (megalite/cli/features/optimizer.py has their flags, of the same names)
+OPTIMIZER_FIELDS = tuple(f.name for f in fields(TrainingConfig) if f.name.startswith(("sgd_", "lion_", "muon_",
+                                                                                      "qk_clip_")))

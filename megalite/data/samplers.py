@@ -51,7 +51,7 @@ class MegatronPretrainingSampler:
 class SharesPretrainingSampler(MegatronPretrainingSampler):
     """--data-parallel-shares: each global batch (the next G samples of the stream) is cut into
     contiguous runs in DP rank order, rank r's being n_r micro-batches long (the iteration plan,
-    megalite/iteration_plan.py, says G and n_r). The runs of one batch are disjoint and cover it,
+    megalite/batching/iteration_plan.py, says G and n_r). The runs of one batch are disjoint and cover it,
     and the stream depends only on consumed_samples, so a resumed run continues exactly, also
     with other shares."""
 

@@ -16,8 +16,8 @@ def _grad(p):
 
 
 def allreduce_sequence_parallel_grads(params, grid=None):
-    """Params applied to sequence-sharded activations (norms, row biases, position
-    embeddings under SP) hold partial gradients on each TP rank: sum them over TP (of `grid`, default the global one)."""
+    """Params applied to sequence-sharded activations (norms, row biases, position embeddings under SP) hold
+    partial gradients on each TP rank: sum them over TP (of `grid`, default the global one)."""
     g = ps.current_grid(grid)
     if g.tp == 1:
         return

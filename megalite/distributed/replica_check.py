@@ -33,8 +33,8 @@ def _weights(chunk):
 
 
 def weight_hashes(chunks, values=None):
-    """{name: (first 8 bytes of the parameter's SHA-256 as an int64, whether every TP rank holds
-    it whole, whether DP ranks hold it whole, whether it is an expert's)} of this rank's parameters; each is hashed once.
+    """{name: (first 8 bytes of the parameter's SHA-256 as an int64, whether every TP rank holds it whole, whether
+    DP ranks hold it whole, whether it is an expert's)} of this rank's parameters; each is hashed once.
     values: {param: the tensor to hash instead} (replicas of different precisions: the fp32 main weights)."""
     out = {}
     for chunk in chunks:

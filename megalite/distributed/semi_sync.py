@@ -43,7 +43,8 @@ class SemiSync:
         self.method, self.optimizer = args.semi_sync_method, optimizer
         # MoE routers' expert biases (--moe-router-enable-expert-bias): moved by token counts, not gradients,
         # so no pseudo-gradient; each outer step sets them to the replicas' sample-weighted mean (Local SGD's rule)
-        self.biases = [m.expert_bias for c in chunks for m in c.modules() if getattr(m, "expert_bias", None) is not None]
+        self.biases = [m.expert_bias for c in chunks for m in c.modules()
+                       if getattr(m, "expert_bias", None) is not None]
         optimizer.semi_sync = self  # the optimizer carries the outer state it belongs to (tests read it there)
         self.grid = ps.grid_of(chunks)  # the replicas' groups: the chunks' grid
         self.replicas, self.replica = self.grid.replicas, self.grid.replica_rank

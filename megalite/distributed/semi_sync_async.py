@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.distributed.semi_sync import SemiSync
-from megalite.launch import new_group
+from megalite.parallel.launch import new_group
 
 _RUNS = itertools.count()  # every rank trains the same sequence of runs: a store namespace per run
 

@@ -156,7 +156,7 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids, position_ids=None, labels=None, inference_cache=None, attention_mask=None,
                 loss_mask=None):
-        """inference_cache (megalite.inference.KVCache): input_ids are the tokens after those
+        """inference_cache (megalite.transformer.kv_cache.KVCache): input_ids are the tokens after those
         already cached (generation); positions continue from there. attention_mask [b, 1, s, s]
         bool, True = masked out (Megatron's --reset-attention-mask); default causal. loss_mask [b, s]: the
         tokens multi-token prediction's loss counts (default all); the main loss is masked by the caller."""

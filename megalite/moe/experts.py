@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kernels.grouped_gemm import grouped_gemm
-from megalite.mlp_activation import activation, kernel_backend
+from megalite.moe.activation import activation, kernel_backend
 
 
 def expert_key(first, i):

@@ -28,7 +28,8 @@ import math
 import torch
 from torch import nn
 
-from megalite import decisions, mup, parallel_state as ps
+from megalite import mup, parallel_state as ps
+from megalite.moe import decisions
 from megalite.tensor_parallel.init import ConstantRecipe, init_normal, param_seed, replicated_init, with_recipe
 from megalite.tensor_parallel.mappings import all_reduce_sum_tp_cp
 

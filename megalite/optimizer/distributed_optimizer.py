@@ -46,7 +46,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._mup_width = mup.width_mult(self.model_chunks)
         for m in self.model_chunks:
             if not getattr(m, "zero_stage", 0):
-                raise ValueError("DistributedOptimizer needs DistributedDataParallel(..., use_distributed_optimizer=True)")
+                raise ValueError("DistributedOptimizer needs DistributedDataParallel(..., "
+                                 "use_distributed_optimizer=True)")
         names, self.model_params = {}, []
         for i, m in enumerate(self.model_chunks):
             prefix = f"chunk{i}." if len(self.model_chunks) > 1 else ""

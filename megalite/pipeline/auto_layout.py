@@ -31,6 +31,7 @@ import torch
 
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
+from megalite.tensor_parallel.random import get_rng_states, set_rng_states
 
 GIB = 2 ** 30
 last = None  # the latest (stages, counts) for tests and benchmarks
@@ -114,7 +115,8 @@ def stages_from_rows(rows, pp):
 def transformer_layers(chunks):
     """This rank's transformer layers (GPT's decoder, BERT's encoder)."""
     from megalite.transformer.block import TransformerBlock
-    return [layer for c in chunks for b in c.modules() if isinstance(b, TransformerBlock) for layer in b.layers.values()]
+    return [layer for c in chunks for b in c.modules() if isinstance(b, TransformerBlock)
+            for layer in b.layers.values()]
 
 
 class _Probe:
@@ -179,20 +181,19 @@ class _Probe:
 
 @contextlib.contextmanager
 def _random_state_kept():
-    """Profiling draws (dropout) must not move the run's random streams (rerun's capture: every stream)."""
-    from megalite.rerun import _capture_rng, _restore_rng
-    state = _capture_rng()
+    """Profiling draws (dropout) must not move the run's random streams (every stream of the process)."""
+    state = get_rng_states()
     try:
         yield
     finally:
-        _restore_rng(state)
+        set_rng_states(state)
 
 
 def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
     """This rank's row: [stage, u, e, state fixed, state per layer, act fixed, act per layer (bytes per
     micro-batch), in flight, budget (0: none)], from --pipeline-layout-profile-iters passes of one
     iteration's micro-batches (the fastest pass's times; bytes are the same in every pass)."""
-    from megalite.data_iterators import data_iterators
+    from megalite.batching.data_iterators import data_iterators
     from megalite.distributed import finalize_model_grads
     from megalite.pipeline.schedules import run_forward_backward
     from megalite.optimizer.memory import state_bytes_by_place

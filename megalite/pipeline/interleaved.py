@@ -11,7 +11,7 @@ at least PP micro-batches (microbatches.interleaving_problem).
 """
 
 from megalite import parallel_state as ps
-from megalite.microbatches import interleaving_problem
+from megalite.batching.microbatches import interleaving_problem
 from megalite.pipeline.p2p import P2P
 from megalite.pipeline.run import Run, free_output
 

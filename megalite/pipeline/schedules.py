@@ -5,7 +5,7 @@ A forward step function has Megatron's contract:
     loss_func(output_tensor) -> (loss, {"lm loss": detached loss})
                               or (loss sum, token count, {"lm loss": [sum, count]})
 Each micro-batch's loss is divided by the number of micro-batches (`loss_divisor`: by default
-this rank's; with uneven data-parallel shares the global batch's, megalite/iteration_plan.py), so
+this rank's; with uneven data-parallel shares the global batch's, megalite/batching/iteration_plan.py), so
 the accumulated gradient is that of the mean loss over the global batch. A loss function that returns a
 token count (Megatron's --calculate-per-token-loss) is not divided: its gradients are divided by
 the global batch's token count after the reduction (distributed/finalize.py). The DP gradient reduction is

@@ -27,11 +27,11 @@ step."""
 import dataclasses
 
 from megalite import parallel_state as ps
-from megalite.cli.parser import model_config
+from megalite.config.from_flags import model_config
 from megalite.config import ConfigError
 from megalite.planner.flops import num_floating_point_operations
-from megalite.iteration_plan import batch_schedule, training_plan
-from megalite.cli.features.mixed_gpu import with_rank_precision
+from megalite.batching.iteration_plan import batch_schedule, training_plan
+from megalite.config.from_flags import with_rank_precision
 from megalite.planner import activations, data_parallel, memory, optimizer_step, semi_sync, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
 from megalite.planner.memory import zero_as_run

@@ -1,9 +1,8 @@
 """One candidate layout: the parallel sizes, ZeRO stage, recompute and micro-batch a plan chooses, the
-pretrain_gpt.py flags that launch it, and megalite's own validation of it (arguments.check_args)."""
+pretrain_gpt.py flags that launch it (megalite/cli/plan.py validates them with megalite's own checks)."""
 
 import dataclasses
 
-from megalite.cli.parser import check_args
 from megalite.config import ConfigError
 
 # flags a layout sets: stripped from the user's own before the layout's are added
@@ -167,16 +166,3 @@ def _shares(args):
     if not s or s == "auto":
         return None
     return tuple(int(x) for x in str(s).split(",")) if not isinstance(s, (list, tuple)) else tuple(s)
-
-
-def validated(model_argv, layout, world_size):
-    """megalite's parsed arguments for the user's model flags at this layout; ConfigError where megalite
-    would refuse to launch it. The user's --overlap-param-gather (ZeRO's) applies to the layouts with ZeRO; those
-    without run without it."""
-    argv = strip_layout_flags(model_argv)
-    if not layout.zero:
-        argv = [a for a in argv if a != "--overlap-param-gather"]
-    args = check_args(argv, world_size, layout=layout.flags())
-    if args.data_parallel_size != layout.dp:
-        raise ConfigError(f"{layout.describe()}: {world_size} GPUs give DP {args.data_parallel_size}")
-    return args

@@ -22,8 +22,8 @@ from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
 from megalite.distributed.param_facts import derive
-from megalite.iteration_plan import batch_schedule, reduces_once, training_plan
-from megalite.cli.features.mixed_gpu import with_rank_precision
+from megalite.batching.iteration_plan import batch_schedule, reduces_once, training_plan
+from megalite.config.from_flags import with_rank_precision
 from megalite.optimizer.muon import is_muon_matrix
 from megalite.optimizer.offload import host_split
 from megalite.optimizer.optimizer import no_weight_decay

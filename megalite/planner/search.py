@@ -14,7 +14,7 @@ import dataclasses
 from megalite.config import ConfigError
 from megalite.planner import shares
 from megalite.planner.cost import balanced_layout, balanced_shares, check_plannable, predict
-from megalite.planner.layout import Layout, validated
+from megalite.planner.layout import Layout
 
 
 def _divisors(n, limit=None):
@@ -43,7 +43,7 @@ def candidates(args, world, gpus_per_node, recomputes=(None, "selective", "full"
                                             yield Layout(tp, pp, cp, dp, vp, ep, zero, rc, micro, tp > 1, etp=etp)
 
 
-def _fit_replicas(model_argv, args, lay, cluster):
+def _fit_replicas(model_argv, args, lay, cluster, validate):
     """The layout's prediction; where it does not fit and its replicas hold different GPUs, the replicas on the
     GPU type that runs out get halved micro-batches (--data-parallel-micro-batch-sizes) until it fits, the sizes
     come out equal (a layout of its own) or megalite would not launch them (samples not whole micro-batches);
@@ -59,7 +59,7 @@ def _fit_replicas(model_argv, args, lay, cluster):
 
     def tried(changed):
         try:
-            return changed, predict(validated(model_argv, changed, cluster.size), changed, cluster)
+            return changed, predict(validate(model_argv, changed, cluster.size), changed, cluster)
         except ConfigError:
             return None, None
     micros = [lay.micro_of(d) for d in range(lay.dp)]
@@ -97,10 +97,12 @@ def _given_offload(model_argv):
                           "none: then it offloads where a replica's GPU runs out)") from None
 
 
-def search(model_argv, cluster, top=5, limit=None, **choices):
+def search(model_argv, cluster, top=5, limit=None, *, validate, **choices):
     """[(Prediction)] of the `top` fastest layouts that fit (or, if none fits, the `top` tightest), and the
-    count of layouts megalite would launch. choices: candidates' recomputes= and zeros= (default: all)."""
-    args0 = validated(model_argv, Layout(), 1)  # the model's and batch's own figures (one GPU's view)
+    count of layouts megalite would launch. choices: candidates' recomputes= and zeros= (default: all).
+    validate(model_argv, layout, world_size): the validated run configuration of a layout, ConfigError where
+    megalite would refuse it (megalite/cli/plan.py's: the command line's own checks)."""
+    args0 = validate(model_argv, Layout(), 1)  # the model's and batch's own figures (one GPU's view)
     check_plannable(args0, cluster)
     fits, tight, n = [], [], 0
     offload = _given_offload(model_argv)
@@ -108,23 +110,23 @@ def search(model_argv, cluster, top=5, limit=None, **choices):
         if offload is not None:
             lay = dataclasses.replace(lay, offload=(offload,) * lay.dp)
         try:
-            args = validated(model_argv, lay, cluster.size)
+            args = validate(model_argv, lay, cluster.size)
             try:
                 cut = balanced_layout(args, lay, cluster)  # layers by the stages' GPUs (and the embedding, loss)
             except ConfigError:  # no cut fits every stage: the even split, priced as it is (it will not fit)
                 cut = lay
             if cut is not lay:
-                lay, args = cut, validated(model_argv, cut, cluster.size)
+                lay, args = cut, validate(model_argv, cut, cluster.size)
             shared = balanced_shares(args, lay, cluster)  # micro-batches by the replicas' GPUs
             if shared is not lay:
                 try:
-                    lay, args = shared, validated(model_argv, shared, cluster.size)
+                    lay, args = shared, validate(model_argv, shared, cluster.size)
                 except ConfigError:  # a combination megalite does not run with shares: equal ones
                     pass
         except ConfigError:
             continue
         n += 1
-        p = _fit_replicas(model_argv, args, lay, cluster)
+        p = _fit_replicas(model_argv, args, lay, cluster, validate)
         (fits if p.fits else tight).append(p)
         if limit and n >= limit:
             break

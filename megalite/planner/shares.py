@@ -1,6 +1,6 @@
 """Data-parallel replicas on GPUs of different speeds: which GPUs each replica holds, and the micro-batches
 each should take (--data-parallel-shares) so that the slowest replica finishes first as late as possible,
-as megalite/iteration_plan.py's `auto` rule does from measured times, here from predicted ones."""
+as megalite/batching/iteration_plan.py's `auto` rule does from measured times, here from predicted ones."""
 
 import heapq
 

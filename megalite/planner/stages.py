@@ -36,11 +36,13 @@ def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved, fra
         per_param = state.total / max(1, everything)
         every = range(1, mcfg.num_layers + 1)
         act_layer = sum(activations.layers_bytes(mcfg, grid, layout.micro, e, "triton", every)) / mcfg.num_layers \
-            if mcfg.recompute_granularity != "full" else layout.micro * mcfg.seq_length // layout.cp * mcfg.hidden_size * e
+            if mcfg.recompute_granularity != "full" else \
+            layout.micro * mcfg.seq_length // layout.cp * mcfg.hidden_size * e
         act_fixed = activations.chunk_bytes(mcfg, grid, layout.micro, e, 0, i == 0, last,
                                             _padded_vocab(mcfg, layout.tp))
         stages.append(Stage(per_layer, fixed, (everything - inside) * per_param, inside / layers * per_param,
-                            act_fixed, act_layer, in_flight(i), (1 - fragmentation) * small.memory_gib * GiB - reserved))
+                            act_fixed, act_layer, in_flight(i),
+                            (1 - fragmentation) * small.memory_gib * GiB - reserved))
     return balanced_counts(stages, mcfg.num_layers)
 
 

@@ -7,11 +7,15 @@ Two streams, as in Megatron-LM:
   activations that are split across TP (attention probabilities of this rank's heads,
   sequence-parallel slices), entered with `get_rng_tracker().fork()`.
 `checkpoint` recomputes a function in backward with both streams restored, so dropout
-masks in the recomputation equal those of the forward.
+masks in the recomputation equal those of the forward. `get_rng_states` / `set_rng_states` are every random stream
+of the process at once (Python's, NumPy's, torch's, the tracker's): the one API that a re-run, a healed replica,
+a profiling pass and a checkpoint (megalite/checkpoint/state.py: the same as JSON) keep and restore them through.
 """
 
 import contextlib
+import random
 
+import numpy as np
 import torch
 
 from megalite import parallel_state as ps
@@ -73,11 +77,29 @@ class RNGStatesTracker:
             _set_state(saved)
 
 
-_TRACKER = RNGStatesTracker()
+_TRACKER = RNGStatesTracker()  # one per process, as Megatron's: the streams of the process's torch generators
 
 
 def get_rng_tracker():
     return _TRACKER
+
+
+def get_rng_states():
+    """Every random stream of this process, in memory: {"python", "numpy", "torch", "cuda" (one per device, [] on
+    CPU), "tracker" (the named states)}."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "tracker": _TRACKER.get_states()}
+
+
+def set_rng_states(states):
+    """Every random stream back to `states` (get_rng_states'); CUDA's where the states have them."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if torch.cuda.is_available() and states["cuda"]:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    _TRACKER.set_states(states["tracker"])
 
 
 def model_parallel_manual_seed(seed, grid=None):

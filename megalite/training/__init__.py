@@ -14,8 +14,7 @@ import gc
 import time
 
 from megalite import parallel_state as ps
-from megalite.cli.parser import parse_args
-from megalite.config import fail
+from megalite.config import ConfigError, fail
 from megalite.config.run import freeze
 from megalite.training.trainer import Trainer
 
@@ -25,9 +24,12 @@ COMMUNICATION_ERRORS = ("Timed out", "timed out", "Connection closed", "Connecti
 
 
 def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
-    """Train per the command line; returns the list of per-iteration lm losses (and, with
-    return_state, the model chunks and optimizer too)."""
-    args = freeze(args or parse_args())  # the run configuration: nothing below changes it (config/run.py)
+    """Train per the run configuration `args` (the entry point's megalite.cli.parser.parse_args(): the command
+    line is the outermost layer, parsed before this is called); returns the list of per-iteration lm losses (and,
+    with return_state, the model chunks and optimizer too)."""
+    if args is None:
+        raise ConfigError("pretrain() needs the run configuration: pass args=megalite.cli.parser.parse_args()")
+    args = freeze(args)  # the run configuration: nothing below changes it (config/run.py)
     started = time.time()
     owns = ps.initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes * 60)
     gc_enabled = gc.isenabled()

@@ -2,7 +2,7 @@
 the one place the training iterators are rebuilt: a restart of the position (a resumed run, an asynchronous
 replica's slot, a replica past its idle iterations) or of the plan (--data-parallel-shares auto's new counts)."""
 
-from megalite.data_iterators import data_iterators
+from megalite.batching.data_iterators import data_iterators
 
 
 class DataCursor:

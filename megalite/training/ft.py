@@ -23,9 +23,9 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 from megalite.checkpoint.state import fp8_state, set_fp8_state
 from megalite.config import ExecutionConfig
-from megalite.iteration_plan import IterationPlan, balanced_counts
-from megalite.microbatches import BatchSchedule
-from megalite.rerun import _capture_rng, _restore_rng
+from megalite.batching.iteration_plan import IterationPlan, balanced_counts
+from megalite.batching.microbatches import BatchSchedule
+from megalite.tensor_parallel.random import get_rng_states, set_rng_states
 from megalite.tensor_parallel.fp8 import set_gradient_units
 from megalite.training.parts import Part
 
@@ -229,14 +229,14 @@ class FaultTolerance(Part):
     def _state(self):
         t = self.run
         return {"iteration": self.done, "consumed": t.cursor.consumed, "optimizer": t.optimizer.state_dict(),
-                "scheduler": t.scheduler.state_dict(), "rng": _capture_rng(), "fp8": fp8_state(t.chunks)}
+                "scheduler": t.scheduler.state_dict(), "rng": get_rng_states(), "fp8": fp8_state(t.chunks)}
 
     def _load(self, sd):
         t = self.run
         set_fp8_state(t.chunks, sd.get("fp8", {}))  # (delayed FP8 scaling's histories)
         t.optimizer.load_state_dict(sd["optimizer"])
         t.scheduler.load_state_dict(sd["scheduler"])
-        _restore_rng(sd["rng"])
+        set_rng_states(sd["rng"])
         t.cursor.consumed, self.done, self.healed, self.split = sd["consumed"], sd["iteration"], sd["iteration"], None
         print(f"megalite: fault tolerance: replica {self.args.ft_replica_id} healed from a live peer at iteration "
               f"{sd['iteration']}", flush=True)
@@ -273,7 +273,8 @@ def fingerprint(args, grid, mcfg):
     """(names, values) every replica of a quorum must share: the model's architecture (a 40-bit digest), the inner
     layout and the batch flags; values exact in float64, so their mean over the quorum equals them iff all agree."""
     runtime = {f.name for f in dataclasses.fields(ExecutionConfig)}
-    arch = repr(sorted((f.name, repr(getattr(mcfg, f.name))) for f in dataclasses.fields(mcfg) if f.name not in runtime))
+    arch = repr(sorted((f.name, repr(getattr(mcfg, f.name))) for f in dataclasses.fields(mcfg)
+                       if f.name not in runtime))
     digest = _digest(arch)
     pairs = (("model architecture", digest), ("--tensor-model-parallel-size", grid.tp),
              ("--pipeline-model-parallel-size", grid.pp), ("--context-parallel-size", grid.cp),

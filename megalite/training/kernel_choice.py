@@ -21,8 +21,8 @@ from megalite.tensor_parallel.layers import padded_vocab_size
 def kernel_shapes(c, micro_batch_size, tp, cp, device, adam=True):
     """[(kernel, shape of the first tensor it hands use_triton, dtype, device)] for model config c, as its layers
     call the kernels: norms on [s/cp (/tp with SP), b, h] (and q, k with --qk-layernorm), attention's q and
-    rotary on [b, s/cp, heads/tp, d], the activation on fc1's output [s/cp, b, ffn/tp], the loss on the logits [s/cp, b, V/tp]; AdamW (adam: the
-    optimizer uses it) on fp32."""
+    rotary on [b, s/cp, heads/tp, d], the activation on fc1's output [s/cp, b, ffn/tp], the loss on the logits
+    [s/cp, b, V/tp]; AdamW (adam: the optimizer uses it) on fp32."""
     s, b, e = c.seq_length // cp, micro_batch_size, c.params_dtype
     rows = s // tp if c.sequence_parallel and tp > 1 else s
     norm = "rms_norm" if c.normalization == "RMSNorm" else "layer_norm"

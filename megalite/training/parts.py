@@ -19,13 +19,13 @@ import torch
 
 import kernels
 from megalite import parallel_state as ps
-from megalite.checkpointing import save_checkpoint
-from megalite.data_iterators import close_iterators, data_iterators
+from megalite.checkpoint.manager import save_checkpoint
+from megalite.batching.data_iterators import close_iterators, data_iterators
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.planner.flops import num_floating_point_operations
 from megalite.logger import print_rank_last
-from megalite.moe_logging import auxiliary_losses
+from megalite.training.auxiliary_losses import auxiliary_losses
 from megalite.training.evaluation import evaluate
 from megalite.training.step import grad_stats, mean_losses
 
@@ -56,7 +56,7 @@ def hash_interval(args):
 
 class AutoShares(Part):
     """--data-parallel-shares auto: the first iterations timed, then each DP replica's micro-batches set by its
-    speed (megalite/iteration_plan.py), and the data read on by the new counts."""
+    speed (megalite/batching/iteration_plan.py), and the data read on by the new counts."""
 
     def __init__(self, auto, cursor):
         self.auto, self.cursor = auto, cursor

@@ -11,17 +11,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import kernels
 from megalite import parallel_state as ps
-from megalite.cli.parser import model_config, training_config
+from megalite.config.from_flags import model_config, training_config
 from megalite.checkpoint.megatron import is_megatron_checkpoint
-from megalite.checkpointing import (CheckpointError, check_save_dir, checkpoint_group, load_checkpoint, read_tracker,
-                                  unwrap_checkpoint_error)
+from megalite.checkpoint.manager import (CheckpointError, check_save_dir, checkpoint_group, load_checkpoint,
+                                         read_tracker, unwrap_checkpoint_error)
 from megalite.config import ConfigError
 from megalite.distributed import DistributedDataParallel
 from megalite.distributed.semi_sync_async import semi_sync_for
-from megalite.iteration_plan import batch_schedule, evaluation_plan, reduces_once, training_plan
+from megalite.batching.iteration_plan import batch_schedule, evaluation_plan, reduces_once, training_plan
 from megalite.logger import MetricsLogger, print_rank_last
-from megalite.memory_budget import fit_to_budget, report_fit
-from megalite.cli.features.mixed_gpu import with_rank_precision
+from megalite.training.memory_budget import fit_to_budget, report_fit
+from megalite.config.from_flags import with_rank_precision
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.lr_scheduler import schedule_steps
@@ -69,7 +69,8 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
     r.train_ds, r.valid_ds, r.test_ds = report_splits(args, datasets, wanted)  # sizes; an empty split's skip, said once
     try:
         sizing = (r.train_ds, forward_step_func) if r.train_ds is not None and not args.skip_train else None
-        r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing)  # by memory too
+        # (sized by memory too)
+        r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing)
         if r.mcfg.fp8:  # (the delayed histories in the single process's units: checkpoints resume at any layout)
             set_gradient_units([m for c in r.chunks for m in c.module.modules()],
                                1 if r.mcfg.calculate_per_token_loss else r.plan.grad_divisor)
@@ -154,7 +155,7 @@ def setup(args, model_provider, plan=None, sizing=None):
     """The model chunks, optimizer and LR schedule. sizing: (training dataset, forward_step_func), for
     --pipeline-model-parallel-layout auto (megalite/pipeline/auto_layout.py: the model rebuilt at the
     measured cut) and --data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto
-    (megalite/memory_budget.py: the plan's sizes chosen, the optimizer rebuilt with the chosen
+    (megalite/training/memory_budget.py: the plan's sizes chosen, the optimizer rebuilt with the chosen
     offload), before training."""
     # --data-parallel-precisions: this replica's dtype builds its model and optimizer
     rank_args = with_rank_precision(args, ps.get_data_parallel_rank_across_replicas())
@@ -180,7 +181,8 @@ def setup(args, model_provider, plan=None, sizing=None):
             optimizer = build_optimizer(args, chunks, tcfg)
     elif args.pipeline_model_parallel_layout == "auto":
         print_rank_last("megalite: --pipeline-model-parallel-layout auto: no training to profile (--skip-train or no "
-                        f"training data): the near-even split '{auto_layout.layout_string(mcfg.pipeline_layout)}' stays")
+                        f"training data): the near-even split '{auto_layout.layout_string(mcfg.pipeline_layout)}' "
+                        "stays")
     if sizing is not None and "auto" in (args.data_parallel_micro_batch_sizes, args.optimizer_offload_fraction):
         fraction = fit_to_budget(args, plan, mcfg, chunks, optimizer, *sizing)
         if fraction:

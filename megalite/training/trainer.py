@@ -4,10 +4,10 @@
 import dataclasses
 
 from megalite import parallel_state as ps
-from megalite.checkpointing import finish_checkpointing
+from megalite.checkpoint.manager import finish_checkpointing
 from megalite.config import fail
-from megalite.data_iterators import close_iterators
-from megalite.iteration_plan import auto_shares
+from megalite.batching.data_iterators import close_iterators
+from megalite.batching.iteration_plan import auto_shares
 from megalite.logger import TrainingWindow, print_rank_last
 from megalite.optimizer.optimizer import NonFiniteGradError
 from megalite.rerun import RerunExit, exit_after

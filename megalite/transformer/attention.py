@@ -72,7 +72,8 @@ def _explicit_scores_attention(q, k, v, p, attn_mask, layer_scale, triton, softm
     qg = q.reshape(b * hkv, hq // hkv * s, d)
     kg = k.reshape(b * hkv, sk, d).transpose(1, 2)
     alpha = (d ** -0.5 if softmax_scale is None else softmax_scale) / layer_scale
-    scores = torch.baddbmm(qg.new_empty(qg.shape[0], qg.shape[1], sk), qg, kg, beta=0.0, alpha=alpha).reshape(b, hq, s, sk)
+    scores = torch.baddbmm(qg.new_empty(qg.shape[0], qg.shape[1], sk), qg, kg, beta=0.0,
+                           alpha=alpha).reshape(b, hq, s, sk)
     with contextlib.nullcontext() if triton else kernels.use_backend("torch"):
         probs = kernels.softmax(scores, scale=layer_scale, mask=attn_mask, causal=attn_mask is None)
     with get_rng_tracker().fork():
@@ -116,7 +117,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, rotary=None, attn_mask=None, inference_cache=None):
         """x [s, b, h] (sequence-sharded under SP) -> (out [s, b, h], bias or None).
-        inference_cache (megalite.inference.KVCache): keys/values of earlier tokens are reused."""
+        inference_cache (megalite.transformer.kv_cache.KVCache): keys/values of earlier tokens are reused."""
         c = self.config
         qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * d]
         s, b = qkv.shape[:2]

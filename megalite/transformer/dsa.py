@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite import decisions
+from megalite.moe import decisions
 from megalite import parallel_state as ps
 from megalite.moe.router import AuxLossScaler, _record
 from megalite.tensor_parallel import (

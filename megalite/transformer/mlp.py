@@ -4,7 +4,7 @@ sharded over TP."""
 from torch import nn
 
 from megalite import mup
-from megalite.mlp_activation import activation
+from megalite.moe.activation import activation
 from megalite.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.layers import init_normal
 from megalite.transformer.utils import output_init_std, param_seed

@@ -13,7 +13,7 @@ Loss: λ/D · Σ_k (masked CE sum at depth k) / (tokens left at depth k), the co
 chunk's own count). With --calculate-per-token-loss each depth's sum is rescaled to the main loss's token
 count (as Megatron), since the gradients are divided by that count. The loss enters the backward as the
 MoE auxiliary losses do: AuxLossScaler on h_0 gives it the main loss's scale. Each depth's masked mean is
-recorded for the log line ("mtp_k loss", megalite/moe_logging.py).
+recorded for the log line ("mtp_k loss", megalite/training/auxiliary_losses.py).
 
 Under CP one all-gather per micro-batch brings the first D tokens of every sequence chunk to the rank
 holding the chunk before it; nothing else communicates beyond what the layers do. Generation and

@@ -3,7 +3,7 @@
 import math
 
 from megalite import mup
-from megalite.mlp_activation import kernel_backend  # noqa: F401 (re-exported)
+from megalite.moe.activation import kernel_backend  # noqa: F401 (re-exported)
 from megalite.tensor_parallel.init import param_seed  # noqa: F401 (re-exported)
 
 

@@ -46,7 +46,8 @@ def yarn_inv_freq(dim, base, scale, original_max_position_embeddings, beta_fast,
 
 def mla_softmax_scale(config):
     c = config
-    return yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim) ** 2 / math.sqrt(c.qk_head_dim + c.qk_pos_emb_head_dim)
+    mscale = yarn_mscale(c.rotary_scaling_factor, c.mscale_all_dim)
+    return mscale ** 2 / math.sqrt(c.qk_head_dim + c.qk_pos_emb_head_dim)
 
 
 def mla_rotary_cos_sin(config, seq_length, device):

@@ -2,7 +2,7 @@
 
 A parallel layout computes the same function as the single process in another order, and its
 ranks may round as another machine does (dist_util.OTHER_CAPABILITY), so each top-k choice
-(megalite/decisions.py: MoE routing, capacity drops, DSA's keys) sees values that differ from the
+(megalite/moe/decisions.py: MoE routing, capacity drops, DSA's keys) sees values that differ from the
 reference's by a rounding. Over thousands of choices some gap between the k-th and the (k+1)-th
 value is smaller than that (measured: 4e-6 of the row's largest value in MoE routing, exact ReLU
 zeros in DSA's scores), the two runs choose differently, and after that no bound follows from the

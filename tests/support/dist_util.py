@@ -13,7 +13,8 @@ starts as a spawned one would: its own parallel state torn down, kernel backend 
 seeded random streams, one thread. Where the test process has initialised CUDA (the GPU machine), a fork
 could not use it, so the ranks are spawned.
 
-The worlds' groups live in shared memory (tests/support/shm_group.py) unless `backend="gloo"` or MEGALITE_TEST_BACKEND=gloo
+The worlds' groups live in shared memory (tests/support/shm_group.py) unless `backend="gloo"` or
+MEGALITE_TEST_BACKEND=gloo
 says otherwise: a world's time is its collectives' latency, and gloo's is 6-25x the shared-memory groups' with 4-8
 ranks on 2 cores (benchmarks/shm_vs_gloo.py). gloo stays where megalite names it (its checkpoint writer's group, the
 asynchronous outer optimizer's), in the torchrun jobs, and in the tests of gloo itself.
@@ -164,7 +165,7 @@ def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None, back
 
     import kernels
     from megalite import parallel_state as ps
-    from megalite.launch import gloo_loops_yielding
+    from megalite.parallel.launch import gloo_loops_yielding
     kernels.set_backend("auto")
     result = None
     try:
@@ -173,7 +174,7 @@ def _worker(rank, world_size, store_at, fn, args, out_dir, capability=None, back
                                "its own group; destroy it in the test that made it")
         ps.destroy_model_parallel()
         store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, is_master=False))
-        with gloo_loops_yielding():  # as megalite's own initialisation does (megalite.launch)
+        with gloo_loops_yielding():  # as megalite's own initialisation does (megalite.parallel.launch)
             shm_group.register()
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = ("ok", fn(*args))

@@ -251,7 +251,8 @@ def run_replicas(address, n, tmp, extra=(), iters=4, die=(), rejoin_at=None, joi
                  lose=(), rejoin_when_waiting=False, slow=None, refuse=None):
     """n replicas of the parity model for `iters` iterations against the Lighthouse at `address`; returns
     {replica id (with ranks > 1: (replica id, rank)): (losses, weights, optimizer state, LR schedule, iterations
-    saved, outer steps, FP8 histories)}. die: [(replica, iteration, "before" | "during")]: that replica's processes end in the middle of that
+    saved, outer steps, FP8 histories)}. die: [(replica, iteration, "before" | "during")]: that replica's processes
+    end in the middle of that
     iteration; rejoin_at: each is then started again (as its torchrun would restart it), and the others wait before
     that iteration until it heartbeats (files under `tmp` say so), so it heals while the others train. join_at: a
     new replica (number n) starts when the first replica is about to run that iteration, and everyone waits for it

@@ -9,7 +9,8 @@ from megalite.distributed.param_facts import tensor_parallel
 FLAVOURS = {
     "gpt2": dict(),
     "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-                  num_attention_heads=8, num_query_groups=4, add_bias_linear=False, untie_embeddings_and_output_weights=True),
+                  num_attention_heads=8, num_query_groups=4, add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True),
 }
 
 

@@ -54,7 +54,8 @@ import torch.distributed as dist
 
 from decision_replay import HALF_PRECISION_STEPS, KEY_MATCH, MATCH, Recorder, Replayer
 from dist_util import OTHER_CAPABILITY, run_on_ranks, start_on_ranks
-from megalite import decisions, parallel_state as ps
+from megalite import parallel_state as ps
+from megalite.moe import decisions
 from megalite.cli.parser import parse_args
 from megalite.distributed.param_facts import data_parallel
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
@@ -92,7 +93,7 @@ LOGGED = []  # the routers' and MTP's losses for the log line, per iteration (re
 def record_logged():
     """Record what the log line shows of the routers' and the MTP depths' losses (a layout's `fault` slot:
     applied in every rank)."""
-    import megalite.moe_logging as moe_logging
+    import megalite.training.auxiliary_losses as auxiliary_losses
 
     def recording(original):
         def record(*a, **k):
@@ -100,8 +101,8 @@ def record_logged():
             LOGGED.append({n: float(v) for n, v in out.items()})
             return out
         return record
-    with patched(moe_logging, "moe_losses", recording(moe_logging.moe_losses)), \
-            patched(moe_logging, "mtp_losses", recording(moe_logging.mtp_losses)):
+    with patched(auxiliary_losses, "moe_losses", recording(auxiliary_losses.moe_losses)), \
+            patched(auxiliary_losses, "mtp_losses", recording(auxiliary_losses.mtp_losses)):
         yield
 
 

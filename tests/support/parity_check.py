@@ -57,7 +57,8 @@ TOLERANCE = {"fp32": 1e-5,
 # two machines is already some distance apart after the steps (params of the Llama base 9.9e-6 after 6 steps,
 # AVX2 against ATen's default kernels, at the edge of DESIGN's 1e-5; the GPT base 2.5e-6). So the later-step
 # kinds are held to DESIGN's bound or ENVELOPE x that distance, whichever is larger (the argument of the
-# half-precision twins above, with a factor for one sample); measured, in a one-rank world under the ranks' capability, only for a layout
+# half-precision twins above, with a factor for one sample); measured, in a one-rank world under the ranks' capability,
+# only for a layout
 # whose later steps exceed DESIGN's bound (the verdict is the same as measuring it always).
 ENVELOPE = 4  # (fp32 across machines only)
 LATER = {"losses": "losses@1", "norms": "norms@1", "params": "grads"}  # later-step kind -> its step-1 kind
@@ -89,7 +90,8 @@ def errors(lay, ranks, ref):
             out.append((what + "@1", f"{where}: step-1 {what[:-1]} {r[what][:1]} vs single process {ref[what][:1]}",
                         errs[0]))
             out.append((what, f"{where}: {what} {r[what]} vs single process {ref[what]}", max(errs)))
-        for what, label in (("grads", "step-1 grad before clipping"), ("params", f"param after {len(ref['losses'])} steps")):
+        for what, label in (("grads", "step-1 grad before clipping"),
+                            ("params", f"param after {len(ref['losses'])} steps")):
             for name, t in r[what].items():
                 want = ref[what].get(name.replace(" [last-stage copy]", ""))
                 seen.add(name)
@@ -185,7 +187,8 @@ def assert_parity(lay, ranks, tol=None):
         for kind, (rows, n) in r.get("replayed", {}).items():
             replayed[kind] = [a + b for a, b in zip(replayed.get(kind, [0, 0]), (rows, n))]
     if replayed:  # (seen with pytest -s)
-        print(f"\n{lay.name}: " + ", ".join(f"{kind}: {n} of {rows} rows were ties taken as the single process took them"
+        print(f"\n{lay.name}: " + ", ".join(f"{kind}: {n} of {rows} rows were ties taken as the "
+                                            "single process took them"
                                            for kind, (rows, n) in replayed.items()))
     bad = mismatches(lay, ranks, ref, tol)
     assert not bad, f"{lay.name}: {len(bad)} mismatches against the single-process run:\n" + "\n".join(bad[:40])

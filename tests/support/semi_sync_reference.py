@@ -47,7 +47,7 @@ def collect(chunks, opt):
 class ReplicaView:
     """Replica r's samples in the order its inner loop reads them: of every chunk of micro x DP samples
     (Megatron's sampler) the DP ranks of block r take the contiguous run [r m n, (r+1) m n) (n = inner DP).
-    With a micro-batch size per DP rank (contiguous slices of each global batch, megalite/iteration_plan.py)
+    With a micro-batch size per DP rank (contiguous slices of each global batch, megalite/batching/iteration_plan.py)
     pass micro = the global batch / DP: of every global batch block r takes its R-th part in order."""
 
     def __init__(self, base, r, replicas, dp, micro):
@@ -72,7 +72,7 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
     fragment synced unmixed. Returns losses and step-1 grads per replica, the final global weights and
     momentum."""
     from megalite.pipeline.schedules import pipeline_tensor_shape
-    from megalite.data_iterators import data_iterators
+    from megalite.batching.data_iterators import data_iterators
     from megalite.training.setup import setup
     from megalite.training.step import train_step
     from megalite.tensor_parallel import model_parallel_manual_seed
@@ -86,7 +86,8 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
         model_parallel_manual_seed(args.seed)
         mcfg, _, chunks, opt, _ = setup(args, entry.model_provider)
         contiguous = "--data-parallel-micro-batch-sizes" in lay.flags  # slices of g / dp per DP rank
-        copies.append((chunks, opt, ReplicaView(base, r, replicas, dp, g // dp if contiguous else args.micro_batch_size)))
+        copies.append((chunks, opt, ReplicaView(base, r, replicas, dp,
+                                                g // dp if contiguous else args.micro_batch_size)))
     named = [n for n, _ in copies[0][0][0].module.named_parameters()]
     glob = [p.detach().clone() for p in copies[0][0][0].module.parameters()]
     sgd = torch.optim.SGD(glob, lr=1.0 if method == LOCAL_SGD else 0.7, momentum=0.0 if method == LOCAL_SGD else 0.9,

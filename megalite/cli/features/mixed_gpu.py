@@ -1,5 +1,5 @@
 """The command line of mixed GPUs of different memory and precision: a micro-batch size per
-data-parallel replica (megalite/iteration_plan.py; `auto`: megalite/memory_budget.py), optimizer CPU
+data-parallel replica (megalite/batching/iteration_plan.py; `auto`: megalite/training/memory_budget.py), optimizer CPU
 offload (megalite/optimizer/offload.py) and a precision per replica, with their checks, each user
 error one line."""
 
@@ -88,7 +88,7 @@ def check_uneven_composes(args, schedule):
     """ZeRO-3's parameter gathers and EP's token dispatches run once per micro-batch on every rank of
     their groups: with unequal shares or micro-batch sizes they compose only where every DP rank runs
     the same number of micro-batches in every reachable batch (e.g. shares 4,1 with sizes 4,1)."""
-    from megalite.iteration_plan import training_plan
+    from megalite.batching.iteration_plan import training_plan
     sizes = args.data_parallel_micro_batch_sizes
     axes = [what for what, on in (("ZeRO-3 (its parameter all-gathers)", args.zero_stage == 3),
                                   ("--expert-model-parallel-size > 1 (its token dispatches)",
@@ -203,15 +203,3 @@ def validate_precisions(args):
         if bad:
             raise ConfigError(f"{flag} does not compose with {what}")
     args.data_parallel_precisions = values
-
-
-def with_rank_precision(args, dp_rank):
-    """A copy of args whose --bf16 / --fp16 are DP replica dp_rank's (--data-parallel-precisions), for
-    building that rank's model and optimizer configs; args itself when there is no list."""
-    if not args.data_parallel_precisions:
-        return args
-    mine = args.data_parallel_precisions[dp_rank]
-    if hasattr(args, "replace"):  # the frozen run configuration
-        return args.replace(bf16=mine == "bf16", fp16=mine == "fp16")
-    import argparse
-    return argparse.Namespace(**{**vars(args), "bf16": mine == "bf16", "fp16": mine == "fp16"})

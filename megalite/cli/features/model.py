@@ -4,7 +4,7 @@ adds them to its parser and maps them to ModelConfig (model_config)."""
 
 import argparse
 
-from megalite.mup import MUP_FLAGS
+from megalite.cli.features.mup import MUP_FLAGS
 
 
 def add_model_flags(a):
@@ -70,7 +70,8 @@ def _moe_flags(a):
     a("--moe-per-layer-logging", action="store_true", help="each MoE layer's router losses to TensorBoard")
     a("--expert-model-parallel-size", type=int, default=1, help="ranks the experts are split over (MoE)")
     a("--expert-tensor-parallel-size", type=int, default=None, help="MoE experts' TP size (only 1 for now)")
-    a("--moe-expert-capacity-factor", type=float, default=None, help="drop tokens over ceil(T·k/E · factor) per expert")
+    a("--moe-expert-capacity-factor", type=float, default=None,
+      help="drop tokens over ceil(T·k/E · factor) per expert")
     a("--moe-token-drop-policy", default="probs", choices=["probs", "position"])
     a("--moe-pad-expert-input-to-capacity", action="store_true")
     a("--moe-shared-expert-intermediate-size", type=int, default=None, help="a shared expert of this FFN size")

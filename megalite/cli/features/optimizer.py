@@ -20,9 +20,6 @@ _OWN = {"--sgd-momentum": ("sgd_momentum", 0.9, ("sgd",)),
         "--muon-extra-scale-factor": ("muon_extra_scale_factor", 1.0, ("muon",)),
         "--muon-scalar-optimizer": ("muon_scalar_optimizer", "adam", ("muon",)),
         "--muon-use-syrk": ("muon_use_syrk", False, ("muon",))}
-# TrainingConfig's fields of the same names
-OPTIMIZER_FIELDS = tuple(dest for dest, _, _ in _OWN.values() if dest != "muon_use_syrk") + ("qk_clip_threshold",
-                                                                                             "qk_clip_alpha")
 
 
 def add_optimizer_flags(a):

@@ -1,4 +1,5 @@
-"""Text generation: a key/value cache and sampling (greedy, temperature, top-k, top-p).
+"""Text generation: sampling (greedy, temperature, top-k, top-p) over a key/value cache
+(megalite/transformer/kv_cache.py).
 
 With a KVCache the model runs the prompt once, then one token per step, each attention
 layer reusing the keys and values of earlier positions. Under TP each rank caches its own
@@ -9,28 +10,7 @@ ranks pick the same token.
 import torch
 
 from megalite.tensor_parallel import gather_from_tensor_model_parallel_region
-
-
-class KVCache:
-    """Keys and values per attention module, [b, positions, groups, d]; `offset` counts the
-    positions cached so far (the model advances it after each forward)."""
-
-    def __init__(self):
-        self.kv, self.offset = {}, 0
-
-    def extend(self, key, k, v):
-        """Append this step's k, v; returns all of them and the attention mask for this step's
-        queries (None: plain causal, valid when nothing was cached before)."""
-        if key in self.kv:
-            pk, pv = self.kv[key]
-            k, v = torch.cat([pk, k], dim=1), torch.cat([pv, v], dim=1)
-        self.kv[key] = (k, v)
-        if not self.offset:
-            return k, v, None
-        total = k.shape[1]
-        q_pos = torch.arange(self.offset, total, device=k.device)[:, None]
-        masked = torch.arange(total, device=k.device)[None, :] > q_pos  # True = not attended
-        return k, v, masked[None, None]
+from megalite.transformer.kv_cache import KVCache
 
 
 def sample(logits, generator, greedy=False, temperature=1.0, top_k=0, top_p=1.0):

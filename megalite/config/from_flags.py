@@ -1,9 +1,12 @@
-"""Parsed command-line arguments to the configuration dataclasses (megalite/config/): ModelConfig's fields (and the
-ExecutionConfig's it inherits) come from the flags their declarations name (config/fields.py: Field), the derived
-ones are here; imported by the parser (cli/parser.py) and the checks (cli/validate.py) alike."""
+"""The validated flags (a RunConfig, megalite/config/run.py) to the configuration dataclasses: ModelConfig's fields
+(and the ExecutionConfig's it inherits) come from the flags their declarations name (config/fields.py: Field), the
+derived ones are here; used by the command line's checks (megalite/cli/validate.py), training's setup and the
+planner alike, so none of them imports the command line."""
 
-from megalite.config import FLAG_FIELDS, ModelConfig, TrainingConfig
-from megalite.cli.features.optimizer import OPTIMIZER_FIELDS
+import argparse
+
+from megalite.config.model import FLAG_FIELDS, ModelConfig
+from megalite.config.training import OPTIMIZER_FIELDS, TrainingConfig
 
 
 def model_config(args, vocab_size):
@@ -44,3 +47,14 @@ def training_config(args):
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
         loss_scaling=("fp16" in args.data_parallel_precisions) if getattr(args, "data_parallel_precisions", None)
         else None)
+
+
+def with_rank_precision(args, dp_rank):
+    """A copy of args whose --bf16 / --fp16 are DP replica dp_rank's (--data-parallel-precisions), for
+    building that rank's model and optimizer configs; args itself when there is no list."""
+    if not args.data_parallel_precisions:
+        return args
+    mine = args.data_parallel_precisions[dp_rank]
+    if hasattr(args, "replace"):  # the frozen run configuration
+        return args.replace(bf16=mine == "bf16", fp16=mine == "fp16")
+    return argparse.Namespace(**{**vars(args), "bf16": mine == "bf16", "fp16": mine == "fp16"})

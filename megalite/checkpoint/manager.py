@@ -249,7 +249,8 @@ def unwrap_checkpoint_error(exc):
         if isinstance(err, CheckpointError):
             return err
     err = next(iter(exc.failures.values()))[0]
-    return CheckpointError(f"checkpoint I/O failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    first = str(err).splitlines()[0] if str(err) else ''
+    return CheckpointError(f"checkpoint I/O failed: {type(err).__name__}: {first}")
 
 
 def _check_compatible(meta, model_config, path):
@@ -322,7 +323,7 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None)
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
     else:
         main_params_from_model(optimizer)
-    _restore_rng(meta, path, args, weights_only, g)
+    _load_rng_states(meta, path, args, weights_only, g)
     fp8_dir = os.path.join(path, "fp8")
     if os.path.isdir(fp8_dir):  # every rank's histories, merged by module name: any layout takes its own
         saved = (meta.get("parallel") or {}).get("semi_sync_replicas", 1)  # (another count: the first replica's)
@@ -371,7 +372,7 @@ def _drop_gathered(chunks):
             c.units.release_all()
 
 
-def _restore_rng(meta, path, args, weights_only, g):
+def _load_rng_states(meta, path, args, weights_only, g):
     if weights_only or args.no_load_rng:
         return
     par = meta.get("parallel", {})

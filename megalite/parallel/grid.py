@@ -74,7 +74,8 @@ class Grid:
 
     def dp_cp(self):
         """(group, size, rank) over DP x CP: where dense gradients are reduced and ZeRO shards them."""
-        return (self.dp_cp_group if self.cp > 1 else self.dp_group), self.dp * self.cp, self.dp_rank * self.cp + self.cp_rank
+        group = self.dp_cp_group if self.cp > 1 else self.dp_group
+        return group, self.dp * self.cp, self.dp_rank * self.cp + self.cp_rank
 
     def expert_dp(self):
         """(group, size, rank) over expert-DP (DP x CP without an expert grid)."""

@@ -48,7 +48,8 @@ def moe_losses(config, num_microbatches, total=None, grid=None):
         dist.all_reduce(vals, group=g.tp_cp_group if g.cp > 1 else g.tp_group)
     out = dict(zip(names, (vals.sum(dim=1) / len(layers)).unbind()))
     if config.moe_per_layer_logging:
-        out.update({f"moe/{n}_layer_{layer}": vals[j, i] for j, n in enumerate(names) for i, layer in enumerate(layers)})
+        out.update({f"moe/{n}_layer_{layer}": vals[j, i] for j, n in enumerate(names)
+                    for i, layer in enumerate(layers)})
     return out
 
 

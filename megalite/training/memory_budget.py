@@ -22,7 +22,7 @@ import torch
 
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
-from megalite.microbatches import interleaving_problem
+from megalite.batching.microbatches import interleaving_problem
 
 GIB = 2 ** 30
 
@@ -116,11 +116,11 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     """Profile this rank, choose its replica's micro-batch size (--data-parallel-micro-batch-sizes
     auto: plan.micros set, the same on every rank) and its offload fraction (auto: returned; else
     None). Collective: every rank runs the same profiling steps."""
-    from megalite.data_iterators import data_iterators
+    from megalite.batching.data_iterators import data_iterators
     from megalite.distributed import finalize_model_grads
     from megalite.distributed.collectives import max_per_data_parallel_rank
     from megalite.pipeline.schedules import run_forward_backward
-    from megalite.iteration_plan import interleaving
+    from megalite.batching.iteration_plan import interleaving
     from megalite.optimizer.memory import state_bytes_by_place
     from megalite.pipeline.schedules import pipeline_tensor_shape
     grid = ps.grid_of(chunks)

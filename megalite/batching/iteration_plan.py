@@ -31,7 +31,7 @@ rule every rank computes from the same gathered times.
 import math
 
 from megalite.config import ConfigError
-from megalite.microbatches import BatchSchedule, interleaving_problem, parse_step_schedule
+from megalite.batching.microbatches import BatchSchedule, interleaving_problem, parse_step_schedule
 
 
 def parse_shares(text, dp):
@@ -178,7 +178,7 @@ def balanced_counts(seconds, total, unit=1):
 def training_plan(args, schedule):
     """The run's IterationPlan: its shares, per-rank micro-batch sizes and replicas."""
     micros = getattr(args, "data_parallel_micro_batch_sizes", None)
-    if micros == "auto":  # chosen by memory once the model is built (megalite/memory_budget.py)
+    if micros == "auto":  # chosen by memory once the model is built (megalite/training/memory_budget.py)
         micros = [args.micro_batch_size] * args.data_parallel_size
     return IterationPlan(schedule, initial_shares(args), getattr(args, "semi_sync_replicas", None) or 1, micros)
 
