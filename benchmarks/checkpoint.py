@@ -34,20 +34,21 @@ def _worker(rank, world, port, flags, out_dir, results):
     from megalite.cli.parser import parse_args
     from megalite.tensor_parallel import model_parallel_manual_seed
     from megalite.training.setup import setup
+    from megalite.checkpoint.writer import CheckpointIO
 
     args = parse_args(flags + ["--save", out_dir, "--load", out_dir], world_size=world)
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     model_parallel_manual_seed(args.seed)
     args = args.replace(vocab_size=32000)
     mcfg, _, chunks, opt, sched = setup(args, pretrain_gpt.model_provider)
-    row = {}
+    row, io = {}, CheckpointIO()
     for mode in ("sync", "async"):
         dist.barrier()
         t0 = time.perf_counter()
         ck.save_checkpoint(1 if mode == "sync" else 2, chunks, opt, sched, mcfg,
-                           args.replace(async_save=mode == "async"), 0, 0)
+                           args.replace(async_save=mode == "async"), 0, 0, io=io)
         row[f"{mode}_blocked"] = time.perf_counter() - t0
-        ck.wait_for_pending_save()
+        io.wait()
         dist.barrier()
         row[f"{mode}_total"] = time.perf_counter() - t0
     d = ck.iteration_dir(out_dir, 2)
@@ -55,11 +56,11 @@ def _worker(rank, world, port, flags, out_dir, results):
         os.path.exists(os.path.join(d, f"__{rank}_0.safetensors")) else 0
     dist.barrier()
     t0 = time.perf_counter()
-    ck.load_checkpoint(chunks, opt, sched, mcfg, args)
+    ck.load_checkpoint(chunks, opt, sched, mcfg, args, io=io)
     dist.barrier()
     row["load"] = time.perf_counter() - t0
     row["params"] = sum(p.numel() for c in chunks for p in c.parameters())
-    ck.finish_checkpointing()
+    io.close()
     results[rank] = row
     dist.destroy_process_group()
 

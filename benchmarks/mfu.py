@@ -75,8 +75,8 @@ def run(config_flags, micro, steps, extra, profile=False, model_out=None):
     try:
         mcfg, tcfg, chunks, opt, sched = setup(args, pretrain_gpt.model_provider)
         ds = MockGPTDataset(steps * micro + micro, args.seq_length, args.vocab_size, args.seed)
-        its = chunk_iterators(build_data_iterator(ds, 0, args), 1)
-        shape = pipeline_tensor_shape(mcfg, micro)
+        its = chunk_iterators(build_data_iterator(ds, 0, args, grid=ps.current_grid()), 1, ps.current_grid())
+        shape = pipeline_tensor_shape(mcfg, micro, ps.current_grid())
         times = []
         for i in range(steps):
             sync()

@@ -72,7 +72,7 @@ def _gpipe(chunks, m):
     """All forwards, then all backwards: the baseline that keeps m micro-batches alive."""
     from megalite import parallel_state as ps
     from megalite.pipeline.p2p import P2P
-    p2p = P2P(SHAPE, torch.float32, torch.device("cpu"))
+    p2p = P2P(SHAPE, torch.float32, torch.device("cpu"), ps.current_grid())
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     ins, outs, peak = [], [], 0
     for _ in range(m):
@@ -97,7 +97,7 @@ def _p2p_latency(n=50):
     """One-way time of a batched p2p message between stages 0 and 1 (ping-pong / 2)."""
     from megalite import parallel_state as ps
     from megalite.pipeline.p2p import P2P
-    p2p, r = P2P(SHAPE, torch.float32, torch.device("cpu")), ps.get_pipeline_model_parallel_rank()
+    p2p, r = P2P(SHAPE, torch.float32, torch.device("cpu"), ps.current_grid()), ps.get_pipeline_model_parallel_rank()
     x = torch.ones(SHAPE)
     dist.barrier()
     t = time.perf_counter()

@@ -310,14 +310,10 @@ class RerunStateMachine:
             print_rank_last(f"megalite:   From validation call '{m}':\nmegalite:     {line}")
 
 
-_MACHINE = {"m": None}
-
-
 def initialize_rerun_state_machine(args):
-    """From the command line (pretrain calls it once the grid exists)."""
+    """From the command line (setup makes the run's one, once the grid exists; the Trainer hands it to each step)."""
     injector = ErrorInjector(args.error_injection_rate, args.error_injection_type, args.seed)
     m = RerunStateMachine(args.rerun_mode, args.check_for_nan_in_loss_and_grad, args.check_for_spiky_loss, injector)
-    _MACHINE["m"] = m
     if args.rerun_mode != "disabled":
         inject = f"; injecting {args.error_injection_type} at 1 in {args.error_injection_rate} validations" \
             if args.error_injection_rate > 0 and args.rerun_mode == "validate_results" else ""
@@ -327,25 +323,13 @@ def initialize_rerun_state_machine(args):
     return m
 
 
-def get_rerun_state_machine():
-    """The machine of the running pretrain(); a disabled one for a train_step called on its own."""
-    if _MACHINE["m"] is None:
-        _MACHINE["m"] = RerunStateMachine()
-    return _MACHINE["m"]
-
-
-def destroy_rerun_state_machine():
-    _MACHINE["m"] = None
-
-
-def exit_after(e, save, owns):
-    """RerunExit in the loop: the checkpoint (save: a function, None without --save), the message, the exit."""
-    from megalite.checkpoint.manager import finish_checkpointing
+def exit_after(e, save, checkpoints, owns):
+    """RerunExit in the loop: the checkpoint (save: a function, None without --save; checkpoints: the run's
+    CheckpointIO, closed after it), the message, the exit."""
     print_rank_last(f"megalite: {e.message}" + ("" if not e.checkpoint or save else " (no --save: nothing saved)"))
     if e.checkpoint and save is not None:
         save()
-    finish_checkpointing()
-    destroy_rerun_state_machine()
+    checkpoints.close()
     if owns:
         ps.shutdown_distributed()
     sys.exit(e.code)

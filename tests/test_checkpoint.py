@@ -213,31 +213,26 @@ def test_pickle_payload_is_refused(victim, tmp_path, capsys):
     assert not os.path.exists(marker)
 
 
-def _pending_is_empty(out):
-    from megalite.checkpoint import manager as checkpointing
-    out.put(all(v is None for v in checkpointing._pending.values()))
+def test_a_runs_checkpoint_io_reports_its_background_error_and_ends_its_thread():
+    """--async-save's writer belongs to the run (checkpoint/writer.py; no module-global survives into a second run
+    or a forked rank): a failed background write is raised at the next wait, and close() ends the thread."""
+    import threading
 
+    from megalite.checkpoint.writer import CheckpointIO
+    io = CheckpointIO()
+    assert io.group() is None  # one process without torch.distributed: DCP runs without a group
 
-def test_forked_process_starts_without_the_parents_save_thread():
-    """An async save's executor thread (and gloo group) does not survive a fork: a forked rank
-    submitting to it would wait forever. The child starts with none."""
-    import multiprocessing as mp
-    from concurrent.futures import ThreadPoolExecutor
-
-    from megalite.checkpoint import manager as checkpointing
-    old = dict(checkpointing._pending)
-    checkpointing._pending["executor"] = ThreadPoolExecutor(max_workers=1)
-    try:
-        checkpointing._pending["executor"].submit(lambda: None).result()
-        ctx = mp.get_context("fork")
-        out = ctx.Queue()
-        p = ctx.Process(target=_pending_is_empty, args=(out,))
-        p.start()
-        p.join(60)
-        assert out.get(timeout=10) is True and p.exitcode == 0
-    finally:
-        checkpointing._pending["executor"].shutdown()
-        checkpointing._pending.update(old)
+    def failing():
+        raise OSError("disk full")
+    io.submit(failing)
+    with pytest.raises(OSError, match="disk full"):
+        io.wait()
+    io.wait()  # (raised once)
+    io.submit(lambda: None)
+    with pytest.raises(AssertionError, match="still in flight"):
+        io.submit(lambda: None)
+    io.close()
+    assert not any(t.name.startswith("megalite-ckpt") and t.is_alive() for t in threading.enumerate())
 
 
 def test_verify_integrity_names_what_changed(tmp_path, capsys):

@@ -139,7 +139,8 @@ def _loader_batches(workers):
         ds = GPTBatchDataset(_Counting(64, 16, 1), EOD, True, True, True)
         _Counting.reads = 0
         torch.manual_seed(0)
-        it = build_data_iterator(ds, 6, SimpleNamespace(micro_batch_size=2, num_workers=workers))
+        it = build_data_iterator(ds, 6, SimpleNamespace(micro_batch_size=2, num_workers=workers),
+                                 grid=ps.current_grid())
         batches = [{k: v.clone() for k, v in next(it).items()} for _ in range(5)]
         draw = torch.rand(4)  # the global RNG (hidden dropout on CPU) is untouched by the reader's loader
         batches[0]["draw"] = draw

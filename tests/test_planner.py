@@ -335,9 +335,10 @@ def test_semi_synchronous_replicas_are_priced():
 
 
 def test_layout_flags_parsed_over_the_model_flags_are_the_whole_parse():
-    """validated() parses the model's flags once and each layout's over a copy: the same arguments as one parse of
-    both, whatever layout came before (validation of one layout leaves nothing in the next one's copy)."""
-    from megalite.cli.parser import check_args
+    """A search parses the model's flags once and each layout's over a copy (cli/parser.py, ModelFlags): the same
+    arguments as one parse of both, whatever layout came before (validation of one layout leaves nothing in the
+    next one's copy)."""
+    from megalite.cli.parser import ModelFlags, check_args
     moe = ["--moe-layer-freq", "[1,0,1,0,1,0,1,0]", "--num-experts", "4", "--disable-bias-linear"]  # a list flag
     model = GPT + moe
     layouts = [["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2"],
@@ -345,8 +346,9 @@ def test_layout_flags_parsed_over_the_model_flags_are_the_whole_parse():
                 "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
                 "--pipeline-model-parallel-layout", "Et*3|t*5L", "--micro-batch-size", "1"],
                ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--micro-batch-size", "4"]]
+    parsed = ModelFlags(model)
     for flags in layouts + layouts[::-1]:
-        assert vars(check_args(model, 8, layout=flags)) == vars(check_args(model + flags, 8)), flags
+        assert vars(parsed.at(flags, 8)) == vars(check_args(model + flags, 8)), flags
 
 
 def test_full_recompute_runs_the_forward_tp_collectives_again():

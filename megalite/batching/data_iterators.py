@@ -15,16 +15,16 @@ def _collate(samples):
 
 
 def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micro_batch_size=None, plan=None,
-                        rank=None, grid=None, ranks=None):
+                        rank=None, *, grid, ranks=None):
     """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
     for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
     labels (first and last) read data, unless every_stage. micro_batch_size: default
     --micro-batch-size (evaluation passes its own). plan: the IterationPlan; with uneven shares
     each rank reads its contiguous slice of every global batch. rank: the DP rank (across replicas) whose
     part is read (default this rank's; asynchronous replicas read the part of the slot they train). grid: the
-    layout whose ranks read (default the global one). ranks: how many parts each global batch is read in (default
+    layout whose ranks read. ranks: how many parts each global batch is read in (default
     the grid's DP ranks over its replicas; fault-tolerant replicas: the live ones')."""
-    g = ps.current_grid(grid)
+    g = grid
     if dataset is None or not (every_stage or g.first_stage() or g.last_stage()):
         return None
     from megalite.data import MegatronPretrainingSampler, SharesPretrainingSampler
@@ -67,10 +67,10 @@ def close_iterators(its):
             it.close()
 
 
-def chunk_iterators(it, num_chunks, grid=None):
+def chunk_iterators(it, num_chunks, grid):
     """Per model chunk: the first chunk of the first stage and the last chunk of the last
     stage read the data; other chunks get None."""
-    g, its = ps.current_grid(grid), [None] * num_chunks
+    g, its = grid, [None] * num_chunks
     if g.first_stage():
         its[0] = it
     if g.last_stage():
@@ -80,11 +80,11 @@ def chunk_iterators(it, num_chunks, grid=None):
 
 def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None, plan=None, rank=None, ranks=None):
     """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask,
-    GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage. The grid: the chunks'
-    own (their modules'), else the global one."""
-    grid = getattr(chunks[0].module, "grid", None)
+    GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage, on the chunks' grid."""
+    grid = ps.grid_of(chunks)
     if getattr(chunks[0].module, "input_on_every_stage", False):
-        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan, rank, grid, ranks)
+        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan, rank, grid=grid,
+                                ranks=ranks)
                 for _ in chunks]
     return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size, plan, rank,
-                                               grid, ranks), len(chunks), grid)
+                                               grid=grid, ranks=ranks), len(chunks), grid)

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from megalite import __version__
 from megalite import parallel_state as ps
 from megalite.checkpoint.integrity import verify_integrity, write_integrity
 from megalite.checkpoint.planner import ChunkLoadPlanner, ChunkSavePlanner
+from megalite.checkpoint.writer import CheckpointIO
 from megalite.checkpoint.state import (
     main_params_from_model,
     model_entries,
@@ -56,9 +56,6 @@ from megalite.checkpoint.storage import (
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "megalite.json"
 FORMAT = "megalite-checkpoint"
-_pending = {"future": None, "executor": None, "group": None}
-# A forked process has none of its parent's threads or process groups: it starts its own.
-os.register_at_fork(after_in_child=lambda: _pending.update(future=None, executor=None, group=None))
 
 
 def optimizer_kind(args):
@@ -101,41 +98,11 @@ def config_for_one_process(saved):
     return ModelConfig(**cfg)
 
 
-def _group():
-    """A gloo group for checkpoint collectives: CPU tensors, and safe to use from the
-    background thread while training uses the default group."""
-    if not dist.is_initialized():
-        return None
-    if _pending["group"] is None:
-        _pending["group"] = ps.new_group(backend="gloo")
-    return _pending["group"]
-
-
-checkpoint_group = _group  # (also what a Megatron checkpoint's conversion agrees on, training/setup.py)
-
-
 def _dcp(fn, *args, **kw):
     """DCP call; on one process (no groups) DCP warns that it assumes one process: it does."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return fn(*args, **kw)
-
-
-def wait_for_pending_save():
-    fut, _pending["future"] = _pending["future"], None
-    if fut is not None:
-        fut.result()  # re-raises the background write's error here
-
-
-def finish_checkpointing():
-    """Wait for an async save and release the writer thread and group (end of training)."""
-    wait_for_pending_save()
-    if _pending["executor"] is not None:
-        _pending["executor"].shutdown(wait=True)
-        _pending["executor"] = None
-    if _pending["group"] is not None:
-        dist.destroy_process_group(_pending["group"])
-        _pending["group"] = None
 
 
 def check_save_dir(root):
@@ -186,15 +153,16 @@ class _CommittingWriter(SafetensorsWriter):
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args, consumed_train, consumed_valid):
-    """Every rank calls this at the same iteration."""
-    wait_for_pending_save()
+def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args, consumed_train, consumed_valid, *,
+                    io):
+    """Every rank calls this at the same iteration (io: the run's CheckpointIO, checkpoint/writer.py)."""
+    io.wait()
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: parameters must be whole
     g = ps.grid_of(chunks)
     root, rank = args.save, g.rank
     tmp = iteration_dir(root, iteration) + ".tmp"
-    group = _group()
+    group = io.group()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
         os.makedirs(os.path.join(tmp, "rng"))
@@ -237,9 +205,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
         return
     for e in entries.values():  # training goes on mutating these: write host copies
         e.chunks = [(o, t.detach().to("cpu", copy=True)) for o, t in e.chunks]
-    if _pending["executor"] is None:
-        _pending["executor"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalite-ckpt")
-    _pending["future"] = _pending["executor"].submit(_dcp, dcp.save, {}, **kw)
+    io.submit(_dcp, dcp.save, {}, **kw)
 
 
 def unwrap_checkpoint_error(exc):
@@ -268,9 +234,9 @@ def _check_compatible(meta, model_config, path):
                               f" but this run has {mine['max_position_embeddings']}")
 
 
-def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None):
+def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None, *, io):
     """Returns (iteration, consumed_train, consumed_valid), or None when --load holds no
-    checkpoint (training starts from scratch, as in Megatron)."""
+    checkpoint (training starts from scratch, as in Megatron). io: the run's CheckpointIO (checkpoint/writer.py)."""
     root = args.load if root is None else root
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"--load {root} is a file; give the checkpoint directory (the one holding {TRACKER})")
@@ -304,7 +270,7 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None)
         optional |= set(momentum)  # a synchronous (or Local SGD) checkpoint has none: the momentum starts at 0
         entries.update(opt)
         entries.update(momentum)
-    group = _group()
+    group = io.group()
     if args.verify_integrity:
         verify_integrity(path, group)
     validate_files(path)  # a corrupt or foreign file: one clean line on every rank, before DCP
@@ -347,7 +313,7 @@ def _replica_prefix(grid):
 
 
 def load_weights(chunks, root):
-    """Only the model weights of the newest checkpoint under `root` (e.g. for inference);
+    """Only the model weights of the newest checkpoint under `root` (e.g. for inference; every rank calls it);
     returns its metadata."""
     it = read_tracker(root) if os.path.isdir(root) else None
     if it is None:
@@ -355,12 +321,15 @@ def load_weights(chunks, root):
     path = iteration_dir(root, it)
     meta = read_json(os.path.join(path, META), "checkpoint metadata")
     validate_files(path)
-    group = _group()
+    io = CheckpointIO()
     try:
+        group = io.group()
         _dcp(dcp.load, {}, storage_reader=SafetensorsReader(path),
              planner=ChunkLoadPlanner(model_entries(chunks, False)), process_group=group, no_dist=group is None)
     except CheckpointException as e:
         raise unwrap_checkpoint_error(e) from None
+    finally:
+        io.close()
     _drop_gathered(chunks)
     return meta
 

@@ -270,28 +270,28 @@ def parse_args(argv=None, world_size=None, defaults=None):
         fail(str(e))
 
 
-_PARSER = []
-_MODEL = {}  # check_args' last model flags, parsed: {"key": (argv, defaults), "parsed": (namespace, unknown)}
+class ModelFlags:
+    """One model's flags `argv` parsed once (with a parser of its own), each layout's own flags (none of them in
+    argv) then parsed over a copy of that: the same arguments as parsing argv + layout, a fifth of a planner
+    search's time less (cli/plan.py keeps one per model command line)."""
+
+    def __init__(self, argv, defaults=None):
+        self.parser = build_parser()
+        self.parser.set_defaults(**{"model_type": "gpt", **(defaults or {})})
+        self.base, self.unknown = self.parser.parse_known_args(argv)
+
+    def at(self, layout, world_size):
+        copied = argparse.Namespace(**{k: copy.deepcopy(v) if isinstance(v, (list, dict, set)) else v
+                                       for k, v in vars(self.base).items()})  # validation may change what it holds
+        args, more = self.parser.parse_known_args(list(layout), namespace=copied)
+        return _finish(args, self.unknown + more, self.parser, world_size)
 
 
 def check_args(argv, world_size, defaults=None, layout=()):
-    """parse_args that raises the ConfigError instead of exiting. A planner tries many layouts of one model: one
-    parser, and the model's flags `argv` parsed once, each layout's own flags (`layout`, none of them in argv) then
-    parsed over a copy of that: the same arguments as parsing argv + layout, a fifth of a search's time less."""
-    if not _PARSER:
-        _PARSER.append(build_parser())
-    parser = _PARSER[0]
+    """parse_args that raises the ConfigError instead of exiting; layout: more flags, parsed over argv's."""
     if not layout:
-        return _parse(argv, world_size, defaults, parser)
-    parser.set_defaults(**{"model_type": "gpt", **(defaults or {})})
-    key = (tuple(argv), repr(defaults))
-    if _MODEL.get("key") != key:
-        _MODEL.update(key=key, parsed=parser.parse_known_args(argv))
-    base, unknown = _MODEL["parsed"]
-    copied = argparse.Namespace(**{k: copy.deepcopy(v) if isinstance(v, (list, dict, set)) else v
-                                   for k, v in vars(base).items()})  # validation may change what it holds
-    args, more = parser.parse_known_args(list(layout), namespace=copied)
-    return _finish(args, unknown + more, parser, world_size)
+        return _parse(argv, world_size, defaults)
+    return ModelFlags(argv, defaults).at(layout, world_size)
 
 
 def _parse(argv, world_size, defaults=None, parser=None):

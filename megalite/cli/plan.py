@@ -1,25 +1,38 @@
 """The planner (megalite/planner/) over a command line: a candidate layout's flags validated by megalite's own
 checks (what megalite would refuse to launch, the search skips), and the search with that validation."""
 
-from megalite.cli.parser import check_args
+from megalite.cli.parser import ModelFlags
 from megalite.config import ConfigError
 from megalite.planner import search as layout_search
 from megalite.planner.layout import strip_layout_flags
+
+
+class Validator:
+    """validated() over one search: each model command line's flags parsed once (cli/parser.py, ModelFlags)."""
+
+    def __init__(self):
+        self.models = {}
+
+    def __call__(self, model_argv, layout, world_size):
+        argv = strip_layout_flags(model_argv)
+        if not layout.zero:
+            argv = [a for a in argv if a != "--overlap-param-gather"]
+        key = tuple(argv)
+        if key not in self.models:
+            self.models[key] = ModelFlags(argv)
+        args = self.models[key].at(layout.flags(), world_size)
+        if args.data_parallel_size != layout.dp:
+            raise ConfigError(f"{layout.describe()}: {world_size} GPUs give DP {args.data_parallel_size}")
+        return args
 
 
 def validated(model_argv, layout, world_size):
     """megalite's parsed arguments for the user's model flags at this layout; ConfigError where megalite
     would refuse to launch it. The user's --overlap-param-gather (ZeRO's) applies to the layouts with ZeRO; those
     without run without it."""
-    argv = strip_layout_flags(model_argv)
-    if not layout.zero:
-        argv = [a for a in argv if a != "--overlap-param-gather"]
-    args = check_args(argv, world_size, layout=layout.flags())
-    if args.data_parallel_size != layout.dp:
-        raise ConfigError(f"{layout.describe()}: {world_size} GPUs give DP {args.data_parallel_size}")
-    return args
+    return Validator()(model_argv, layout, world_size)
 
 
 def search(model_argv, cluster, top=5, limit=None, **choices):
-    """megalite.planner.search.search over this command line's validation."""
-    return layout_search.search(model_argv, cluster, top, limit, validate=validated, **choices)
+    """megalite.planner.search.search over this command line's validation (one Validator for the search)."""
+    return layout_search.search(model_argv, cluster, top, limit, validate=Validator(), **choices)

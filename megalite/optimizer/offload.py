@@ -22,16 +22,15 @@ import contextlib
 
 import torch
 
-from megalite import parallel_state as ps
 
 
-def fraction_for_rank(config, grid=None):
+def fraction_for_rank(config, grid):
     """This rank's offload fraction: the flag's one value, or its DP replica's entry of a list (of `grid`)."""
     f = getattr(config, "optimizer_offload_fraction", None)
     if not getattr(config, "optimizer_cpu_offload", False) or f is None:
         return 0.0
     if isinstance(f, (list, tuple)):
-        return float(f[ps.current_grid(grid).data_rank()])
+        return float(f[grid.data_rank()])
     return float(f)
 
 

@@ -14,7 +14,6 @@ ignores tags and matches in posting order, pairs them the same way gloo does by 
 import torch
 import torch.distributed as dist
 
-from megalite import parallel_state as ps
 
 _ACT, _GRAD = 0, 1
 
@@ -22,9 +21,9 @@ _ACT, _GRAD = 0, 1
 class P2P:
     """Sends/receives tensors of one fixed shape and dtype between adjacent stages."""
 
-    def __init__(self, shape, dtype, device, grid=None):
+    def __init__(self, shape, dtype, device, grid):
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        g = ps.current_grid(grid)
+        g = grid
         ranks, r = list(g.pp_ranks), g.pp_rank
         self.next, self.prev = ranks[(r + 1) % len(ranks)], ranks[(r - 1) % len(ranks)]
         self.group = g.pp_group

@@ -19,10 +19,9 @@ from megalite.pipeline.p2p import P2P
 from megalite.pipeline.run import Run, free_output, last_run  # noqa: F401 (last_run: read here by tests)
 
 
-def pipeline_tensor_shape(model_config, micro_batch_size, grid=None):
-    """What travels between stages: [seq (/CP) (/TP under SP), micro-batch, hidden]."""
-    g = ps.current_grid(grid)
-    c, tp = model_config, g.tp
+def pipeline_tensor_shape(model_config, micro_batch_size, grid):
+    """What travels between stages (of `grid`): [seq (/CP) (/TP under SP), micro-batch, hidden]."""
+    c, tp, g = model_config, grid.tp, grid
     seq = c.seq_length // g.cp
     seq = seq // tp if c.sequence_parallel and tp > 1 else seq
     return (seq, micro_batch_size, c.hidden_size)
@@ -97,6 +96,7 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
 
 
 def get_forward_backward_func(grid=None):
+    """Megatron's: the schedule of `grid`'s layout (default the global one, as Megatron's takes none)."""
     g = ps.current_grid(grid)
     if g.pp == 1:
         return forward_backward_no_pipelining
@@ -109,7 +109,7 @@ def get_forward_backward_func(grid=None):
 def run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
     """One iteration's micro-batches over this rank's model chunks with the layout's schedule (iters: one data
     iterator per chunk); returns what the loss function reported per micro-batch (last stage)."""
-    fwd_bwd = get_forward_backward_func()
+    fwd_bwd = get_forward_backward_func(ps.grid_of(chunks))
     model = chunks if len(chunks) > 1 else chunks[0]
     data = iters if len(chunks) > 1 else iters[0]
     return fwd_bwd(forward_step_func, data, model, num_microbatches, tensor_shape=shape, dtype=dtype, **kw)

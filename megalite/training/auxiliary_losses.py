@@ -24,7 +24,7 @@ def moe_loss_names(config):
     return names
 
 
-def moe_losses(config, num_microbatches, total=None, grid=None):
+def moe_losses(config, num_microbatches, total, grid):
     """{name: device scalar}; total: this rank's loss divisor when uneven. With
     --moe-per-layer-logging also {"moe/<name>_layer_<i>": scalar} per MoE layer (Megatron writes those to
     TensorBoard only; the console line skips names with a "/")."""
@@ -41,7 +41,7 @@ def moe_losses(config, num_microbatches, total=None, grid=None):
             if layer in aux_losses.get(n, {}):
                 vals[j, i] = aux_losses[n][layer].to(dev)
     aux_losses.clear()
-    g = ps.current_grid(grid)
+    g = grid
     vals = _over_batch_and_stages(vals, num_microbatches, total, g)
     tp = g.tp if config.sequence_parallel else 1
     if tp * g.cp > 1:  # each TP (under SP) and CP rank's part
@@ -53,7 +53,7 @@ def moe_losses(config, num_microbatches, total=None, grid=None):
     return out
 
 
-def dsa_indexer_loss(config, num_microbatches, total=None, grid=None):
+def dsa_indexer_loss(config, num_microbatches, total, grid):
     """{"indexer loss": device scalar}: each layer's coeff-scaled KL loss. Every TP rank holds the whole
     loss (the indexer sees the whole sequence): no sum over TP."""
     per_layer = aux_losses.pop("indexer loss", {})
@@ -62,17 +62,17 @@ def dsa_indexer_loss(config, num_microbatches, total=None, grid=None):
     vals = torch.zeros(config.num_layers, device=ps.get_device())
     for layer, value in per_layer.items():
         vals[layer - 1] = value.to(vals.device)
-    return {"indexer loss": _over_batch_and_stages(vals, num_microbatches, total, ps.current_grid(grid)).sum()
+    return {"indexer loss": _over_batch_and_stages(vals, num_microbatches, total, grid).sum()
             / config.num_layers}
 
 
-def mtp_losses(config, num_microbatches, total=None, grid=None):
+def mtp_losses(config, num_microbatches, total, grid):
     """{"mtp_<k> loss": device scalar} per depth k: the masked mean cross-entropy k tokens further ahead."""
     per_depth = aux_losses.pop("mtp loss", {})
     vals = torch.zeros(config.mtp_num_layers, device=ps.get_device())
     for k, value in per_depth.items():
         vals[k - 1] = value.to(vals.device)
-    g = ps.current_grid(grid)
+    g = grid
     if g.cp > 1:
         dist.all_reduce(vals, group=g.cp_group)
     vals = _over_batch_and_stages(vals, num_microbatches, total, g)
@@ -90,7 +90,7 @@ def _over_batch_and_stages(vals, num_microbatches, total, g):
     return vals
 
 
-def auxiliary_losses(config, num_microbatches, total=None, grid=None):
+def auxiliary_losses(config, num_microbatches, total, grid):
     """Every auxiliary loss of the log line (collective on every rank of `grid` when the model has any)."""
     out = {}
     if config.mtp_num_layers:

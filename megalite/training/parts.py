@@ -253,7 +253,8 @@ class Saver(Part):
             self.saved_at = it
             return
         save_checkpoint(it, r.chunks, r.optimizer, r.scheduler, r.mcfg, self.args, r.cursor.consumed,
-                        r.evaluation.consumed if r.evaluation is not None else r.prepared.consumed_valid)
+                        r.evaluation.consumed if r.evaluation is not None else r.prepared.consumed_valid,
+                        io=r.prepared.checkpoints)
         self.saved_at = it
 
     def after(self, it, step):
@@ -266,23 +267,25 @@ class Saver(Part):
         return last
 
 
-_SIGTERM = {"got": False}
-
-
-def catch_sigterm(args):
-    """--exit-signal-handler: a SIGTERM from the run's start on is remembered (ExitRules stops at the next
+class SigtermFlag:
+    """--exit-signal-handler: a SIGTERM from the run's start on is remembered here (ExitRules stops at the next
     iteration's end)."""
-    if args.exit_signal_handler:
-        _SIGTERM["got"] = False
-        signal.signal(signal.SIGTERM, lambda *_: _SIGTERM.update(got=True))
+
+    def __init__(self, args):
+        self.got = False
+        if args.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._received)
+
+    def _received(self, *_):
+        self.got = True
 
 
 class ExitRules(Part):
     """--exit-interval, --exit-signal-handler (SIGTERM), --exit-duration-in-mins: the state saved (with --save),
     then the run stops; every rank at the same iteration."""
 
-    def __init__(self, args, saver, started):
-        self.args, self.saver, self.started = args, saver, started
+    def __init__(self, args, saver, started, sigterm):
+        self.args, self.saver, self.started, self.sigterm = args, saver, started, sigterm
 
     def _stop(self, it, why):
         if self.saver is not None and self.saver.saved_at != it:
@@ -295,7 +298,7 @@ class ExitRules(Part):
         if a.exit_interval and it % a.exit_interval == 0:
             return self._stop(it, f"--exit-interval {a.exit_interval}")
         if a.exit_signal_handler or a.exit_duration_in_mins:
-            why = "SIGTERM received" if _SIGTERM["got"] else "--exit-duration-in-mins reached" if \
+            why = "SIGTERM received" if self.sigterm.got else "--exit-duration-in-mins reached" if \
                 a.exit_duration_in_mins and time.time() - self.started > 60 * a.exit_duration_in_mins else None
             if any_rank(why is not None):  # every rank stops at the same iteration
                 return self._stop(it, why or "another rank asked to stop")

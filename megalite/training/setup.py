@@ -13,8 +13,9 @@ import kernels
 from megalite import parallel_state as ps
 from megalite.config.from_flags import model_config, training_config
 from megalite.checkpoint.megatron import is_megatron_checkpoint
-from megalite.checkpoint.manager import (CheckpointError, check_save_dir, checkpoint_group, load_checkpoint,
-                                         read_tracker, unwrap_checkpoint_error)
+from megalite.checkpoint.manager import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
+                                         unwrap_checkpoint_error)
+from megalite.checkpoint.writer import CheckpointIO
 from megalite.config import ConfigError
 from megalite.distributed import DistributedDataParallel
 from megalite.distributed.semi_sync_async import semi_sync_for
@@ -54,8 +55,9 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
         abort(str(e))
     model_parallel_manual_seed(args.seed)
     kernels.set_self_check("off" if args.no_kernel_self_check else "cuda")
-    initialize_rerun_state_machine(args)
     r = types.SimpleNamespace(args=args, batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
+    r.rerun = initialize_rerun_state_machine(args)  # --rerun-mode: the run's one, handed to each step
+    r.checkpoints = CheckpointIO()  # the checkpoint group and async writer: the run's, closed at its end
     r.plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)
     r.log = MetricsLogger(args)
     try:
@@ -76,7 +78,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
                                1 if r.mcfg.calculate_per_token_loss else r.plan.grad_divisor)
         r.semi = semi_sync_for(args, r.optimizer, r.chunks)  # replicas' outer steps (loaded too); None without
         r.load = load_root(args)
-        start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args, r.load)
+        start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args, r.load, r.checkpoints)
         align_main_weights(args, r.optimizer)  # replicas of different precisions: one set of fp32 main weights
         if r.semi is not None:
             r.semi.begin((start or (0,))[0])
@@ -85,8 +87,9 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
     r.start_iter, r.consumed_train, r.consumed_valid = start or (0, 0, 0)
     r.eval_g, r.eval_mbs = eval_batch(args)
     r.eval_plan = evaluation_plan(args, r.plan, r.eval_g, r.eval_mbs)
-    r.shape, r.dtype = pipeline_tensor_shape(r.mcfg, r.plan.micro_of(r.dp_rank)), r.mcfg.params_dtype
-    r.eval_shape = pipeline_tensor_shape(r.mcfg, r.eval_plan.micro_of(r.dp_rank))
+    grid = ps.grid_of(r.chunks)
+    r.shape, r.dtype = pipeline_tensor_shape(r.mcfg, r.plan.micro_of(r.dp_rank), grid), r.mcfg.params_dtype
+    r.eval_shape = pipeline_tensor_shape(r.mcfg, r.eval_plan.micro_of(r.dp_rank), grid)
     _describe(args, r)
     if args.skip_train or r.start_iter >= args.train_iters:
         r.train_ds = None  # nothing left to train on: no iterator (its position may be at the end)
@@ -218,23 +221,24 @@ def load_root(args):
     return args.load
 
 
-def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root):
-    """Load `root` (load_root's). Returns (iteration, consumed train, consumed valid) or None."""
+def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root, io):
+    """Load `root` (load_root's) over io (the run's CheckpointIO). Returns (iteration, consumed train, consumed
+    valid) or None."""
     if not root:
         return None
     megatron = is_megatron_checkpoint(root)  # a Megatron-LM torch_dist directory: converted per node, then loaded
     if megatron:
         from megalite.checkpoint import from_megatron
         from megalite.cli.megatron_args import model_config_of
-        path = from_megatron.convert_for_load(root, model_config_of, checkpoint_group(), "cpu",
+        path = from_megatron.convert_for_load(root, model_config_of, io.group(), "cpu",
                                               lambda m: print(m, flush=True), not (args.no_load_optim or args.finetune))
     try:
-        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args, path if megatron else root)
+        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args, path if megatron else root, io=io)
     except CheckpointException as e:  # DCP wraps every rank's error; ours is one line
         raise unwrap_checkpoint_error(e) from None
     finally:
         if megatron:
-            from_megatron.remove_converted(root, checkpoint_group())
+            from_megatron.remove_converted(root, io.group())
     if megatron and loaded is not None and not (args.no_load_rng or args.finetune):
         from_megatron.restore_rng(root, chunks, lambda m: print(m, flush=True))
     if loaded is None and args.exit_on_missing_checkpoint:

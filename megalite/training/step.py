@@ -14,7 +14,7 @@ from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.qk_clip import after_step
 from megalite.pipeline.schedules import run_forward_backward
-from megalite.rerun import get_rerun_state_machine
+from megalite.rerun import RerunStateMachine
 from megalite.tensor_parallel import fp8
 
 
@@ -24,15 +24,17 @@ class StepNotCommitted(Exception):
 
 
 def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None,
-               loss_divisor=None, sync=False, iteration=None, vote=None):
+               loss_divisor=None, sync=False, iteration=None, vote=None, rerun=None):
     """One iteration; timers gets the host-side times (sync: after a device sync, for
     --data-parallel-shares auto). vote(chunks, amaxes), between the gradients' finalisation and the optimizer step:
     False raises StepNotCommitted (fault-tolerant replicas' cross-replica reduction and commit vote; amaxes: the
-    iteration's FP8 amaxes, which it reduces over the quorum too, taken into the histories only once committed)."""
+    iteration's FP8 amaxes, which it reduces over the quorum too, taken into the histories only once committed).
+    rerun: the run's RerunStateMachine (--rerun-mode: the iteration again on the same state, megalite/rerun.py);
+    None: a disabled one, as for a step called on its own."""
     if sync and ps.get_device().type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    rerun = get_rerun_state_machine()  # --rerun-mode: the iteration again on the same state (megalite/rerun.py)
+    rerun = RerunStateMachine() if rerun is None else rerun
     iters = rerun.wrap(iters)
     while rerun.should_run_forward_backward(iters, chunks, iteration):
         for c in chunks:

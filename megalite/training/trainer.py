@@ -4,7 +4,6 @@
 import dataclasses
 
 from megalite import parallel_state as ps
-from megalite.checkpoint.manager import finish_checkpointing
 from megalite.config import fail
 from megalite.batching.data_iterators import close_iterators
 from megalite.batching.iteration_plan import auto_shares
@@ -41,7 +40,7 @@ class Trainer:
         if args.deterministic_mode:
             from megalite.training.determinism import enable_deterministic
             enable_deterministic()
-        parts.catch_sigterm(args)
+        sigterm = parts.SigtermFlag(args)  # from the run's start on
         r = self.prepared = setup.prepare(args, datasets_provider, model_provider, forward_step_func, self.abort)
         args = self.args = r.args  # with the vocabulary the data decided (config/run.py)
         self.mcfg, self.chunks, self.optimizer, self.scheduler = r.mcfg, r.chunks, r.optimizer, r.scheduler
@@ -69,7 +68,7 @@ class Trainer:
             parts.Logging(args, self),
             self.evaluation is not None and self.evaluation.valid_ds is not None and self.evaluation,
             self.saver,
-            parts.ExitRules(args, self.saver, started))
+            parts.ExitRules(args, self.saver, started, sigterm))
         self.parts = [p for p in optional if p]
 
     def abort(self, msg):
@@ -113,13 +112,14 @@ class Trainer:
                 s.reported, s.stepped, s.grad_norm = steps.train_step(
                     self.forward_step_func, c.iters, self.chunks, self.optimizer, s.num_micro, self.prepared.shape,
                     self.dtype, s.times, plan.loss_divisor(c.consumed, rank), timed, it,
-                    self.ft.vote if self.ft is not None else None)
+                    self.ft.vote if self.ft is not None else None, rerun=self.prepared.rerun)
             except steps.StepNotCommitted:
                 s.committed = False
                 return s
             except RerunExit as e:  # as Megatron: the state before this iteration saved, exit 16 / 17
                 self.log.close()
-                exit_after(e, (lambda: self.saver.save(it - 1)) if self.saver else None, self.owns)
+                exit_after(e, (lambda: self.saver.save(it - 1)) if self.saver else None, self.prepared.checkpoints,
+                           self.owns)
             except NonFiniteGradError as e:
                 where = f"in {e.param}" if e.param else "on another rank (this rank's gradients are finite)"
                 self.abort(f"iteration {it}: the gradient norm is {e.grad_norm} (NaN/Inf gradient {where}); stopped "
@@ -143,7 +143,7 @@ class Trainer:
             c.finish_param_sync()  # --overlap-param-gather: the last step's all-gathers
         for p in self.parts:
             last = p.finish(last)
-        finish_checkpointing()
+        self.prepared.checkpoints.close()
         losses = self.window.losses
         if losses:
             print_rank_last(f"megalite: done {last} iterations | first lm loss {losses[0]:.4f} | "

@@ -93,7 +93,7 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
     sgd = torch.optim.SGD(glob, lr=1.0 if method == LOCAL_SGD else 0.7, momentum=0.0 if method == LOCAL_SGD else 0.9,
                           nesterov=method != LOCAL_SGD)
     losses, grads, rnd, micro = [[] for _ in range(replicas)], [None] * replicas, max(steps), args.micro_batch_size
-    shape, n_micro = pipeline_tensor_shape(mcfg, micro), g // replicas // micro
+    shape, n_micro = pipeline_tensor_shape(mcfg, micro, ps.grid_of(copies[0][0])), g // replicas // micro
     k, delay, alpha = streaming
     layer = [int(n.split("layers.")[1].split(".")[0]) if "layers." in n else None for n in named]
     frag = [(i * k // args.num_layers) if i is not None else (0 if "embedding" in n else k - 1)
