@@ -73,21 +73,23 @@ def _timed(a, modes, log_dir):
     import pretrain_gpt
     from megalite import parallel_state as ps
     from megalite.cli.parser import parse_args
-    from megalite.pipeline import auto_layout
     from megalite.training import pretrain
+    from megalite.training.record import RunRecord
     out = {}
     with slower_stage(a.slow_stage, a.factor):
         for name, flags in modes:
             path = os.path.join(log_dir, f"{name.replace('|', '_').replace('*', 'x')}.jsonl")
             args = parse_args(_model_flags(a) + flags + ["--log-json", path], world_size=4)
-            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+            record = RunRecord()
+            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
+                     record=record)
             ps.destroy_model_parallel()
             if ps.global_rank() == 3:
                 lines = [json.loads(x) for x in open(path)]
                 out[name] = statistics.median(1e3 * x["iteration-time"] for x in lines if x["iteration"] > a.warmup)
             if name == "auto":
-                out["auto cut"] = auto_layout.last[1]
-                out["auto stages"] = [(st.u, st.e) for st in auto_layout.last[0]]
+                out["auto cut"] = record.layout[1]
+                out["auto stages"] = [(st.u, st.e) for st in record.layout[0]]
     return out
 
 

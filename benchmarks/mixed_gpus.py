@@ -50,17 +50,17 @@ def _timed_runs(a, modes, log_dir):
         if ps.get_data_parallel_rank() == 1:
             time.sleep(a.slow_ms / 1e3)
         return original(it, model)
-    out = {}
+    from megalite.training.record import RunRecord
+    out, record = {}, RunRecord()
     for name, flags in modes:
         path = os.path.join(log_dir, f"{name}.jsonl")
         args = parse_args(_model_flags(a, a.iters) + flags + ["--log-json", path], world_size=2)
-        pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, slow, args)
+        pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, slow, args, record=record)
         ps.destroy_model_parallel()
         if ps.global_rank() == 1:
             lines = [json.loads(x) for x in open(path)]
             out[name] = statistics.median(1e3 * x["iteration-time"] for x in lines if x["iteration"] > a.warmup)
-    from megalite.batching.iteration_plan import AutoShares
-    out["auto counts"] = AutoShares.last
+    out["auto counts"] = record.shares  # (the runs' one RunRecord: the auto mode's choice)
     return out
 
 

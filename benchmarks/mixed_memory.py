@@ -54,16 +54,20 @@ def _runs(a, modes, log_dir):
     def launch_bound(it, model):
         time.sleep(a.launch_ms / 1e3)
         return pretrain_gpt.forward_step(it, model)
-    from megalite.training.memory_budget import GIB, Profile
-    out = {}
+    from megalite.training.memory_budget import GIB
+    from megalite.training.record import RunRecord
+    out, probed = {}, None
     for name, flags in modes:
         if callable(flags):  # budgets from the probe's measured bytes
-            p = Profile.last[0]
+            p = probed[0]
             flags = flags(p.states + p.fixed, p.per_sample, GIB)
         path = os.path.join(log_dir, f"{name}.jsonl")
         args = parse_args(_model_flags(a) + flags + ["--log-json", path], world_size=2)
+        record = RunRecord()
         _, chunks, opt = pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider,
-                                  launch_bound if a.launch_ms else pretrain_gpt.forward_step, args, return_state=True)
+                                  launch_bound if a.launch_ms else pretrain_gpt.forward_step, args, return_state=True,
+                                  record=record)
+        probed = record.memory or probed
         device, host = state_bytes_by_place(chunks, opt)
         st = opt.offload
         ps.destroy_model_parallel()
@@ -72,7 +76,7 @@ def _runs(a, modes, log_dir):
             if lines else None
         out[name] = {"ms": ms, "device": device, "host": host, "host elements": st.host_elements,
                      "d2h": st.d2h_bytes / max(st.steps, 1), "h2d": st.h2d_bytes / max(st.steps, 1),
-                     "chosen": list(Profile.last[2]) if Profile.last and "auto" in name else None}
+                     "chosen": list(record.memory[2]) if record.memory and "auto" in name else None}
     return out
 
 
@@ -84,8 +88,9 @@ def _single(a):
     import torch
     from megalite import parallel_state as ps
     from megalite.cli.parser import parse_args
-    from megalite.training.memory_budget import GIB, Profile
+    from megalite.training.memory_budget import GIB
     from megalite.training import pretrain
+    from megalite.training.record import RunRecord
     cuda = torch.cuda.is_available()
     budget = [] if cuda else ["--device-memory-budget", "64"]  # (CPU: a dry run of the same path)
     modes = [("sized", ["--data-parallel-micro-batch-sizes", "auto"] + budget),
@@ -99,10 +104,12 @@ def _single(a):
         for name, extra in modes:
             path = os.path.join(d, "log.jsonl")
             args = parse_args(flags + extra + ["--log-json", path], world_size=1)
-            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args)
+            record = RunRecord()
+            pretrain(pretrain_gpt.datasets_provider, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
+                     record=record)
             ps.destroy_model_parallel()
             if name == "sized":
-                p, budget_bytes, micros, _ = Profile.last
+                p, budget_bytes, micros, _ = record.memory
                 print(f"  {'device' if cuda else 'CPU (dry run)'}: states {p.states / GIB:.3f} GiB, activations "
                       f"{p.fixed / GIB:.3f} GiB + {p.per_sample / GIB:.4f} GiB per sample of {a.seq} tokens; budget "
                       f"{budget_bytes / GIB:.1f} GiB -> micro-batch {micros[0]}")

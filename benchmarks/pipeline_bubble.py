@@ -49,10 +49,12 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepStage(nn.Module):
-    def __init__(self, tf, tb):
+    def __init__(self, tf, tb, first=None):
         super().__init__()
+        self.first = first  # whether this chunk is the model's first (None: this rank's stage is)
         self.w = nn.Parameter(torch.ones(1))
         self.tf, self.tb, self.inp = tf, tb, None
+        self.config = None  # (no model configuration: the schedules' defaults, e.g. micro-batch groups of PP)
 
     def set_input_tensor(self, t):
         self.inp = t
@@ -64,7 +66,8 @@ class SleepStage(nn.Module):
 
 def _forward_step(_it, model):
     from megalite import parallel_state as ps
-    out = model(ps.is_pipeline_first_stage())
+    # (an interleaved rank's later chunks receive their input even on the first stage)
+    out = model(ps.is_pipeline_first_stage() if model.first is None else model.first)
     return out, lambda o: (o.sum(), {"lm loss": o.sum().detach()})
 
 
@@ -118,12 +121,14 @@ def _rank(rank, p, port, args, q):
     from megalite import parallel_state as ps
     from megalite.pipeline import schedules
     from megalite.pipeline.interleaved import forward_backward_pipelining_with_interleaving
+    from megalite.pipeline.run import ScheduleTrace
     tf = args.tf_ms / 1000
+    trace = ScheduleTrace()
     rows = []
     for kind, v in (("1F1B", 1), ("interleaved", args.v)):
         ps.initialize_model_parallel(1, p, v if v > 1 else None)
         # Interleaving splits the stage's work into v chunks of 1/v the cost each.
-        chunks = [SleepStage(tf / v, 2 * tf / v) for _ in range(v)]
+        chunks = [SleepStage(tf / v, 2 * tf / v, ps.is_pipeline_first_stage() and i == 0) for i in range(v)]
         for m in args.ms:
             if v > 1 and m % p:
                 continue
@@ -134,13 +139,13 @@ def _rank(rank, p, port, args, q):
                 t0 = time.perf_counter()
                 if v == 1:
                     schedules.forward_backward_pipelining_without_interleaving(
-                        _forward_step, None, chunks[0], m, tensor_shape=SHAPE, dtype=torch.float32)
+                        _forward_step, None, chunks[0], m, tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
                 else:
                     forward_backward_pipelining_with_interleaving(
-                        _forward_step, [None] * v, chunks, m, tensor_shape=SHAPE, dtype=torch.float32)
+                        _forward_step, [None] * v, chunks, m, tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
                 dist.barrier()
                 fracs.append(1 - BUSY[0] / (time.perf_counter() - t0))
-            rows.append((kind, v, m, statistics.median(fracs), schedules.last_run["max_alive"]))
+            rows.append((kind, v, m, statistics.median(fracs), trace.max_alive))
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, p)
     chunk = SleepStage(0.0, 0.0)

@@ -52,12 +52,6 @@ MODULE_STATE = {
                                "AuxLossScaler.scale": "to go: the schedule's loss scale, the model's"},
     "megalite/rerun.py": {"aux_losses": "to go (router.py's)"},
     "megalite/training/auxiliary_losses.py": {"aux_losses": "to go (router.py's)"},
-    "megalite/pipeline/run.py": {"last_run": "to go: the schedule's operations, for tests and benchmarks"},
-    "megalite/pipeline/auto_layout.py": {"last": "to go: the measured cut, for tests and benchmarks",
-                                         "run.stage_timer": "to go: the profiler's hook into the schedule"},
-    "megalite/training/setup.py": {"auto_layout.rebuilt": "to go: whether the cut rebuilt the model (tests)"},
-    "megalite/batching/iteration_plan.py": {"AutoShares.last": "to go: the measured shares, for tests"},
-    "megalite/training/memory_budget.py": {"Profile.last": "to go: the memory profile, for tests and benchmarks"},
 }
 MUTATORS = {"update", "append", "clear", "pop", "setdefault", "extend", "add", "remove", "insert", "popitem"}
 

@@ -132,7 +132,6 @@ AUTO = layout("dp2_auto_rank1_slow", dp=2, fault=slow_second_replica,
 def _with_checkpoints(directory):
     """In the ranks: shares 3,1 uninterrupted; saving at step 3 and stopping; then resumed with
     the same shares and with 1,3; plus the `auto` layout. Returns the runs' results."""
-    from megalite.batching.iteration_plan import AutoShares
     full = train(layout("full", dp=2, flags=shares(3, 1)))
     first = train(layout("save", dp=2, flags=shares(3, 1) + ("--save", directory, "--save-interval", "3",
                                                              "--exit-interval", "3")))
@@ -152,7 +151,7 @@ def _with_checkpoints(directory):
             with open(path) as f:
                 evals[name] = [v for line in f for k, v in json.loads(line).items() if k == "validation lm loss"]
     return {"evals": evals,"full": full, "first": first, "same": same, "other": other, "from_layout": from_layout,
-            "auto": auto, "chosen": AutoShares.last}
+            "auto": auto, "chosen": auto["record"].shares}
 
 
 @pytest.fixture(scope="module")

@@ -68,11 +68,6 @@ SHARES_AUTO = layout("dp2_sizes_2_1_shares_auto_rank1_slow", dp=2, fault=slow_se
                                           "--data-parallel-shares-profile-iters", "2"))
 
 
-def auto_shares_choice(chunks, optimizer):
-    from megalite.batching.iteration_plan import AutoShares
-    return AutoShares.last
-
-
 def _stats(chunks, optimizer):
     st = optimizer.offload
     host = {m.untyped_storage().data_ptr() for g in optimizer._flat if g.grad is not None for m in g.mains}
@@ -140,16 +135,14 @@ def _auto_runs():
     """--data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto: a probe with a large budget
     measures the rank; budgets from its figures then force replica 0 to 4 samples per micro-batch and
     replica 1 to 2, and, with less, replica 1 to size 1 with part of its optimizer on the host."""
-    from megalite.training.memory_budget import GIB, Profile
-
-    from megalite.batching.iteration_plan import AutoShares
+    from megalite.training.memory_budget import GIB
 
     def run(name, budgets, flags=(), **kw):
         lay = layout(name, dp=2, flags=("--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget",
                                         ",".join(f"{b / GIB!r}" for b in budgets)) + flags, **kw)
         r = train(lay, collect=_state)
-        p, budget, micros, fraction = Profile.last
-        r.update(budget=budget, micros=micros, fraction=fraction, lay=lay, shares=AutoShares.last,
+        p, budget, micros, fraction = r["record"].memory
+        r.update(budget=budget, micros=micros, fraction=fraction, lay=lay, shares=r["record"].shares,
                  profile=dict(states=p.states, fixed=p.fixed, per=p.per_sample, offloadable=p.offloadable))
         return r
     probe = run("auto_probe", [GIB, GIB])
@@ -172,7 +165,7 @@ def runs():
     with tempfile.TemporaryDirectory() as d:
         offload = start_on_ranks(_offload_runs, 2, d, timeout=300)
         started = [(lays, start_layouts(lays, n)) for lays, n in ((FOUR, 4), (THREE, 3), (TWO, 2))]
-        started.append(([SHARES_AUTO], start_layouts([SHARES_AUTO], 2, collect=auto_shares_choice)))
+        started.append(([SHARES_AUTO], start_layouts([SHARES_AUTO], 2)))
         out = {lay.name: r for lays, world in started for lay, r in zip(lays, world.result())}
         out["offload"] = offload.result()
     return out
@@ -186,9 +179,9 @@ def test_micro_batch_sizes_per_replica_match_single_process(runs, lay):
 def test_auto_shares_follow_the_speeds_at_the_sizes_and_keep_parity(runs):
     from megalite.batching.iteration_plan import balanced_counts
     ranks = runs[SHARES_AUTO.name]
-    seconds, counts = ranks[0]["collected"]
+    seconds, counts = ranks[0]["record"].shares  # (the run's RunRecord)
     print(f"\nshares auto at sizes 2,1: seconds per micro-batch by replica {seconds}, micro-batches {counts}")
-    assert all(r["collected"] == (seconds, counts) for r in ranks), "ranks chose different shares"
+    assert all(r["record"].shares == (seconds, counts) for r in ranks), "ranks chose different shares"
     assert seconds[1] >= 0.02, f"the 20 ms sleep of replica 1 was not measured: {seconds}"
     units = balanced_counts([seconds[0], 2 * seconds[1]], 4)  # 8 samples in units of 2
     # replica 0's 2 samples cost 2c, replica 1's c + 20 ms: the third unit goes to replica 0 whatever c

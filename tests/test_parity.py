@@ -6,7 +6,6 @@ model learns. One spawn per world size (2, 3, 4, 8), each running many layouts.
 import pytest
 import torch
 
-from megalite.pipeline import schedules
 from parity import EIGHT_LAYERS, LLAMA, check_reference, layout, reference, run_layouts
 from parity_check import assert_parity
 
@@ -65,7 +64,7 @@ EIGHT = [
 
 def schedule_record(chunks, optimizer):
     from megalite import parallel_state as ps
-    return ps.get_pipeline_model_parallel_world_size(), list(schedules.last_run["ops"]), schedules.last_run["max_alive"]
+    return ps.get_pipeline_model_parallel_world_size()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +112,7 @@ def _check_1f1b(lay, ranks):
     argv = lay.argv()
     batch = int(argv[len(argv) - argv[::-1].index("--global-batch-size")])  # the last one given
     for r in ranks:
-        pp, ops, max_alive = r["collected"]
+        pp, ops, max_alive = r["collected"], r["record"].schedule.ops, r["record"].schedule.max_alive
         if pp == 1:
             return
         stage, m = r["coords"][1], batch // (lay.world_size // pp // _tp(lay))

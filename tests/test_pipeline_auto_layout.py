@@ -162,10 +162,7 @@ FOUR = [layout("pp2_dp2_zero1_auto_stage1_slowed", pp=2, dp=2, zero=1, model=MB2
 
 
 def chosen(chunks, optimizer):
-    from megalite.pipeline import auto_layout
-    stages, counts = auto_layout.last
-    return {"counts": counts, "layers": [sorted(int(i) for i in c.module.decoder.layers) for c in chunks],
-            "stages": [vars(st) for st in stages], "rebuilt": auto_layout.rebuilt}
+    return {"layers": [sorted(int(i) for i in c.module.decoder.layers) for c in chunks]}
 
 
 def _resumed_at_the_cut(directory):
@@ -187,10 +184,9 @@ def runs():
 
 
 def _check_choice(ranks):
-    got = [r["collected"] for r in ranks]
-    assert all(g["counts"] == got[0]["counts"] and g["stages"] == got[0]["stages"] for g in got), \
-        "ranks chose different cuts"
-    stages, counts = [Stage(**st) for st in got[0]["stages"]], got[0]["counts"]
+    got = [([vars(st) for st in r["record"].layout[0]], r["record"].layout[1]) for r in ranks]  # (the RunRecord)
+    assert all(g == got[0] for g in got), "ranks chose different cuts"
+    stages, counts = [Stage(**st) for st in got[0][0]], got[0][1]
     print(f"\nchosen {counts}; per stage ms per layer {[round(st.u * 1e3, 2) for st in stages]}, outside "
           f"{[round(st.e * 1e3, 2) for st in stages]}, bytes per layer {[st.state_layer for st in stages]}")
     best = all_cuts(stages, sum(counts))[0]
@@ -206,7 +202,7 @@ def test_a_slowed_stage_loses_layers_and_the_recut_model_keeps_parity(runs, name
     stages, counts = _check_choice(runs[name])
     # Its layers take SLEEP more each (forward), so one layer there outlasts three on stage 0.
     assert stages[1].u > SLEEP > 3 * stages[0].u + stages[0].e - stages[1].e, "the premise: the sleep dominates"
-    assert counts == [3, 1] and all(r["collected"]["rebuilt"] for r in runs[name])
+    assert counts == [3, 1] and all(r["record"].rebuilt for r in runs[name])
     assert_parity(next(lay for lay in LAYOUTS + FOUR if lay.name == name), runs[name])
 
 
@@ -232,7 +228,7 @@ def test_an_unchanged_cut_is_not_rebuilt_and_profiling_leaves_no_trace(runs):
     name = "pp2_auto_budgets_hold_two_layers_each_dropout"
     stages, counts = _check_choice(runs[name])
     assert all(st.need(2) <= st.budget < st.need(3) for st in stages), "the premise: each budget holds two layers"
-    assert counts == [2, 2] and not any(r["collected"]["rebuilt"] for r in runs[name])
+    assert counts == [2, 2] and not any(r["record"].rebuilt for r in runs[name])
     given = runs["pp2_layout_2_2_dropout"]
     for auto, hand in zip(runs[name], given):
         assert auto["losses"] == hand["losses"] and auto["norms"] == hand["norms"], "losses or norms differ"
@@ -248,7 +244,7 @@ def test_a_checkpoint_resumes_at_the_chosen_cut(runs):
     their new stages and the run continues the single process's within the fp32 bound."""
     ref = reference(layout("r"))
     for r in runs["resumed"]:
-        assert r["collected"]["counts"] == [3, 1] and len(r["losses"]) == STEPS - 3
+        assert r["record"].layout[1] == [3, 1] and len(r["losses"]) == STEPS - 3
         for a, b in zip(r["losses"], ref["losses"][3:]):
             assert abs(a - b) <= 1e-5 * abs(b), (r["losses"], ref["losses"])
         for name, got in r["params"].items():  # (its stage's; the tied embedding's last-stage copy aside)

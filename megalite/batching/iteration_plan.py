@@ -219,9 +219,7 @@ class AutoShares:
     for `iters` iterations, then set the plan's shares from every replica's fastest iteration
     (a replica is as slow as its slowest rank). With a micro-batch size per replica the batch is
     balanced in units of lcm(sizes) samples (x `unit` micro-batches when interleaved): a unit costs
-    replica r (unit / M_r) x its seconds per micro-batch. `last` keeps the latest choice
-    (seconds per micro-batch by replica, micro-batch counts) for tests and benchmarks."""
-    last = None
+    replica r (unit / M_r) x its seconds per micro-batch."""
 
     def __init__(self, plan, iters, unit=1):
         self.plan, self.iters, self.unit, self.times = plan, iters, unit, []
@@ -246,7 +244,6 @@ class AutoShares:
         units = balanced_counts(per_unit, self.plan.global_batch_size(consumed) // samples)
         self.plan.shares = units  # samples in proportion to the units
         counts = [u * samples // m for u, m in zip(units, sizes)]
-        AutoShares.last = (per_replica, counts)
         return per_replica, counts
 
 

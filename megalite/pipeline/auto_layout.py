@@ -34,8 +34,6 @@ from megalite.config import ConfigError
 from megalite.tensor_parallel.random import get_rng_states, set_rng_states
 
 GIB = 2 ** 30
-last = None  # the latest (stages, counts) for tests and benchmarks
-rebuilt = None  # whether the latest run rebuilt its model at another cut (training.setup.setup)
 
 
 def free_memory():
@@ -165,16 +163,14 @@ class _Probe:
 
     @contextlib.contextmanager
     def installed(self):
-        from megalite.pipeline import run
+        """The layers' hooks and the saved-tensor hook, while the schedule runs with `self.op` as its timer."""
         self.weights = {p.untyped_storage().data_ptr() for p in self.params}
         handles = [h for m in self.layers for h in (m.register_forward_pre_hook(self.pre),
                                                      m.register_forward_hook(self.post))]
-        run.stage_timer = self.op
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 yield
         finally:
-            run.stage_timer = None
             for h in handles:
                 h.remove()
 
@@ -210,7 +206,8 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
                for it in data_iterators(dataset, 0, args, chunks, micro_batch_size=micro)]
         with _random_state_kept(), probe.installed():
             run_forward_backward(forward_step_func, its, chunks, count, pipeline_tensor_shape(mcfg, micro, grid),
-                                 mcfg.params_dtype, loss_scale=optimizer.loss_scale, loss_divisor=count)
+                                 mcfg.params_dtype, loss_scale=optimizer.loss_scale, loss_divisor=count,
+                                 timer=probe.op)
         finalize_model_grads(chunks)  # the reductions it started end here, as after a training step
         _reset_model_state(chunks, saved)  # --grad-compression's error feedback as before
         for c in chunks:
@@ -232,14 +229,12 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
 
 
 def measure_and_choose(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
-    """The balanced layout (layers per stage), the same on every rank (collective), kept in `last`."""
+    """(the stages as measured, the balanced layout: layers per stage), the same on every rank (collective)."""
     from megalite.distributed.collectives import gather_rows
-    global last
     rows = gather_rows(measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func))
     stages = stages_from_rows(rows, ps.grid_of(chunks).pp)
     counts = balanced_counts(stages, args.num_layers)
-    last = (stages, counts)
-    return counts
+    return stages, counts
 
 
 def report(stages, counts):

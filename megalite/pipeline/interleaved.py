@@ -46,7 +46,7 @@ class _Plan:
 
 def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator, model, num_microbatches,
                                                   forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
-                                                  loss_divisor=None):
+                                                  loss_divisor=None, trace=None, timer=None):
     chunks = model if isinstance(model, list) else [model]
     grid = ps.grid_of(chunks)
     v, pp, m = len(chunks), grid.pp, num_microbatches
@@ -60,7 +60,7 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
                                                       plan.all_warmup)
     remaining = total - warmup
     p2p = P2P(tensor_shape, dtype, ps.get_device(), grid)
-    run = Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale, loss_divisor)
+    run = Run(forward_step_func, data_iterator, chunks, m, forward_only, loss_scale, loss_divisor, trace, timer)
     inputs = [[] for _ in range(v)]
     outputs = [[] for _ in range(v)]
     out_grads = [[] for _ in range(v)]

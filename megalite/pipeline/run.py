@@ -2,9 +2,9 @@
 model chunks (forward, backward, loss collection and scaling, the DP reduction left to each chunk's last
 backward) and the release of a sent output's memory.
 
-`last_run` records the latest call's operations (("F"|"B", chunk, micro-batch) in order) and the most
-micro-batches whose activations were alive at once, for tests and benchmarks; `stage_timer`, while
-megalite/pipeline/auto_layout.py profiles, wraps each forward and backward.
+A caller's ScheduleTrace (`trace`) records the call's operations (("F"|"B", chunk, micro-batch) in order) and the
+most micro-batches whose activations were alive at once (tests, benchmarks); a `timer` (kind "F" | "B" -> a
+context; megalite/pipeline/auto_layout.py's profiler) wraps each forward and backward.
 """
 
 import torch
@@ -12,15 +12,20 @@ import torch
 from megalite import parallel_state as ps
 from megalite.moe.router import set_aux_loss_scale
 
-last_run = {"ops": [], "max_alive": 0}
-stage_timer = None  # while megalite/pipeline/auto_layout.py profiles: kind ("F" | "B") -> a context around the op
+
+
+class ScheduleTrace:
+    """One schedule call's operations and its most micro-batches alive at once (each call starts it again)."""
+
+    def __init__(self):
+        self.ops, self.max_alive = [], 0
 
 
 class Run:
     """State shared by the schedules: the chunks, data, loss collection and bookkeeping."""
 
     def __init__(self, forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale,
-                 loss_divisor=None):
+                 loss_divisor=None, trace=None, timer=None):
         self.chunks = model if isinstance(model, list) else [model]
         # whether each chunk is the model's last (virtual) stage: it computes the loss
         self.grid = ps.grid_of(self.chunks)
@@ -36,7 +41,9 @@ class Run:
         self.reported, self.alive = [], 0
         self.next_mb = [0] * len(self.chunks)
         self.bwd_mb = [0] * len(self.chunks)
-        last_run["ops"], last_run["max_alive"] = [], 0
+        self.trace, self.timer = trace, timer
+        if trace is not None:
+            trace.ops, trace.max_alive = [], 0
         self._sync_states = [getattr(c, "sync_enabled", None) for c in self.chunks]
         for c in self.chunks:  # reduce only on each chunk's last backward
             if hasattr(c, "sync_enabled"):
@@ -48,15 +55,15 @@ class Run:
                 c.sync_enabled = s
 
     def forward(self, chunk, input_tensor):
-        if stage_timer is None:
+        if self.timer is None:
             return self._forward(chunk, input_tensor)
-        with stage_timer("F"):
+        with self.timer("F"):
             return self._forward(chunk, input_tensor)
 
     def backward(self, chunk, input_tensor, output_tensor, output_grad):
-        if stage_timer is None:
+        if self.timer is None:
             return self._backward(chunk, input_tensor, output_tensor, output_grad)
-        with stage_timer("B"):
+        with self.timer("B"):
             return self._backward(chunk, input_tensor, output_tensor, output_grad)
 
     def _forward(self, chunk, input_tensor):
@@ -66,7 +73,8 @@ class Run:
         getattr(model, "module", model).set_input_tensor(input_tensor)
         mb = self.next_mb[chunk]
         self.next_mb[chunk] += 1
-        last_run["ops"].append(("F", chunk, mb))
+        if self.trace is not None:
+            self.trace.ops.append(("F", chunk, mb))
         output, loss_func = self.func(self.iters[chunk], model)
         if self.last[chunk]:
             out = loss_func(output)
@@ -75,13 +83,15 @@ class Run:
             output = loss * (self.loss_scale if len(out) == 3 else self.loss_scale / self.divisor)
         if not self.forward_only:
             self.alive += 1
-            last_run["max_alive"] = max(last_run["max_alive"], self.alive)
+            if self.trace is not None:
+                self.trace.max_alive = max(self.trace.max_alive, self.alive)
         return output
 
     def _backward(self, chunk, input_tensor, output_tensor, output_grad):
         mb = self.bwd_mb[chunk]
         self.bwd_mb[chunk] += 1
-        last_run["ops"].append(("B", chunk, mb))
+        if self.trace is not None:
+            self.trace.ops.append(("B", chunk, mb))
         if mb == self.m - 1 and hasattr(self.chunks[chunk], "sync_enabled"):
             self.chunks[chunk].sync_enabled = True  # this chunk's buckets reduce during this backward
         if input_tensor is not None:

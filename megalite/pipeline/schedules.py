@@ -10,13 +10,13 @@ the accumulated gradient is that of the mean loss over the global batch. A loss 
 token count (Megatron's --calculate-per-token-loss) is not divided: its gradients are divided by
 the global batch's token count after the reduction (distributed/finalize.py). The DP gradient reduction is
 left to the hooks of each model chunk's last backward (buckets start as they fill).
-The micro-batch run every schedule shares, and `last_run` (what the latest call did): run.py.
+The micro-batch run every schedule shares (and what a call did, `trace`; a profiler's `timer`): run.py.
 """
 
 from megalite import parallel_state as ps
 from megalite.pipeline.interleaved import forward_backward_pipelining_with_interleaving
 from megalite.pipeline.p2p import P2P
-from megalite.pipeline.run import Run, free_output, last_run  # noqa: F401 (last_run: read here by tests)
+from megalite.pipeline.run import Run, free_output
 
 
 def pipeline_tensor_shape(model_config, micro_batch_size, grid):
@@ -29,9 +29,10 @@ def pipeline_tensor_shape(model_config, micro_batch_size, grid):
 
 def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_microbatches,
                                    forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
-                                   loss_divisor=None):
+                                   loss_divisor=None, trace=None, timer=None):
     """All micro-batches on this single stage, forward then backward each."""
-    run = Run(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale, loss_divisor)
+    run = Run(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale, loss_divisor, trace,
+              timer)
     try:
         for _ in range(num_microbatches):
             out = run.forward(0, None)
@@ -44,10 +45,11 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model, num_
 
 def forward_backward_pipelining_without_interleaving(forward_step_func, data_iterator, model, num_microbatches,
                                                      forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
-                                                     loss_divisor=None):
+                                                     loss_divisor=None, trace=None, timer=None):
     """1F1B: warm-up = min(PP - stage - 1, M) forwards, then one forward / one backward,
     then the remaining backwards. Stage s holds at most PP - s micro-batches' activations."""
-    run = Run(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale, loss_divisor)
+    run = Run(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale, loss_divisor, trace,
+              timer)
     g, m = run.grid, num_microbatches
     pp, rank = g.pp, g.pp_rank
     p2p = P2P(tensor_shape, dtype, ps.get_device(), g)

@@ -23,10 +23,12 @@ COMMUNICATION_ERRORS = ("Timed out", "timed out", "Connection closed", "Connecti
                         "Broken pipe", "Socket Timeout")
 
 
-def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False):
+def pretrain(datasets_provider, model_provider, forward_step_func, args=None, return_state=False, record=None):
     """Train per the run configuration `args` (the entry point's megalite.cli.parser.parse_args(): the command
     line is the outermost layer, parsed before this is called); returns the list of per-iteration lm losses (and,
-    with return_state, the model chunks and optimizer too)."""
+    with return_state, the model chunks and optimizer too). record: a RunRecord (training/record.py) the run fills
+    with what it decided and measured (the schedule's operations, an auto layout's or shares' choice, a memory
+    budget's)."""
     if args is None:
         raise ConfigError("pretrain() needs the run configuration: pass args=megalite.cli.parser.parse_args()")
     args = freeze(args)  # the run configuration: nothing below changes it (config/run.py)
@@ -38,7 +40,7 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
         gc.collect()
     try:
         losses, chunks, optimizer = Trainer(datasets_provider, model_provider, forward_step_func, args, started,
-                                            owns).train()
+                                            owns, record).train()
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if not any(w in str(e) for w in COMMUNICATION_ERRORS):

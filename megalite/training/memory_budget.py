@@ -114,8 +114,8 @@ def choose(profile, budget, samples, size, fraction_auto, offloadable, pipeline_
 
 def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
     """Profile this rank, choose its replica's micro-batch size (--data-parallel-micro-batch-sizes
-    auto: plan.micros set, the same on every rank) and its offload fraction (auto: returned; else
-    None). Collective: every rank runs the same profiling steps."""
+    auto: plan.micros set, the same on every rank) and its offload fraction (auto; else None). Returns
+    (fraction, this rank's Profile, its budget in bytes). Collective: every rank runs the same profiling steps."""
     from megalite.batching.data_iterators import data_iterators
     from megalite.distributed import finalize_model_grads
     from megalite.distributed.collectives import max_per_data_parallel_rank
@@ -148,11 +148,10 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
                          args.pipeline_model_parallel_size, interleaving(args), dp_rank)
     if auto_sizes:  # every rank of a replica takes the smallest size any of them fits
         plan.micros = [round(1 / v) for v in max_per_data_parallel_rank(1 / m, grid)]
-    Profile.last = (profile, budget, plan.micros, fraction)  # for tests and benchmarks
-    return fraction
+    return fraction, profile, budget
 
 
-def report_fit(args, plan, fraction):
+def report_fit(args, plan, fraction, profile, budget):
     """The choice as explicit flags (every replica's), so that a run can be repeated exactly."""
     from megalite.distributed.collectives import max_per_data_parallel_rank
     from megalite.logger import print_rank_last
@@ -161,5 +160,4 @@ def report_fit(args, plan, fraction):
     if args.optimizer_offload_fraction == "auto":  # a replica offloads what its neediest rank needs
         fractions = max_per_data_parallel_rank(fraction or 0.0)
         flags.append("--optimizer-cpu-offload --optimizer-offload-fraction " + ",".join(f"{f:g}" for f in fractions))
-    profile, budget = Profile.last[:2]
     print_rank_last(f"megalite: memory budget {budget / GIB:.3f} GiB here ({describe(profile)}) -> {' '.join(flags)}")

@@ -58,8 +58,8 @@ class AutoShares(Part):
     """--data-parallel-shares auto: the first iterations timed, then each DP replica's micro-batches set by its
     speed (megalite/batching/iteration_plan.py), and the data read on by the new counts."""
 
-    def __init__(self, auto, cursor):
-        self.auto, self.cursor = auto, cursor
+    def __init__(self, auto, cursor, record):
+        self.auto, self.cursor, self.record = auto, cursor, record  # record: the caller's RunRecord, or None
 
     def timed(self):
         return not self.auto.done
@@ -70,6 +70,8 @@ class AutoShares(Part):
                             f"{', '.join(f'{1e3 * t:.1f}' for t in chosen[0])} -> micro-batches per iteration "
                             f"{','.join(map(str, chosen[1]))} from iteration {it + 1}")
             self.cursor.rebuild()  # (the cursor stands past this iteration)
+            if self.record is not None:
+                self.record.shares = chosen
 
 
 class ReplicaCheck(Part):

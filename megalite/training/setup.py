@@ -34,7 +34,7 @@ from megalite.training.evaluation import dataset_sizes, eval_batch, report_split
 from megalite.training.kernel_choice import decide_kernels
 
 
-def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
+def prepare(args, datasets_provider, model_provider, forward_step_func, abort, record=None):
     """Everything a run holds before its first iteration, as one namespace: the grid initialised and seeded, the
     batch schedule and the DP ranks' plan, the datasets, the model, optimizer and schedule (loaded from --load),
     the semi-synchronous replicas' outer state, the evaluation plan and the tensor shapes the schedules send.
@@ -72,7 +72,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort):
     try:
         sizing = (r.train_ds, forward_step_func) if r.train_ds is not None and not args.skip_train else None
         # (sized by memory too)
-        r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing)
+        r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing, record)
         if r.mcfg.fp8:  # (the delayed histories in the single process's units: checkpoints resume at any layout)
             set_gradient_units([m for c in r.chunks for m in c.module.modules()],
                                1 if r.mcfg.calculate_per_token_loss else r.plan.grad_divisor)
@@ -154,7 +154,7 @@ def provide(model_provider, config, pre, post, grid, vp_stage):
         grid.virtual_rank = 0
 
 
-def setup(args, model_provider, plan=None, sizing=None):
+def setup(args, model_provider, plan=None, sizing=None, record=None):
     """The model chunks, optimizer and LR schedule. sizing: (training dataset, forward_step_func), for
     --pipeline-model-parallel-layout auto (megalite/pipeline/auto_layout.py: the model rebuilt at the
     measured cut) and --data-parallel-micro-batch-sizes / --optimizer-offload-fraction auto
@@ -173,10 +173,12 @@ def setup(args, model_provider, plan=None, sizing=None):
     optimizer = build_optimizer(args, chunks, tcfg)
     from megalite.pipeline import auto_layout
     if args.pipeline_model_parallel_layout == "auto" and sizing is not None:
-        counts = auto_layout.measure_and_choose(args, plan, mcfg, chunks, optimizer, *sizing)
-        auto_layout.report(*auto_layout.last)
-        auto_layout.rebuilt = tuple(counts) != mcfg.pipeline_layout
-        if auto_layout.rebuilt:  # rebuilt at the cut (initialisation is layout-independent)
+        stages, counts = auto_layout.measure_and_choose(args, plan, mcfg, chunks, optimizer, *sizing)
+        auto_layout.report(stages, counts)
+        rebuilt = tuple(counts) != mcfg.pipeline_layout
+        if record is not None:
+            record.layout, record.rebuilt = (stages, counts), rebuilt
+        if rebuilt:  # rebuilt at the cut (initialisation is layout-independent)
             del chunks, optimizer
             auto_layout.free_memory()  # (DDP's gradient hooks hold reference cycles: the old model goes now)
             mcfg.pipeline_layout = tuple(counts)  # (the model's; the flags stay what the user gave)
@@ -187,12 +189,14 @@ def setup(args, model_provider, plan=None, sizing=None):
                         f"training data): the near-even split '{auto_layout.layout_string(mcfg.pipeline_layout)}' "
                         "stays")
     if sizing is not None and "auto" in (args.data_parallel_micro_batch_sizes, args.optimizer_offload_fraction):
-        fraction = fit_to_budget(args, plan, mcfg, chunks, optimizer, *sizing)
+        fraction, profile, budget = fit_to_budget(args, plan, mcfg, chunks, optimizer, *sizing)
+        if record is not None:
+            record.memory = (profile, budget, list(plan.micros) if plan.micros else plan.micros, fraction)
         if fraction:
             tcfg = dataclasses.replace(tcfg, optimizer_offload_fraction=fraction)
             optimizer.release_model_params()
             optimizer = build_optimizer(args, chunks, tcfg)
-        report_fit(args, plan, fraction)
+        report_fit(args, plan, fraction, profile, budget)
     return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)
 
 

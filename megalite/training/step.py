@@ -24,13 +24,14 @@ class StepNotCommitted(Exception):
 
 
 def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None,
-               loss_divisor=None, sync=False, iteration=None, vote=None, rerun=None):
+               loss_divisor=None, sync=False, iteration=None, vote=None, rerun=None, trace=None):
     """One iteration; timers gets the host-side times (sync: after a device sync, for
     --data-parallel-shares auto). vote(chunks, amaxes), between the gradients' finalisation and the optimizer step:
     False raises StepNotCommitted (fault-tolerant replicas' cross-replica reduction and commit vote; amaxes: the
     iteration's FP8 amaxes, which it reduces over the quorum too, taken into the histories only once committed).
     rerun: the run's RerunStateMachine (--rerun-mode: the iteration again on the same state, megalite/rerun.py);
-    None: a disabled one, as for a step called on its own."""
+    None: a disabled one, as for a step called on its own. trace: a ScheduleTrace the schedule fills
+    (pipeline/run.py)."""
     if sync and ps.get_device().type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -40,7 +41,7 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
         for c in chunks:
             c.zero_grad_buffer(iteration)
         reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
-                                        loss_scale=optimizer.loss_scale, loss_divisor=loss_divisor)
+                                        loss_scale=optimizer.loss_scale, loss_divisor=loss_divisor, trace=trace)
         rerun.validate_losses(reported)
     rerun.check_exit()  # RerunExit: before the optimizer step
     if sync and ps.get_device().type == "cuda":

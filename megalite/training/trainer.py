@@ -35,13 +35,15 @@ class Step:
 
 
 class Trainer:
-    def __init__(self, datasets_provider, model_provider, forward_step_func, args, started, owns):
+    def __init__(self, datasets_provider, model_provider, forward_step_func, args, started, owns, record=None):
         self.args, self.owns, self.forward_step_func, self.started = args, owns, forward_step_func, started
+        self.record = record  # the caller's RunRecord (training/record.py), or None
         if args.deterministic_mode:
             from megalite.training.determinism import enable_deterministic
             enable_deterministic()
         sigterm = parts.SigtermFlag(args)  # from the run's start on
-        r = self.prepared = setup.prepare(args, datasets_provider, model_provider, forward_step_func, self.abort)
+        r = self.prepared = setup.prepare(args, datasets_provider, model_provider, forward_step_func, self.abort,
+                                          record)
         args = self.args = r.args  # with the vocabulary the data decided (config/run.py)
         self.mcfg, self.chunks, self.optimizer, self.scheduler = r.mcfg, r.chunks, r.optimizer, r.scheduler
         self.plan, self.dp_rank, self.semi, self.log, self.dtype = r.plan, r.dp_rank, r.semi, r.log, r.dtype
@@ -59,7 +61,7 @@ class Trainer:
             self.ft = (FaultTolerance if self.semi is None else FaultTolerantRounds)(args, self, self.abort)
         optional = (  # the parts' order: the order of their collectives, the same on every rank
             self.ft,
-            auto is not None and parts.AutoShares(auto, self.cursor),
+            auto is not None and parts.AutoShares(auto, self.cursor, record),
             parts.hash_interval(args) and parts.ReplicaCheck(args, r.chunks, r.optimizer, self.abort),
             parts.Losses(r.mcfg, self.window, ps.grid_of(r.chunks)),
             r.semi is not None and parts.SemiSync(r.semi, args, r.chunks, self.cursor, r.scheduler, r.start_iter,
@@ -112,7 +114,8 @@ class Trainer:
                 s.reported, s.stepped, s.grad_norm = steps.train_step(
                     self.forward_step_func, c.iters, self.chunks, self.optimizer, s.num_micro, self.prepared.shape,
                     self.dtype, s.times, plan.loss_divisor(c.consumed, rank), timed, it,
-                    self.ft.vote if self.ft is not None else None, rerun=self.prepared.rerun)
+                    self.ft.vote if self.ft is not None else None, rerun=self.prepared.rerun,
+                    trace=self.record.schedule if self.record is not None else None)
             except steps.StepNotCommitted:
                 s.committed = False
                 return s

@@ -34,7 +34,7 @@ API (tests/test_parity.py and tests/test_fault_injection.py use it):
     start_layouts(layouts, world_size, collect=None) -> started; started.result() is run_layouts'
         return value: the world runs meanwhile (worlds side by side; the next world's references).
         A rank result: {"losses", "norms", "grads": {name: full}, "params": {name: full},
-        "coords": (tp, pp, dp) rank, "collected"}.
+        "coords": (tp, pp, dp) rank, "record": the run's RunRecord (megalite/training/record.py), "collected"}.
     train(layout, collect=None, decided=None) -> one rank result, on the grid of the calling process
         (decided: the reference's recorded choices to replay; None: record them, as "decided").
     reference(layout) -> the single-process result for the layout's base + model + dtype
@@ -60,6 +60,7 @@ from megalite.cli.parser import parse_args
 from megalite.distributed.param_facts import data_parallel
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 from megalite.training import pretrain
+from megalite.training.record import RunRecord
 from model_util import gather_full
 from parity_models import (  # noqa: F401  (re-exported: the tests import them from here)
     ALPHABET, BASE, DEEPSEEK, DTYPE_FLAGS, EIGHT_LAYERS, LLAMA, MB2, MODEL, MOE, MOE_BIAS, SINKHORN, STEPS, TIED,
@@ -237,9 +238,10 @@ def train(lay, collect=None, decided=None):
     try:
         with recording(record, hook), fault, decisions.hooked(hook):
             provider = rounding_twin(entry.model_provider, lay.twin) if lay.twin else entry.model_provider
+            run_record = RunRecord()
             losses, chunks, opt = pretrain(lay.datasets or learnable_datasets, provider,
-                                           entry.forward_step, args, return_state=True)
-        out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {},
+                                           entry.forward_step, args, return_state=True, record=run_record)
+        out = {"losses": losses, "norms": record["norms"], "grads": {}, "params": {}, "record": run_record,
                "coords": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                           ps.get_data_parallel_rank(with_context_parallel=True)),
                "capability": torch.backends.cpu.get_cpu_capability()}  # how this process's ATen rounds
