@@ -126,12 +126,13 @@ def _save_model_state(chunks):
 
 def _reset_model_state(chunks, saved):
     """Before a re-run: the first run's reductions finished, its side effects undone (the loop zeroes grads)."""
-    from megalite.moe.router import aux_losses
+    from megalite.moe.aux_losses import trackers
     for c in chunks:
         c.finish_grad_sync()  # overlapped bucket reductions of the first run may be in flight
     for comp, dicts in saved:
         vars(comp).update({k: dict(v) for k, v in dicts.items()})
-    aux_losses.clear()  # MoE losses recorded by the routers; their token counts (expert bias) too
+    for t in trackers(chunks):  # the auxiliary losses recorded; the routers' token counts (expert bias) too
+        t.clear()
     for c in chunks:
         for m in c.modules():
             if getattr(m, "local_tokens_per_expert", None) is not None:

@@ -18,7 +18,7 @@ import torch
 from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
 from megalite.config import ModelConfig
-from megalite.moe.router import AuxLossScaler, aux_losses
+from megalite.moe.aux_losses import set_aux_loss_scale
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.transformer import dsa as dsa_module
 from megalite.transformer.dsa import index_scores
@@ -158,17 +158,18 @@ def test_one_layer_matches_the_formulas_in_float64(case):
         others = [n for n, prm in layer.named_parameters() if "indexer" not in n and prm.grad is not None]
         assert x.grad is None and not others, others
         layer.zero_grad()
-        aux_losses.clear()
+        tracker = layer.core_attention.aux_tracker
+        tracker.clear()
         out, _ = layer(x, rot)
         grad_out = torch.randn(out.shape, generator=g)
-        with patched(AuxLossScaler, "scale", 1.0):  # the indexer loss joins with gradient 1 (no schedule here)
-            (out * grad_out).sum().backward()
+        set_aux_loss_scale([layer], 1.0)  # the indexer loss joins with gradient 1 (no schedule here)
+        (out * grad_out).sum().backward()
         both = {n: prm.grad.clone() for n, prm in layer.named_parameters()}
-        assert set(aux_losses["indexer loss"]) == {1}  # recorded for the log line, per layer
-        aux_losses.clear()
+        assert set(tracker.values["indexer loss"]) == {1}  # recorded for the log line, per layer
+        tracker.clear()
         layer.zero_grad()
         with torch.no_grad():  # eval / no grad: no indexer loss, the same mask
-            assert layer.core_attention(x, lat, q, k, rot)[1] is None and not aux_losses
+            assert layer.core_attention(x, lat, q, k, rot)[1] is None and not tracker.values
     finally:
         ps.destroy_model_parallel()
     p64 = {n: t.detach().double().requires_grad_(True) for n, t in layer.named_parameters()}

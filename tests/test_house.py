@@ -48,10 +48,6 @@ MODULE_STATE = {
     "megalite/data/preprocess.py": {"_W": "a preprocessing worker process's tokenizer"},
     "megalite/moe/decisions.py": {"_hooks": "a parity test's tie replay (tests/support/decision_replay.py)",
                                   "_about": "the same"},
-    "megalite/moe/router.py": {"aux_losses": "to go: the model's, read by the log line",
-                               "AuxLossScaler.scale": "to go: the schedule's loss scale, the model's"},
-    "megalite/rerun.py": {"aux_losses": "to go (router.py's)"},
-    "megalite/training/auxiliary_losses.py": {"aux_losses": "to go (router.py's)"},
 }
 MUTATORS = {"update", "append", "clear", "pop", "setdefault", "extend", "add", "remove", "insert", "popitem"}
 

@@ -11,7 +11,8 @@ from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
 from megalite.config import ModelConfig
 from megalite.moe.layer import MoELayer
-from megalite.moe.router import TopKRouter, aux_losses, set_aux_loss_scale, sinkhorn, sinkhorn_routing, topk_routing
+from megalite.moe.aux_losses import set_aux_loss_scale
+from megalite.moe.router import TopKRouter, sinkhorn, sinkhorn_routing, topk_routing
 from megalite.transformer.mlp import MLP
 from parity import MB2, MOE, layout, patched, reference, run_layouts
 from parity_check import assert_parity, mismatches
@@ -92,8 +93,7 @@ def test_aux_and_z_losses_are_megatrons_formulas_and_reach_the_router_scaled(gri
     cfg = _cfg(moe_aux_loss_coeff=coeff, moe_z_loss_coeff=zc, moe_router_load_balancing_type=kind)
     router = TopKRouter(cfg, "decoder.layers.0.mlp.router", 1)
     x = torch.randn(s * b, cfg.hidden_size, dtype=torch.float64)
-    aux_losses.clear()
-    set_aux_loss_scale(scale)
+    set_aux_loss_scale([router], scale)
     probs, rmap = router(x, seq_length=s)
     (probs * 0).sum().backward()  # only the auxiliary losses' gradients flow
     got_grad = router.weight.grad.clone()
@@ -112,10 +112,9 @@ def test_aux_and_z_losses_are_megatrons_formulas_and_reach_the_router_scaled(gri
     z = (torch.logsumexp(logits, -1) ** 2).mean() * zc
     ((aux + z) * scale).backward()
     assert torch.allclose(got_grad, w.grad, rtol=1e-10, atol=1e-14)
-    logged = {n: v[1].item() for n, v in aux_losses.items()}  # recorded in fp32: rounding <= 2^-24 relative
+    logged = {n: v[1].item() for n, v in router.aux_tracker.values.items()}  # in fp32: rounding <= 2^-24 relative
     assert math.isclose(logged["load_balancing_loss"], aux.item() / coeff, rel_tol=1e-7)
     assert math.isclose(logged["z_loss"], z.item() / zc, rel_tol=1e-7)
-    set_aux_loss_scale(1.0)
 
 
 def _layer_run(cfg):
@@ -140,7 +139,7 @@ def test_moe_layer_is_the_weighted_sum_of_its_experts(grid):
 def aux_loss_not_divided_by_microbatches():
     """Fault: the auxiliary losses' gradient scale ignores the micro-batch count."""
     import megalite.pipeline.run as micro_run
-    return patched(micro_run, "set_aux_loss_scale", lambda scale: set_aux_loss_scale(1.0))
+    return patched(micro_run, "set_aux_loss_scale", lambda chunks, scale: set_aux_loss_scale(chunks, 1.0))
 
 
 LAYOUTS = [

@@ -175,21 +175,20 @@ def _by_definition(model, ids, labels, mask, per_token):
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["mean", "per_token"])
 def test_the_loss_is_its_definition(grid, per_token):
-    from megalite.moe.router import aux_losses, set_aux_loss_scale
+    from megalite.moe.aux_losses import set_aux_loss_scale
     model, _ = _model(("--calculate-per-token-loss",) if per_token else ())
     model.train()
     g = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, 40, (2, 8), generator=g), torch.randint(0, 40, (2, 8), generator=g)
     mask = torch.ones(2, 8)
     mask[0, 5] = mask[1, 0] = 0.0  # the shifted masks drop them at other positions
-    aux_losses.clear()
-    set_aux_loss_scale(1.0)  # the schedule's scale for one micro-batch
+    set_aux_loss_scale([model], 1.0)  # the schedule's scale for one micro-batch
     per = model(ids, labels=labels, loss_mask=mask)
     main = (per * mask).sum()
     (main if per_token else main / mask.sum()).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    recorded = [aux_losses["mtp loss"][k].item() for k in (1, 2)]
-    aux_losses.clear()
+    recorded = [model.aux_tracker.values["mtp loss"][k].item() for k in (1, 2)]
+    model.aux_tracker.clear()
     exact = copy.deepcopy(model).double()  # the definition in float64, from the same weights
     exact.zero_grad()
     loss, means = _by_definition(exact, ids, labels, mask.double(), per_token)
@@ -202,10 +201,9 @@ def test_the_loss_is_its_definition(grid, per_token):
 
 
 def test_generation_and_evaluation_skip_the_heads(grid):
-    from megalite.moe.router import aux_losses
     model, _ = _model()
     ids = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(1))
-    aux_losses.clear()
+    aux_losses = model.aux_tracker.values  # (what the model's MTP block records into)
     logits = model(ids)  # no labels: the main logits only
     assert logits.shape[:2] == (2, 8) and "mtp loss" not in aux_losses
     model.eval()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megalite import mup, parallel_state as ps
+from megalite.moe.aux_losses import share_tracker
 from megalite.distributed.cp_comm import cp_size, global_token_index
 from megalite.tensor_parallel import (
     ColumnParallelLinear,
@@ -110,6 +111,7 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset or 0,
                                         post_process=post_process, grid=grid)
         self.mtp = MTPBlock(c, grid) if self.mtp_process else None
+        self.aux_tracker = share_tracker([self])  # the routers', DSA's and MTP's recorded losses (the log line's)
         if post_process:
             std = c.init_method_std
             self.output_layer = ColumnParallelLinear(

@@ -20,7 +20,7 @@ score + expert_bias (a parameter without gradient, fp32, checkpointed); each ste
 ±--moe-router-bias-update-rate towards the mean load.
 Their gradients enter the backward scaled as the main loss is (AuxLossScaler: the loss scale over
 the micro-batch count; per-token loss: the loss scale), and their values are recorded per layer for
-the log line (`aux_losses`).
+the log line (the router's `aux_tracker`, moe/aux_losses.py).
 """
 
 import math
@@ -30,38 +30,9 @@ from torch import nn
 
 from megalite import mup, parallel_state as ps
 from megalite.moe import decisions
+from megalite.moe.aux_losses import AuxLossScaler, AuxLossTracker
 from megalite.tensor_parallel.init import ConstantRecipe, init_normal, param_seed, replicated_init, with_recipe
 from megalite.tensor_parallel.mappings import all_reduce_sum_tp_cp
-
-
-class AuxLossScaler(torch.autograd.Function):
-    """Identity on `output` whose backward also sends `scale` as the gradient of `aux_loss`."""
-
-    scale = 1.0
-
-    @staticmethod
-    def forward(ctx, output, aux_loss):
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad):
-        (aux_loss,) = ctx.saved_tensors
-        return grad, torch.full_like(aux_loss, AuxLossScaler.scale)
-
-
-def set_aux_loss_scale(scale):
-    """The schedules call this before each iteration's backward passes (Megatron's set_loss_scale)."""
-    AuxLossScaler.scale = float(scale)
-
-
-# name -> {layer number: summed value over the micro-batches (detached)}; read and cleared by the logger
-aux_losses = {}
-
-
-def _record(name, layer_number, value):
-    per_layer = aux_losses.setdefault(name, {})
-    per_layer[layer_number] = per_layer.get(layer_number, 0.0) + value.detach().float()
 
 
 def switch_aux_loss(probs, tokens_per_expert, total_tokens, topk, coeff):
@@ -187,6 +158,7 @@ class TopKRouter(nn.Module):
         c = self.config = config
         self.grid = ps.current_grid(grid)
         self.layer_number, self.name = layer_number, prefix
+        self.aux_tracker = AuxLossTracker()  # its own until the model's chunks share one (moe/aux_losses.py)
         # replicated over TP (its input is whole on every rank); Megatron keeps it in the model's dtype
         w, recipe = replicated_init((c.num_moe_experts, c.hidden_size), init_normal(mup.hidden_std(c)),
                                     param_seed(c.seed, prefix + ".weight"), ps.get_device())
@@ -229,8 +201,8 @@ class TopKRouter(nn.Module):
         tp = self.tp  # the losses are of the whole micro-batch: this rank's tokens are 1/tp of it (TP x CP)
         if c.moe_z_loss_coeff and torch.is_grad_enabled():  # not in evaluation, nor twice under recompute
             zl = z_loss(logits, c.moe_z_loss_coeff, x.shape[0] * tp)
-            _record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
-            logits = AuxLossScaler.apply(logits, zl)
+            self.aux_tracker.record("z_loss", self.layer_number, zl / c.moe_z_loss_coeff)
+            logits = AuxLossScaler.apply(logits, zl, self.aux_tracker)
         kind = c.moe_router_load_balancing_type
         with decisions.about(self.name, x):  # each token's choice, told by its input (tests replay ties)
             if kind == "sinkhorn":
@@ -257,8 +229,8 @@ class TopKRouter(nn.Module):
                     counts = all_reduce_sum_tp_cp(counts, grid=self.grid)
                 aux = sum(switch_aux_loss(seq_scores[j], counts[j], seq_length * tp, c.moe_router_topk,
                                           c.moe_aux_loss_coeff) for j in range(b)) / b
-            _record("load_balancing_loss", self.layer_number, aux / c.moe_aux_loss_coeff)
-            probs = AuxLossScaler.apply(probs, aux)
+            self.aux_tracker.record("load_balancing_loss", self.layer_number, aux / c.moe_aux_loss_coeff)
+            probs = AuxLossScaler.apply(probs, aux, self.aux_tracker)
         if c.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_over_capacity(probs, routing_map, c.moe_router_topk,
                                                     c.moe_expert_capacity_factor, c.moe_token_drop_policy,

@@ -10,7 +10,7 @@ context; megalite/pipeline/auto_layout.py's profiler) wraps each forward and bac
 import torch
 
 from megalite import parallel_state as ps
-from megalite.moe.router import set_aux_loss_scale
+from megalite.moe.aux_losses import set_aux_loss_scale
 
 
 
@@ -37,7 +37,7 @@ class Run:
         # MoE auxiliary losses enter the backward scaled as the main loss (Megatron's MoEAuxLossAutoScaler)
         config = getattr(getattr(self.chunks[0], "module", self.chunks[0]), "config", None)
         per_token = getattr(config, "calculate_per_token_loss", False)
-        set_aux_loss_scale(loss_scale if per_token else loss_scale / self.divisor)
+        set_aux_loss_scale(self.chunks, loss_scale if per_token else loss_scale / self.divisor)
         self.reported, self.alive = [], 0
         self.next_mb = [0] * len(self.chunks)
         self.bwd_mb = [0] * len(self.chunks)

@@ -5,14 +5,13 @@ Each one's value per layer is averaged over this iteration's micro-batches (and 
 the pipeline stages (and, for the routers, over the TP ranks' parts of each micro-batch under sequence
 parallelism), and averaged over the layers.
 Every rank takes part (the names come from the config, so stages without such layers send zeros);
-the recorded values are then cleared."""
+the recorded values (the model's AuxLossTracker, moe/aux_losses.py) are then cleared."""
 
 import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.distributed.collectives import average_over_data_parallel, sum_over_data_parallel
-from megalite.moe.router import aux_losses
 
 
 def moe_loss_names(config):
@@ -24,13 +23,13 @@ def moe_loss_names(config):
     return names
 
 
-def moe_losses(config, num_microbatches, total, grid):
+def moe_losses(config, num_microbatches, total, grid, tracker):
     """{name: device scalar}; total: this rank's loss divisor when uneven. With
     --moe-per-layer-logging also {"moe/<name>_layer_<i>": scalar} per MoE layer (Megatron writes those to
     TensorBoard only; the console line skips names with a "/")."""
     names = moe_loss_names(config)
     if not names:
-        aux_losses.clear()
+        tracker.clear()
         return {}
     dev = ps.get_device()
     # the MTP layers too (numbered after the decoder's, MoE as its last), as Megatron's tracker counts them
@@ -38,9 +37,9 @@ def moe_losses(config, num_microbatches, total, grid):
     vals = torch.zeros(len(names), len(layers), device=dev)  # this stage's layers filled, the others 0
     for j, n in enumerate(names):
         for i, layer in enumerate(layers):
-            if layer in aux_losses.get(n, {}):
-                vals[j, i] = aux_losses[n][layer].to(dev)
-    aux_losses.clear()
+            if layer in tracker.values.get(n, {}):
+                vals[j, i] = tracker.values[n][layer].to(dev)
+    tracker.clear()
     g = grid
     vals = _over_batch_and_stages(vals, num_microbatches, total, g)
     tp = g.tp if config.sequence_parallel else 1
@@ -53,10 +52,10 @@ def moe_losses(config, num_microbatches, total, grid):
     return out
 
 
-def dsa_indexer_loss(config, num_microbatches, total, grid):
+def dsa_indexer_loss(config, num_microbatches, total, grid, tracker):
     """{"indexer loss": device scalar}: each layer's coeff-scaled KL loss. Every TP rank holds the whole
     loss (the indexer sees the whole sequence): no sum over TP."""
-    per_layer = aux_losses.pop("indexer loss", {})
+    per_layer = tracker.values.pop("indexer loss", {})
     if config.experimental_attention_variant != "dsa" or not config.dsa_indexer_loss_coeff:
         return {}
     vals = torch.zeros(config.num_layers, device=ps.get_device())
@@ -66,9 +65,9 @@ def dsa_indexer_loss(config, num_microbatches, total, grid):
             / config.num_layers}
 
 
-def mtp_losses(config, num_microbatches, total, grid):
+def mtp_losses(config, num_microbatches, total, grid, tracker):
     """{"mtp_<k> loss": device scalar} per depth k: the masked mean cross-entropy k tokens further ahead."""
-    per_depth = aux_losses.pop("mtp loss", {})
+    per_depth = tracker.values.pop("mtp loss", {})
     vals = torch.zeros(config.mtp_num_layers, device=ps.get_device())
     for k, value in per_depth.items():
         vals[k - 1] = value.to(vals.device)
@@ -90,13 +89,13 @@ def _over_batch_and_stages(vals, num_microbatches, total, g):
     return vals
 
 
-def auxiliary_losses(config, num_microbatches, total, grid):
+def auxiliary_losses(config, num_microbatches, total, grid, tracker):
     """Every auxiliary loss of the log line (collective on every rank of `grid` when the model has any)."""
     out = {}
     if config.mtp_num_layers:
-        out.update(mtp_losses(config, num_microbatches, total, grid))
+        out.update(mtp_losses(config, num_microbatches, total, grid, tracker))
     if config.experimental_attention_variant == "dsa":  # first: moe_losses clears every recorded value
-        out.update(dsa_indexer_loss(config, num_microbatches, total, grid))
+        out.update(dsa_indexer_loss(config, num_microbatches, total, grid, tracker))
     if config.num_moe_experts:
-        out.update(moe_losses(config, num_microbatches, total, grid))
+        out.update(moe_losses(config, num_microbatches, total, grid, tracker))
     return out

@@ -93,8 +93,8 @@ class Losses(Part):
     """The iteration's losses (lm loss on every rank; the routers' and DSA's on the last stage) into the window
     the log line reads."""
 
-    def __init__(self, mcfg, window, grid):
-        self.mcfg, self.window, self.grid = mcfg, window, grid
+    def __init__(self, mcfg, window, grid, aux):
+        self.mcfg, self.window, self.grid, self.aux = mcfg, window, grid, aux  # aux: the chunks' AuxLossTracker
 
     def after(self, it, step):
         if step.idle:
@@ -105,7 +105,8 @@ class Losses(Part):
             flat = step.across(torch.cat([v.detach().float().reshape(-1) for v in parts]))
             parts = [f.view_as(v).to(v.dtype) for f, v in zip(flat.split([v.numel() for v in parts]), parts)]
             loss, means = parts[0], dict(zip(means, parts[1:]))
-        aux = auxiliary_losses(self.mcfg, step.num_micro, step.total, self.grid)  # MoE routers', DSA's (collective)
+        # the MoE routers', DSA's and MTP's (collective)
+        aux = auxiliary_losses(self.mcfg, step.num_micro, step.total, self.grid, self.aux)
         if aux and self.grid.last_stage():  # the stage that logs every loss
             means = {**means, **aux}
         self.window.add(loss, means, step.stepped)

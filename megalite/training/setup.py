@@ -16,6 +16,7 @@ from megalite.checkpoint.megatron import is_megatron_checkpoint
 from megalite.checkpoint.manager import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
                                          unwrap_checkpoint_error)
 from megalite.checkpoint.writer import CheckpointIO
+from megalite.moe.aux_losses import share_tracker
 from megalite.config import ConfigError
 from megalite.distributed import DistributedDataParallel
 from megalite.distributed.semi_sync_async import semi_sync_for
@@ -73,6 +74,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
         sizing = (r.train_ds, forward_step_func) if r.train_ds is not None and not args.skip_train else None
         # (sized by memory too)
         r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing, record)
+        r.aux = share_tracker(r.chunks)  # one record of the auxiliary losses for this rank's chunks (the log line)
         if r.mcfg.fp8:  # (the delayed histories in the single process's units: checkpoints resume at any layout)
             set_gradient_units([m for c in r.chunks for m in c.module.modules()],
                                1 if r.mcfg.calculate_per_token_loss else r.plan.grad_divisor)

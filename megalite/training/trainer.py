@@ -63,7 +63,7 @@ class Trainer:
             self.ft,
             auto is not None and parts.AutoShares(auto, self.cursor, record),
             parts.hash_interval(args) and parts.ReplicaCheck(args, r.chunks, r.optimizer, self.abort),
-            parts.Losses(r.mcfg, self.window, ps.grid_of(r.chunks)),
+            parts.Losses(r.mcfg, self.window, ps.grid_of(r.chunks), r.aux),
             r.semi is not None and parts.SemiSync(r.semi, args, r.chunks, self.cursor, r.scheduler, r.start_iter,
                                                   self.abort),
             args.manual_gc and args.manual_gc_interval and parts.ManualGC(args.manual_gc_interval),

@@ -30,7 +30,7 @@ from torch import nn
 
 from megalite.moe import decisions
 from megalite import parallel_state as ps
-from megalite.moe.router import AuxLossScaler, _record
+from megalite.moe.aux_losses import AuxLossScaler, AuxLossTracker
 from megalite.tensor_parallel import (
     DuplicatedLinear,
     gather_from_sequence_parallel_region,
@@ -133,6 +133,7 @@ class DSAttention(nn.Module):
         self.config, self.layer_number, self.softmax_scale = config, layer_number, softmax_scale
         self.indexer = DSAIndexer(config, prefix + ".indexer", grid)
         self.grid = self.indexer.grid
+        self.aux_tracker = AuxLossTracker()  # its own until the model's chunks share one (moe/aux_losses.py)
 
     def forward(self, x, qr, q, k, rotary, attn_mask=None):
         """x, qr: the layer's input and query latent [s(/TP), b, .]; q, k: MLA's [b, s, heads, dq];
@@ -154,10 +155,9 @@ class DSAttention(nn.Module):
         if with_loss:
             loss = indexer_loss(scores, q, k, self.softmax_scale, masked, selected, coeff,
                                 c.dsa_indexer_use_sparse_loss, c.calculate_per_token_loss, self.grid)
-            _record("indexer loss", self.layer_number, loss)
+            self.aux_tracker.record("indexer loss", self.layer_number, loss)
         return (~selected).unsqueeze(1), loss
 
-    @staticmethod
-    def attach(ctx, loss):
+    def attach(self, ctx, loss):
         """ctx unchanged; the loss's gradient (the main loss's scale) joins the backward through it."""
-        return ctx if loss is None else AuxLossScaler.apply(ctx, loss)
+        return ctx if loss is None else AuxLossScaler.apply(ctx, loss, self.aux_tracker)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from megalite.distributed.cp_comm import all_gather_over_cp, cp_chunks, sum_over_cp
-from megalite.moe.router import AuxLossScaler, _record
+from megalite.moe.aux_losses import AuxLossScaler, AuxLossTracker
 from megalite.tensor_parallel import ColumnParallelLinear, checkpoint
 from megalite.tensor_parallel.layers import init_normal
 from megalite.tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -73,6 +73,7 @@ class MTPBlock(nn.Module):
         super().__init__()
         self.config, self.grid = config, grid
         self.layers = nn.ModuleList(MTPLayer(config, k, grid) for k in range(config.mtp_num_layers))
+        self.aux_tracker = AuxLossTracker()  # its own until the model's chunks share one (moe/aux_losses.py)
 
     def forward(self, h0, input_ids, position_ids, labels, loss_mask, rotary, attn_mask, embedding, loss_fn):
         """h_0 with the MTP loss attached (its gradient joins the backward through h_0). embedding(ids,
@@ -94,9 +95,9 @@ class MTPBlock(nn.Module):
         total = 0.0
         for k, (s, n) in enumerate(zip(sums, counts[:-1])):
             mean = s / n.clamp(min=1.0)  # a micro-batch with no token left at this depth adds 0
-            _record("mtp loss", k + 1, mean)  # this CP rank's part of the depth's mean
+            self.aux_tracker.record("mtp loss", k + 1, mean)  # this CP rank's part of the depth's mean
             total = total + (mean * whole if c.calculate_per_token_loss else mean)
-        return AuxLossScaler.apply(h0, total * (c.mtp_loss_scaling_factor / d))
+        return AuxLossScaler.apply(h0, total * (c.mtp_loss_scaling_factor / d), self.aux_tracker)
 
 
 def shift_left(tensors, depth, grid):
