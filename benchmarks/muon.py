@@ -31,6 +31,7 @@ from benchmarks.gloo_ranks import spawn
 from megalite import parallel_state as ps
 from megalite.config import ModelConfig, TrainingConfig
 from megalite.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalite.distributed import DistributedDataParallelConfig as DDPConfig
 from megalite.models import GPTModel
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.newton_schulz import flops
@@ -43,7 +44,7 @@ def _build(a, kind):
                       position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                       untie_embeddings_and_output_weights=True)
     tcfg = TrainingConfig(lr=1e-3, global_batch_size=8, optimizer=kind, muon_fp32_matmul_prec="high")
-    model = DistributedDataParallel(GPTModel(cfg), bucket_size=a.bucket, use_distributed_optimizer=True)
+    model = DistributedDataParallel(GPTModel(cfg), DDPConfig(bucket_size=a.bucket, use_distributed_optimizer=True))
     return cfg, model, DistributedOptimizer([model], tcfg)
 
 

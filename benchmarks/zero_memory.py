@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from megalite import parallel_state as ps
 from megalite.config import ModelConfig, TrainingConfig
 from megalite.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalite.distributed import DistributedDataParallelConfig as DDPConfig
 from megalite.models import GPTModel
 from megalite.optimizer import MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
@@ -74,8 +75,8 @@ def _measure(a, dtype, stage, micro):
                       vocab_size=a.vocab, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
                       untie_embeddings_and_output_weights=True)
     tcfg = TrainingConfig(lr=1e-4, bf16=dtype == torch.bfloat16, global_batch_size=2)
-    model = DistributedDataParallel(GPTModel(cfg), bucket_size=a.bucket, use_distributed_optimizer=stage > 0,
-                                    zero_stage=stage or 1)
+    model = DistributedDataParallel(GPTModel(cfg), DDPConfig(bucket_size=a.bucket, use_distributed_optimizer=stage > 0,
+                                    zero_stage=stage or 1))
     opt = (DistributedOptimizer if stage else MixedPrecisionOptimizer)([model], tcfg)
     _iteration(cfg, model, opt, micro, 0)  # Adam states exist from the first step on
     comm.reset()
@@ -127,7 +128,7 @@ def _big_job(a):
     base = _rss_mib()
     with ps.meta_init() if stage else contextlib.nullcontext():
         module = GPTModel(cfg)
-    model = DistributedDataParallel(module, use_distributed_optimizer=stage > 0, zero_stage=stage or 1)
+    model = DistributedDataParallel(module, DDPConfig(use_distributed_optimizer=stage > 0, zero_stage=stage or 1))
     opt = (DistributedOptimizer if stage else MixedPrecisionOptimizer)([model], tcfg)
     for step in range(2):
         _iteration(cfg, model, opt, 1, step)
@@ -151,8 +152,8 @@ def _time_job(a):
     cfg, tcfg = _big_cfg(a), TrainingConfig(lr=1e-4, global_batch_size=2)
     runs = {}
     for name, stage, prefetch in (("zero3", 3, True), ("zero3-no-prefetch", 3, False), ("zero2", 2, True)):
-        model = DistributedDataParallel(GPTModel(cfg), use_distributed_optimizer=True, zero_stage=stage,
-                                        prefetch=prefetch)
+        model = DistributedDataParallel(GPTModel(cfg), DDPConfig(use_distributed_optimizer=True, zero_stage=stage,
+                                        prefetch=prefetch))
         runs[name] = (model, DistributedOptimizer([model], tcfg), [])
         _iteration(cfg, model, runs[name][1], a.time_micro, 0)
     for step in range(a.iters):

@@ -30,6 +30,7 @@ from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
 from megalite.config import TrainingConfig
 from megalite.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalite.distributed import DistributedDataParallelConfig as DDPConfig
 from megalite.models import GPTModel
 from megalite.optimizer import MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer, reassemble_full_state
@@ -47,8 +48,8 @@ def _build(stage, dtype, cfg_kw, tcfg_kw, overlap=False):
     cfg = tiny_config("gpt2", params_dtype=dtype, **cfg_kw)
     tcfg = TrainingConfig(lr=LR, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, global_batch_size=2,
                           **tcfg_kw)
-    m = DistributedDataParallel(GPTModel(cfg), bucket_size=700, use_distributed_optimizer=stage > 0,
-                                zero_stage=stage or 1, overlap_param_gather=overlap)
+    m = DistributedDataParallel(GPTModel(cfg), DDPConfig(bucket_size=700, use_distributed_optimizer=stage > 0,
+                                zero_stage=stage or 1, overlap_param_gather=overlap))
     return cfg, m, (DistributedOptimizer if stage else MixedPrecisionOptimizer)([m], tcfg)
 
 

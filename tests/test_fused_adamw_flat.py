@@ -13,6 +13,7 @@ import kernels
 from megalite import parallel_state as ps
 from megalite.config import TrainingConfig
 from megalite.distributed import DistributedDataParallel
+from megalite.distributed import DistributedDataParallelConfig as DDPConfig
 from megalite.optimizer import MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.optimizer import no_weight_decay
@@ -52,7 +53,7 @@ def _build(dtype=torch.float32, wrap=None, nobias=False, **tkw):
     tcfg = TrainingConfig(global_batch_size=1, bf16=dtype == torch.bfloat16, **kw)
     if wrap is None:
         return model, model, MixedPrecisionOptimizer([model], tcfg)
-    ddp = DistributedDataParallel(model, bucket_size=1500, use_distributed_optimizer=wrap == "zero")
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=1500, use_distributed_optimizer=wrap == "zero"))
     return model, ddp, (DistributedOptimizer if wrap == "zero" else MixedPrecisionOptimizer)([ddp], tcfg)
 
 

@@ -10,6 +10,7 @@ from dist_util import run_on_ranks
 from megalite import parallel_state as ps
 from megalite.config import TrainingConfig
 from megalite.distributed import DistributedDataParallel
+from megalite.distributed import DistributedDataParallelConfig as DDPConfig
 from megalite.models import GPTModel
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.loss_scaler import DynamicLossScaler
@@ -29,7 +30,7 @@ def test_dynamic_loss_scaler_hysteresis_and_growth():
 
 
 def _model_and_opt(cfg_kw, tcfg):
-    model = DistributedDataParallel(GPTModel(tiny_config("gpt2", **cfg_kw)), bucket_size=1000)
+    model = DistributedDataParallel(GPTModel(tiny_config("gpt2", **cfg_kw)), DDPConfig(bucket_size=1000))
     return model, MixedPrecisionOptimizer([model], tcfg)
 
 
@@ -93,7 +94,7 @@ def test_clip_scales_to_max_norm(grid):
 def _buckets_started_in_backward():
     ps.initialize_model_parallel(1, 1)  # DP = 2
     model_parallel_manual_seed(0)
-    model = DistributedDataParallel(GPTModel(tiny_config("gpt2")), bucket_size=2000)
+    model = DistributedDataParallel(GPTModel(tiny_config("gpt2")), DDPConfig(bucket_size=2000))
     ids, labels = batch(model.module.config, seed=ps.get_data_parallel_rank())
     with model.no_sync():
         model(ids, labels=labels).mean().backward()
@@ -162,7 +163,7 @@ def _one_step_decoupled(distributed, lr, decoupled_lr):
         tcfg = TrainingConfig(lr=lr, decoupled_lr=decoupled_lr, weight_decay=0.1, global_batch_size=2,
                               lr_decay_style="constant")
         model = DistributedDataParallel(GPTModel(tiny_config("gpt2", untie_embeddings_and_output_weights=True)),
-                                        bucket_size=1000, use_distributed_optimizer=distributed)
+                                        DDPConfig(bucket_size=1000, use_distributed_optimizer=distributed))
         opt = (DistributedOptimizer if distributed else MixedPrecisionOptimizer)([model], tcfg)
         LRScheduler(opt, lr, 0.0, 0, 10, "constant", decoupled=(decoupled_lr, None))
         ids, labels = batch(model.module.config)

@@ -8,6 +8,7 @@ import megalite.optimizer.newton_schulz as ns_mod
 from megalite import parallel_state as ps
 from megalite.config import ConfigError, TrainingConfig
 from megalite.distributed import DistributedDataParallel
+from megalite.distributed import DistributedDataParallelConfig as DDPConfig
 from megalite.models import GPTModel
 from megalite.optimizer import MixedPrecisionOptimizer
 from megalite.optimizer.muon import MuonMatrices, is_muon_matrix
@@ -59,7 +60,7 @@ def _pair(flavour, tcfg, torch_optimizers, steps=STEPS, **cfg):
     model_parallel_manual_seed(0)
     try:
         config = tiny_config(flavour, **cfg)
-        model = DistributedDataParallel(GPTModel(config), bucket_size=1000)
+        model = DistributedDataParallel(GPTModel(config), DDPConfig(bucket_size=1000))
         opt = MixedPrecisionOptimizer([model], tcfg)
         model_parallel_manual_seed(0)
         twin = GPTModel(config)
@@ -243,7 +244,7 @@ def test_qk_clip_brings_the_largest_logit_to_the_threshold(grid):
     threshold on the same input (q x eta^alpha, k x eta^(1-alpha)); the other groups are untouched."""
     from megalite.optimizer.qk_clip import clip_qk
     config = tiny_config("llama", num_layers=1, qk_clip=True)
-    model = DistributedDataParallel(GPTModel(config), bucket_size=1000)
+    model = DistributedDataParallel(GPTModel(config), DDPConfig(bucket_size=1000))
     opt = MixedPrecisionOptimizer([model], TrainingConfig(global_batch_size=2))
     attn = model.module.decoder.layers["0"].self_attention
     ids, labels = batch(config)

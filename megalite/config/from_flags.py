@@ -5,6 +5,7 @@ planner alike, so none of them imports the command line."""
 
 import argparse
 
+from megalite.config.ddp import DistributedDataParallelConfig
 from megalite.config.model import FLAG_FIELDS, ModelConfig
 from megalite.config.training import OPTIMIZER_FIELDS, TrainingConfig
 
@@ -47,6 +48,15 @@ def training_config(args):
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
         loss_scaling=("fp16" in args.data_parallel_precisions) if getattr(args, "data_parallel_precisions", None)
         else None)
+
+
+def ddp_config(args):
+    """The data-parallel wrapper's section (config/ddp.py)."""
+    return DistributedDataParallelConfig(
+        bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=bool(args.use_distributed_optimizer), zero_stage=args.zero_stage or 1,
+        overlap_param_gather=args.overlap_param_gather, hierarchical=args.hierarchical_grad_reduce,
+        reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
 
 
 def with_rank_precision(args, dp_rank):

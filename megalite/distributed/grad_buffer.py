@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megalite import parallel_state as ps
+from megalite.config.ddp import DistributedDataParallelConfig
 from megalite.distributed import comm
 from megalite.distributed.param_facts import data_parallel, is_expert, stamp
 from megalite.distributed.param_units import ParamUnits, Unit, plan_units
@@ -155,22 +156,21 @@ def _weak_hook(ddp):
 
 
 class DistributedDataParallel(nn.Module):
-    def __init__(self, module, bucket_size=40_000_000, overlap_grad_reduce=True,
-                 use_distributed_optimizer=False, zero_stage=1, overlap_param_gather=False, grad_divisor=None,
-                 reduce_once=False, hierarchical=False, compressor=None, prefetch=True, reshard_after_forward=True,
+    def __init__(self, module, ddp_config=None, *, grad_divisor=None, reduce_once=False, compressor=None,
                  grid=None):
-        """grad_divisor: what the reduction divides the summed gradients by (default DP: the
+        """ddp_config: how it reduces and shards (megalite/config/ddp.py; default its defaults).
+        grad_divisor: what the reduction divides the summed gradients by (default DP: the
         average; 1 with uneven data-parallel shares, whose losses carry the weights).
         reduce_once: ZeRO-2 reduces once per iteration too (ranks that run different numbers
-        of micro-batches must issue the same collectives). hierarchical: the plain DP all-reduce
-        through the node groups (--hierarchical-grad-reduce). compressor: --grad-compression's
-        (megalite/distributed/grad_compression.py) for the plain DP all-reduce. prefetch,
-        reshard_after_forward: ZeRO-3's unit schedule (param_units.py). grid: the module's (its `grid`;
+        of micro-batches must issue the same collectives). compressor: --grad-compression's
+        (megalite/distributed/grad_compression.py) for the plain DP all-reduce. grid: the module's (its `grid`;
         default the global one); each parameter's facts are set in it here, once (param_facts.stamp)."""
         super().__init__()
+        cfg = self.ddp_config = ddp_config or DistributedDataParallelConfig()
+        use_distributed_optimizer, zero_stage = cfg.use_distributed_optimizer, cfg.zero_stage
         self.module = module
         self.grid = grid = ps.current_grid(grid if grid is not None else getattr(module, "grid", None))
-        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_grad_reduce = cfg.overlap_grad_reduce
         self.sync_enabled = True
         # Gradients reduce (and ZeRO shards) over DP x CP; CP ranks hold parts of one sequence,
         # so their gradients are parts of one sum: averaged over DP only.
@@ -183,7 +183,7 @@ class DistributedDataParallel(nn.Module):
         if self.zero_stage == 3 and reduce_once:  # a rank with fewer micro-batches would gather fewer times
             raise ValueError("ZeRO-3 needs the same micro-batch count on every data-parallel rank (no uneven shares)")
         # ZeRO-3 gathers unit by unit as the forward reaches them (with prefetch): always overlapped.
-        self.overlap_param_gather = overlap_param_gather and self.zero_stage in (1, 2)
+        self.overlap_param_gather = cfg.overlap_param_gather and self.zero_stage in (1, 2)
         params = [p for p in module.parameters() if p.requires_grad]
         stamp(module.parameters(), grid)
         device = params[0].device if params else torch.device("cpu")
@@ -191,10 +191,10 @@ class DistributedDataParallel(nn.Module):
             device = ps.get_device()
             if not (use_distributed_optimizer and zero_stage == 3):
                 raise ValueError("a model built on the meta device needs ZeRO-3 (--zero-stage 3)")
-        nodes = grid.grad_nodes if hierarchical and not self.zero_stage and self.dp > 1 else None
+        nodes = grid.grad_nodes if cfg.hierarchical and not self.zero_stage and self.dp > 1 else None
         tied = tied_weight(module, grid.pp) if self.zero_stage else None
         units = plan_units(module) if self.zero_stage == 3 else None
-        plan = plan_reduction(module, params, bucket_size, self.zero_stage, data_parallel, is_expert, nodes, tied,
+        plan = plan_reduction(module, params, cfg.bucket_size, self.zero_stage, data_parallel, is_expert, nodes, tied,
                               units)
         total = sum(n for _, n, _ in plan)
         # (ZeRO-2/3 buckets allocate their full-size gradients only while a reduction needs them)
@@ -232,7 +232,8 @@ class DistributedDataParallel(nn.Module):
         if self.zero_stage == 3:
             owner = {p: b for b in self.buckets for p in b.params}
             self.units = ParamUnits([Unit(name, mod, list({id(owner[p]): owner[p] for p in own + used}.values()))
-                                     for name, mod, own, used in units], prefetch, reshard_after_forward)
+                                     for name, mod, own, used in units], cfg.prefetch,
+                                     cfg.reshard_after_forward)
         # through a weak reference: a parameter's hook is held in C++, where the garbage collector cannot see
         # it, so a hook holding this module would keep the model and its process groups alive for good
         hook = _weak_hook(self)

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import kernels
 from megalite import parallel_state as ps
-from megalite.config.from_flags import model_config, training_config
+from megalite.config.from_flags import ddp_config, model_config, training_config
 from megalite.checkpoint.megatron import is_megatron_checkpoint
 from megalite.checkpoint.manager import (CheckpointError, check_save_dir, load_checkpoint, read_tracker,
                                          unwrap_checkpoint_error)
@@ -128,16 +128,9 @@ def build_model(mcfg, model_provider, args, plan=None):
         # ZeRO-3: parameters built on the meta device; each rank makes only its shards (O(shard))
         with ps.meta_init() if args.use_distributed_optimizer and args.zero_stage == 3 else contextlib.nullcontext():
             m = provide(model_provider, mcfg, grid.first_stage() and j == 0, grid.last_stage() and j == v - 1, grid, j)
-        chunks.append(DistributedDataParallel(m, grid=grid, bucket_size=args.ddp_bucket_size,
-                                              overlap_grad_reduce=args.overlap_grad_reduce,
-                                              use_distributed_optimizer=args.use_distributed_optimizer,
-                                              zero_stage=args.zero_stage or 1,
-                                              overlap_param_gather=args.overlap_param_gather,
+        chunks.append(DistributedDataParallel(m, ddp_config(args), grid=grid,
                                               grad_divisor=plan.grad_divisor if plan else None,
-                                              reduce_once=reduces_once(args, plan),
-                                              hierarchical=args.hierarchical_grad_reduce,
-                                              compressor=compressor,
-                                              reshard_after_forward=args.torch_fsdp2_reshard_after_forward))
+                                              reduce_once=reduces_once(args, plan), compressor=compressor))
     return chunks
 
 

@@ -23,7 +23,7 @@ class StepNotCommitted(Exception):
     training/ft.py): nothing was applied; the step is run again."""
 
 
-def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, timers=None,
+def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, *, timers=None,
                loss_divisor=None, sync=False, iteration=None, vote=None, rerun=None, trace=None):
     """One iteration; timers gets the host-side times (sync: after a device sync, for
     --data-parallel-shares auto). vote(chunks, amaxes), between the gradients' finalisation and the optimizer step:

@@ -113,8 +113,8 @@ class Trainer:
             try:
                 s.reported, s.stepped, s.grad_norm = steps.train_step(
                     self.forward_step_func, c.iters, self.chunks, self.optimizer, s.num_micro, self.prepared.shape,
-                    self.dtype, s.times, plan.loss_divisor(c.consumed, rank), timed, it,
-                    self.ft.vote if self.ft is not None else None, rerun=self.prepared.rerun,
+                    self.dtype, timers=s.times, loss_divisor=plan.loss_divisor(c.consumed, rank), sync=timed,
+                    iteration=it, vote=self.ft.vote if self.ft is not None else None, rerun=self.prepared.rerun,
                     trace=self.record.schedule if self.record is not None else None)
             except steps.StepNotCommitted:
                 s.committed = False
