@@ -42,7 +42,7 @@ def shutdown_distributed(barrier=True):
 
 
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
+                              virtual_pipeline_model_parallel_size=None, *, context_parallel_size=1,
                               hierarchical_context_parallel_sizes=None, use_tp_pp_dp_mapping=False,
                               ranks_per_node=None, expert_model_parallel_size=None, expert_tensor_parallel_size=None,
                               replicas=1):

@@ -5,7 +5,6 @@ import contextlib
 import dataclasses
 import inspect
 import os
-import types
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -33,30 +32,34 @@ from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.tensor_parallel.fp8 import set_gradient_units
 from megalite.training.evaluation import dataset_sizes, eval_batch, report_splits
 from megalite.training.kernel_choice import decide_kernels
+from megalite.training.prepared import PreparedRun
 
 
 def prepare(args, datasets_provider, model_provider, forward_step_func, abort, record=None):
-    """Everything a run holds before its first iteration, as one namespace: the grid initialised and seeded, the
-    batch schedule and the DP ranks' plan, the datasets, the model, optimizer and schedule (loaded from --load),
-    the semi-synchronous replicas' outer state, the evaluation plan and the tensor shapes the schedules send.
+    """Everything a run holds before its first iteration, a PreparedRun (training/prepared.py): the grid
+    initialised and seeded, the batch schedule and the DP ranks' plan, the datasets, the model, optimizer and
+    schedule (loaded from --load), the semi-synchronous replicas' outer state, the evaluation plan and the tensor
+    shapes the schedules send.
     abort(message): a user's error (flags, files, sizes) ends the run in one line on every rank."""
     try:
         batches = batch_schedule(args)  # each iteration's global batch (ramp-up), checked
     except (ConfigError, CheckpointError) as e:
         abort(str(e))
     try:  # torchrun's LOCAL_WORLD_SIZE: the ranks of one node, for --hierarchical-grad-reduce
-        ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                     args.virtual_pipeline_model_parallel_size, args.context_parallel_size,
-                                     args.hierarchical_context_parallel_sizes, args.use_tp_pp_dp_mapping,
-                                     int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size()))
-                                     if args.hierarchical_grad_reduce else None,
-                                     args.expert_model_parallel_size if args.num_experts else None,
-                                     args.expert_tensor_parallel_size, args.semi_sync_replicas)
+        ps.initialize_model_parallel(
+            args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size, context_parallel_size=args.context_parallel_size,
+            hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+            use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
+            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size()))
+            if args.hierarchical_grad_reduce else None,
+            expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size, replicas=args.semi_sync_replicas)
     except ValueError as e:
         abort(str(e))
     model_parallel_manual_seed(args.seed)
     kernels.set_self_check("off" if args.no_kernel_self_check else "cuda")
-    r = types.SimpleNamespace(args=args, batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
+    r = PreparedRun(args=args, batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
     r.rerun = initialize_rerun_state_machine(args)  # --rerun-mode: the run's one, handed to each step
     r.checkpoints = CheckpointIO()  # the checkpoint group and async writer: the run's, closed at its end
     r.plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)
