@@ -245,14 +245,14 @@ class Saver(Part):
     """--save: every --save-interval iterations, and the final state (as Megatron, a loaded state is saved again
     at the end when --save is another directory: nothing trained is a re-shard into this run's layout)."""
 
-    def __init__(self, args, run):
-        self.args, self.run = args, run
+    def __init__(self, args, run, ft):
+        self.args, self.run, self.ft = args, run, ft  # ft: fault-tolerant replicas (one live replica writes), or None
         start, same = run.start_iter, os.path.realpath(args.save or "") == os.path.realpath(run.prepared.load or "")
         self.saved_at = start if not start or same else -1
 
     def save(self, it):
         r = self.run
-        if getattr(r, "ft", None) is not None and not r.ft.writes_checkpoints():  # one live replica writes
+        if self.ft is not None and not self.ft.writes_checkpoints():
             self.saved_at = it
             return
         save_checkpoint(it, r.chunks, r.optimizer, r.scheduler, r.mcfg, self.args, r.cursor.consumed,

@@ -53,12 +53,12 @@ class Trainer:
         self.window = TrainingWindow(r.start_iter)
         self.timers = {} if args.log_timers_to_tensorboard else None
         auto = auto_shares(args, r.plan)
-        self.saver = parts.Saver(args, self) if args.save else None
         self.ft = None
         if args.ft_lighthouse:  # fault-tolerant replicas on torchft (training/ft.py): its quorum comes first
             from megalite.training.ft import FaultTolerance  # (semi-synchronous replicas: training/ft_rounds.py)
             from megalite.training.ft_rounds import FaultTolerantRounds
             self.ft = (FaultTolerance if self.semi is None else FaultTolerantRounds)(args, self, self.abort)
+        self.saver = parts.Saver(args, self, self.ft) if args.save else None
         optional = (  # the parts' order: the order of their collectives, the same on every rank
             self.ft,
             auto is not None and parts.AutoShares(auto, self.cursor, record),
