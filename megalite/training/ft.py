@@ -31,6 +31,8 @@ from megalite.training.parts import Part
 
 
 class FaultTolerance(Part):
+    writes = ("across",)  # the quorum's sum (the log line's losses)
+
     def __init__(self, args, trainer, abort):
         # torchft's manager logs four lines a step at its default level; megalite prints the quorum's changes itself
         # (RUST_LOG=info brings torchft's back)

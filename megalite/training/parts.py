@@ -31,6 +31,12 @@ from megalite.training.step import grad_stats, mean_losses
 
 
 class Part:
+    """A behaviour of the loop. What a part tells the parts after it passes through a field of the iteration's Step
+    (trainer.py), declared: the part that sets it names it in `writes`, a part that reads it in `reads`, and
+    check_order holds every reader after its writers."""
+    writes = ()
+    reads = ()
+
     def before(self, it):
         pass
 
@@ -48,6 +54,16 @@ class Part:
 
     def finish(self, last):
         return last
+
+
+def check_order(parts):
+    """ValueError where a part reads a Step field that a part after it writes (it would read last iteration's, or
+    nothing)."""
+    written, writers = set(), {f: type(p).__name__ for p in parts for f in p.writes}
+    for p in parts:
+        if early := [f for f in p.reads if f in writers and f not in written]:
+            raise ValueError(f"{type(p).__name__} reads Step.{early[0]}, which {writers[early[0]]} writes after it")
+        written |= set(p.writes)
 
 
 def hash_interval(args):
@@ -92,6 +108,7 @@ class ReplicaCheck(Part):
 class Losses(Part):
     """The iteration's losses (lm loss on every rank; the routers' and DSA's on the last stage) into the window
     the log line reads."""
+    reads = ("across",)  # fault-tolerant replicas: the mean over the quorum
 
     def __init__(self, mcfg, window, grid, aux):
         self.mcfg, self.window, self.grid, self.aux = mcfg, window, grid, aux  # aux: the chunks' AuxLossTracker

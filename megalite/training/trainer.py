@@ -72,6 +72,7 @@ class Trainer:
             self.saver,
             parts.ExitRules(args, self.saver, started, sigterm))
         self.parts = [p for p in optional if p]
+        parts.check_order(self.parts)  # what one part tells another: its writer first
 
     def abort(self, msg):
         """A run that cannot go on: one line per rank, groups released, non-zero exit."""
