@@ -38,11 +38,15 @@ class AuxLossScaler(torch.autograd.Function):
 
 
 def trackers(chunks):
-    """The distinct trackers of the recording modules in these chunks."""
+    """The distinct trackers of the recording modules in these chunks. A chunk whose model declares one
+    (GPTModel; a DDP wrapper's module) shares it with all its recording modules (share_tracker): that one, without
+    walking the modules on every schedule call; other models' modules are walked."""
     found = {}
     for c in chunks:
-        for m in c.modules():
-            if (t := getattr(m, "aux_tracker", None)) is not None:
+        model = getattr(c, "module", c)
+        own = getattr(model, "aux_tracker", None)
+        for t in [own] if own is not None else (getattr(m, "aux_tracker", None) for m in c.modules()):
+            if t is not None:
                 found.setdefault(id(t), t)
     return list(found.values())
 
