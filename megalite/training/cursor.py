@@ -1,14 +1,24 @@
 """DataCursor: where the training data stands (samples consumed) and the iterators that read on from there. It is
 the one place the training iterators are rebuilt: a restart of the position (a resumed run, an asynchronous
-replica's slot, a replica past its idle iterations) or of the plan (--data-parallel-shares auto's new counts)."""
+replica's slot, a replica past its idle iterations) or of the plan (--data-parallel-shares auto's new counts, a
+fault-tolerant quorum's split). It holds the plan and the DP rank whose micro-batches this rank runs: the step reads
+them here, so a part that re-deals the batch (fault tolerance) hands the cursor a new plan and touches nothing else."""
 
 from megalite.batching.data_iterators import data_iterators
 
 
 class DataCursor:
-    def __init__(self, dataset, consumed, args, chunks, plan):
+    def __init__(self, dataset, consumed, args, chunks, plan, rank):
         self.dataset, self.consumed, self.args, self.chunks, self.plan = dataset, consumed, args, chunks, plan
+        self.rank = rank  # this rank's DP rank across the replicas (the plan's counts and sizes are by it)
+        self.parts = None  # (rank, ranks) the data is read as after a replan (None: the grid's own)
         self.iters = None
+        self.rebuild()
+
+    def replan(self, plan, rank, ranks):
+        """A new plan, this rank as DP rank `rank` of `ranks` (fault-tolerant replicas: of the live replicas' DP
+        ranks), and the iterators on from where the cursor stands."""
+        self.plan, self.rank, self.parts = plan, rank, (rank, ranks)
         self.rebuild()
 
     def rebuild(self, consumed=None, rank=None, ranks=None):
@@ -17,6 +27,8 @@ class DataCursor:
         grid's; fault-tolerant replicas: the live replicas' DP ranks)."""
         if consumed is not None:
             self.consumed = consumed
+        if self.parts is not None:
+            rank, ranks = rank if rank is not None else self.parts[0], ranks if ranks is not None else self.parts[1]
         self.iters = data_iterators(self.dataset, self.consumed, self.args, self.chunks, plan=self.plan, rank=rank,
                                     ranks=ranks)
 

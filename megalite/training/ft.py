@@ -21,32 +21,35 @@ import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
-from megalite.checkpoint.state import fp8_state, set_fp8_state
 from megalite.config import ExecutionConfig
 from megalite.batching.iteration_plan import IterationPlan, balanced_counts
 from megalite.batching.microbatches import BatchSchedule
 from megalite.tensor_parallel.random import get_rng_states, set_rng_states
-from megalite.tensor_parallel.fp8 import set_gradient_units
 from megalite.training.parts import Part
 
 
 class FaultTolerance(Part):
     writes = ("across",)  # the quorum's sum (the log line's losses)
 
-    def __init__(self, args, trainer, abort):
+    def __init__(self, args, chunks, optimizer, scheduler, cursor, converters, start_iter, abort):
+        """Its collaborators: the rank's chunks, optimizer and LR schedule (a heal loads them), the data cursor
+        (each quorum's split is a new plan for it), the model converters (their gradient units follow the plan;
+        their state is healed too), the iteration the run starts after, and the run's abort."""
         # torchft's manager logs four lines a step at its default level; megalite prints the quorum's changes itself
         # (RUST_LOG=info brings torchft's back)
         os.environ.setdefault("RUST_LOG", "warn")
         import torchft
-        self.args, self.run, self.abort = args, trainer, abort
-        self.grid = g = ps.grid_of(trainer.chunks)
-        self.split, self.healed, self.committed, self.done = None, None, True, trainer.start_iter
+        self.args, self.abort = args, abort
+        self.chunks, self.optimizer, self.scheduler, self.cursor, self.converters = \
+            chunks, optimizer, scheduler, cursor, converters
+        self.grid = g = ps.grid_of(chunks)
+        self.split, self.healed, self.committed, self.done = None, None, True, start_iter
         self.waiting = None  # the live replicas' count while below --ft-min-replicas
         self.exchanged = None  # the process group's configuration when the replicas last exchanged shares
         # --ft-replica-share auto: this replica's forward-backward seconds per micro-batch over its first committed
         # iterations, then its slowest rank's fastest (0 until measured)
         self.auto, self.profile, self.seconds = args.ft_replica_share == "auto", [], 0.0
-        self.fingerprint = fingerprint(args, g, trainer.mcfg)
+        self.fingerprint = fingerprint(args, g, chunks[0].module.config)
         if dist.is_initialized():  # torchrun's store, shared by the replica's ranks (torchft keys its own prefix)
             self.store, addr, port = None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # a replica of one process: its own store
@@ -168,16 +171,15 @@ class FaultTolerance(Part):
         in proportion to the replicas' shares (weights; equal ones: as evenly as they go, the first replicas
         taking one more), each replica's part the contiguous run after the parts before it; this rank's plan and
         data. waited: how long the quorum took (after a replica died: the wait for the Lighthouse to give up on it)."""
-        g, t, a = self.grid, self.run, self.args
+        g, a = self.grid, self.args
         counts = dealt(self._units(replicas), weights)
         shares = [n for n in counts for _ in range(g.dp)]  # one per DP rank across the replicas
-        t.plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares,
-                               self.plan_replicas(replicas))
+        plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares,
+                             self.plan_replicas(replicas))
         # (each micro-batch loss divided by the global batch's count: gradients in the single process's units)
-        set_gradient_units([m for c in t.chunks for m in c.module.modules()], t.plan.grad_divisor)
-        t.dp_rank = (rank or 0) * g.dp + g.dp_rank
-        t.cursor.plan = t.plan
-        t.cursor.rebuild(rank=t.dp_rank, ranks=g.dp * replicas)
+        for converter in self.converters:
+            converter.set_plan(plan)
+        self.cursor.replan(plan, (rank or 0) * g.dp + g.dp_rank, g.dp * replicas)
         print(f"megalite: fault tolerance: {replicas} live replica{'s' if replicas > 1 else ''}; this one trains "
               f"{counts[rank or 0] * g.dp * a.micro_batch_size} of {a.global_batch_size} samples (replica "
               f"{self.args.ft_replica_id}; the quorum took {waited:.2f} s)", flush=True)
@@ -229,17 +231,18 @@ class FaultTolerance(Part):
         return self.split is not None and (self.manager.participating_rank() or 0) == 0
 
     def _state(self):
-        t = self.run
-        return {"iteration": self.done, "consumed": t.cursor.consumed, "optimizer": t.optimizer.state_dict(),
-                "scheduler": t.scheduler.state_dict(), "rng": get_rng_states(), "fp8": fp8_state(t.chunks)}
+        return {"iteration": self.done, "consumed": self.cursor.consumed, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": get_rng_states(),
+                **{c.name: c.state_dict() for c in self.converters}}  # (delayed FP8 scaling's histories)
 
     def _load(self, sd):
-        t = self.run
-        set_fp8_state(t.chunks, sd.get("fp8", {}))  # (delayed FP8 scaling's histories)
-        t.optimizer.load_state_dict(sd["optimizer"])
-        t.scheduler.load_state_dict(sd["scheduler"])
+        for converter in self.converters:
+            converter.load_state_dict(sd.get(converter.name, {}))
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
         set_rng_states(sd["rng"])
-        t.cursor.consumed, self.done, self.healed, self.split = sd["consumed"], sd["iteration"], sd["iteration"], None
+        self.cursor.consumed = sd["consumed"]
+        self.done, self.healed, self.split = sd["iteration"], sd["iteration"], None
         print(f"megalite: fault tolerance: replica {self.args.ft_replica_id} healed from a live peer at iteration "
               f"{sd['iteration']}", flush=True)
 

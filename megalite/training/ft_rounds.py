@@ -19,9 +19,10 @@ from megalite.training.ft import FaultTolerance, replica_sums
 
 
 class FaultTolerantRounds(FaultTolerance):
-    def __init__(self, args, trainer, abort):
-        super().__init__(args, trainer, abort)
-        self.semi = trainer.semi
+    def __init__(self, args, semi, *collaborators):
+        """semi: the replica's semi-synchronous outer steps; the rest: FaultTolerance's."""
+        super().__init__(args, *collaborators)
+        self.semi = semi
         self.semi.across = self
         self.phase, self.current, self.round_first, self.join_outer = "start", None, None, False
         self.ahead = False  # healed during an outer step's retry: that quorum was the peers' next round's
@@ -112,7 +113,7 @@ class FaultTolerantRounds(FaultTolerance):
 
     def _load(self, sd):
         super()._load(sd)
-        o, s, opt = sd["outer"], self.semi, self.run.optimizer
+        o, s, opt = sd["outer"], self.semi, self.optimizer
         with torch.no_grad():
             for g, v, m in zip(s.glob, o["glob"], opt.main_params):
                 g.copy_(v)

@@ -185,9 +185,13 @@ class Logging(Part):
     first iteration, once, the kernels' measured choices (kernels/choice.py: those made in setup, and those the
     first iteration made on this rank), when any was measured."""
 
-    def __init__(self, args, run):
-        self.args, self.run = args, run
-        self.padded = getattr(run.chunks[0].module, "padded_vocab_size", None)
+    def __init__(self, args, prepared, cursor, window, timers, read_losses):
+        """prepared: the run (its chunks, optimizer, model config, metrics logger); window: the losses and times
+        since the last line; timers: --log-timers-to-tensorboard's, or None; read_losses: the window's losses read
+        (the run stops on a NaN one)."""
+        self.args, self.run, self.cursor, self.window, self.timers, self.read_losses = \
+            args, prepared, cursor, window, timers, read_losses
+        self.padded = getattr(prepared.chunks[0].module, "padded_vocab_size", None)
         self.kernels_said = False
 
     def after(self, it, step):
@@ -201,25 +205,28 @@ class Logging(Part):
 
     def log(self, it, step):
         a, run = self.args, self.run
-        run.read_losses()
-        f = run.window.close(it)
+        self.read_losses()
+        f = self.window.close(it)
         flops = num_floating_point_operations(run.mcfg, step.batch, self.padded) if self.padded else 0.0
-        run.log.iteration(it, {**f, "consumed": run.cursor.consumed, "batch_size": step.batch, "lr": step.lr,
+        run.log.iteration(it, {**f, "consumed": self.cursor.consumed, "batch_size": step.batch, "lr": step.lr,
                                "tflops": flops / (f["elapsed"] * ps.grid_of(run.chunks).world_size()) / 1e12,
                                "loss_scale": run.optimizer.loss_scale, "grad_norm": step.grad_norm,
-                               "timers": run.timers, "max_attention_logit": getattr(
+                               "timers": self.timers, "max_attention_logit": getattr(
                                    run.optimizer, "max_attention_logit", None) if a.log_max_attention_logit else None,
                                **grad_stats(a, run.chunks, run.optimizer)})
-        run.window.restart()
+        self.window.restart()
 
 
 class Evaluation(Part):
     """Validation every --eval-interval iterations (not counted as iteration time), and the validation and test
     sets after training (as Megatron)."""
 
-    def __init__(self, args, run):
-        self.args, self.run = args, run
-        r = run.prepared
+    def __init__(self, args, prepared, forward_step_func, cursor, window):
+        """prepared: the run (its splits, chunks, evaluation plan, metrics logger, semi-synchronous replicas);
+        cursor: where training stands (its DP rank); window: the training times, evaluation's taken out."""
+        self.args, self.run, self.forward_step_func, self.cursor, self.window = \
+            args, prepared, forward_step_func, cursor, window
+        r = prepared
         self.valid_ds, self.test_ds, self.consumed, self.g = r.valid_ds, r.test_ds, r.consumed_valid, r.eval_g
         self.mbs, self.plan, self.shape = r.eval_mbs, r.eval_plan, r.eval_shape
         self.micro, self.total = r.eval_plan.num_microbatches(0, r.dp_rank), r.eval_plan.total(0, r.dp_rank)
@@ -227,16 +234,16 @@ class Evaluation(Part):
         # evaluation (or --skip-train) starts again from its beginning.
         ds = self.valid_ds
         self.valid_iters = data_iterators(ds, self.consumed % len(ds) if ds is not None and len(ds) else 0, args,
-                                          run.chunks, self.mbs, self.plan)
+                                          r.chunks, self.mbs, self.plan)
 
     def evaluate(self, its):
         a, run = self.args, self.run
         if a.manual_gc and a.manual_gc_eval:
             gc.collect()
-        out = evaluate(run.forward_step_func, its, run.chunks, self.micro, a.eval_iters, self.shape, run.dtype,
+        out = evaluate(self.forward_step_func, its, run.chunks, self.micro, a.eval_iters, self.shape, run.dtype,
                        self.total)
         if run.semi is not None:  # every replica evaluated the global weights on its part of the batches
-            out = run.semi.combine(out, self.plan.replica_samples(0, run.dp_rank))
+            out = run.semi.combine(out, self.plan.replica_samples(0, self.cursor.rank))
         if a.manual_gc and a.manual_gc_eval:
             gc.collect(generation=0)  # what the evaluation made
         return out
@@ -247,7 +254,7 @@ class Evaluation(Part):
         t = time.perf_counter()
         self.run.log.evaluation(it, "validation", self.evaluate(self.valid_iters))
         self.consumed += self.args.eval_iters * self.g
-        self.run.window.t0 += time.perf_counter() - t  # as Megatron: evaluation is not iteration time
+        self.window.t0 += time.perf_counter() - t  # as Megatron: evaluation is not iteration time
 
     def final(self, last):
         for split, ds in (("validation", self.valid_ds), ("test", self.test_ds)):
@@ -262,9 +269,12 @@ class Saver(Part):
     """--save: every --save-interval iterations, and the final state (as Megatron, a loaded state is saved again
     at the end when --save is another directory: nothing trained is a re-shard into this run's layout)."""
 
-    def __init__(self, args, run, ft):
-        self.args, self.run, self.ft = args, run, ft  # ft: fault-tolerant replicas (one live replica writes), or None
-        start, same = run.start_iter, os.path.realpath(args.save or "") == os.path.realpath(run.prepared.load or "")
+    def __init__(self, args, prepared, cursor, evaluation, ft):
+        """prepared: the run (its state, checkpoint writer, what it loaded); cursor: the training samples consumed;
+        evaluation: the Evaluation part (validation samples consumed), or None; ft: fault-tolerant replicas (one live
+        replica writes), or None."""
+        self.args, self.run, self.cursor, self.evaluation, self.ft = args, prepared, cursor, evaluation, ft
+        start, same = prepared.start_iter, os.path.realpath(args.save or "") == os.path.realpath(prepared.load or "")
         self.saved_at = start if not start or same else -1
 
     def save(self, it):
@@ -272,9 +282,9 @@ class Saver(Part):
         if self.ft is not None and not self.ft.writes_checkpoints():
             self.saved_at = it
             return
-        save_checkpoint(it, r.chunks, r.optimizer, r.scheduler, r.mcfg, self.args, r.cursor.consumed,
-                        r.evaluation.consumed if r.evaluation is not None else r.prepared.consumed_valid,
-                        io=r.prepared.checkpoints)
+        save_checkpoint(it, r.chunks, r.optimizer, r.scheduler, r.mcfg, self.args, self.cursor.consumed,
+                        self.evaluation.consumed if self.evaluation is not None else r.consumed_valid,
+                        io=r.checkpoints)
         self.saved_at = it
 
     def after(self, it, step):

@@ -20,6 +20,7 @@ class PreparedRun:
     chunks: list = None  # this rank's model chunks, each wrapped by DistributedDataParallel
     optimizer: object = None
     scheduler: object = None  # the LR (and weight-decay) schedule
+    converters: list = None  # the model converters' step hooks (training/converter.py: FP8), [] without
     aux: object = None  # the chunks' AuxLossTracker (moe/aux_losses.py), read by the log line
     semi: object = None  # semi-synchronous replicas' outer steps, or None
     load: str = None  # the directory loaded from (--load, or --save's own checkpoint), or None

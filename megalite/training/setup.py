@@ -29,7 +29,7 @@ from megalite.optimizer.lr_scheduler import schedule_steps
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.rerun import initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
-from megalite.tensor_parallel.fp8 import set_gradient_units
+from megalite.training.converters import converters_for
 from megalite.training.evaluation import dataset_sizes, eval_batch, report_splits
 from megalite.training.kernel_choice import decide_kernels
 from megalite.training.prepared import PreparedRun
@@ -78,9 +78,9 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
         # (sized by memory too)
         r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing, record)
         r.aux = share_tracker(r.chunks)  # one record of the auxiliary losses for this rank's chunks (the log line)
-        if r.mcfg.fp8:  # (the delayed histories in the single process's units: checkpoints resume at any layout)
-            set_gradient_units([m for c in r.chunks for m in c.module.modules()],
-                               1 if r.mcfg.calculate_per_token_loss else r.plan.grad_divisor)
+        r.converters = converters_for(r.chunks)  # what changes how the layers compute (FP8): the step's hooks
+        for converter in r.converters:
+            converter.set_plan(r.plan, r.mcfg.calculate_per_token_loss)
         r.semi = semi_sync_for(args, r.optimizer, r.chunks)  # replicas' outer steps (loaded too); None without
         r.load = load_root(args)
         start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args, r.load, r.checkpoints)

@@ -9,13 +9,13 @@ import torch
 from megalite import parallel_state as ps
 from megalite.distributed import finalize_model_grads
 from megalite.distributed.collectives import (average_over_data_parallel, broadcast_from_last_rank,
-                                              max_over_data_parallel, sum_over_data_parallel)
+                                              sum_over_data_parallel)
 from megalite.distributed.finalize import scale_grads_by_token_count
 from megalite.optimizer.model_stats import global_norm_and_zeros
 from megalite.optimizer.qk_clip import after_step
 from megalite.pipeline.schedules import run_forward_backward
 from megalite.rerun import RerunStateMachine
-from megalite.tensor_parallel import fp8
+from megalite.training.converters import converters_for
 
 
 class StepNotCommitted(Exception):
@@ -24,7 +24,7 @@ class StepNotCommitted(Exception):
 
 
 def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, shape, dtype, *, timers=None,
-               loss_divisor=None, sync=False, iteration=None, vote=None, rerun=None, trace=None):
+               loss_divisor=None, sync=False, iteration=None, vote=None, rerun=None, trace=None, converters=None):
     """One iteration; timers gets the host-side times (sync: after a device sync, for
     --data-parallel-shares auto). vote(chunks, amaxes), between the gradients' finalisation and the optimizer step:
     False raises StepNotCommitted (fault-tolerant replicas' cross-replica reduction and commit vote; amaxes: the
@@ -49,20 +49,18 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
     t1 = time.perf_counter()
     finalize_model_grads(chunks)
     mcfg = chunks[0].module.config
-    modules = [m for c in chunks for m in c.module.modules()] if mcfg.fp8 else []
-    amaxes = []
-    if mcfg.fp8:  # delayed scaling: the iteration's amaxes, for every FP8 site's history
-        grid = ps.grid_of(chunks)
-        amaxes = fp8.iteration_amaxes(modules, lambda t: max_over_data_parallel(t, grid),
-                                      lambda t: max_over_data_parallel(t, grid, expert=True))
+    converters = converters_for(chunks) if converters is None else converters
+    gathered = [t for c in converters for t in c.after_gradients()]
     if mcfg.calculate_per_token_loss:
         dev = ps.get_device()
         count = sum((r["lm loss"][1].to(dev) for r in reported), torch.zeros((), device=dev))  # last stage only
         scale_grads_by_token_count(chunks, count)
-    if vote is not None and not vote(chunks, [got for _, got in amaxes]):
-        fp8.discard(modules)
+    if vote is not None and not vote(chunks, gathered):
+        for c in converters:
+            c.discard()
         raise StepNotCommitted(iteration)
-    fp8.roll(amaxes)
+    for c in converters:
+        c.commit()
     stepped, grad_norm = optimizer.step()
     if mcfg.qk_clip or mcfg.log_max_attention_logit:  # MuonClip (and the logged maximum), after the update
         after_step(chunks, optimizer, stepped, clip=mcfg.qk_clip)

@@ -45,20 +45,24 @@ class Trainer:
         r = self.prepared = setup.prepare(args, datasets_provider, model_provider, forward_step_func, self.abort,
                                           record)
         args = self.args = r.args  # with the vocabulary the data decided (config/run.py)
-        self.mcfg, self.chunks, self.optimizer, self.scheduler = r.mcfg, r.chunks, r.optimizer, r.scheduler
-        self.plan, self.dp_rank, self.semi, self.log, self.dtype = r.plan, r.dp_rank, r.semi, r.log, r.dtype
+        self.chunks, self.optimizer, self.scheduler, self.semi, self.log = r.chunks, r.optimizer, r.scheduler, r.semi, \
+            r.log
         self.start_iter = r.start_iter
-        self.cursor = DataCursor(r.train_ds, r.consumed_train, args, r.chunks, r.plan)
-        self.evaluation = parts.Evaluation(args, self) if r.valid_ds is not None or r.test_ds is not None else None
+        # the data's position, and the plan and DP rank the step runs by (a fault-tolerant quorum's split changes them)
+        self.cursor = DataCursor(r.train_ds, r.consumed_train, args, r.chunks, r.plan, r.dp_rank)
         self.window = TrainingWindow(r.start_iter)
+        self.evaluation = parts.Evaluation(args, r, forward_step_func, self.cursor, self.window) \
+            if r.valid_ds is not None or r.test_ds is not None else None
         self.timers = {} if args.log_timers_to_tensorboard else None
         auto = auto_shares(args, r.plan)
         self.ft = None
         if args.ft_lighthouse:  # fault-tolerant replicas on torchft (training/ft.py): its quorum comes first
             from megalite.training.ft import FaultTolerance  # (semi-synchronous replicas: training/ft_rounds.py)
             from megalite.training.ft_rounds import FaultTolerantRounds
-            self.ft = (FaultTolerance if self.semi is None else FaultTolerantRounds)(args, self, self.abort)
-        self.saver = parts.Saver(args, self, self.ft) if args.save else None
+            collaborators = (r.chunks, r.optimizer, r.scheduler, self.cursor, r.converters, r.start_iter, self.abort)
+            self.ft = FaultTolerance(args, *collaborators) if self.semi is None else \
+                FaultTolerantRounds(args, self.semi, *collaborators)
+        self.saver = parts.Saver(args, r, self.cursor, self.evaluation, self.ft) if args.save else None
         optional = (  # the parts' order: the order of their collectives, the same on every rank
             self.ft,
             auto is not None and parts.AutoShares(auto, self.cursor, record),
@@ -67,7 +71,7 @@ class Trainer:
             r.semi is not None and parts.SemiSync(r.semi, args, r.chunks, self.cursor, r.scheduler, r.start_iter,
                                                   self.abort),
             args.manual_gc and args.manual_gc_interval and parts.ManualGC(args.manual_gc_interval),
-            parts.Logging(args, self),
+            parts.Logging(args, r, self.cursor, self.window, self.timers, self.read_losses),
             self.evaluation is not None and self.evaluation.valid_ds is not None and self.evaluation,
             self.saver,
             parts.ExitRules(args, self.saver, started, sigterm))
@@ -105,7 +109,8 @@ class Trainer:
 
     def step(self, it):
         """The iteration's step; then the data position and the LR schedule move on."""
-        plan, c, rank = self.plan, self.cursor, self.dp_rank
+        c = self.cursor
+        plan, rank = c.plan, c.rank
         timed = any(p.timed() for p in self.parts)
         s = Step(c.consumed, plan.global_batch_size(c.consumed), plan.num_microbatches(c.consumed, rank),
                  plan.total(c.consumed, rank), any(p.idle(it) for p in self.parts), timed,
@@ -114,9 +119,10 @@ class Trainer:
             try:
                 s.reported, s.stepped, s.grad_norm = steps.train_step(
                     self.forward_step_func, c.iters, self.chunks, self.optimizer, s.num_micro, self.prepared.shape,
-                    self.dtype, timers=s.times, loss_divisor=plan.loss_divisor(c.consumed, rank), sync=timed,
+                    self.prepared.dtype, timers=s.times, loss_divisor=plan.loss_divisor(c.consumed, rank), sync=timed,
                     iteration=it, vote=self.ft.vote if self.ft is not None else None, rerun=self.prepared.rerun,
-                    trace=self.record.schedule if self.record is not None else None)
+                    trace=self.record.schedule if self.record is not None else None,
+                    converters=self.prepared.converters)
             except steps.StepNotCommitted:
                 s.committed = False
                 return s
