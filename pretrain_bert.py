@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite import parallel_state as ps
+from megalite.parallel.grid import Grid
 from megalite.cli.parser import parse_args
 from megalite.distributed.cp_comm import cp_size, slice_for_cp_rank, sum_over_cp
 from megalite.config import ConfigError
@@ -58,10 +59,12 @@ def forward_step(data_iterator, model):
     padding mask stays whole: it masks keys on every rank); the MLM loss is the mean over the
     whole sequence's masked tokens, and the sentence-order loss is CP rank 0's, which holds [CLS]."""
     b = next(data_iterator) if data_iterator is not None else {}
-    text, types, labels, loss_mask = (None if t is None else slice_for_cp_rank(t, 1) for t in (
+    # the layout the model was built in (a model called before any grid exists: one process's)
+    grid = ps.grid_of([model]) if ps.model_parallel_is_initialized() else Grid.of()
+    text, types, labels, loss_mask = (None if t is None else slice_for_cp_rank(t, 1, grid=grid) for t in (
         b.get("text"), b.get("types"), b.get("labels"), b.get("loss_mask")))
     output = model(text, b.get("padding_mask"), tokentype_ids=types, lm_labels=labels, loss_mask=loss_mask)
-    cp = cp_size() > 1
+    cp = cp_size(grid) > 1
 
     def loss_func(out):
         per_token, binary_logits = out
@@ -69,7 +72,7 @@ def forward_step(data_iterator, model):
         count = torch.full((), float(max(per_token.numel(), 1)), device=total.device)
         whole = total.detach()
         if cp:  # the whole sequence's masked tokens; this rank's gradient is its part of the sum
-            whole, count = sum_over_cp(torch.stack([whole, torch.full_like(count, per_token.numel())])).unbind()
+            whole, count = sum_over_cp(torch.stack([whole, torch.full_like(count, per_token.numel())]), grid).unbind()
             count = count.clamp(min=1.0)
         lm_loss = total / count  # mean over the masked tokens
         lm_report = whole / count
@@ -79,7 +82,7 @@ def forward_step(data_iterator, model):
         sop_report = sop_loss.detach()
         if cp:  # only CP rank 0's first row is [CLS]; the others' head still runs (the same collectives)
             sop_loss = sop_loss * float(ps.get_context_parallel_rank() == 0)
-            sop_report = sum_over_cp(sop_loss.detach().clone())
+            sop_report = sum_over_cp(sop_loss.detach().clone(), grid)
         return lm_loss + sop_loss, {"lm loss": lm_report, "sop loss": sop_report}
     return output, loss_func
 

@@ -10,6 +10,7 @@ import os
 import torch
 
 from megalite import parallel_state as ps
+from megalite.parallel.grid import Grid
 from megalite.distributed.cp_comm import cp_size, slice_for_cp_rank, sum_over_cp
 from megalite.models import GPTModel
 
@@ -28,6 +29,7 @@ def datasets_provider(args, num_samples):
     from megalite.data import build_gpt_datasets
     from megalite.data.mock_dataset import MockGPTDataset
 
+    from megalite.config.data import BatchMaskConfig, FimConfig
     from megalite.data.fim import with_fim
     from megalite.data.gpt_batch import with_batch_masks
 
@@ -38,7 +40,7 @@ def datasets_provider(args, num_samples):
             tok = _tokenizer(args)
             args.vocab_size, eod = tok.vocab_size, tok.eod
         return with_batch_masks(tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed, split_id=i)
-                                      for i, n in enumerate(num_samples)), args, eod)
+                                      for i, n in enumerate(num_samples)), BatchMaskConfig.of(args), eod)
     if not args.data_path:
         from megalite.data.default_corpus import prepare_default_corpus
         cache = args.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megalite")
@@ -50,9 +52,10 @@ def datasets_provider(args, num_samples):
         raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-size)")
     tok = _tokenizer(args)
     args.vocab_size = tok.vocab_size
-    datasets = with_fim(build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
-                                           args.data_cache_path, is_builder=builder, barrier=barrier), args, tok)
-    return with_batch_masks(datasets, args, tok.eod)
+    datasets = build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
+                                  args.data_cache_path, is_builder=builder, barrier=barrier)
+    datasets = with_fim(datasets, FimConfig.of(args), tok)
+    return with_batch_masks(datasets, BatchMaskConfig.of(args), tok.eod)
 
 
 def forward_step(data_iterator, model):
@@ -65,12 +68,14 @@ def forward_step(data_iterator, model):
     b = next(data_iterator) if data_iterator is not None else {}  # middle stages may read nothing
     if "text" in b:
         tokens, labels = b["text"][:, :-1].contiguous(), b["text"][:, 1:].contiguous()
-    tokens, labels, position_ids, loss_mask = (None if t is None else slice_for_cp_rank(t, 1) for t in (
-        tokens, labels, b.get("position_ids"), b.get("loss_mask")))
+    # the layout the model was built in (a model called before any grid exists: one process's)
+    grid = ps.grid_of([model]) if ps.model_parallel_is_initialized() else Grid.of()
+    tokens, labels, position_ids, loss_mask = (None if t is None else slice_for_cp_rank(t, 1, grid=grid) for t in
+                                               (tokens, labels, b.get("position_ids"), b.get("loss_mask")))
     output = model(tokens, position_ids=position_ids, labels=labels, attention_mask=b.get("attention_mask"),
                    loss_mask=loss_mask)
     per_token = getattr(model, "module", model).config.calculate_per_token_loss
-    cp = cp_size() > 1
+    cp = cp_size(grid) > 1
 
     def loss_func(per_token_loss):
         losses = per_token_loss.float()
@@ -84,7 +89,7 @@ def forward_step(data_iterator, model):
             total, count = (losses * mask).sum(), mask.sum()
         whole = total.detach()
         if cp:  # the whole sequence's sum and count; this rank's gradient is its part of the sum
-            whole, count = sum_over_cp(torch.stack([whole, count])).unbind()
+            whole, count = sum_over_cp(torch.stack([whole, count]), grid).unbind()
         if per_token:  # Megatron: the schedule sums; gradients are divided by the batch's token count
             return total, count, {"lm loss": torch.stack([whole, count])}
         loss = total / count.clamp(min=1.0)  # as Megatron: a fully masked micro-batch gives 0, not NaN

@@ -35,6 +35,7 @@ def _worker(rank, world, port, flags, out_dir, results):
     from megalite.tensor_parallel import model_parallel_manual_seed
     from megalite.training.setup import setup
     from megalite.checkpoint.writer import CheckpointIO
+    from megalite.config.checkpoint import CheckpointConfig
 
     args = parse_args(flags + ["--save", out_dir, "--load", out_dir], world_size=world)
     ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
@@ -46,7 +47,7 @@ def _worker(rank, world, port, flags, out_dir, results):
         dist.barrier()
         t0 = time.perf_counter()
         ck.save_checkpoint(1 if mode == "sync" else 2, chunks, opt, sched, mcfg,
-                           args.replace(async_save=mode == "async"), 0, 0, io=io)
+                           CheckpointConfig.of(args.replace(async_save=mode == "async")), 0, 0, io=io)
         row[f"{mode}_blocked"] = time.perf_counter() - t0
         io.wait()
         dist.barrier()
@@ -56,7 +57,7 @@ def _worker(rank, world, port, flags, out_dir, results):
         os.path.exists(os.path.join(d, f"__{rank}_0.safetensors")) else 0
     dist.barrier()
     t0 = time.perf_counter()
-    ck.load_checkpoint(chunks, opt, sched, mcfg, args, io=io)
+    ck.load_checkpoint(chunks, opt, sched, mcfg, CheckpointConfig.of(args), io=io)
     dist.barrier()
     row["load"] = time.perf_counter() - t0
     row["params"] = sum(p.numel() for c in chunks for p in c.parameters())

@@ -66,7 +66,7 @@ def _rank(rank, cp, port, args, comm, out_dir):
                       position_embedding_type="rope", cp_comm_type=[comm] if cp > 1 else None)
     model = GPTModel(cfg)
     ids = torch.randint(0, 256, (1, args.seq + 1), generator=torch.Generator().manual_seed(1))
-    tokens, labels = (slice_for_cp_rank(t, 1) for t in (ids[:, :-1], ids[:, 1:]))
+    tokens, labels = (slice_for_cp_rank(t, 1, grid=ps.current_grid()) for t in (ids[:, :-1], ids[:, 1:]))
     times, saved = [], 0
     for _ in range(args.repeats + 1):
         dist.barrier()

@@ -30,6 +30,7 @@ from megalite.planner.flops import num_floating_point_operations
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.batching.data_iterators import build_data_iterator, chunk_iterators
+from megalite.config.data import LoaderConfig
 from megalite.training.setup import setup
 from megalite.training.step import train_step
 
@@ -75,7 +76,8 @@ def run(config_flags, micro, steps, extra, profile=False, model_out=None):
     try:
         mcfg, tcfg, chunks, opt, sched = setup(args, pretrain_gpt.model_provider)
         ds = MockGPTDataset(steps * micro + micro, args.seq_length, args.vocab_size, args.seed)
-        its = chunk_iterators(build_data_iterator(ds, 0, args, grid=ps.current_grid()), 1, ps.current_grid())
+        grid = ps.current_grid()
+        its = chunk_iterators(build_data_iterator(ds, 0, LoaderConfig.of(args), grid=grid), 1, grid)
         shape = pipeline_tensor_shape(mcfg, micro, ps.current_grid())
         times = []
         for i in range(steps):

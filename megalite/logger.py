@@ -24,21 +24,21 @@ def print_rank_last(msg):
         print(msg, flush=True)
 
 
-def _tensorboard(args):
+def _tensorboard(cfg):
     """The writer on the last rank; the import is checked on every rank so all fail alike."""
-    if not args.tensorboard_dir:
+    if not cfg.tensorboard_dir:
         return None
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         fail("--tensorboard-dir needs the tensorboard package: pip install 'megalite[tensorboard]'")
-    return SummaryWriter(log_dir=args.tensorboard_dir) if ps.global_rank() == ps.world_size() - 1 else None
+    return SummaryWriter(log_dir=cfg.tensorboard_dir) if ps.global_rank() == ps.world_size() - 1 else None
 
 
-def _wandb(args):
+def _wandb(cfg):
     """Megatron's W&B writer: wandb.init on the last rank with the run's arguments as its config;
     the import is checked on every rank so all fail alike."""
-    if not args.wandb_project:
+    if not cfg.wandb_project:
         return None
     try:
         import wandb
@@ -47,13 +47,13 @@ def _wandb(args):
              "/ --log-json)")
     if ps.global_rank() != ps.world_size() - 1:
         return None
-    save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
+    save_dir = cfg.wandb_save_dir or os.path.join(cfg.save or ".", "wandb")
     os.makedirs(save_dir, exist_ok=True)
-    kwargs = {"dir": save_dir, "name": args.wandb_exp_name, "project": args.wandb_project,
+    kwargs = {"dir": save_dir, "name": cfg.wandb_exp_name, "project": cfg.wandb_project,
               "config": {k: v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)
-                         for k, v in vars(args).items()}}
-    if args.wandb_entity:
-        kwargs["entity"] = args.wandb_entity
+                         for k, v in cfg.flags.items()}}
+    if cfg.wandb_entity:
+        kwargs["entity"] = cfg.wandb_entity
     wandb.init(**kwargs)
     return wandb
 
@@ -66,11 +66,12 @@ def memory_mb():
 
 
 class MetricsLogger:
-    def __init__(self, args):
-        self.args = args
-        self.writer, self.wandb = _tensorboard(args), _wandb(args)
+    def __init__(self, cfg):
+        """cfg: its LoggingConfig (config/logging.py)."""
+        self.cfg = cfg
+        self.writer, self.wandb = _tensorboard(cfg), _wandb(cfg)
         self.last = ps.global_rank() == ps.world_size() - 1
-        self.json = open(args.log_json, "a") if args.log_json and self.last else None
+        self.json = open(cfg.log_json, "a") if cfg.log_json and self.last else None
 
     def _scalars(self, it, values):
         if self.writer is not None:
@@ -85,7 +86,7 @@ class MetricsLogger:
 
     def iteration(self, it, f):
         """f: iteration fields (losses dict, lr, grad_norm, elapsed, tflops, ...)."""
-        a = self.args
+        a = self.cfg
         batch = f.get("batch_size", a.global_batch_size)  # this iteration's (a ramp-up changes it)
         losses = "".join(f" {k}: {v:.6E} |" for k, v in f["losses"].items() if "/" not in k)  # (per-layer: TB only)
         norm = float(f["grad_norm"]) if f["grad_norm"] is not None else None  # a device tensor: read here
@@ -120,7 +121,7 @@ class MetricsLogger:
             f"iteration {it}"
         print_rank_last(f" validation loss at {where} |{parts}")
         values = {f"{split} {k}": v for k, v in losses.items()}
-        if self.args.log_validation_ppl_to_tensorboard or self.json is not None:
+        if self.cfg.log_validation_ppl_to_tensorboard or self.json is not None:
             values.update({f"{split} {k} ppl": math.exp(min(v, 20)) for k, v in losses.items()})
         self._scalars(it, values)
 

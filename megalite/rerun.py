@@ -152,8 +152,9 @@ class RerunStateMachine:
         machine.check_exit()   # raises RerunExit
     """
 
-    def __init__(self, mode="disabled", check_nan=True, check_spiky=False, injector=None):
+    def __init__(self, mode="disabled", check_nan=True, check_spiky=False, injector=None, grid=None):
         self.mode, self.check_nan, self.check_spiky = mode, check_nan, check_spiky
+        self.grid = grid  # the run's layout: report_stats sums over its DP group (needed by that mode only)
         self.injector = injector or ErrorInjector()
         self.state, self.iteration, self.first_iteration_complete = "not_running", None, False
         self.max_loss, self.loss_count = 0.0, 0
@@ -300,26 +301,28 @@ class RerunStateMachine:
         if not self.messages:
             return
         sums = sum_over_data_parallel(torch.tensor([self.stats[m][k] for m in self.messages for k in range(3)],
-                                                   dtype=torch.float64, device=ps.get_device())).tolist()
+                                                   dtype=torch.float64, device=ps.get_device()), self.grid).tolist()
         print_rank_last("megalite: Stats on computation determinism in validation calls")
         for i, m in enumerate(self.messages):
             n, same, total = sums[3 * i:3 * i + 3]
-            top = max(max_per_data_parallel_rank(self.stats[m][3]))
+            top = max(max_per_data_parallel_rank(self.stats[m][3], self.grid))
             line = f"{int(n):,} samples, all identical" if n == same else \
                 f"{int(n):,}/{int(same):,} total/identical samples, rel. variability: avg= {total / n:.3E}, " \
                 f"max: {top:.3E}"
             print_rank_last(f"megalite:   From validation call '{m}':\nmegalite:     {line}")
 
 
-def initialize_rerun_state_machine(args):
-    """From the command line (setup makes the run's one, once the grid exists; the Trainer hands it to each step)."""
-    injector = ErrorInjector(args.error_injection_rate, args.error_injection_type, args.seed)
-    m = RerunStateMachine(args.rerun_mode, args.check_for_nan_in_loss_and_grad, args.check_for_spiky_loss, injector)
-    if args.rerun_mode != "disabled":
-        inject = f"; injecting {args.error_injection_type} at 1 in {args.error_injection_rate} validations" \
-            if args.error_injection_rate > 0 and args.rerun_mode == "validate_results" else ""
-        print_rank_last(f"megalite: RerunStateMachine initialized in mode {args.rerun_mode}{inject}")
-        if args.rerun_mode == "validate_results":
+def initialize_rerun_state_machine(cfg, grid):
+    """From its RerunConfig (config/rerun.py; setup makes the run's one, once the grid exists; the Trainer hands it
+    to each step)."""
+    injector = ErrorInjector(cfg.error_injection_rate, cfg.error_injection_type, cfg.seed)
+    m = RerunStateMachine(cfg.rerun_mode, cfg.check_for_nan_in_loss_and_grad, cfg.check_for_spiky_loss, injector,
+                          grid)
+    if cfg.rerun_mode != "disabled":
+        inject = f"; injecting {cfg.error_injection_type} at 1 in {cfg.error_injection_rate} validations" \
+            if cfg.error_injection_rate > 0 and cfg.rerun_mode == "validate_results" else ""
+        print_rank_last(f"megalite: RerunStateMachine initialized in mode {cfg.rerun_mode}{inject}")
+        if cfg.rerun_mode == "validate_results":
             print_rank_last("megalite: Result validation enabled")
     return m
 

@@ -240,19 +240,20 @@ def test_log_line_shows_every_reported_loss(capsys):
     """The loop averages every key the loss function reports; Megatron's line shows them all."""
     from megalite.cli.parser import parse_args
     from megalite.training.step import mean_losses
+    from megalite.config.logging import LoggingConfig
     from megalite.logger import MetricsLogger
     from pretrain_bert import ARGS_DEFAULTS
     ps.initialize_model_parallel(1, 1)
     try:
         reported = [{"lm loss": torch.tensor(2.0), "sop loss": torch.tensor(0.5)},
                     {"lm loss": torch.tensor(4.0), "sop loss": torch.tensor(0.7)}]
-        lm, means = mean_losses(reported)
+        lm, means = mean_losses(reported, grid=ps.current_grid())
         assert lm == 3.0 and {k: float(v) for k, v in means.items()} == pytest.approx({"lm loss": 3.0, "sop loss": 0.6})
         fields = {"consumed": 20, "elapsed": 0.1, "tflops": 0.0, "lr": 1e-3, "loss_scale": 1.0, "grad_norm": 1.0,
                   "skipped": 0, "timers": None, "losses": {k: float(v) for k, v in means.items()}}
         argv = ("--train-iters 10 --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
                 "--micro-batch-size 1 --lr 1e-3").split()
-        MetricsLogger(parse_args(argv, 1, defaults=ARGS_DEFAULTS)).iteration(5, fields)
+        MetricsLogger(LoggingConfig.of(parse_args(argv, 1, defaults=ARGS_DEFAULTS))).iteration(5, fields)
     finally:
         ps.destroy_model_parallel()
     assert "| lm loss: 3.000000E+00 | sop loss: 6.000000E-01 | loss scale: 1.0 |" in capsys.readouterr().out

@@ -95,7 +95,8 @@ def test_per_token_loss_is_batch_wide():
     from megalite.training.step import mean_losses
     ps.initialize_model_parallel(1, 1)
     try:
-        lm, means = mean_losses([{"lm loss": torch.tensor([6.0, 3.0])}, {"lm loss": torch.tensor([4.0, 1.0])}])
+        lm, means = mean_losses([{"lm loss": torch.tensor([6.0, 3.0])}, {"lm loss": torch.tensor([4.0, 1.0])}],
+                                 grid=ps.current_grid())
     finally:
         ps.destroy_model_parallel()
     assert lm == pytest.approx(2.5) and float(means["lm loss"]) == pytest.approx(2.5)
@@ -131,15 +132,14 @@ class _Counting(DocChainDataset):
 
 def _loader_batches(workers):
     """On a TP2 x DP2 grid: 5 micro-batches from consumed sample 6, and this process's reads."""
-    from types import SimpleNamespace
-
     from megalite.batching.data_iterators import build_data_iterator
+    from megalite.config.data import LoaderConfig
     ps.initialize_model_parallel(2, 1)
     try:
         ds = GPTBatchDataset(_Counting(64, 16, 1), EOD, True, True, True)
         _Counting.reads = 0
         torch.manual_seed(0)
-        it = build_data_iterator(ds, 6, SimpleNamespace(micro_batch_size=2, num_workers=workers),
+        it = build_data_iterator(ds, 6, LoaderConfig(micro_batch_size=2, num_workers=workers, seed=0),
                                  grid=ps.current_grid())
         batches = [{k: v.clone() for k, v in next(it).items()} for _ in range(5)]
         draw = torch.rand(4)  # the global RNG (hidden dropout on CPU) is untouched by the reader's loader

@@ -30,7 +30,7 @@ def _run(tp, flavour, backend):
     with kernels.use_backend(backend):
         loss = model(ids, labels=labels)
         loss.mean().backward()
-    allreduce_sequence_parallel_grads(list(model.parameters()))
+    allreduce_sequence_parallel_grads(list(model.parameters()), model.grid)
     return loss.detach(), full_grads(model, cfg.vocab_size)
 
 

@@ -6,7 +6,6 @@ inner loops one after the other and applies the outer step with torch.optim.SGD 
 losses, step-1 gradients, the global weights after several rounds and the outer momentum, <= 1e-5;
 the outer step against its float64 formula; every replica holds the global weights after an outer step."""
 
-import argparse
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from dist_util import rel_err, run_on_ranks
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
+from megalite.config.semi_sync import SemiSyncConfig
 from megalite.distributed.semi_sync import SemiSync
 from parity import BASE, MOE, MOE_BIAS, STEPS, check_reference, layout, reference, run_layouts, train
 from semi_sync_reference import DILOCO, EP2, LOCAL_SGD, collect, semi, semi_sync_mismatches, serial_reference
@@ -59,10 +59,12 @@ def test_outer_step_is_sgd_with_momentum_in_float64(nesterov):
     ps.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
     params = [torch.randn(37, 5), torch.randn(1000)]
-    args = argparse.Namespace(semi_sync_method="diloco", semi_sync_steps=[3], outer_lr=0.7, outer_momentum=0.9,
-                              outer_nesterov=nesterov, train_iters=12)
+    cfg = SemiSyncConfig(semi_sync_method="diloco", semi_sync_steps=[3], semi_sync_auto=False, outer_lr=0.7,
+                         outer_momentum=0.9, outer_nesterov=nesterov, semi_sync_fragments=1, semi_sync_fragment_delay=0,
+                         semi_sync_fragment_alpha=0.0, semi_sync_quantize=None, semi_sync_async=False,
+                         semi_sync_max_staleness=0, num_layers=1, train_iters=12, global_batch_size=None)
     opt = _Opt(params)
-    s = SemiSync(args, opt)
+    s = SemiSync(cfg, opt)
     glob = [p.double().clone() for p in params]
     buf = None
     for rnd in range(4):

@@ -14,11 +14,11 @@ def _collate(samples):
     return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
 
 
-def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micro_batch_size=None, plan=None,
+def build_data_iterator(dataset, consumed_samples, loader, every_stage=False, micro_batch_size=None, plan=None,
                         rank=None, *, grid, ranks=None):
     """Yield {key: tensor [micro, ...]} (every key of the samples, e.g. GPT's "text" [micro, seq+1])
-    for this DP rank, resuming at consumed_samples. Only pipeline stages that consume tokens or
-    labels (first and last) read data, unless every_stage. micro_batch_size: default
+    for this DP rank, resuming at consumed_samples; loader: the LoaderConfig (config/data.py). Only pipeline
+    stages that consume tokens or labels (first and last) read data, unless every_stage. micro_batch_size: default
     --micro-batch-size (evaluation passes its own). plan: the IterationPlan; with uneven shares
     each rank reads its contiguous slice of every global batch. rank: the DP rank (across replicas) whose
     part is read (default this rank's; asynchronous replicas read the part of the slot they train). grid: the
@@ -33,11 +33,12 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
     if plan is not None and plan.uneven:
         sampler = SharesPretrainingSampler(len(dataset), consumed_samples, plan.micro_of(rank), rank, plan)
     else:
-        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size or args.micro_batch_size,
-                                             rank, g.data_ranks() if ranks is None else ranks)
+        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples,
+                                             micro_batch_size or loader.micro_batch_size, rank,
+                                             g.data_ranks() if ranks is None else ranks)
     device = ps.get_device()
     reader = g.tp_cp_rank() == 0  # one reader per TP x CP group
-    workers = getattr(args, "num_workers", 0)
+    workers = loader.num_workers
 
     # Started here, not at the first batch: the workers prefetch while the model is built.
     # Its own generator: the loader's seed draw must not advance the global RNG on the reader
@@ -45,7 +46,7 @@ def build_data_iterator(dataset, consumed_samples, args, every_stage=False, micr
     batches = iter(torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=workers, collate_fn=_collate,
         pin_memory=device.type == "cuda",
-        generator=torch.Generator().manual_seed(getattr(args, "seed", 0)))) if reader else None
+        generator=torch.Generator().manual_seed(loader.seed))) if reader else None
 
     def gen():
         layout = None
@@ -78,13 +79,14 @@ def chunk_iterators(it, num_chunks, grid):
     return its
 
 
-def data_iterators(dataset, consumed_samples, args, chunks, micro_batch_size=None, plan=None, rank=None, ranks=None):
+def data_iterators(dataset, consumed_samples, loader, chunks, micro_batch_size=None, plan=None, rank=None,
+                   ranks=None):
     """chunk_iterators, or, for a model whose every stage needs its inputs (BERT's padding mask,
     GPT's document masks: `input_on_every_stage`), one iterator per chunk on every stage, on the chunks' grid."""
     grid = ps.grid_of(chunks)
     if getattr(chunks[0].module, "input_on_every_stage", False):
-        return [build_data_iterator(dataset, consumed_samples, args, True, micro_batch_size, plan, rank, grid=grid,
-                                ranks=ranks)
+        return [build_data_iterator(dataset, consumed_samples, loader, True, micro_batch_size, plan, rank,
+                                    grid=grid, ranks=ranks)
                 for _ in chunks]
-    return chunk_iterators(build_data_iterator(dataset, consumed_samples, args, False, micro_batch_size, plan, rank,
+    return chunk_iterators(build_data_iterator(dataset, consumed_samples, loader, False, micro_batch_size, plan, rank,
                                                grid=grid, ranks=ranks), len(chunks), grid)

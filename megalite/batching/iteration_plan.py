@@ -205,13 +205,13 @@ def evaluation_plan(args, plan, global_batch, micro_batch):
                          getattr(args, "eval_micro_batch_sizes", None))
 
 
-def auto_shares(args, plan):
+def auto_shares(args, plan, grid):
     """The AutoShares of --data-parallel-shares auto (balancing in units of PP micro-batches when
     interleaved), else None."""
     if args.data_parallel_shares != "auto":
         return None
     unit = args.pipeline_model_parallel_size if args.virtual_pipeline_model_parallel_size else 1
-    return AutoShares(plan, args.data_parallel_shares_profile_iters, unit)
+    return AutoShares(plan, args.data_parallel_shares_profile_iters, unit, grid)
 
 
 class AutoShares:
@@ -221,8 +221,8 @@ class AutoShares:
     balanced in units of lcm(sizes) samples (x `unit` micro-batches when interleaved): a unit costs
     replica r (unit / M_r) x its seconds per micro-batch."""
 
-    def __init__(self, plan, iters, unit=1):
-        self.plan, self.iters, self.unit, self.times = plan, iters, unit, []
+    def __init__(self, plan, iters, unit, grid):
+        self.plan, self.iters, self.unit, self.times, self.grid = plan, iters, unit, [], grid  # grid: the DP ranks'
         # (the equal shares it profiles at passed IterationPlan.check: lcm x unit divides each replica's part)
         self.sizes = [plan.micro_of(r) for r in range(plan.dp)]
         self.samples = math.lcm(*self.sizes) * unit
@@ -238,7 +238,7 @@ class AutoShares:
         self.times.append(seconds / microbatches)
         if not self.done:
             return None
-        per_replica = max_per_data_parallel_rank(min(self.times))
+        per_replica = max_per_data_parallel_rank(min(self.times), self.grid)
         sizes, samples = self.sizes, self.samples
         per_unit = [t * samples / m for t, m in zip(per_replica, sizes)]  # a unit: whole micro-batches everywhere
         units = balanced_counts(per_unit, self.plan.global_batch_size(consumed) // samples)

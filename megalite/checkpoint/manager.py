@@ -58,10 +58,9 @@ META = "megalite.json"
 FORMAT = "megalite-checkpoint"
 
 
-def optimizer_kind(args):
+def optimizer_kind(cfg):
     """What the saved optimizer state is (Muon's scalar parameters have their own optimizer's state)."""
-    kind = getattr(args, "optimizer", "adam")
-    return f"muon+{args.muon_scalar_optimizer}" if kind == "muon" else kind
+    return f"muon+{cfg.muon_scalar_optimizer}" if cfg.optimizer == "muon" else cfg.optimizer
 
 
 def iteration_dir(root, iteration):
@@ -153,14 +152,15 @@ class _CommittingWriter(SafetensorsWriter):
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args, consumed_train, consumed_valid, *,
+def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, cfg, consumed_train, consumed_valid, *,
                     io):
-    """Every rank calls this at the same iteration (io: the run's CheckpointIO, checkpoint/writer.py)."""
+    """Every rank calls this at the same iteration (cfg: the CheckpointConfig, config/checkpoint.py; io: the run's
+    CheckpointIO, checkpoint/writer.py)."""
     io.wait()
     for c in chunks:
         c.finish_param_sync()  # --overlap-param-gather: parameters must be whole
     g = ps.grid_of(chunks)
-    root, rank = args.save, g.rank
+    root, rank = cfg.save, g.rank
     tmp = iteration_dir(root, iteration) + ".tmp"
     group = io.group()
     if rank == 0:
@@ -174,33 +174,31 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, args,
                              "data_parallel_size": g.dp,  # (per replica)
                              "semi_sync_replicas": g.replicas, "context_parallel_size": g.cp,
                              "use_tp_pp_dp_mapping": g.pp_before_dp, "virtual_pipeline_model_parallel_size": g.vpp,
-                             "use_distributed_optimizer": bool(args.use_distributed_optimizer),
-                             "zero_stage": args.zero_stage, "world_size": g.world_size()},
-                "has_optimizer": not args.no_save_optim, "has_rng": not args.no_save_rng,
-                "optimizer": {"step": optimizer_step(optimizer), "kind": optimizer_kind(args)},
+                             "use_distributed_optimizer": bool(cfg.use_distributed_optimizer),
+                             "zero_stage": cfg.zero_stage, "world_size": g.world_size()},
+                "has_optimizer": not cfg.no_save_optim, "has_rng": not cfg.no_save_rng,
+                "optimizer": {"step": optimizer_step(optimizer), "kind": optimizer_kind(cfg)},
                 "semi_sync": semi.state() if (semi := getattr(optimizer, "semi_sync", None)) else None,
                 "scheduler": scheduler.state_dict(), "loss_scaler": optimizer.scaler.state_dict(),
-                "tokenizer": {"type": getattr(args, "tokenizer_type", None),
-                              "model": getattr(args, "tokenizer_model", None),
-                              "vocab_file": getattr(args, "vocab_file", None),
-                              "merge_file": getattr(args, "merge_file", None)}}
+                "tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
+                              "vocab_file": cfg.vocab_file, "merge_file": cfg.merge_file}}
         fsync_write(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
     if group is not None:
         dist.barrier(group=group)
-    if not args.no_save_rng:
+    if not cfg.no_save_rng:
         fsync_write(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), json.dumps(rng_state()).encode())
     # delayed FP8 scaling's amax histories (as TE's modules keep them in the model; each replica its own)
     if fp8 := {_replica_prefix(g) + n: h for n, h in fp8_state(chunks).items()}:
         fsync_write(os.path.join(tmp, "fp8", f"rank_{rank:05d}.json"), json.dumps(fp8).encode())
     entries = model_entries(chunks, for_save=True)
-    if not args.no_save_optim:  # each semi-synchronous replica its own inner state, the first the outer one
+    if not cfg.no_save_optim:  # each semi-synchronous replica its own inner state, the first the outer one
         entries.update(optimizer_entries(optimizer, chunks, for_save=True, prefix=_replica_prefix(g)))
         entries.update(outer_momentum_entries(optimizer, chunks, for_save=True))
-    kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration, args.verify_integrity,
-                                               getattr(args, "save_retain_interval", None)),
+    kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration, cfg.verify_integrity,
+                                               cfg.save_retain_interval),
               planner=ChunkSavePlanner(entries),
               process_group=group, no_dist=group is None)
-    if not args.async_save:
+    if not cfg.async_save:
         _dcp(dcp.save, {}, **kw)
         return
     for e in entries.values():  # training goes on mutating these: write host copies
@@ -234,10 +232,11 @@ def _check_compatible(meta, model_config, path):
                               f" but this run has {mine['max_position_embeddings']}")
 
 
-def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None, *, io):
+def load_checkpoint(chunks, optimizer, scheduler, model_config, cfg, root=None, *, io):
     """Returns (iteration, consumed_train, consumed_valid), or None when --load holds no
-    checkpoint (training starts from scratch, as in Megatron). io: the run's CheckpointIO (checkpoint/writer.py)."""
-    root = args.load if root is None else root
+    checkpoint (training starts from scratch, as in Megatron). cfg: the CheckpointConfig. io: the run's
+    CheckpointIO (checkpoint/writer.py)."""
+    root = cfg.load if root is None else root
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"--load {root} is a file; give the checkpoint directory (the one holding {TRACKER})")
     it = read_tracker(root) if os.path.isdir(root) else None
@@ -252,12 +251,12 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None,
         raise CheckpointError(f"{os.path.join(path, META)} is not a megalite checkpoint's metadata")
     _check_compatible(meta, model_config, path)
     release = it == "release"
-    weights_only = release or args.finetune
-    load_optim = not (weights_only or args.no_load_optim) and meta.get("has_optimizer", False)
+    weights_only = release or cfg.finetune
+    load_optim = not (weights_only or cfg.no_load_optim) and meta.get("has_optimizer", False)
     saved_kind = (meta.get("optimizer") or {}).get("kind", "adam")
-    if load_optim and saved_kind != optimizer_kind(args):
+    if load_optim and saved_kind != optimizer_kind(cfg):
         raise CheckpointError(f"{path} holds the optimizer state of --optimizer {saved_kind}, this run uses "
-                              f"--optimizer {optimizer_kind(args)}: add --no-load-optim to load the weights only "
+                              f"--optimizer {optimizer_kind(cfg)}: add --no-load-optim to load the weights only "
                               "(the optimizer starts fresh)")
     entries = model_entries(chunks, for_save=False)
     optional = set()
@@ -271,7 +270,7 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None,
         entries.update(opt)
         entries.update(momentum)
     group = io.group()
-    if args.verify_integrity:
+    if cfg.verify_integrity:
         verify_integrity(path, group)
     validate_files(path)  # a corrupt or foreign file: one clean line on every rank, before DCP
     planner = ChunkLoadPlanner(entries, optional)
@@ -289,7 +288,7 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, args, root=None,
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
     else:
         main_params_from_model(optimizer)
-    _load_rng_states(meta, path, args, weights_only, g)
+    _load_rng_states(meta, path, cfg, weights_only, g)
     fp8_dir = os.path.join(path, "fp8")
     if os.path.isdir(fp8_dir):  # every rank's histories, merged by module name: any layout takes its own
         saved = (meta.get("parallel") or {}).get("semi_sync_replicas", 1)  # (another count: the first replica's)
@@ -341,8 +340,8 @@ def _drop_gathered(chunks):
             c.units.release_all()
 
 
-def _load_rng_states(meta, path, args, weights_only, g):
-    if weights_only or args.no_load_rng:
+def _load_rng_states(meta, path, cfg, weights_only, g):
+    if weights_only or cfg.no_load_rng:
         return
     par = meta.get("parallel", {})
     # Per-rank streams belong to grid coordinates: the same TP, CP, PP, world and rank order.

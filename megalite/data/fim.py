@@ -101,12 +101,12 @@ def _single_id(tokenizer, token):
     return int(i)
 
 
-def with_fim(datasets, args, tokenizer):
-    """Wrap (train, valid, test) for --fim-data (else unchanged)."""
-    if not args.fim_data:
+def with_fim(datasets, cfg, tokenizer):
+    """Wrap (train, valid, test) for --fim-data (else unchanged); cfg: the FimConfig (config/data.py)."""
+    if not cfg.fim_data:
         return datasets
-    ids = fim_token_ids(tokenizer, {name: getattr(args, f"fim_{name}_token") for name, _ in TOKEN_FLAGS})
-    return tuple(None if d is None else FIMDataset(d, tokenizer, ids, args.fim_rate, args.fim_spm_rate,
-                                                   args.seed + k, args.fim_split_sample, args.fim_fragment_rate,
-                                                   args.fim_no_prefix)
+    ids = fim_token_ids(tokenizer, {name: getattr(cfg, f"fim_{name}_token") for name, _ in TOKEN_FLAGS})
+    return tuple(None if d is None else FIMDataset(d, tokenizer, ids, cfg.fim_rate, cfg.fim_spm_rate,
+                                                   cfg.seed + k, cfg.fim_split_sample, cfg.fim_fragment_rate,
+                                                   cfg.fim_no_prefix)
                  for k, d in enumerate(datasets))

@@ -52,9 +52,10 @@ class GPTBatchDataset:
         return sample
 
 
-def with_batch_masks(datasets, args, eod):
-    """Wrap (train, valid, test) when any of the three flags is given (else unchanged)."""
-    flags = (args.reset_position_ids, args.reset_attention_mask, args.eod_mask_loss)
+def with_batch_masks(datasets, cfg, eod):
+    """Wrap (train, valid, test) when any of the three flags is given (else unchanged); cfg: the BatchMaskConfig
+    (config/data.py)."""
+    flags = (cfg.reset_position_ids, cfg.reset_attention_mask, cfg.eod_mask_loss)
     if not any(flags):
         return datasets
     if eod is None:

@@ -1,5 +1,5 @@
 """Small collectives the training loop needs (so it never touches process groups itself). Each takes the
-grid whose groups it uses (`grid=None`: the global one, parallel_state.current_grid)."""
+grid whose groups it uses (a layout fact: always handed down, never the global one)."""
 
 import torch
 import torch.distributed as dist
@@ -7,29 +7,27 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 
 
-def sum_over_data_parallel(values, grid=None):
+def sum_over_data_parallel(values, grid):
     """Sum over the DP group of a 1-D float tensor (--data-parallel-shares: losses over the global count)."""
-    g = ps.current_grid(grid)
-    if g.dp > 1:
+    if grid.dp > 1:
         values = values.clone()
-        dist.all_reduce(values, group=g.dp_group)
+        dist.all_reduce(values, group=grid.dp_group)
     return values
 
 
-def max_over_data_parallel(values, grid=None, expert=False):
+def max_over_data_parallel(values, grid, expert=False):
     """Elementwise maximum over the DP x CP group (the ranks that ran the iteration's other micro-batches and
     sequence chunks), e.g. FP8's amaxes; expert: over expert-DP (an MoE expert's copies)."""
-    g = ps.current_grid(grid)
-    group, size, _ = g.expert_dp() if expert else g.dp_cp()
+    group, size, _ = grid.expert_dp() if expert else grid.dp_cp()
     if size > 1:
         values = values.clone()
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values
 
 
-def average_over_data_parallel(values, grid=None):
+def average_over_data_parallel(values, grid):
     """Mean over the DP group of a 1-D float tensor (e.g. the micro-batch losses)."""
-    dp = ps.current_grid(grid).dp
+    dp = grid.dp
     return sum_over_data_parallel(values, grid) / dp if dp > 1 else values
 
 
@@ -43,32 +41,29 @@ def gather_rows(row):
     return [g.tolist() for g in gathered]
 
 
-def max_per_data_parallel_rank(value, grid=None):
+def max_per_data_parallel_rank(value, grid):
     """[largest `value` over the ranks of DP replica r, for each r], the same list on every rank."""
-    g = ps.current_grid(grid)
-    out = [0.0] * g.dp
-    for v, r in gather_rows([value, g.dp_rank]):
+    out = [0.0] * grid.dp
+    for v, r in gather_rows([value, grid.dp_rank]):
         out[int(r)] = max(out[int(r)], v)
     return out
 
 
-def sum_over_replica_world(values, grid=None):
+def sum_over_replica_world(values, grid):
     """Sum over every rank of this rank's replica (the world without semi-synchronous replicas, which agree nothing
     else between them) of a float tensor, returned on the host: the kernels' race times (kernels/choice.py)."""
     t = values.to(ps.get_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        g = grid if grid is not None or not ps.model_parallel_is_initialized() else ps.current_grid()
-        dist.all_reduce(t, group=g.replica_world_group if g is not None else None)
+        dist.all_reduce(t, group=grid.replica_world_group)
     return t.cpu()
 
 
-def broadcast_from_last_rank(values, grid=None):
+def broadcast_from_last_rank(values, grid):
     """Give every rank its replica's last rank's tensor (the last pipeline stage holds the loss; without
     semi-synchronous replicas: the world's last rank)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        g = grid if grid is not None or not ps.model_parallel_is_initialized() else ps.current_grid()
-        group, ranks = (g.replica_world_group, g.replica_world_ranks) if g is not None else (None, None)
-        dist.broadcast(values, src=ranks[-1] if ranks else dist.get_world_size() - 1, group=group)
+        ranks = grid.replica_world_ranks
+        dist.broadcast(values, src=ranks[-1] if ranks else dist.get_world_size() - 1, group=grid.replica_world_group)
     return values
 
 
@@ -80,12 +75,12 @@ def any_rank(flag):
     return bool(t.item())
 
 
-def broadcast_batch(batch, layout=None, grid=None):
+def broadcast_batch(batch, layout, grid):
     """The first rank's batch ({key: tensor}) to the other ranks of its TP x CP group (TP ranks
     use the same samples; CP ranks each keep their part of them); returns (batch, layout). The
     layout (keys, shapes, dtypes) goes once per data iterator as an object (pass back the
     returned one); after that a micro-batch is one broadcast per key, no host read."""
-    g = ps.current_grid(grid)
+    g = grid
     if g.tp * g.cp == 1:
         return batch, layout
     group = g.tp_cp_group if g.cp > 1 else g.tp_group

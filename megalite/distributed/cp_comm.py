@@ -12,11 +12,9 @@ import torch.distributed as dist
 from megalite import parallel_state as ps
 
 
-def cp_size(grid=None):
-    """The CP size of `grid` (default the global one; 1 before any grid exists)."""
-    if grid is None and not ps.model_parallel_is_initialized():
-        return 1
-    return ps.current_grid(grid).cp
+def cp_size(grid):
+    """The CP size of `grid` (every function here takes the grid whose CP group it uses: a layout fact)."""
+    return grid.cp
 
 
 def cp_chunks(rank, size):
@@ -31,21 +29,20 @@ def local_token_index(local_len, rank, size, device=None):
     return torch.cat([torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)])
 
 
-def global_token_index(local_len, device=None, grid=None):
+def global_token_index(local_len, device, grid):
     """Global token index of this rank's rows: 0..local_len-1 without CP."""
-    if cp_size(grid) == 1:
+    if grid.cp == 1:
         return torch.arange(local_len, device=device)
-    grid = ps.current_grid(grid)
     return local_token_index(local_len, grid.cp_rank, grid.cp, device)
 
 
 def slice_for_cp_rank(t, dim, rank=None, size=None, grid=None):
     """This CP rank's part of a full-sequence tensor: chunks r and 2CP-1-r along `dim` (rank and size: the
-    grid's by default)."""
-    size = cp_size(grid) if size is None else size
+    grid's when not given)."""
+    size = grid.cp if size is None else size
     if size == 1:
         return t
-    rank = ps.current_grid(grid).cp_rank if rank is None else rank
+    rank = grid.cp_rank if rank is None else rank
     parts = t.chunk(2 * size, dim=dim)
     return torch.cat([parts[i] for i in cp_chunks(rank, size)], dim=dim)
 
@@ -55,9 +52,8 @@ class Ring:
     posted at once (no deadlock whoever posts first), waited on when the data is needed."""
 
     def __init__(self, group=None, ranks=None, grid=None):
-        g = ps.current_grid(grid) if group is None or ranks is None else None
-        self.group = g.cp_group if group is None else group
-        ranks = list(g.cp_ranks) if ranks is None else ranks
+        self.group = grid.cp_group if group is None else group  # (grid: when group and ranks are not given)
+        ranks = list(grid.cp_ranks) if ranks is None else ranks
         self.rank = ranks.index(dist.get_rank())
         self.size = len(ranks)
         self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
@@ -96,8 +92,8 @@ class _AllGatherSeq(torch.autograd.Function):
         return out, None, None
 
 
-def all_gather_over_cp(x, dim, grid=None):
-    return _AllGatherSeq.apply(x, dim, ps.current_grid(grid).cp_group)
+def all_gather_over_cp(x, dim, grid):
+    return _AllGatherSeq.apply(x, dim, grid.cp_group)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -123,11 +119,11 @@ def _all_to_all(x, split_dim, cat_dim, group):
 
 
 def all_to_all_over_cp(x, split_dim, cat_dim, group=None, grid=None):
-    return _AllToAll.apply(x, split_dim, cat_dim, ps.current_grid(grid).cp_group if group is None else group)
+    return _AllToAll.apply(x, split_dim, cat_dim, grid.cp_group if group is None else group)
 
 
-def sum_over_cp(t, grid=None):
+def sum_over_cp(t, grid):
     """Sum a tensor over the CP group, in place, outside autograd (loss sums and token counts)."""
-    if cp_size(grid) > 1:
-        dist.all_reduce(t, group=ps.current_grid(grid).cp_group)
+    if grid.cp > 1:
+        dist.all_reduce(t, group=grid.cp_group)
     return t

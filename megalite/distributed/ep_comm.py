@@ -19,10 +19,10 @@ from megalite import parallel_state as ps
 from megalite.distributed import comm
 
 
-def groups(grid=None):
+def groups(grid):
     """{"ep", "etp", "tp_ep"}: (group, size, rank) of this rank's expert-parallel, expert-tensor-parallel
-    and expert-tensor-and-expert-parallel groups (of `grid`, default the global one)."""
-    g = ps.current_grid(grid)
+    and expert-tensor-and-expert-parallel groups of `grid`."""
+    g = grid
     ep, (etp, etp_rank), ep_rank = g.ep, g.expert_tp(), g.ep_rank
     return {"ep": (g.ep_group, ep, ep_rank), "etp": (g.etp_group if g.experts else g.tp_group, etp, etp_rank),
             "tp_ep": (g.tp_ep_group, ep * etp, etp_rank + etp * ep_rank)}

@@ -15,10 +15,10 @@ def _grad(p):
     return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
 
 
-def allreduce_sequence_parallel_grads(params, grid=None):
+def allreduce_sequence_parallel_grads(params, grid):
     """Params applied to sequence-sharded activations (norms, row biases, position embeddings under SP) hold
-    partial gradients on each TP rank: sum them over TP (of `grid`, default the global one)."""
-    g = ps.current_grid(grid)
+    partial gradients on each TP rank: sum them over TP of `grid`."""
+    g = grid
     if g.tp == 1:
         return
     grads = [_grad(p) for p in params if getattr(p, "sequence_parallel", False) and _grad(p) is not None]

@@ -99,12 +99,12 @@ def _all_reduce(t, group, size):
         dist.all_reduce(t, group=group)
 
 
-def sum_over_model(dense, expert, sharded, grid=None):
+def sum_over_model(dense, expert, sharded, grid):
     """World totals of per-rank partial sums (any shape, e.g. squared norms, zero counts) of this
     rank's dense and expert parameters, each element counted once (the caller skips TP duplicates
     and the tied copy). sharded: each rank holds a disjoint ZeRO slice (sum over its DP group too).
-    grid: the parameters' (facts(p).grid; default the global one). The same on every rank."""
-    g = ps.current_grid(grid)
+    grid: the parameters' (facts(p).grid). The same on every rank."""
+    g = grid
     if not g.experts:
         dense, expert = dense + expert, None
     if sharded:

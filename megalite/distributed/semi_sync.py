@@ -39,8 +39,9 @@ BUCKET = 1 << 24  # elements per outer all-reduce
 
 
 class SemiSync:
-    def __init__(self, args, optimizer, chunks=()):
-        self.method, self.optimizer = args.semi_sync_method, optimizer
+    def __init__(self, cfg, optimizer, chunks=()):
+        """cfg: the SemiSyncConfig (config/semi_sync.py)."""
+        self.method, self.optimizer = cfg.semi_sync_method, optimizer
         # MoE routers' expert biases (--moe-router-enable-expert-bias): moved by token counts, not gradients,
         # so no pseudo-gradient; each outer step sets them to the replicas' sample-weighted mean (Local SGD's rule)
         self.biases = [m.expert_bias for c in chunks for m in c.modules()
@@ -48,29 +49,29 @@ class SemiSync:
         optimizer.semi_sync = self  # the optimizer carries the outer state it belongs to (tests read it there)
         self.grid = ps.grid_of(chunks)  # the replicas' groups: the chunks' grid
         self.replicas, self.replica = self.grid.replicas, self.grid.replica_rank
-        self.steps = list(args.semi_sync_steps)
+        self.steps = list(cfg.semi_sync_steps)
         self.H, self.round = self.steps[self.replica], max(self.steps)
-        self.lr, self.momentum, self.nesterov = args.outer_lr, args.outer_momentum, args.outer_nesterov
-        self.train_iters = args.train_iters
+        self.lr, self.momentum, self.nesterov = cfg.outer_lr, cfg.outer_momentum, cfg.outer_nesterov
+        self.train_iters = cfg.train_iters
         self.reset_global()
         self.buf = None  # the outer momentum, per main parameter (torch's SGD: created at the first step)
         self.samples = 0  # what this replica trained on since the last outer step
         self.outer_steps = self.bytes_sent = 0
-        self.auto = getattr(args, "semi_sync_auto", False)  # time the first round, then set the counts
+        self.auto = cfg.semi_sync_auto  # time the first round, then set the counts
         self.step_times, self.last_tick, self.chosen = [], None, None
         # Streaming: fragments of contiguous layers, each synced at its own offset in the round, its all-reduce
         # overlapping `delay` inner steps and then mixed in with weight alpha for the local weights
-        self.fragments = getattr(args, "semi_sync_fragments", 1)
-        self.delay = getattr(args, "semi_sync_fragment_delay", 0)
-        self.alpha = getattr(args, "semi_sync_fragment_alpha", 0.0)
+        self.fragments = cfg.semi_sync_fragments
+        self.delay = cfg.semi_sync_fragment_delay
+        self.alpha = cfg.semi_sync_fragment_alpha
         names = getattr(optimizer, "names", [""] * len(self.glob))
         params = [pc.param for pc in optimizer.pieces] if hasattr(optimizer, "pieces") else \
             getattr(optimizer, "model_params", [None] * len(self.glob))
         self.frag_of = [0 if getattr(p, "shared_embedding", False) else  # the last stage's tied copy: as the first's
-                        fragment_of(n, getattr(args, "num_layers", 1), self.fragments) for n, p in zip(names, params)]
+                        fragment_of(n, cfg.num_layers, self.fragments) for n, p in zip(names, params)]
         self.frag_samples, self.pending = [0] * self.fragments, []
         self.frag_syncs = [0] * self.fragments  # outer syncs per fragment (bytes: quantize.payload_bytes or 4 x n)
-        self.quantize = getattr(args, "semi_sync_quantize", None)  # bf16 / fp8 payloads, all-gathered (quantize.py)
+        self.quantize = cfg.semi_sync_quantize  # bf16 / fp8 payloads, all-gathered (quantize.py)
         # fault-tolerant replicas (training/ft_rounds.py): each replica its own job; sums run over torchft's quorum
         # (across.sum) and an outer step is applied only when the quorum's vote commits it (across.outer)
         self.across, self.last_total = None, 0.0

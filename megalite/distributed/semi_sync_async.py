@@ -101,10 +101,10 @@ class AsyncSemiSync(SemiSync):
 
     asynchronous = True
 
-    def __init__(self, args, optimizer, chunks=()):
-        super().__init__(args, optimizer, chunks)
-        self.staleness, self.round = args.semi_sync_max_staleness, self.H
-        self.batch, self.sent, self.exchanges, self.slot = args.global_batch_size, 0, [], None
+    def __init__(self, cfg, optimizer, chunks=()):
+        super().__init__(cfg, optimizer, chunks)
+        self.staleness, self.round = cfg.semi_sync_max_staleness, self.H
+        self.batch, self.sent, self.exchanges, self.slot = cfg.global_batch_size, 0, [], None
         self.run = next(_RUNS)
         self.store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
         self.group, self.counterparts, self.new_slot, self.server = None, None, False, None
@@ -282,8 +282,8 @@ def unflatten(flat, like):
     return [t.view_as(x) for t, x in zip(flat.split([x.numel() for x in like]), like)]
 
 
-def semi_sync_for(args, optimizer, chunks=()):
-    """The training loop's semi-synchronous state: None without --semi-sync-method."""
-    if not args.semi_sync_method:
+def semi_sync_for(cfg, optimizer, chunks=()):
+    """The training loop's semi-synchronous state (cfg: the SemiSyncConfig): None without --semi-sync-method."""
+    if not cfg.semi_sync_method:
         return None
-    return AsyncSemiSync(args, optimizer, chunks) if args.semi_sync_async else SemiSync(args, optimizer, chunks)
+    return AsyncSemiSync(cfg, optimizer, chunks) if cfg.semi_sync_async else SemiSync(cfg, optimizer, chunks)

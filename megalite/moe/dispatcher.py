@@ -59,7 +59,7 @@ class TokenDispatcher:
         self.num_experts, self.kind = num_experts, kind
         self.first, self.count = local_experts(num_experts, grid)
         self.grid = ps.current_grid(grid)
-        self.g = groups(grid)
+        self.g = groups(self.grid)
         self.gathered = self.kind == "allgather" or self.g["ep"][1] == 1
         self.source_ranks = None  # each source's data rank (sources(): FP8 experts)
 

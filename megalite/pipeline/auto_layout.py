@@ -190,6 +190,7 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
     micro-batch), in flight, budget (0: none)], from --pipeline-layout-profile-iters passes of one
     iteration's micro-batches (the fastest pass's times; bytes are the same in every pass)."""
     from megalite.batching.data_iterators import data_iterators
+    from megalite.config.data import LoaderConfig
     from megalite.distributed import finalize_model_grads
     from megalite.pipeline.schedules import run_forward_backward
     from megalite.optimizer.memory import state_bytes_by_place
@@ -203,7 +204,7 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
         probe = _Probe(chunks)
         # the batches read before timing (a loader's start-up is not compute)
         its = [None if it is None else iter(list(itertools.islice(it, count)))
-               for it in data_iterators(dataset, 0, args, chunks, micro_batch_size=micro)]
+               for it in data_iterators(dataset, 0, LoaderConfig.of(args), chunks, micro_batch_size=micro)]
         with _random_state_kept(), probe.installed():
             run_forward_backward(forward_step_func, its, chunks, count, pipeline_tensor_shape(mcfg, micro, grid),
                                  mcfg.params_dtype, loss_scale=optimizer.loss_scale, loss_divisor=count,

@@ -8,8 +8,9 @@ from megalite.batching.data_iterators import data_iterators
 
 
 class DataCursor:
-    def __init__(self, dataset, consumed, args, chunks, plan, rank):
-        self.dataset, self.consumed, self.args, self.chunks, self.plan = dataset, consumed, args, chunks, plan
+    def __init__(self, dataset, consumed, loader, chunks, plan, rank):
+        """loader: the LoaderConfig (config/data.py) the iterators read with."""
+        self.dataset, self.consumed, self.loader, self.chunks, self.plan = dataset, consumed, loader, chunks, plan
         self.rank = rank  # this rank's DP rank across the replicas (the plan's counts and sizes are by it)
         self.parts = None  # (rank, ranks) the data is read as after a replan (None: the grid's own)
         self.iters = None
@@ -29,7 +30,7 @@ class DataCursor:
             self.consumed = consumed
         if self.parts is not None:
             rank, ranks = rank if rank is not None else self.parts[0], ranks if ranks is not None else self.parts[1]
-        self.iters = data_iterators(self.dataset, self.consumed, self.args, self.chunks, plan=self.plan, rank=rank,
+        self.iters = data_iterators(self.dataset, self.consumed, self.loader, self.chunks, plan=self.plan, rank=rank,
                                     ranks=ranks)
 
     def advance(self, samples):

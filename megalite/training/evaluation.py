@@ -5,6 +5,7 @@ iteration's batch (eval_batch)."""
 
 import torch
 
+from megalite import parallel_state as ps
 from megalite.logger import print_rank_last
 from megalite.pipeline.schedules import run_forward_backward
 from megalite.training.step import mean_losses
@@ -17,12 +18,12 @@ def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, sha
     (total: the batch's micro-batch count with uneven shares, see mean_losses)."""
     for c in chunks:
         c.eval()
-    losses = []
+    losses, grid = [], ps.grid_of(chunks)
     with torch.no_grad():
         for _ in range(eval_iters):
             reported = run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype,
                                             forward_only=True)
-            losses.append(mean_losses(reported, total=total)[1])
+            losses.append(mean_losses(reported, total=total, grid=grid)[1])
     for c in chunks:
         c.train()
     return {k: float(sum(d[k] for d in losses)) / len(losses) for k in losses[-1]}

@@ -117,6 +117,7 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     auto: plan.micros set, the same on every rank) and its offload fraction (auto; else None). Returns
     (fraction, this rank's Profile, its budget in bytes). Collective: every rank runs the same profiling steps."""
     from megalite.batching.data_iterators import data_iterators
+    from megalite.config.data import LoaderConfig
     from megalite.distributed import finalize_model_grads
     from megalite.distributed.collectives import max_per_data_parallel_rank
     from megalite.pipeline.schedules import run_forward_backward
@@ -129,7 +130,7 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     params = [p for c in chunks for p in c.parameters()]
     at = {}
     for m in (1, 2) if samples >= 2 else (1,):
-        its = data_iterators(dataset, 0, args, chunks, micro_batch_size=m)
+        its = data_iterators(dataset, 0, LoaderConfig.of(args), chunks, micro_batch_size=m)
         at[m] = saved_activation_bytes(lambda: run_forward_backward(
             forward_step_func, its, chunks, 1, pipeline_tensor_shape(mcfg, m, grid), mcfg.params_dtype,
             loss_scale=optimizer.loss_scale, loss_divisor=1), params)
@@ -151,13 +152,13 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     return fraction, profile, budget
 
 
-def report_fit(args, plan, fraction, profile, budget):
+def report_fit(args, plan, fraction, profile, budget, grid):
     """The choice as explicit flags (every replica's), so that a run can be repeated exactly."""
     from megalite.distributed.collectives import max_per_data_parallel_rank
     from megalite.logger import print_rank_last
     flags = [f"--data-parallel-micro-batch-sizes {','.join(map(str, plan.micros))}"] \
         if args.data_parallel_micro_batch_sizes == "auto" else []
     if args.optimizer_offload_fraction == "auto":  # a replica offloads what its neediest rank needs
-        fractions = max_per_data_parallel_rank(fraction or 0.0)
+        fractions = max_per_data_parallel_rank(fraction or 0.0, grid)
         flags.append("--optimizer-cpu-offload --optimizer-offload-fraction " + ",".join(f"{f:g}" for f in fractions))
     print_rank_last(f"megalite: memory budget {budget / GIB:.3f} GiB here ({describe(profile)}) -> {' '.join(flags)}")

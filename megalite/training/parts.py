@@ -21,6 +21,7 @@ import kernels
 from megalite import parallel_state as ps
 from megalite.checkpoint.manager import save_checkpoint
 from megalite.batching.data_iterators import close_iterators, data_iterators
+from megalite.config.data import LoaderConfig
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.planner.flops import num_floating_point_operations
@@ -116,7 +117,8 @@ class Losses(Part):
     def after(self, it, step):
         if step.idle:
             return
-        loss, means = mean_losses(step.reported, read=False, total=step.total)  # lm loss (every rank); all (last)
+        # lm loss (every rank); all (last)
+        loss, means = mean_losses(step.reported, read=False, total=step.total, grid=self.grid)
         if step.across is not None:  # fault-tolerant replicas: the mean over the quorum (one collective)
             parts = [loss, *means.values()]
             flat = step.across(torch.cat([v.detach().float().reshape(-1) for v in parts]))
@@ -233,8 +235,9 @@ class Evaluation(Part):
         # The validation set is sized for every evaluation of a run; a resumed run's extra final
         # evaluation (or --skip-train) starts again from its beginning.
         ds = self.valid_ds
-        self.valid_iters = data_iterators(ds, self.consumed % len(ds) if ds is not None and len(ds) else 0, args,
-                                          r.chunks, self.mbs, self.plan)
+        self.loader = LoaderConfig.of(args)
+        self.valid_iters = data_iterators(ds, self.consumed % len(ds) if ds is not None and len(ds) else 0,
+                                          self.loader, r.chunks, self.mbs, self.plan)
 
     def evaluate(self, its):
         a, run = self.args, self.run
@@ -260,7 +263,7 @@ class Evaluation(Part):
         for split, ds in (("validation", self.valid_ds), ("test", self.test_ds)):
             if ds is not None:
                 its = self.valid_iters if split == "validation" else \
-                    data_iterators(ds, 0, self.args, self.run.chunks, self.mbs, self.plan)
+                    data_iterators(ds, 0, self.loader, self.run.chunks, self.mbs, self.plan)
                 self.run.log.evaluation(last, split, self.evaluate(its), final=True)
                 close_iterators(its)
 
@@ -269,12 +272,12 @@ class Saver(Part):
     """--save: every --save-interval iterations, and the final state (as Megatron, a loaded state is saved again
     at the end when --save is another directory: nothing trained is a re-shard into this run's layout)."""
 
-    def __init__(self, args, prepared, cursor, evaluation, ft):
-        """prepared: the run (its state, checkpoint writer, what it loaded); cursor: the training samples consumed;
-        evaluation: the Evaluation part (validation samples consumed), or None; ft: fault-tolerant replicas (one live
-        replica writes), or None."""
-        self.args, self.run, self.cursor, self.evaluation, self.ft = args, prepared, cursor, evaluation, ft
-        start, same = prepared.start_iter, os.path.realpath(args.save or "") == os.path.realpath(prepared.load or "")
+    def __init__(self, cfg, prepared, cursor, evaluation, ft):
+        """cfg: the CheckpointConfig (config/checkpoint.py); prepared: the run (its state, checkpoint writer, what
+        it loaded); cursor: the training samples consumed; evaluation: the Evaluation part (validation samples
+        consumed), or None; ft: fault-tolerant replicas (one live replica writes), or None."""
+        self.cfg, self.run, self.cursor, self.evaluation, self.ft = cfg, prepared, cursor, evaluation, ft
+        start, same = prepared.start_iter, os.path.realpath(cfg.save or "") == os.path.realpath(prepared.load or "")
         self.saved_at = start if not start or same else -1
 
     def save(self, it):
@@ -282,13 +285,13 @@ class Saver(Part):
         if self.ft is not None and not self.ft.writes_checkpoints():
             self.saved_at = it
             return
-        save_checkpoint(it, r.chunks, r.optimizer, r.scheduler, r.mcfg, self.args, self.cursor.consumed,
+        save_checkpoint(it, r.chunks, r.optimizer, r.scheduler, r.mcfg, self.cfg, self.cursor.consumed,
                         self.evaluation.consumed if self.evaluation is not None else r.consumed_valid,
                         io=r.checkpoints)
         self.saved_at = it
 
     def after(self, it, step):
-        if self.args.save_interval and it % self.args.save_interval == 0:
+        if self.cfg.save_interval and it % self.cfg.save_interval == 0:
             self.save(it)
 
     def finish(self, last):

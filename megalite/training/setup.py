@@ -29,6 +29,10 @@ from megalite.optimizer.lr_scheduler import schedule_steps
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.rerun import initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
+from megalite.config.checkpoint import CheckpointConfig
+from megalite.config.logging import LoggingConfig
+from megalite.config.rerun import RerunConfig
+from megalite.config.semi_sync import SemiSyncConfig
 from megalite.training.converters import converters_for
 from megalite.training.evaluation import dataset_sizes, eval_batch, report_splits
 from megalite.training.kernel_choice import decide_kernels
@@ -60,10 +64,11 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
     model_parallel_manual_seed(args.seed)
     kernels.set_self_check("off" if args.no_kernel_self_check else "cuda")
     r = PreparedRun(args=args, batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
-    r.rerun = initialize_rerun_state_machine(args)  # --rerun-mode: the run's one, handed to each step
+    # --rerun-mode: the run's one, handed to each step
+    r.rerun = initialize_rerun_state_machine(RerunConfig.of(args), ps.current_grid())
     r.checkpoints = CheckpointIO()  # the checkpoint group and async writer: the run's, closed at its end
     r.plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)
-    r.log = MetricsLogger(args)
+    r.log = MetricsLogger(LoggingConfig.of(args))
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
         wanted = dataset_sizes(args, batches)
@@ -81,7 +86,8 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
         r.converters = converters_for(r.chunks)  # what changes how the layers compute (FP8): the step's hooks
         for converter in r.converters:
             converter.set_plan(r.plan, r.mcfg.calculate_per_token_loss)
-        r.semi = semi_sync_for(args, r.optimizer, r.chunks)  # replicas' outer steps (loaded too); None without
+        # replicas' outer steps (loaded too); None without
+        r.semi = semi_sync_for(SemiSyncConfig.of(args), r.optimizer, r.chunks)
         r.load = load_root(args)
         start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args, r.load, r.checkpoints)
         align_main_weights(args, r.optimizer)  # replicas of different precisions: one set of fp32 main weights
@@ -194,7 +200,7 @@ def setup(args, model_provider, plan=None, sizing=None, record=None):
             tcfg = dataclasses.replace(tcfg, optimizer_offload_fraction=fraction)
             optimizer.release_model_params()
             optimizer = build_optimizer(args, chunks, tcfg)
-        report_fit(args, plan, fraction, profile, budget)
+        report_fit(args, plan, fraction, profile, budget, ps.grid_of(chunks))
     return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)
 
 
@@ -235,7 +241,8 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root, io):
         path = from_megatron.convert_for_load(root, model_config_of, io.group(), "cpu",
                                               lambda m: print(m, flush=True), not (args.no_load_optim or args.finetune))
     try:
-        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, args, path if megatron else root, io=io)
+        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, CheckpointConfig.of(args),
+                                 path if megatron else root, io=io)
     except CheckpointException as e:  # DCP wraps every rank's error; ours is one line
         raise unwrap_checkpoint_error(e) from None
     finally:

@@ -69,29 +69,29 @@ def train_step(forward_step_func, iters, chunks, optimizer, num_microbatches, sh
     return reported, stepped, grad_norm
 
 
-def mean_losses(reported, read=True, total=None):
+def mean_losses(reported, read=True, total=None, *, grid):
     """(lm loss on every rank, {key: mean} of every loss the loss function reports, e.g. "lm loss"
     and "sop loss"): means over micro-batches and DP ranks; the last pipeline stage holds them
     all, other stages get {"lm loss": ...} (the first key when there is no "lm loss").
     total: with uneven shares or micro-batch sizes, this rank's loss divisor (IterationPlan.total):
-    each rank's losses are summed and divided by it, then summed over DP ranks."""
+    each rank's losses are summed and divided by it, then summed over DP ranks. grid: the losses' layout."""
     dev = ps.get_device()
     out = {}
     if reported:
         keys = list(reported[0])
         if reported[0][keys[0]].numel() == 2:  # [loss sum, token count] (--calculate-per-token-loss)
             sums = torch.stack([torch.stack([r[k].float().to(dev) for k in keys]) for r in reported]).sum(0)
-            sums = average_over_data_parallel(sums.reshape(-1)).reshape(len(keys), 2)
+            sums = average_over_data_parallel(sums.reshape(-1), grid).reshape(len(keys), 2)
             vals = sums[:, 0] / sums[:, 1].clamp(min=1.0)  # sum over tokens / tokens, batch-wide
         else:
             vals = torch.stack([torch.stack([r[k].float().reshape(()).to(dev) for k in keys]) for r in reported])
-            vals = (average_over_data_parallel(vals.mean(0)) if total is None else
-                    sum_over_data_parallel(vals.sum(0) / total))
+            vals = (average_over_data_parallel(vals.mean(0), grid) if total is None else
+                    sum_over_data_parallel(vals.sum(0) / total, grid))
         out = dict(zip(keys, vals.unbind()))  # device scalars: read when logged, no sync here
         lm = vals[keys.index("lm loss") if "lm loss" in keys else 0].reshape(1).clone()
     else:  # a stage without the loss (pipeline)
         lm = torch.zeros(1, device=dev)
-    lm = broadcast_from_last_rank(lm)
+    lm = broadcast_from_last_rank(lm, grid)
     if read:  # the training loop passes read=False: it reads its losses once per logging window
         lm = lm.item()
     return lm, out or {"lm loss": lm}

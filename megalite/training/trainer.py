@@ -5,6 +5,8 @@ import dataclasses
 
 from megalite import parallel_state as ps
 from megalite.config import fail
+from megalite.config.checkpoint import CheckpointConfig
+from megalite.config.data import LoaderConfig
 from megalite.batching.data_iterators import close_iterators
 from megalite.batching.iteration_plan import auto_shares
 from megalite.logger import TrainingWindow, print_rank_last
@@ -49,12 +51,12 @@ class Trainer:
             r.log
         self.start_iter = r.start_iter
         # the data's position, and the plan and DP rank the step runs by (a fault-tolerant quorum's split changes them)
-        self.cursor = DataCursor(r.train_ds, r.consumed_train, args, r.chunks, r.plan, r.dp_rank)
+        self.cursor = DataCursor(r.train_ds, r.consumed_train, LoaderConfig.of(args), r.chunks, r.plan, r.dp_rank)
         self.window = TrainingWindow(r.start_iter)
         self.evaluation = parts.Evaluation(args, r, forward_step_func, self.cursor, self.window) \
             if r.valid_ds is not None or r.test_ds is not None else None
         self.timers = {} if args.log_timers_to_tensorboard else None
-        auto = auto_shares(args, r.plan)
+        auto = auto_shares(args, r.plan, ps.grid_of(r.chunks))
         self.ft = None
         if args.ft_lighthouse:  # fault-tolerant replicas on torchft (training/ft.py): its quorum comes first
             from megalite.training.ft import FaultTolerance  # (semi-synchronous replicas: training/ft_rounds.py)
@@ -62,7 +64,8 @@ class Trainer:
             collaborators = (r.chunks, r.optimizer, r.scheduler, self.cursor, r.converters, r.start_iter, self.abort)
             self.ft = FaultTolerance(args, *collaborators) if self.semi is None else \
                 FaultTolerantRounds(args, self.semi, *collaborators)
-        self.saver = parts.Saver(args, r, self.cursor, self.evaluation, self.ft) if args.save else None
+        self.saver = parts.Saver(CheckpointConfig.of(args), r, self.cursor, self.evaluation, self.ft) \
+            if args.save else None
         optional = (  # the parts' order: the order of their collectives, the same on every rank
             self.ft,
             auto is not None and parts.AutoShares(auto, self.cursor, record),

@@ -288,7 +288,8 @@ def ring_attention(q, k, v, dropout_p=0.0, softmax_scale=None, ring=None, return
     qf = q.float().permute(0, 2, 1, 3).reshape(b, hkv, hq // hkv, s, d)
     kf, vf = (t.float().permute(0, 2, 1, 3).contiguous() for t in (k, v))
     with _dropout_stream(dropout_p):
-        out, lse = RingAttention.apply(qf, kf, vf, scale, dropout_p, ring or Ring(), doc_mask, index_of, q_index)
+        ring = ring or Ring(grid=ps.current_grid())  # (a caller without its own: the global grid's CP ring)
+        out, lse = RingAttention.apply(qf, kf, vf, scale, dropout_p, ring, doc_mask, index_of, q_index)
     out = out.reshape(b, hq, s, d).permute(0, 2, 1, 3).to(q.dtype)
     return (out, lse.reshape(b, hq, s)) if return_lse else out
 

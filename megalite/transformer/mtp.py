@@ -23,6 +23,7 @@ evaluation skip the heads.
 import torch
 from torch import nn
 
+from megalite import parallel_state as ps
 from megalite.distributed.cp_comm import all_gather_over_cp, cp_chunks, sum_over_cp
 from megalite.moe.aux_losses import AuxLossScaler, AuxLossTracker
 from megalite.tensor_parallel import ColumnParallelLinear, checkpoint
@@ -90,7 +91,8 @@ class MTPBlock(nn.Module):
             h = layer(h, embedding(ids, pos), rotary, attn_mask)
             sums.append((loss_fn(h, lab) * m).sum())
             counts.append(m.sum())
-        counts = sum_over_cp(torch.stack(counts + [mask.sum()]).detach())  # the whole sequence's tokens
+        # the whole sequence's tokens
+        counts = sum_over_cp(torch.stack(counts + [mask.sum()]).detach(), ps.current_grid(self.grid))
         whole = counts[-1]
         total = 0.0
         for k, (s, n) in enumerate(zip(sums, counts[:-1])):
@@ -116,7 +118,7 @@ def shift_left(tensors, depth, grid):
                          f"got {chunks[0][0].shape[1]}")
     if cp > 1:  # heads[j]: chunk j's first `depth` tokens, every tensor stacked (float64 holds token ids exactly)
         mine = torch.stack([torch.stack([t[:, :depth].double() for t in ch]) for ch in chunks])
-        gathered = all_gather_over_cp(mine.unsqueeze(0), 0, grid=grid)  # [cp, 2, n_tensors, b, depth]
+        gathered = all_gather_over_cp(mine.unsqueeze(0), 0, grid=ps.current_grid(grid))  # [cp, 2, n_tensors, b, depth]
         heads = [None] * n
         for r in range(cp):
             for i, j in enumerate(cp_chunks(r, cp)):

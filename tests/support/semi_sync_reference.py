@@ -73,6 +73,7 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
     momentum."""
     from megalite.pipeline.schedules import pipeline_tensor_shape
     from megalite.batching.data_iterators import data_iterators
+    from megalite.config.data import LoaderConfig
     from megalite.training.setup import setup
     from megalite.training.step import train_step
     from megalite.tensor_parallel import model_parallel_manual_seed
@@ -128,7 +129,7 @@ def serial_reference(lay, replicas, steps, method, dp, streaming=(1, 0, 0.0)):
         for r, (chunks, opt, view) in enumerate(copies):
             if t % rnd >= steps[r]:
                 continue
-            its, rec = data_iterators(view, t * (g // replicas), args, chunks), {"norms": []}
+            its, rec = data_iterators(view, t * (g // replicas), LoaderConfig.of(args), chunks), {"norms": []}
             with parity.recording(rec) if grads[r] is None else contextlib.nullcontext():
                 reported, _, _ = train_step(entry.forward_step, its, chunks, opt, n_micro, shape, torch.float32,
                                             loss_divisor=n_micro)
