@@ -17,6 +17,7 @@ from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args, training_config
 from megalite.config import ConfigError
 from megalite.batching.iteration_plan import batch_schedule
+from megalite.config.batching import BatchingConfig
 from megalite.batching.microbatches import BatchSchedule, parse_step_schedule
 from megalite.optimizer.lr_scheduler import LRScheduler
 from megalite.training import pretrain
@@ -79,7 +80,7 @@ def test_lr_and_batch_sizes_equal_megatron_core(name):
     """Every iteration: the same batch size as megatron-core's calculator and the same LR as its
     scheduler (exact floats), both driven as Megatron's training loop drives them."""
     a = parse_args((MODEL + "--mock-data --micro-batch-size 2 " + SCHEDULES[name]).split(), world_size=4)
-    ours, batches = build_scheduler(_Opt(), training_config(a)), batch_schedule(a)
+    ours, batches = build_scheduler(_Opt(), training_config(a)), batch_schedule(BatchingConfig.of(a))
     ref, calc = _megatron_scheduler(a), _megatron_calculator(a)
     assert ours.optimizer.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"]  # before any step
     consumed, sizes = 0, []
@@ -161,9 +162,11 @@ def test_step_batch_size_schedule(capsys):
         parse_step_schedule("0:16 2K", 16)
     a = parse_args((MODEL + "--mock-data --micro-batch-size 2 --train-iters 5 --step-batch-size-schedule").split()
                    + ["0:8 1K:32"], world_size=2)
-    assert batch_schedule(a).steps == [(0, 8), (62, 32)] and a.global_batch_size == 32  # (set by validation, once)
+    # (set by validation, once)
+    assert batch_schedule(BatchingConfig.of(a)).steps == [(0, 8), (62, 32)] and a.global_batch_size == 32
     b = argparse.Namespace(**{**vars(a), "global_batch_size": 4})  # as before validation: the default, mbs x DP
-    assert batch_schedule(b).final == 32 and b.global_batch_size == 4  # the schedule only reads the arguments
+    # the schedule only reads the arguments
+    assert batch_schedule(BatchingConfig.of(b)).final == 32 and b.global_batch_size == 4
     with pytest.raises(SystemExit):  # checked with the command line, before any process group
         parse_args((MODEL + "--mock-data --micro-batch-size 2 --train-iters 5 --global-batch-size 16 "
                     "--step-batch-size-schedule 0:8,1K:32").split(), world_size=2)

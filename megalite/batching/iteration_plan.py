@@ -19,8 +19,8 @@ M_r samples over its part (equal parts without shares). A micro-batch loss is a 
 samples, so it is divided by the replica's samples / M_r: every sample weighs 1/(the replica's
 samples), whatever the sizes, and the reduction sums (with equal sizes this is the global count M).
 
-The run's batch schedule from its flags (batch_schedule, derive_train_iters) is built and checked here, against
-the plan, so microbatches.py (the schedule itself) imports nothing of this module.
+The run's batch schedule from its flags (batch_schedule; validation's derived values: cli/batch_flags.py) is built
+and checked here, against the plan, so microbatches.py (the schedule itself) imports nothing of this module.
 
 --data-parallel-shares auto: equal shares for the first K iterations
 (--data-parallel-shares-profile-iters), each replica's forward-backward time per micro-batch
@@ -175,43 +175,44 @@ def balanced_counts(seconds, total, unit=1):
     return [c * unit for c in n]
 
 
-def training_plan(args, schedule):
-    """The run's IterationPlan: its shares, per-rank micro-batch sizes and replicas."""
-    micros = getattr(args, "data_parallel_micro_batch_sizes", None)
+def training_plan(cfg, schedule):
+    """The run's IterationPlan: its shares, per-rank micro-batch sizes and replicas (cfg: the BatchingConfig,
+    config/batching.py, as in every function here)."""
+    micros = cfg.data_parallel_micro_batch_sizes
     if micros == "auto":  # chosen by memory once the model is built (megalite/training/memory_budget.py)
-        micros = [args.micro_batch_size] * args.data_parallel_size
-    return IterationPlan(schedule, initial_shares(args), getattr(args, "semi_sync_replicas", None) or 1, micros)
+        micros = [cfg.micro_batch_size] * cfg.data_parallel_size
+    return IterationPlan(schedule, initial_shares(cfg), cfg.semi_sync_replicas or 1, micros)
 
 
-def reduces_once(args, plan):
+def reduces_once(cfg, plan):
     """Whether ZeRO-2 reduce-scatters once per iteration, as ZeRO-1 does, instead of per micro-batch: the DP
     ranks run different micro-batch counts (or may, under auto), and every rank must issue the same
     collectives."""
-    return bool(plan and plan.uneven and ("auto" in (args.data_parallel_shares, args.data_parallel_micro_batch_sizes)
+    return bool(plan and plan.uneven and ("auto" in (cfg.data_parallel_shares, cfg.data_parallel_micro_batch_sizes)
                                           or not plan.equal_counts()))
 
 
-def initial_shares(args):
+def initial_shares(cfg):
     """The shares the run starts with: the flag's, equal ones for auto (profiled first), or None."""
-    shares = getattr(args, "data_parallel_shares", None)
-    return [1] * args.data_parallel_size if shares == "auto" else shares
+    shares = cfg.data_parallel_shares
+    return [1] * cfg.data_parallel_size if shares == "auto" else shares
 
 
-def evaluation_plan(args, plan, global_batch, micro_batch):
+def evaluation_plan(cfg, plan, global_batch, micro_batch, micro_sizes):
     """Evaluation follows the given shares; with auto it runs at equal shares (the profile is the
-    training's, at the training's micro-batch)."""
-    shares = plan.shares if args.data_parallel_shares != "auto" else None
+    training's, at the training's micro-batch). micro_sizes: the evaluation's per replica (or None)."""
+    shares = plan.shares if cfg.data_parallel_shares != "auto" else None
     return IterationPlan(BatchSchedule(global_batch, micro_batch, plan.dp), shares, plan.replicas,
-                         getattr(args, "eval_micro_batch_sizes", None))
+                         micro_sizes)
 
 
-def auto_shares(args, plan, grid):
+def auto_shares(cfg, plan, grid):
     """The AutoShares of --data-parallel-shares auto (balancing in units of PP micro-batches when
     interleaved), else None."""
-    if args.data_parallel_shares != "auto":
+    if cfg.data_parallel_shares != "auto":
         return None
-    unit = args.pipeline_model_parallel_size if args.virtual_pipeline_model_parallel_size else 1
-    return AutoShares(plan, args.data_parallel_shares_profile_iters, unit, grid)
+    unit = cfg.pipeline_model_parallel_size if cfg.virtual_pipeline_model_parallel_size else 1
+    return AutoShares(plan, cfg.data_parallel_shares_profile_iters, unit, grid)
 
 
 class AutoShares:
@@ -247,39 +248,26 @@ class AutoShares:
         return per_replica, counts
 
 
-def batch_schedule(args):
-    """The run's BatchSchedule from its flags, checked (every batch from sample 0 on). It only reads args:
-    validation's derive_train_iters sets what it derives (once)."""
-    steps = getattr(args, "step_batch_size_schedule", None)
+def batch_schedule(cfg):
+    """The run's BatchSchedule from its flags, checked (every batch from sample 0 on). It only reads them:
+    validation (cli/validate.py) sets what it derives (once)."""
+    steps = cfg.step_batch_size_schedule
     if steps is not None:
-        if args.rampup_batch_size is not None:
+        if cfg.rampup_batch_size is not None:
             raise ConfigError("--rampup-batch-size and --step-batch-size-schedule are exclusive; pick one")
-        steps = parse_step_schedule(steps, args.seq_length)
-        final, default = steps[-1][1], args.micro_batch_size * args.data_parallel_size
-        if args.global_batch_size not in (final, default):
-            raise ConfigError(f"--global-batch-size {args.global_batch_size} differs from the last batch size {final} "
+        steps = parse_step_schedule(steps, cfg.seq_length)
+        final, default = steps[-1][1], cfg.micro_batch_size * cfg.data_parallel_size
+        if cfg.global_batch_size not in (final, default):
+            raise ConfigError(f"--global-batch-size {cfg.global_batch_size} differs from the last batch size {final} "
                               "of --step-batch-size-schedule; remove --global-batch-size")
-    schedule = BatchSchedule(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
-                             args.rampup_batch_size, steps)
-    training_plan(args, schedule).check(0, args.pipeline_model_parallel_size, interleaving(args))
+    schedule = BatchSchedule(cfg.global_batch_size, cfg.micro_batch_size, cfg.data_parallel_size,
+                             cfg.rampup_batch_size, steps)
+    training_plan(cfg, schedule).check(0, cfg.pipeline_model_parallel_size, interleaving(cfg))
     return schedule
 
 
-def interleaving(args):
+def interleaving(cfg):
     """The `interleaved` argument of the checks: False, True (groups of PP) or the group size."""
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) is None:
+    if cfg.virtual_pipeline_model_parallel_size is None:
         return False
-    return getattr(args, "microbatch_group_size_per_virtual_pipeline_stage", None) or True
-
-
-def derive_train_iters(args):
-    """Validation's: check the batch schedule; --global-batch-size becomes a --step-batch-size-schedule's last batch
-    (what iteration-based LR steps are counted in), and --train-iters follows from --train-samples."""
-    schedule = batch_schedule(args)
-    args.global_batch_size = schedule.final
-    if args.train_samples is not None:
-        args.train_iters = schedule.iterations_for(args.train_samples)
-        if args.train_iters < 1:
-            raise ConfigError(f"--train-samples {args.train_samples} is less than one global batch "
-                              f"({schedule.final}); raise it or lower --global-batch-size")
-    return schedule
+    return cfg.microbatch_group_size_per_virtual_pipeline_stage or True

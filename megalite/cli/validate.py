@@ -5,6 +5,7 @@ import os
 import re
 
 from megalite.config.from_flags import model_config, training_config
+from megalite.config.batching import BatchingConfig
 from megalite.config import ConfigError
 from megalite.cli.compat import print_notices
 from megalite.cli.features.mup import validate_mup
@@ -122,10 +123,11 @@ def _validate_micro_batches(args, pp):
     from megalite.batching.microbatches import interleaving_problem
     if args.data_parallel_shares is not None or args.data_parallel_micro_batch_sizes is not None:
         # every reachable global batch against the shares / sizes (and interleaving), per rank
-        check_uneven_composes(args, batch_schedule(args))
+        check_uneven_composes(args, batch_schedule(BatchingConfig.of(args)))
     else:
         num_micro = training_config(args).num_microbatches(args.data_parallel_size)  # the full batch's count
-        if interleaving(args) and (why := interleaving_problem(num_micro, pp, interleaving(args))):
+        interleaved = interleaving(BatchingConfig.of(args))
+        if interleaved and (why := interleaving_problem(num_micro, pp, interleaved)):
             raise ConfigError(f"{why}; change --global-batch-size")
 
 
@@ -169,15 +171,16 @@ def _validate_eval_batch(args):
         from megalite.batching.iteration_plan import interleaving
         from megalite.batching.microbatches import BatchSchedule
         plan = IterationPlan(BatchSchedule(g, m, dp), shares, micros=args.eval_micro_batch_sizes)
-        plan.check(0, args.pipeline_model_parallel_size, interleaving(args), what="--eval-global-batch-size")
+        plan.check(0, args.pipeline_model_parallel_size, interleaving(BatchingConfig.of(args)),
+                   what="--eval-global-batch-size")
         return
     if g < 1 or m < 1 or g % (m * dp):
         raise ConfigError(f"--eval-global-batch-size {g} must be a positive multiple of --eval-micro-batch-size {m} x "
                           f"data-parallel size {dp} = {m * dp}")
     from megalite.batching.iteration_plan import interleaving
     from megalite.batching.microbatches import interleaving_problem
-    if interleaving(args) and (why := interleaving_problem(g // (m * dp), args.pipeline_model_parallel_size,
-                                                           interleaving(args))):
+    interleaved = interleaving(BatchingConfig.of(args))
+    if interleaved and (why := interleaving_problem(g // (m * dp), args.pipeline_model_parallel_size, interleaved)):
         raise ConfigError(f"evaluation: {why}; change --eval-global-batch-size")
 
 
@@ -361,7 +364,7 @@ def _validate_schedule(args):
                               "and samples >= 0")
     if args.train_samples is not None or args.rampup_batch_size is not None or \
             getattr(args, "step_batch_size_schedule", None):
-        from megalite.batching.iteration_plan import derive_train_iters
+        from megalite.cli.batch_flags import derive_train_iters
         derive_train_iters(args)  # sets args.train_iters from the samples and the batch schedule
 
 

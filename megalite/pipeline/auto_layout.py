@@ -185,12 +185,12 @@ def _random_state_kept():
         set_rng_states(state)
 
 
-def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
+def measure_rank(cfg, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
     """This rank's row: [stage, u, e, state fixed, state per layer, act fixed, act per layer (bytes per
     micro-batch), in flight, budget (0: none)], from --pipeline-layout-profile-iters passes of one
-    iteration's micro-batches (the fastest pass's times; bytes are the same in every pass)."""
+    iteration's micro-batches (the fastest pass's times; bytes are the same in every pass). cfg: the
+    AutoLayoutConfig (config/pipeline.py)."""
     from megalite.batching.data_iterators import data_iterators
-    from megalite.config.data import LoaderConfig
     from megalite.distributed import finalize_model_grads
     from megalite.pipeline.schedules import run_forward_backward
     from megalite.optimizer.memory import state_bytes_by_place
@@ -200,11 +200,11 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
     dp_rank = grid.data_rank()
     micro, count = plan.micro_of(dp_rank), plan.counts_of(plan.schedule.final)[dp_rank]
     best, saved = None, _save_model_state(chunks)
-    for _ in range(args.pipeline_layout_profile_iters):
+    for _ in range(cfg.pipeline_layout_profile_iters):
         probe = _Probe(chunks)
         # the batches read before timing (a loader's start-up is not compute)
         its = [None if it is None else iter(list(itertools.islice(it, count)))
-               for it in data_iterators(dataset, 0, LoaderConfig.of(args), chunks, micro_batch_size=micro)]
+               for it in data_iterators(dataset, 0, cfg.loader, chunks, micro_batch_size=micro)]
         with _random_state_kept(), probe.installed():
             run_forward_backward(forward_step_func, its, chunks, count, pipeline_tensor_shape(mcfg, micro, grid),
                                  mcfg.params_dtype, loss_scale=optimizer.loss_scale, loss_divisor=count,
@@ -222,19 +222,19 @@ def measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func
     numel = [sum(p.numel() for p in m.parameters()) for m in (*best.layers, *chunks)]
     in_layers = sum(numel[:n]) / max(sum(numel[n:]), 1)
     pp, stage = grid.pp, grid.pp_rank
-    budget = (args.device_memory_budget[stage] * GIB if args.device_memory_budget else  # CUDA: all it may use
+    budget = (cfg.device_memory_budget[stage] * GIB if cfg.device_memory_budget else  # CUDA: all it may use
               0.9 * (torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()) if ps.get_device().type == "cuda"
               else 0)
     return [stage, per_mb * share / n, per_mb * (1 - share), states * (1 - in_layers), states * in_layers / n,
             best.bytes["fixed"] / count, best.bytes["layers"] / count / n, min(pp - stage, count), budget]
 
 
-def measure_and_choose(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
+def measure_and_choose(cfg, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
     """(the stages as measured, the balanced layout: layers per stage), the same on every rank (collective)."""
     from megalite.distributed.collectives import gather_rows
-    rows = gather_rows(measure_rank(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func))
+    rows = gather_rows(measure_rank(cfg, plan, mcfg, chunks, optimizer, dataset, forward_step_func))
     stages = stages_from_rows(rows, ps.grid_of(chunks).pp)
-    counts = balanced_counts(stages, args.num_layers)
+    counts = balanced_counts(stages, cfg.num_layers)
     return stages, counts
 
 

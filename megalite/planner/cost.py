@@ -31,6 +31,7 @@ from megalite.config.from_flags import model_config
 from megalite.config import ConfigError
 from megalite.planner.flops import num_floating_point_operations
 from megalite.batching.iteration_plan import batch_schedule, training_plan
+from megalite.config.batching import BatchingConfig
 from megalite.config.from_flags import with_rank_precision
 from megalite.planner import activations, data_parallel, memory, optimizer_step, semi_sync, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
@@ -129,7 +130,8 @@ def predict(args, layout, cluster):
     c, e, vocab = _figures(args, layout)
     v = layout.chunks_per_stage(c.num_layers)
     # micro-batches per DP rank, as the run's iteration plan cuts them (shares, per-replica sizes)
-    every = training_plan(args, batch_schedule(args)).counts_of(args.global_batch_size)
+    batching = BatchingConfig.of(args)
+    every = training_plan(batching, batch_schedule(batching)).counts_of(args.global_batch_size)
     fractions = args.optimizer_offload_fraction if args.optimizer_cpu_offload else None  # (a list: per replica)
     per_replica_state = isinstance(fractions, (list, tuple)) or len(set(args.data_parallel_precisions or ())) > 1
     alike = not (shares.mixed(layout, cluster) or layout.micros or per_replica_state)

@@ -23,6 +23,7 @@ from megalite.config import ConfigError
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
 from megalite.distributed.param_facts import derive
 from megalite.batching.iteration_plan import batch_schedule, reduces_once, training_plan
+from megalite.config.batching import BatchingConfig
 from megalite.config.from_flags import with_rank_precision
 from megalite.optimizer.muon import is_muon_matrix
 from megalite.optimizer.offload import host_split
@@ -145,7 +146,8 @@ def zero_as_run(args):
     fp32 gradients accumulated over the iteration, one reduce-scatter."""
     zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
     if zero == 2 and (args.data_parallel_shares or args.data_parallel_micro_batch_sizes):
-        if reduces_once(args, training_plan(args, batch_schedule(args))):
+        batching = BatchingConfig.of(args)
+        if reduces_once(batching, training_plan(batching, batch_schedule(batching))):
             return 1
     return zero
 

@@ -137,22 +137,22 @@ class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         saved = iter(ctx.saved_tensors)
-        args = []
+        inputs = []  # the forward's inputs again, detached
         for is_t, nt in zip(ctx.is_tensor, ctx.non_tensors):
             if is_t:
                 t = next(saved)
                 d = t.detach()
                 d.requires_grad_(t.requires_grad)
-                args.append(d)
+                inputs.append(d)
             else:
-                args.append(nt)
+                inputs.append(nt)
         # Recompute under the forward's RNG states, then put the current ones back.
         cur_rng, cur_tracker = _get_state(), _TRACKER.get_states()
         _set_state(ctx.fwd_rng)
         _TRACKER.set_states(ctx.fwd_tracker)
         try:
             with torch.enable_grad():
-                outputs = ctx.run_function(*args)
+                outputs = ctx.run_function(*inputs)
         finally:
             _set_state(cur_rng)
             _TRACKER.set_states(cur_tracker)
@@ -160,7 +160,7 @@ class _CheckpointFunction(torch.autograd.Function):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
+        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in inputs)
 
 
 def checkpoint(function, *args):

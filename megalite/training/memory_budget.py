@@ -122,6 +122,7 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     from megalite.distributed.collectives import max_per_data_parallel_rank
     from megalite.pipeline.schedules import run_forward_backward
     from megalite.batching.iteration_plan import interleaving
+    from megalite.config.batching import BatchingConfig
     from megalite.optimizer.memory import state_bytes_by_place
     from megalite.pipeline.schedules import pipeline_tensor_shape
     grid = ps.grid_of(chunks)
@@ -146,7 +147,7 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     auto_sizes = args.data_parallel_micro_batch_sizes == "auto"
     m, fraction = choose(profile, budget, samples, None if auto_sizes else plan.micro_of(dp_rank),
                          args.optimizer_offload_fraction == "auto", profile.offloadable,
-                         args.pipeline_model_parallel_size, interleaving(args), dp_rank)
+                         args.pipeline_model_parallel_size, interleaving(BatchingConfig.of(args)), dp_rank)
     if auto_sizes:  # every rank of a replica takes the smallest size any of them fits
         plan.micros = [round(1 / v) for v in max_per_data_parallel_rank(1 / m, grid)]
     return fraction, profile, budget

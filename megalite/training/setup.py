@@ -29,8 +29,10 @@ from megalite.optimizer.lr_scheduler import schedule_steps
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.rerun import initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
+from megalite.config.batching import BatchingConfig
 from megalite.config.checkpoint import CheckpointConfig
 from megalite.config.logging import LoggingConfig
+from megalite.config.pipeline import AutoLayoutConfig
 from megalite.config.rerun import RerunConfig
 from megalite.config.semi_sync import SemiSyncConfig
 from megalite.training.converters import converters_for
@@ -46,7 +48,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
     shapes the schedules send.
     abort(message): a user's error (flags, files, sizes) ends the run in one line on every rank."""
     try:
-        batches = batch_schedule(args)  # each iteration's global batch (ramp-up), checked
+        batches = batch_schedule(BatchingConfig.of(args))  # each iteration's global batch (ramp-up), checked
     except (ConfigError, CheckpointError) as e:
         abort(str(e))
     try:  # torchrun's LOCAL_WORLD_SIZE: the ranks of one node, for --hierarchical-grad-reduce
@@ -67,7 +69,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
     # --rerun-mode: the run's one, handed to each step
     r.rerun = initialize_rerun_state_machine(RerunConfig.of(args), ps.current_grid())
     r.checkpoints = CheckpointIO()  # the checkpoint group and async writer: the run's, closed at its end
-    r.plan = training_plan(args, batches)  # each DP rank's micro-batches (count, size, weight)
+    r.plan = training_plan(BatchingConfig.of(args), batches)  # each DP rank's micro-batches (count, size, weight)
     r.log = MetricsLogger(LoggingConfig.of(args))
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
@@ -97,7 +99,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
         abort(str(e))
     r.start_iter, r.consumed_train, r.consumed_valid = start or (0, 0, 0)
     r.eval_g, r.eval_mbs = eval_batch(args)
-    r.eval_plan = evaluation_plan(args, r.plan, r.eval_g, r.eval_mbs)
+    r.eval_plan = evaluation_plan(BatchingConfig.of(args), r.plan, r.eval_g, r.eval_mbs, args.eval_micro_batch_sizes)
     grid = ps.grid_of(r.chunks)
     r.shape, r.dtype = pipeline_tensor_shape(r.mcfg, r.plan.micro_of(r.dp_rank), grid), r.mcfg.params_dtype
     r.eval_shape = pipeline_tensor_shape(r.mcfg, r.eval_plan.micro_of(r.dp_rank), grid)
@@ -139,7 +141,8 @@ def build_model(mcfg, model_provider, args, plan=None):
             m = provide(model_provider, mcfg, grid.first_stage() and j == 0, grid.last_stage() and j == v - 1, grid, j)
         chunks.append(DistributedDataParallel(m, ddp_config(args), grid=grid,
                                               grad_divisor=plan.grad_divisor if plan else None,
-                                              reduce_once=reduces_once(args, plan), compressor=compressor))
+                                              reduce_once=reduces_once(BatchingConfig.of(args), plan),
+                                              compressor=compressor))
     return chunks
 
 
@@ -177,7 +180,8 @@ def setup(args, model_provider, plan=None, sizing=None, record=None):
     optimizer = build_optimizer(args, chunks, tcfg)
     from megalite.pipeline import auto_layout
     if args.pipeline_model_parallel_layout == "auto" and sizing is not None:
-        stages, counts = auto_layout.measure_and_choose(args, plan, mcfg, chunks, optimizer, *sizing)
+        stages, counts = auto_layout.measure_and_choose(AutoLayoutConfig.of(args), plan, mcfg, chunks, optimizer,
+                                                        *sizing)
         auto_layout.report(stages, counts)
         rebuilt = tuple(counts) != mcfg.pipeline_layout
         if record is not None:

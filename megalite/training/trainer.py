@@ -5,6 +5,7 @@ import dataclasses
 
 from megalite import parallel_state as ps
 from megalite.config import fail
+from megalite.config.batching import BatchingConfig
 from megalite.config.checkpoint import CheckpointConfig
 from megalite.config.data import LoaderConfig
 from megalite.batching.data_iterators import close_iterators
@@ -56,7 +57,7 @@ class Trainer:
         self.evaluation = parts.Evaluation(args, r, forward_step_func, self.cursor, self.window) \
             if r.valid_ds is not None or r.test_ds is not None else None
         self.timers = {} if args.log_timers_to_tensorboard else None
-        auto = auto_shares(args, r.plan, ps.grid_of(r.chunks))
+        auto = auto_shares(BatchingConfig.of(args), r.plan, ps.grid_of(r.chunks))
         self.ft = None
         if args.ft_lighthouse:  # fault-tolerant replicas on torchft (training/ft.py): its quorum comes first
             from megalite.training.ft import FaultTolerance  # (semi-synchronous replicas: training/ft_rounds.py)

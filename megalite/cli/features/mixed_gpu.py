@@ -89,6 +89,7 @@ def check_uneven_composes(args, schedule):
     their groups: with unequal shares or micro-batch sizes they compose only where every DP rank runs
     the same number of micro-batches in every reachable batch (e.g. shares 4,1 with sizes 4,1)."""
     from megalite.batching.iteration_plan import training_plan
+    from megalite.config.batching import BatchingConfig
     sizes = args.data_parallel_micro_batch_sizes
     axes = [what for what, on in (("ZeRO-3 (its parameter all-gathers)", args.zero_stage == 3),
                                   ("--expert-model-parallel-size > 1 (its token dispatches)",
@@ -98,7 +99,7 @@ def check_uneven_composes(args, schedule):
                           "same micro-batch count, which sizes chosen by memory do not keep; give the sizes")
     if not axes or args.data_parallel_shares == "auto":
         return
-    plan = training_plan(args, schedule)
+    plan = training_plan(BatchingConfig.of(args), schedule)
     for g in schedule.batch_sizes(0):
         counts = plan.counts_of(g)
         if len(set(counts)) > 1:
