@@ -24,7 +24,7 @@ GRID_READS = {"training": 8,  # the entry point: builds the global grid and the 
 NAMESPACE = re.compile(r"\b(?:args|rank_args)\.([a-z_][a-z_0-9]*)|getattr\((?:args|rank_args), \"([a-z_0-9]+)\"")
 NAMESPACE_OWN = ("megalite/cli/", "megalite/config/")  # the flags and the values made of them
 # (checkpoint: what megatron_*.py read is a Megatron-LM checkpoint's own saved arguments, not this run's flags)
-NAMESPACE_READS = {"training": 106, "planner": 74, "checkpoint": 8}
+NAMESPACE_READS = {"training": 87, "planner": 74, "checkpoint": 8}
 # `grid=None -> the global grid` fallbacks in the packages where the grid is a layout fact (models, transformer,
 # tensor_parallel and moe keep theirs: a user's own model built from the parallel layers runs on the global grid,
 # as Megatron's do); as of 2026-12-02, goal: none

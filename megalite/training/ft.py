@@ -31,15 +31,15 @@ from megalite.training.parts import Part
 class FaultTolerance(Part):
     writes = ("across",)  # the quorum's sum (the log line's losses)
 
-    def __init__(self, args, chunks, optimizer, scheduler, cursor, converters, start_iter, abort):
-        """Its collaborators: the rank's chunks, optimizer and LR schedule (a heal loads them), the data cursor
-        (each quorum's split is a new plan for it), the model converters (their gradient units follow the plan;
-        their state is healed too), the iteration the run starts after, and the run's abort."""
+    def __init__(self, cfg, chunks, optimizer, scheduler, cursor, converters, start_iter, abort):
+        """cfg: its FtConfig (config/ft.py). Its collaborators: the rank's chunks, optimizer and LR schedule (a heal
+        loads them), the data cursor (each quorum's split is a new plan for it), the model converters (their gradient
+        units follow the plan; their state is healed too), the iteration the run starts after, and the run's abort."""
         # torchft's manager logs four lines a step at its default level; megalite prints the quorum's changes itself
         # (RUST_LOG=info brings torchft's back)
         os.environ.setdefault("RUST_LOG", "warn")
         import torchft
-        self.args, self.abort = args, abort
+        self.cfg, self.abort = cfg, abort
         self.chunks, self.optimizer, self.scheduler, self.cursor, self.converters = \
             chunks, optimizer, scheduler, cursor, converters
         self.grid = g = ps.grid_of(chunks)
@@ -48,27 +48,27 @@ class FaultTolerance(Part):
         self.exchanged = None  # the process group's configuration when the replicas last exchanged shares
         # --ft-replica-share auto: this replica's forward-backward seconds per micro-batch over its first committed
         # iterations, then its slowest rank's fastest (0 until measured)
-        self.auto, self.profile, self.seconds = args.ft_replica_share == "auto", [], 0.0
-        self.fingerprint = fingerprint(args, g, chunks[0].module.config)
+        self.auto, self.profile, self.seconds = cfg.ft_replica_share == "auto", [], 0.0
+        self.fingerprint = fingerprint(cfg, g, chunks[0].module.config)
         if dist.is_initialized():  # torchrun's store, shared by the replica's ranks (torchft keys its own prefix)
             self.store, addr, port = None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # a replica of one process: its own store
             self.store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
             addr, port = "localhost", self.store.port
-        self.pg = _counting_gloo(torchft, timedelta(seconds=args.ft_timeout))
+        self.pg = _counting_gloo(torchft, timedelta(seconds=cfg.ft_timeout))
         try:
             self.manager = torchft.Manager(
                 pg=self.pg,
-                load_state_dict=self._load, state_dict=self._state, min_replica_size=args.ft_min_replicas,
-                use_async_quorum=False, timeout=timedelta(seconds=args.ft_timeout),
-                quorum_timeout=timedelta(seconds=args.ft_quorum_timeout),
-                connect_timeout=timedelta(seconds=args.ft_connect_timeout), rank=g.rank, world_size=g.world_size(),
-                store_addr=addr, store_port=port, lighthouse_addr=_url(args.ft_lighthouse),
-                replica_id=f"megalite_replica_{args.ft_replica_id}",
-                heartbeat_interval=timedelta(milliseconds=args.ft_heartbeat_ms), init_sync=False)
+                load_state_dict=self._load, state_dict=self._state, min_replica_size=cfg.ft_min_replicas,
+                use_async_quorum=False, timeout=timedelta(seconds=cfg.ft_timeout),
+                quorum_timeout=timedelta(seconds=cfg.ft_quorum_timeout),
+                connect_timeout=timedelta(seconds=cfg.ft_connect_timeout), rank=g.rank, world_size=g.world_size(),
+                store_addr=addr, store_port=port, lighthouse_addr=_url(cfg.ft_lighthouse),
+                replica_id=f"megalite_replica_{cfg.ft_replica_id}",
+                heartbeat_interval=timedelta(milliseconds=cfg.ft_heartbeat_ms), init_sync=False)
         except Exception as e:  # noqa: BLE001 - torchft's errors are many; the user's one line names the address
-            abort(f"--ft-lighthouse {args.ft_lighthouse}: cannot join the Lighthouse within --ft-connect-timeout "
-                  f"{args.ft_connect_timeout:g} s ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+            abort(f"--ft-lighthouse {cfg.ft_lighthouse}: cannot join the Lighthouse within --ft-connect-timeout "
+                  f"{cfg.ft_connect_timeout:g} s ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
 
     def iterations(self, its):
         """Each iteration after a quorum (which may heal this replica to a later one); an iteration that did not
@@ -94,15 +94,15 @@ class FaultTolerance(Part):
             if self.manager.errored() is not None:
                 return  # this step will not commit; the next quorum reconfigures
             live = self.manager.num_participants()
-            if live >= self.args.ft_min_replicas:
+            if live >= self.cfg.ft_min_replicas:
                 self.waiting = None
                 break
             if self.waiting != live and self.grid.rank == 0:  # one line per wait (and per change while waiting)
                 print(f"megalite: fault tolerance: {live} live replica{'s' if live > 1 else ''}, fewer than "
-                      f"--ft-min-replicas {self.args.ft_min_replicas}: waiting for more (replica "
-                      f"{self.args.ft_replica_id})", flush=True)
+                      f"--ft-min-replicas {self.cfg.ft_min_replicas}: waiting for more (replica "
+                      f"{self.cfg.ft_replica_id})", flush=True)
             self.waiting = live
-            time.sleep(self.args.ft_heartbeat_ms / 100)  # (ten heartbeats) then a new quorum, open to newcomers
+            time.sleep(self.cfg.ft_heartbeat_ms / 100)  # (ten heartbeats) then a new quorum, open to newcomers
             shrink_only = False
         if self.split is not None and self.exchanged == self.pg.configured:
             return  # the quorum of the last exchange (no replica left, joined or healed; it committed): kept
@@ -115,7 +115,7 @@ class FaultTolerance(Part):
         rank, replicas = self.manager.participating_rank(), self.manager.num_participants()
         # every live replica's --ft-replica-share and (auto) its measured seconds per micro-batch, in rank order
         shares = torch.zeros(2 * replicas, dtype=torch.float64)
-        shares[rank or 0], shares[replicas + (rank or 0)] = 1 if self.auto else self.args.ft_replica_share, self.seconds
+        shares[rank or 0], shares[replicas + (rank or 0)] = 1 if self.auto else self.cfg.ft_replica_share, self.seconds
         self.manager.allreduce(shares, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return
@@ -129,12 +129,12 @@ class FaultTolerance(Part):
             if self.auto and all(seconds) and self.grid.rank == 0:
                 print(f"megalite: fault tolerance: --ft-replica-share auto: ms per micro-batch by live replica "
                       f"{', '.join(f'{1e3 * t:.1f}' for t in seconds)} -> micro-batches {', '.join(map(str, weights))} "
-                      f"(replica {self.args.ft_replica_id})", flush=True)
+                      f"(replica {self.cfg.ft_replica_id})", flush=True)
             self._resplit(*split, waited)
 
     def _units(self, replicas):
         """Micro-batches of each inner DP rank in a global batch, all told (at least one per live replica)."""
-        g, a = self.grid, self.args
+        g, a = self.grid, self.cfg
         units = a.global_batch_size // (a.micro_batch_size * g.dp)
         if units < replicas:
             self.abort(f"--global-batch-size {a.global_batch_size} gives {units} micro-batches per data-parallel "
@@ -151,7 +151,7 @@ class FaultTolerance(Part):
         if not (self.auto and not self.seconds and step.timed and step.num_micro):
             return
         self.profile.append(step.times["forward-backward"] / step.num_micro)
-        if len(self.profile) >= self.args.ft_share_profile_iters:
+        if len(self.profile) >= self.cfg.ft_share_profile_iters:
             t = torch.tensor([min(self.profile)], dtype=torch.float64)
             if dist.is_initialized():  # (the replica's own job)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -163,7 +163,7 @@ class FaultTolerance(Part):
         mean = torch.tensor(mine, dtype=torch.float64)
         self.manager.allreduce(mean).wait()  # (the mean over the quorum: equal to ours iff every replica's is)
         if self.manager.errored() is None and (different := disagreement(names, mine, mean.tolist())):
-            self.abort(f"replica {self.args.ft_replica_id}: the live replicas were launched with different "
+            self.abort(f"replica {self.cfg.ft_replica_id}: the live replicas were launched with different "
                        f"{', '.join(different)}; every replica needs the same model, inner layout and batch flags")
 
     def _resplit(self, rank, replicas, weights, waited):
@@ -171,7 +171,7 @@ class FaultTolerance(Part):
         in proportion to the replicas' shares (weights; equal ones: as evenly as they go, the first replicas
         taking one more), each replica's part the contiguous run after the parts before it; this rank's plan and
         data. waited: how long the quorum took (after a replica died: the wait for the Lighthouse to give up on it)."""
-        g, a = self.grid, self.args
+        g, a = self.grid, self.cfg
         counts = dealt(self._units(replicas), weights)
         shares = [n for n in counts for _ in range(g.dp)]  # one per DP rank across the replicas
         plan = IterationPlan(BatchSchedule(a.global_batch_size, a.micro_batch_size, g.dp * replicas), shares,
@@ -182,7 +182,7 @@ class FaultTolerance(Part):
         self.cursor.replan(plan, (rank or 0) * g.dp + g.dp_rank, g.dp * replicas)
         print(f"megalite: fault tolerance: {replicas} live replica{'s' if replicas > 1 else ''}; this one trains "
               f"{counts[rank or 0] * g.dp * a.micro_batch_size} of {a.global_batch_size} samples (replica "
-              f"{self.args.ft_replica_id}; the quorum took {waited:.2f} s)", flush=True)
+              f"{self.cfg.ft_replica_id}; the quorum took {waited:.2f} s)", flush=True)
         self.split = (rank, replicas, weights)
 
     def plan_replicas(self, replicas):
@@ -243,7 +243,7 @@ class FaultTolerance(Part):
         set_rng_states(sd["rng"])
         self.cursor.consumed = sd["consumed"]
         self.done, self.healed, self.split = sd["iteration"], sd["iteration"], None
-        print(f"megalite: fault tolerance: replica {self.args.ft_replica_id} healed from a live peer at iteration "
+        print(f"megalite: fault tolerance: replica {self.cfg.ft_replica_id} healed from a live peer at iteration "
               f"{sd['iteration']}", flush=True)
 
     def finish(self, last):
@@ -274,7 +274,7 @@ def dealt(units, weights):
     return n
 
 
-def fingerprint(args, grid, mcfg):
+def fingerprint(cfg, grid, mcfg):
     """(names, values) every replica of a quorum must share: the model's architecture (a 40-bit digest), the inner
     layout and the batch flags; values exact in float64, so their mean over the quorum equals them iff all agree."""
     runtime = {f.name for f in dataclasses.fields(ExecutionConfig)}
@@ -283,12 +283,12 @@ def fingerprint(args, grid, mcfg):
     digest = _digest(arch)
     pairs = (("model architecture", digest), ("--tensor-model-parallel-size", grid.tp),
              ("--pipeline-model-parallel-size", grid.pp), ("--context-parallel-size", grid.cp),
-             ("data-parallel size inside a replica", grid.dp), ("--micro-batch-size", args.micro_batch_size),
-             ("--global-batch-size", args.global_batch_size), ("--seq-length", args.seq_length),
-             ("--ft-replica-share auto (on every replica or none)", args.ft_replica_share == "auto"))
-    if args.semi_sync_method:  # semi-synchronous replicas: one outer optimizer, rounds of the same length
-        outer = repr((args.semi_sync_method, max(args.semi_sync_steps), args.outer_lr, args.outer_momentum,
-                      args.outer_nesterov))
+             ("data-parallel size inside a replica", grid.dp), ("--micro-batch-size", cfg.micro_batch_size),
+             ("--global-batch-size", cfg.global_batch_size), ("--seq-length", cfg.seq_length),
+             ("--ft-replica-share auto (on every replica or none)", cfg.ft_replica_share == "auto"))
+    if cfg.semi_sync_method:  # semi-synchronous replicas: one outer optimizer, rounds of the same length
+        outer = repr((cfg.semi_sync_method, max(cfg.semi_sync_steps), cfg.outer_lr, cfg.outer_momentum,
+                      cfg.outer_nesterov))
         pairs += (("--semi-sync-method/-steps, --outer-lr/-momentum/-nesterov", _digest(outer)),)
     return [n for n, _ in pairs], [float(v) for _, v in pairs]
 

@@ -19,9 +19,9 @@ from megalite.training.ft import FaultTolerance, replica_sums
 
 
 class FaultTolerantRounds(FaultTolerance):
-    def __init__(self, args, semi, *collaborators):
+    def __init__(self, cfg, semi, *collaborators):
         """semi: the replica's semi-synchronous outer steps; the rest: FaultTolerance's."""
-        super().__init__(args, *collaborators)
+        super().__init__(cfg, *collaborators)
         self.semi = semi
         self.semi.across = self
         self.phase, self.current, self.round_first, self.join_outer = "start", None, None, False
@@ -96,12 +96,12 @@ class FaultTolerantRounds(FaultTolerance):
         return started
 
     def _report_lost(self, replicas):
-        planned = (self.current - self.round_first + 1) * self.args.global_batch_size if self.current else 0
+        planned = (self.current - self.round_first + 1) * self.cfg.global_batch_size if self.current else 0
         trained, now = int(round(self.semi.last_total)), self.manager.num_participants()
         if now < replicas and trained < planned:
             print(f"megalite: fault tolerance: the outer step at iteration {self.current} ran over {now} of the "
                   f"round's {replicas} replicas; {planned - trained} of its {planned} samples were lost with the "
-                  f"replicas that left (replica {self.args.ft_replica_id})", flush=True)
+                  f"replicas that left (replica {self.cfg.ft_replica_id})", flush=True)
 
     def _state(self):
         sd = super()._state()

@@ -8,6 +8,7 @@ from megalite.config import fail
 from megalite.config.batching import BatchingConfig
 from megalite.config.checkpoint import CheckpointConfig
 from megalite.config.data import LoaderConfig
+from megalite.config.ft import FtConfig
 from megalite.batching.data_iterators import close_iterators
 from megalite.batching.iteration_plan import auto_shares
 from megalite.logger import TrainingWindow, print_rank_last
@@ -63,8 +64,9 @@ class Trainer:
             from megalite.training.ft import FaultTolerance  # (semi-synchronous replicas: training/ft_rounds.py)
             from megalite.training.ft_rounds import FaultTolerantRounds
             collaborators = (r.chunks, r.optimizer, r.scheduler, self.cursor, r.converters, r.start_iter, self.abort)
-            self.ft = FaultTolerance(args, *collaborators) if self.semi is None else \
-                FaultTolerantRounds(args, self.semi, *collaborators)
+            ft_cfg = FtConfig.of(args)
+            self.ft = FaultTolerance(ft_cfg, *collaborators) if self.semi is None else \
+                FaultTolerantRounds(ft_cfg, self.semi, *collaborators)
         self.saver = parts.Saver(CheckpointConfig.of(args), r, self.cursor, self.evaluation, self.ft) \
             if args.save else None
         optional = (  # the parts' order: the order of their collectives, the same on every rank
