@@ -17,11 +17,12 @@ CHUNK = 256  # query rows per score block: the scores of one block are [b, heads
 def max_logits(q, k, grid=None):
     """q [b, s, heads, d], k [b, s, groups, d] (GQA: heads / groups queries per key) -> [heads] fp32."""
     q, k = q.detach().float(), k.detach().float()
-    grid = ps.current_grid(grid)  # (a user's own model: the global grid, as the parallel layers' default)
+    if grid is None and ps.model_parallel_is_initialized():  # (the global grid, as the parallel layers' default;
+        grid = ps.current_grid()                              # before any grid: one process, no CP)
     b, s, h, d = q.shape
-    qpos = global_token_index(s, q.device, grid)
+    qpos = torch.arange(s, device=q.device) if grid is None else global_token_index(s, q.device, grid)
     kpos = qpos
-    if cp_size(grid) > 1:
+    if grid is not None and cp_size(grid) > 1:
         k = all_gather_over_cp(k.contiguous(), 1, grid)
         kpos = torch.cat([local_token_index(s, r, grid.cp, q.device) for r in range(grid.cp)])
     k = k.repeat_interleave(h // k.shape[2], dim=2)
