@@ -215,12 +215,8 @@ def _validate_bert(args):
     if flags:
         raise ConfigError(f"{', '.join('--' + f.replace('_', '-') for f in flags)}: GPT flags; pretrain_bert.py "
                           "masks its own tokens (remove them)")
-    if args.untie_embeddings_and_output_weights:
-        raise ConfigError("BERT ties its MLM output layer to the word embeddings; remove "
-                          "--untie-embeddings-and-output-weights")
-    if args.position_embedding_type != "learned_absolute":
-        raise ConfigError(f"BERT uses learned absolute positions; remove --position-embedding-type "
-                          f"{args.position_embedding_type}")
+    from megalite.models.bert import check_bert_config  # (imported here: only a BERT run needs the model code)
+    check_bert_config(args)
     if not 0.0 < args.mask_prob < 1.0 or not 0.0 <= args.short_seq_prob <= 1.0:
         raise ConfigError(f"--mask-prob {args.mask_prob} must be in (0, 1) and --short-seq-prob "
                           f"{args.short_seq_prob} in [0, 1]")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megalite import parallel_state as ps
 from megalite.distributed import comm
+from megalite.tensor_parallel.mappings import with_adjoint
 
 
 def groups(grid):
@@ -40,26 +41,8 @@ def _reduce_scatter(x, g):
     return out
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, g):
-        ctx.g = g
-        return _gather(x, g)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.g), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, g):
-        ctx.g = g
-        return _reduce_scatter(x, g)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.g), None
+_AllGather = with_adjoint(_gather, _reduce_scatter, "_AllGather")  # (tensor_parallel/mappings.py)
+_ReduceScatter = with_adjoint(_reduce_scatter, _gather, "_ReduceScatter")
 
 
 def all_gather_rows(x, g):

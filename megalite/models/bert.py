@@ -26,18 +26,28 @@ from torch import nn
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
 from megalite.models.gpt import GPTEmbedding
+from megalite.models.stage import set_up_stage
 from megalite.tensor_parallel import (
     ColumnParallelLinear,
     gather_from_sequence_parallel_region,
-    padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
 from megalite.tensor_parallel.init import replicated_init
 from megalite.tensor_parallel.layers import ConstantRecipe, init_normal, with_recipe
 from megalite.transformer import TransformerBlock
 from megalite.transformer.norm import LayerNorm, build_norm
-from megalite.transformer.pipeline_layers import chunk_layers
 from megalite.transformer.utils import param_seed
+
+
+def check_bert_config(c):
+    """What makes a model a BERT, refused in one line naming the flag: by the command line's checks (on the parsed
+    flags, megalite/cli/validate.py) and by BertModel for a model built from a config directly (the same names)."""
+    if c.untie_embeddings_and_output_weights:
+        raise ConfigError("BERT ties its MLM output layer to the word embeddings; remove "
+                          "--untie-embeddings-and-output-weights")
+    if c.position_embedding_type != "learned_absolute":
+        raise ConfigError(f"BERT uses learned absolute positions; remove --position-embedding-type "
+                          f"{c.position_embedding_type}")
 
 
 def _replicated_linear(c, n_in, n_out, name):
@@ -103,25 +113,13 @@ class BertModel(nn.Module):
                  vp_stage=None):
         super().__init__()
         c = config
-        self.grid = grid = ps.current_grid(grid)
-        tp = grid.tp
-        c.check_parallel(tp)
-        if c.untie_embeddings_and_output_weights:
-            raise ConfigError("BERT's MLM output layer is tied to the word embeddings; remove "
-                              "--untie-embeddings-and-output-weights")
-        if c.position_embedding_type != "learned_absolute":
-            raise ConfigError(f"BERT uses learned absolute positions, not --position-embedding-type "
-                              f"{c.position_embedding_type}")
-        if num_layers is None:
-            num_layers, layer_offset = chunk_layers(c, vrank=vp_stage, grid=grid)
-        self.config = c
-        self.pre_process, self.post_process = pre_process, post_process
+        num_layers, layer_offset = set_up_stage(self, c, pre_process, post_process, num_layers, layer_offset, grid,
+                                                vp_stage, check=check_bert_config)
+        grid = self.grid
         self.share_embeddings_and_output_weights = self.shares_embedding_across_stages = True
-        self.padded_vocab_size = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, tp)
-        self.input_tensor = None
         if pre_process:
             self.embedding = BertEmbedding(c, self.padded_vocab_size, grid)
-        self.encoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset or 0,
+        self.encoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset,
                                         post_process=post_process, prefix="encoder", grid=grid)
         if post_process:
             self.lm_head = BertLMHead(c)

@@ -13,20 +13,19 @@ import torch
 from torch import nn
 
 from megalite import mup, parallel_state as ps
+from megalite.models.stage import set_up_stage
 from megalite.moe.aux_losses import share_tracker
 from megalite.distributed.cp_comm import cp_size, global_token_index
 from megalite.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     get_rng_tracker,
-    padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
 from megalite.tensor_parallel.init import replicated_init
 from megalite.tensor_parallel.layers import init_normal, with_recipe
 from megalite.transformer import TransformerBlock
 from megalite.transformer.mtp import MTPBlock
-from megalite.transformer.pipeline_layers import chunk_layers
 from megalite.transformer.rope import rotary_cos_sin
 from megalite.transformer.utils import param_seed
 from megalite.transformer.yarn import mla_rotary_cos_sin
@@ -89,16 +88,10 @@ class GPTModel(nn.Module):
                  vp_stage=None):
         super().__init__()
         c = config
-        self.grid = grid = ps.current_grid(grid)
-        tp = grid.tp
-        c.check_parallel(tp)
-        if num_layers is None:  # this pipeline stage's (and virtual chunk's) share
-            num_layers, layer_offset = chunk_layers(c, vrank=vp_stage, grid=grid)
-        self.config = c
-        self.pre_process, self.post_process = pre_process, post_process
+        num_layers, layer_offset = set_up_stage(self, c, pre_process, post_process, num_layers, layer_offset, grid,
+                                                vp_stage)
+        grid = self.grid
         self.share_embeddings_and_output_weights = not c.untie_embeddings_and_output_weights
-        self.padded_vocab_size = padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, tp)
-        self.input_tensor = None
         self.input_on_every_stage = c.reset_attention_mask  # every stage's attention needs the document mask
         self.mtp_process = post_process and bool(c.mtp_num_layers)  # multi-token prediction: the last stage
         # The word embedding has a copy on the first and the last stage (their gradients summed) when the
@@ -108,7 +101,7 @@ class GPTModel(nn.Module):
             self.embedding = GPTEmbedding(c, self.padded_vocab_size, grid)
             if not pre_process:  # MTP's copy on the last stage, initialised as the first stage's
                 self.embedding.word_embeddings.weight.shared_embedding = True
-        self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset or 0,
+        self.decoder = TransformerBlock(c, num_layers=num_layers, layer_offset=layer_offset,
                                         post_process=post_process, grid=grid)
         self.mtp = MTPBlock(c, grid) if self.mtp_process else None
         self.aux_tracker = share_tracker([self])  # the routers', DSA's and MTP's recorded losses (the log line's)

@@ -83,17 +83,33 @@ def _reduce_scatter_first(x, grid):
     return out
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return x
+def with_adjoint(op, adjoint, name):
+    """An autograd.Function called `name` whose forward is op(x, over) and backward adjoint(grad, over); `over` (a
+    grid, a process group) is its one other argument and gets no gradient. A pair of collectives is then declared
+    in a line or two, here and in the modules of other groups' collectives. Built as a class statement would build
+    it (its name, op's module), so its grad_fn reads the same."""
+    def forward(ctx, x, over):
+        ctx.over = over
+        return op(x, over)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce(g, ctx.grid), None
+    def backward(ctx, grad):
+        return adjoint(grad, ctx.over), None
+    body = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__module__": op.__module__}
+    return type(torch.autograd.Function)(name, (torch.autograd.Function,), body)
 
 
+def _identity(x, grid):
+    return x
+
+
+_Copy = with_adjoint(_identity, _reduce, "_Copy")
+_ScatterLast = with_adjoint(_split_last, _gather_last, "_ScatterLast")
+_GatherLast = with_adjoint(_gather_last, _split_last, "_GatherLast")
+_ScatterFirst = with_adjoint(_split_first, _gather_first, "_ScatterFirst")
+_ReduceScatterFirst = with_adjoint(_reduce_scatter_first, _gather_first, "_ReduceScatterFirst")
+
+
+# These two take a flag besides the grid (in-place forward; the backward's sum or split): written out.
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, inplace, grid):
@@ -109,39 +125,6 @@ class _Reduce(torch.autograd.Function):
         return g, None, None
 
 
-class _ScatterLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return _split_last(x, grid)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_last(g, ctx.grid), None
-
-
-class _GatherLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return _gather_last(x, grid)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split_last(g, ctx.grid), None
-
-
-class _ScatterFirst(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return _split_first(x, grid)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_first(g, ctx.grid), None
-
-
 class _GatherFirst(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tensor_parallel_output_grad, grid):
@@ -155,17 +138,6 @@ class _GatherFirst(torch.autograd.Function):
         if ctx.tp_out_grad:
             return _reduce_scatter_first(g, ctx.grid), None, None
         return _split_first(g, ctx.grid), None, None
-
-
-class _ReduceScatterFirst(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return _reduce_scatter_first(x, grid)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_first(g, ctx.grid), None
 
 
 class _GatherLinear(torch.autograd.Function):
