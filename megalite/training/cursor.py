@@ -12,14 +12,14 @@ class DataCursor:
         """loader: the LoaderConfig (config/data.py) the iterators read with."""
         self.dataset, self.consumed, self.loader, self.chunks, self.plan = dataset, consumed, loader, chunks, plan
         self.rank = rank  # this rank's DP rank across the replicas (the plan's counts and sizes are by it)
-        self.parts = None  # (rank, ranks) the data is read as after a replan (None: the grid's own)
+        self.ranks = None  # the parts each global batch is read in (None: the grid's; a quorum's after a replan)
         self.iters = None
         self.rebuild()
 
     def replan(self, plan, rank, ranks):
         """A new plan, this rank as DP rank `rank` of `ranks` (fault-tolerant replicas: of the live replicas' DP
         ranks), and the iterators on from where the cursor stands."""
-        self.plan, self.rank, self.parts = plan, rank, (rank, ranks)
+        self.plan, self.rank, self.ranks = plan, rank, ranks
         self.rebuild()
 
     def rebuild(self, consumed=None, rank=None, ranks=None):
@@ -28,10 +28,9 @@ class DataCursor:
         grid's; fault-tolerant replicas: the live replicas' DP ranks)."""
         if consumed is not None:
             self.consumed = consumed
-        if self.parts is not None:
-            rank, ranks = rank if rank is not None else self.parts[0], ranks if ranks is not None else self.parts[1]
-        self.iters = data_iterators(self.dataset, self.consumed, self.loader, self.chunks, plan=self.plan, rank=rank,
-                                    ranks=ranks)
+        self.iters = data_iterators(self.dataset, self.consumed, self.loader, self.chunks, plan=self.plan,
+                                    rank=self.rank if rank is None else rank,
+                                    ranks=self.ranks if ranks is None else ranks)
 
     def advance(self, samples):
         """One iteration's global batch read (the iterators moved by it themselves)."""

@@ -20,6 +20,7 @@ class Fp8Training(ModelConverter):
     def __init__(self, chunks):
         super().__init__(chunks)
         self.modules = [m for c in chunks for m in c.module.modules()]
+        self.grid = ps.grid_of(chunks)
         self.amaxes = []
 
     def set_plan(self, plan, per_token_loss=False):
@@ -27,9 +28,8 @@ class Fp8Training(ModelConverter):
         fp8.set_gradient_units(self.modules, 1 if per_token_loss else plan.grad_divisor)
 
     def after_gradients(self):
-        grid = ps.grid_of(self.chunks)
-        self.amaxes = fp8.iteration_amaxes(self.modules, lambda t: max_over_data_parallel(t, grid),
-                                           lambda t: max_over_data_parallel(t, grid, expert=True))
+        self.amaxes = fp8.iteration_amaxes(self.modules, lambda t: max_over_data_parallel(t, self.grid),
+                                           lambda t: max_over_data_parallel(t, self.grid, expert=True))
         return [got for _, got in self.amaxes]
 
     def commit(self):

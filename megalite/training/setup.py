@@ -48,7 +48,8 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
     shapes the schedules send.
     abort(message): a user's error (flags, files, sizes) ends the run in one line on every rank."""
     try:
-        batches = batch_schedule(BatchingConfig.of(args))  # each iteration's global batch (ramp-up), checked
+        batching = BatchingConfig.of(args)  # (the data's provider changes none of these)
+        batches = batch_schedule(batching)  # each iteration's global batch (ramp-up), checked
     except (ConfigError, CheckpointError) as e:
         abort(str(e))
     try:  # torchrun's LOCAL_WORLD_SIZE: the ranks of one node, for --hierarchical-grad-reduce
@@ -69,7 +70,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
     # --rerun-mode: the run's one, handed to each step
     r.rerun = initialize_rerun_state_machine(RerunConfig.of(args), ps.current_grid())
     r.checkpoints = CheckpointIO()  # the checkpoint group and async writer: the run's, closed at its end
-    r.plan = training_plan(BatchingConfig.of(args), batches)  # each DP rank's micro-batches (count, size, weight)
+    r.plan = training_plan(batching, batches)  # each DP rank's micro-batches (count, size, weight)
     r.log = MetricsLogger(LoggingConfig.of(args))
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
@@ -99,7 +100,7 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
         abort(str(e))
     r.start_iter, r.consumed_train, r.consumed_valid = start or (0, 0, 0)
     r.eval_g, r.eval_mbs = eval_batch(args)
-    r.eval_plan = evaluation_plan(BatchingConfig.of(args), r.plan, r.eval_g, r.eval_mbs, args.eval_micro_batch_sizes)
+    r.eval_plan = evaluation_plan(batching, r.plan, r.eval_g, r.eval_mbs, args.eval_micro_batch_sizes)
     grid = ps.grid_of(r.chunks)
     r.shape, r.dtype = pipeline_tensor_shape(r.mcfg, r.plan.micro_of(r.dp_rank), grid), r.mcfg.params_dtype
     r.eval_shape = pipeline_tensor_shape(r.mcfg, r.eval_plan.micro_of(r.dp_rank), grid)
