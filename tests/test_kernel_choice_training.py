@@ -3,7 +3,6 @@ tests/kernels/test_kernel_choice.py): the classes the configuration names cover 
 ranks of a world decide them once, alike, though each rank's own times would decide otherwise."""
 
 import os
-import types
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from kernels import _dispatch, choice, choice_cache, self_check, shape_class
 from megalite import parallel_state as ps
 from megalite.models import GPTModel
 from megalite.tensor_parallel import model_parallel_manual_seed
+from megalite.config.kernels import KernelConfig
 from megalite.training.kernel_choice import decide_kernels, kernel_shapes
 from model_util import batch, tiny_config
 
@@ -69,9 +69,9 @@ def _world(cache):
     cfg = tiny_config("llama", num_layers=1, fused_kernels=True, sequence_parallel=True)
     met, named = _met(cfg, 2), _named(cfg, 2)
     assert met and met <= named, met - named
-    args = types.SimpleNamespace(kernel_choice="always", no_fused_kernels=False, optimizer="adam",
-                                 micro_batch_size=2, muon_scalar_optimizer=None)
-    d = decide_kernels(args, cfg, ps.current_grid())
+    kcfg = KernelConfig(kernel_choice="always", no_fused_kernels=False, no_kernel_self_check=True,
+                        micro_batch_size=2, optimizer="adam", muon_scalar_optimizer=None)
+    d = decide_kernels(kcfg, cfg, ps.current_grid())
     return sorted((c.label(), v) for c, v in d.items()), choice.summary()
 
 
@@ -85,8 +85,9 @@ def test_every_rank_takes_the_summed_decision(tmp_path):
 
 
 def test_no_fused_kernels_races_nothing():
-    args = types.SimpleNamespace(kernel_choice="torch", no_fused_kernels=True)
+    kcfg = KernelConfig(kernel_choice="torch", no_fused_kernels=True, no_kernel_self_check=True,
+                        micro_batch_size=1, optimizer="adam", muon_scalar_optimizer=None)
     try:
-        assert decide_kernels(args, None, None) == {} and kernels.get_kernel_choice() == "torch"
+        assert decide_kernels(kcfg, None, None) == {} and kernels.get_kernel_choice() == "torch"
     finally:
         kernels.set_kernel_choice("auto")

@@ -10,12 +10,13 @@ from megalite.config.model import FLAG_FIELDS, ModelConfig
 from megalite.config.training import OPTIMIZER_FIELDS, TrainingConfig
 
 
-def model_config(args, vocab_size):
-    """The ModelConfig of parsed arguments (its vocabulary given: the tokenizer's, or the checkpoint's): every field
-    from the flag its declaration names (config.Field), the rest derived here."""
+def model_config(args, vocab_size=None):
+    """The ModelConfig of parsed arguments (its vocabulary given: the tokenizer's, or the checkpoint's; default
+    --vocab-size's, as the data decided): every field from the flag its declaration names (config.Field), the rest
+    derived here."""
     bert = args.model_type == "bert"
     derived = dict(
-        vocab_size=vocab_size, add_bias_linear=not args.disable_bias_linear,
+        vocab_size=args.vocab_size if vocab_size is None else vocab_size, add_bias_linear=not args.disable_bias_linear,
         params_dtype=training_config(args).params_dtype, fused_kernels=not args.no_fused_kernels,
         pipeline_layout=getattr(args, "pipeline_layout", None),  # (set by validation: the layers per stage)
         cp_comm_type=list(args.cp_comm_type) if args.context_parallel_size > 1 else None,

@@ -20,6 +20,11 @@ class LoggingConfig(Section):
     save: str  # (W&B's directory without --wandb-save-dir: under --save)
     train_iters: int  # the log line's "iteration i/N"
     global_batch_size: int  # its batch size when an iteration does not say
+    log_interval: int  # (the Logging part's: training/parts.py)
+    log_max_attention_logit: bool
+    log_params_norm: bool  # (grad_stats, training/step.py: one all-reduce each)
+    log_num_zeros_in_grad: bool
+    zero_stage: int  # (ZeRO-3's parameters norm is over the shards)
     flags: dict = dataclasses.field(default_factory=dict, metadata=DERIVED)  # every flag: W&B's run config
 
     @classmethod

@@ -9,6 +9,7 @@ from megalite.config.section import DERIVED, Section
 
 @dataclasses.dataclass(frozen=True)
 class AutoLayoutConfig(Section):
+    pipeline_model_parallel_layout: str  # "auto": measured and re-cut (else the layout is the model's)
     pipeline_layout_profile_iters: int
     device_memory_budget: list  # GiB per stage (None: the device's own, on CUDA)
     num_layers: int

@@ -1,7 +1,7 @@
 """pretrain(): set up the grid, model, optimizer and data, then train (trainer.Trainer).
 
 Entry points (pretrain_gpt.py, pretrain_bert.py) supply three functions, as in Megatron:
-    datasets_provider(args, num_samples) -> (train, valid, test)   (may set args.vocab_size on its draft)
+    datasets_provider(args, num_samples) -> (train, valid, test)   (may set the vocab size on its draft)
     model_provider(model_config, pre_process, post_process) -> model
     forward_step_func(data_iterator, model) -> (output, loss_func)
 
@@ -15,6 +15,8 @@ import time
 
 from megalite import parallel_state as ps
 from megalite.config import ConfigError, fail
+from megalite.config.loop import LoopConfig
+from megalite.config.parallel import ParallelConfig
 from megalite.config.run import freeze
 from megalite.training.trainer import Trainer
 
@@ -33,9 +35,10 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
         raise ConfigError("pretrain() needs the run configuration: pass args=megalite.cli.parser.parse_args()")
     args = freeze(args)  # the run configuration: nothing below changes it (config/run.py)
     started = time.time()
-    owns = ps.initialize_distributed(args.distributed_backend, args.distributed_timeout_minutes * 60)
+    parallel, manual_gc = ParallelConfig.of(args), LoopConfig.of(args).manual_gc
+    owns = ps.initialize_distributed(parallel.distributed_backend, parallel.distributed_timeout_minutes * 60)
     gc_enabled = gc.isenabled()
-    if args.manual_gc:  # as Megatron: collections at the same iterations on every rank
+    if manual_gc:  # as Megatron: collections at the same iterations on every rank
         gc.disable()
         gc.collect()
     try:
@@ -49,9 +52,9 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
         if owns:
             ps.shutdown_distributed(barrier=False)
         fail(f"communication failed ({first[:300]}); a peer rank died or hung past "
-             f"--distributed-timeout-minutes {args.distributed_timeout_minutes}")
+             f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes}")
     finally:
-        if args.manual_gc and gc_enabled:
+        if manual_gc and gc_enabled:
             gc.enable()
     if owns and not return_state:
         ps.shutdown_distributed()  # a finished job exits 0: no communication thread left behind

@@ -1,7 +1,7 @@
 """Evaluation: forward-only passes over the validation / test data, mean losses over
 micro-batches, iterations and DP ranks (every rank gets the same numbers); which splits there
 are to evaluate (report_splits), how many samples each needs (dataset_sizes) and one evaluation
-iteration's batch (eval_batch)."""
+iteration's batch (config/evaluation.py: EvaluationConfig.batch)."""
 
 import torch
 
@@ -29,30 +29,30 @@ def evaluate(forward_step_func, iters, chunks, num_microbatches, eval_iters, sha
     return {k: float(sum(d[k] for d in losses)) / len(losses) for k in losses[-1]}
 
 
-def report_splits(args, datasets, wanted):
-    """Print each split's sample count once from the logging rank (as Megatron's dataset
+def report_splits(cfg, datasets, wanted):
+    """cfg: the EvaluationConfig. Print each split's sample count once from the logging rank (as Megatron's dataset
     builder) and, in one line, the splits whose evaluation is skipped because they hold no
     sample. Returns (train, valid, test), None for a split not evaluated (all under --eval-iters 0)."""
     sizes = [0 if d is None else len(d) for d in datasets]
     print_rank_last(f"megalite: datasets built, samples per split (this run needs {', '.join(map(str, wanted))}):\n"
                     + "\n".join(f"    {name + ':':<12}{n}" for name, n in zip(SPLITS, sizes)))
-    if args.eval_iters <= 0:
+    if cfg.eval_iters <= 0:
         return datasets[0], None, None
     empty = [name for name, n in zip(SPLITS[1:], sizes[1:]) if n == 0]
     if empty:
-        print_rank_last(_skip_line(args, empty))
+        print_rank_last(_skip_line(cfg, empty))
     return datasets[0], *(d if n else None for d, n in zip(datasets[1:], sizes[1:]))
 
 
-def _skip_line(args, empty):
+def _skip_line(cfg, empty):
     it, which = ("it", f"the {empty[0]} split holds") if len(empty) == 1 else \
         ("them", "the validation and test splits hold")
     why = ""
-    if getattr(args, "data_path", None):  # how many documents --split gives them (mock data: none to count)
+    if cfg.data_path:  # how many documents --split gives them (mock data: none to count)
         from megalite.data.builder import split_document_counts
         try:
-            counts, total = split_document_counts(args.data_path, args.split, documents=args.model_type == "bert")
-            why = f" (--split {args.split} gives {it} {' and '.join(str(counts[SPLITS.index(n)]) for n in empty)} " \
+            counts, total = split_document_counts(cfg.data_path, cfg.split, documents=cfg.model_type == "bert")
+            why = f" (--split {cfg.split} gives {it} {' and '.join(str(counts[SPLITS.index(n)]) for n in empty)} " \
                   f"of {total} documents)"
         except (ValueError, OSError):  # a provider of its own may read --data-path otherwise
             pass
@@ -60,23 +60,16 @@ def _skip_line(args, empty):
             f"{it}")
 
 
-def dataset_sizes(args, batches):
+def dataset_sizes(cfg, batches):
     """(train, valid, test) samples: Megatron's get_train_valid_test_num_samples, with the
     final validation counted when there is no periodic one; a sample-based ramp-up's last
     batch may pass --train-samples, and the train set covers it."""
-    g, eval_g = args.global_batch_size, eval_batch(args)[0]
-    if args.train_samples is not None:
-        train = max(args.train_samples, batches.samples_for(args.train_iters))
+    g, eval_g = cfg.global_batch_size, cfg.batch[0]
+    if cfg.train_samples is not None:
+        train = max(cfg.train_samples, batches.samples_for(cfg.train_iters))
     else:
-        train = (args.train_iters or 0) * g
-    if args.eval_iters <= 0:  # Megatron: --eval-iters 0 turns evaluation off
+        train = (cfg.train_iters or 0) * g
+    if cfg.eval_iters <= 0:  # Megatron: --eval-iters 0 turns evaluation off
         return train, 0, 0
-    evals = args.train_iters // args.eval_interval + 1 if args.eval_interval and not args.skip_train else 1
-    return train, evals * args.eval_iters * eval_g, args.eval_iters * eval_g
-
-
-def eval_batch(args):
-    """(samples, micro-batch size) of one evaluation iteration: --eval-global-batch-size and
-    --eval-micro-batch-size, by default the training's full batch (as Megatron)."""
-    g = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
-    return g, getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
+    evals = cfg.train_iters // cfg.eval_interval + 1 if cfg.eval_interval and not cfg.skip_train else 1
+    return train, evals * cfg.eval_iters * eval_g, cfg.eval_iters * eval_g

@@ -19,6 +19,7 @@ from megalite.training.ft import FaultTolerance, replica_sums
 
 
 class FaultTolerantRounds(FaultTolerance):
+    writes = ()  # the logged losses are this replica's own (its part of each batch), as semi-synchronous replicas log
     def __init__(self, cfg, semi, *collaborators):
         """semi: the replica's semi-synchronous outer steps; the rest: FaultTolerance's."""
         super().__init__(cfg, *collaborators)
@@ -70,8 +71,11 @@ class FaultTolerantRounds(FaultTolerance):
             pass
         return True
 
+    def tell(self, it, step):
+        return {}
+
     def after(self, it, step):
-        pass  # the logged losses are this replica's own (its part of each batch), as semi-synchronous replicas log
+        pass  # (nothing timed: --ft-replica-share auto is refused with semi-synchronous replicas)
 
     def sum(self, t):
         """t summed over the quorum, in place (after a failure: no-op, and the vote will not commit)."""

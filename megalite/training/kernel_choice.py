@@ -46,13 +46,12 @@ def kernel_shapes(c, micro_batch_size, tp, cp, device, adam=True):
     return [(k, shape, dtype, device) for k, shape, dtype in out]
 
 
-def decide_kernels(args, mcfg, grid):
-    """--kernel-choice set, and (auto, on CUDA) the configuration's classes decided on every rank of the replica.
-    --no-fused-kernels: the torch path everywhere, nothing raced (flash attention under --use-flash-attn still
-    asks the race when it first runs)."""
-    kernels.set_kernel_choice(args.kernel_choice)
-    if args.no_fused_kernels:
+def decide_kernels(cfg, mcfg, grid):
+    """cfg: the KernelConfig. --kernel-choice set, and (auto, on CUDA) the configuration's classes decided on every rank
+    of the replica. --no-fused-kernels: the torch path everywhere, nothing raced (flash attention under
+    --use-flash-attn still asks the race when it first runs)."""
+    kernels.set_kernel_choice(cfg.kernel_choice)
+    if cfg.no_fused_kernels:
         return {}
-    adam = args.optimizer == "adam" or args.optimizer == "muon" and args.muon_scalar_optimizer == "adam"
-    shapes = kernel_shapes(mcfg, args.micro_batch_size, grid.tp, grid.cp, ps.get_device(), adam)
+    shapes = kernel_shapes(mcfg, cfg.micro_batch_size, grid.tp, grid.cp, ps.get_device(), cfg.fused_adam)
     return kernels.choice.decide(shapes, reduce_fn=lambda t: sum_over_replica_world(t, grid))

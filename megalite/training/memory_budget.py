@@ -112,17 +112,16 @@ def choose(profile, budget, samples, size, fraction_auto, offloadable, pipeline_
                       f"micro-batch of {m or 1}{full}: {describe(profile)}")
 
 
-def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
-    """Profile this rank, choose its replica's micro-batch size (--data-parallel-micro-batch-sizes
-    auto: plan.micros set, the same on every rank) and its offload fraction (auto; else None). Returns
-    (fraction, this rank's Profile, its budget in bytes). Collective: every rank runs the same profiling steps."""
+def fit_to_budget(cfg, plan, mcfg, chunks, optimizer, dataset, forward_step_func):
+    """cfg: the MixedGpuConfig. Profile this rank, choose its replica's micro-batch size
+    (--data-parallel-micro-batch-sizes auto: plan.micros set, the same on every rank) and its offload fraction (auto;
+    else None). Returns (fraction, this rank's Profile, its budget in bytes). Collective: every rank runs the same
+    profiling steps."""
     from megalite.batching.data_iterators import data_iterators
-    from megalite.config.data import LoaderConfig
     from megalite.distributed import finalize_model_grads
     from megalite.distributed.collectives import max_per_data_parallel_rank
     from megalite.pipeline.schedules import run_forward_backward
     from megalite.batching.iteration_plan import interleaving
-    from megalite.config.batching import BatchingConfig
     from megalite.optimizer.memory import state_bytes_by_place
     from megalite.pipeline.schedules import pipeline_tensor_shape
     grid = ps.grid_of(chunks)
@@ -131,7 +130,7 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     params = [p for c in chunks for p in c.parameters()]
     at = {}
     for m in (1, 2) if samples >= 2 else (1,):
-        its = data_iterators(dataset, 0, LoaderConfig.of(args), chunks, micro_batch_size=m)
+        its = data_iterators(dataset, 0, cfg.loader, chunks, micro_batch_size=m)
         at[m] = saved_activation_bytes(lambda: run_forward_backward(
             forward_step_func, its, chunks, 1, pipeline_tensor_shape(mcfg, m, grid), mcfg.params_dtype,
             loss_scale=optimizer.loss_scale, loss_divisor=1), params)
@@ -141,25 +140,25 @@ def fit_to_budget(args, plan, mcfg, chunks, optimizer, dataset, forward_step_fun
     profile = Profile(state_bytes_by_place(chunks, optimizer)[0], at[1], at.get(2, 2 * at[1]),
                       grid.pp, grid.pp_rank)
     profile.offloadable = offloadable_bytes(optimizer)
-    profile.any_count = args.data_parallel_shares == "auto"
-    budget = args.device_memory_budget[dp_rank] * GIB if args.device_memory_budget else \
+    profile.any_count = cfg.data_parallel_shares == "auto"
+    budget = cfg.device_memory_budget[dp_rank] * GIB if cfg.device_memory_budget else \
         0.9 * (torch.cuda.mem_get_info()[0] + profile.states)  # (CUDA only: validated) free at start
-    auto_sizes = args.data_parallel_micro_batch_sizes == "auto"
+    auto_sizes = cfg.data_parallel_micro_batch_sizes == "auto"
     m, fraction = choose(profile, budget, samples, None if auto_sizes else plan.micro_of(dp_rank),
-                         args.optimizer_offload_fraction == "auto", profile.offloadable,
-                         args.pipeline_model_parallel_size, interleaving(BatchingConfig.of(args)), dp_rank)
+                         cfg.optimizer_offload_fraction == "auto", profile.offloadable,
+                         cfg.pipeline_model_parallel_size, interleaving(cfg.batching), dp_rank)
     if auto_sizes:  # every rank of a replica takes the smallest size any of them fits
         plan.micros = [round(1 / v) for v in max_per_data_parallel_rank(1 / m, grid)]
     return fraction, profile, budget
 
 
-def report_fit(args, plan, fraction, profile, budget, grid):
+def report_fit(cfg, plan, fraction, profile, budget, grid):
     """The choice as explicit flags (every replica's), so that a run can be repeated exactly."""
     from megalite.distributed.collectives import max_per_data_parallel_rank
     from megalite.logger import print_rank_last
     flags = [f"--data-parallel-micro-batch-sizes {','.join(map(str, plan.micros))}"] \
-        if args.data_parallel_micro_batch_sizes == "auto" else []
-    if args.optimizer_offload_fraction == "auto":  # a replica offloads what its neediest rank needs
+        if cfg.data_parallel_micro_batch_sizes == "auto" else []
+    if cfg.optimizer_offload_fraction == "auto":  # a replica offloads what its neediest rank needs
         fractions = max_per_data_parallel_rank(fraction or 0.0, grid)
         flags.append("--optimizer-cpu-offload --optimizer-offload-fraction " + ",".join(f"{f:g}" for f in fractions))
     print_rank_last(f"megalite: memory budget {budget / GIB:.3f} GiB here ({describe(profile)}) -> {' '.join(flags)}")

@@ -3,6 +3,7 @@ iteration (trainer.py). A part's `after` issues its collectives, if any, so ever
 order: `Trainer.parts` is that order (DESIGN: the same collectives on every rank). A new behaviour is a new part.
 
     before(it)             before the iteration's step (an asynchronous replica's new slot)
+    tell(it, step) -> dict what the part tells the parts after it: values of the Step fields it `writes`
     after(it, step) -> why the iteration done (step: trainer.Step); a reason to stop the run after it, or None
     iterations(its)        the loop's iterations (the asynchronous replicas' come from their slots)
     idle(it)               this rank sits the iteration out (a replica of fewer inner steps)
@@ -21,7 +22,6 @@ import kernels
 from megalite import parallel_state as ps
 from megalite.checkpoint.manager import save_checkpoint
 from megalite.batching.data_iterators import close_iterators, data_iterators
-from megalite.config.data import LoaderConfig
 from megalite.distributed.collectives import any_rank
 from megalite.distributed.replica_check import replicas_differ
 from megalite.planner.flops import num_floating_point_operations
@@ -33,13 +33,17 @@ from megalite.training.step import grad_stats, mean_losses
 
 class Part:
     """A behaviour of the loop. What a part tells the parts after it passes through a field of the iteration's Step
-    (trainer.py), declared: the part that sets it names it in `writes`, a part that reads it in `reads`, and
-    check_order holds every reader after its writers."""
+    (trainer.py, immutable: `tell` gives the values, the Trainer hands the parts after it a new record), declared:
+    the part that tells it names it in `writes`, a part that reads it in `reads`, and check_order holds every reader
+    after its writers."""
     writes = ()
     reads = ()
 
     def before(self, it):
         pass
+
+    def tell(self, it, step):
+        return {}
 
     def after(self, it, step):
         return None
@@ -67,10 +71,6 @@ def check_order(parts):
         written |= set(p.writes)
 
 
-def hash_interval(args):
-    return 1 if args.test_mode else args.check_weight_hash_across_dp_replicas_interval
-
-
 class AutoShares(Part):
     """--data-parallel-shares auto: the first iterations timed, then each DP replica's micro-batches set by its
     speed (megalite/batching/iteration_plan.py), and the data read on by the new counts."""
@@ -95,10 +95,11 @@ class ReplicaCheck(Part):
     """--check-weight-hash-across-dp-replicas-interval (every iteration under --test-mode): the DP replicas'
     weights (fp32 main weights where replicas compute in different precisions) compared."""
 
-    def __init__(self, args, chunks, optimizer, abort):
-        self.every, self.tp_too, self.chunks, self.abort = hash_interval(args), args.test_mode, chunks, abort
+    def __init__(self, loop, chunks, optimizer, abort):
+        """loop: the LoopConfig (config/loop.py)."""
+        self.every, self.tp_too, self.chunks, self.abort = loop.hash_interval, loop.test_mode, chunks, abort
         self.compared = dict(zip(optimizer.model_params, optimizer.main_params)) \
-            if args.data_parallel_precisions else None
+            if loop.data_parallel_precisions else None
 
     def after(self, it, step):
         if it % self.every == 0 and (drifted := replicas_differ(self.chunks, tp_too=self.tp_too, values=self.compared)):
@@ -135,9 +136,10 @@ class SemiSync(Part):
     """Semi-synchronous (and asynchronous) replicas: their iterations, idle ticks, outer steps and slots
     (megalite/distributed/semi_sync*.py)."""
 
-    def __init__(self, semi, args, chunks, cursor, scheduler, start_iter, abort):
-        self.semi, self.args, self.chunks, self.cursor, self.scheduler, self.start, self.abort = \
-            semi, args, chunks, cursor, scheduler, start_iter, abort
+    def __init__(self, semi, loop, chunks, cursor, scheduler, start_iter, abort):
+        """loop: the LoopConfig (the run's length, the replicas' weight checks)."""
+        self.semi, self.loop, self.chunks, self.cursor, self.scheduler, self.start, self.abort = \
+            semi, loop, chunks, cursor, scheduler, start_iter, abort
 
     def iterations(self, its):
         return self.semi.iterations(its)
@@ -156,17 +158,17 @@ class SemiSync(Part):
         if not semi.after_iteration(it, step.trained):
             return
         # an outer step: the replicas hold the same weights
-        if semi.check_due(it, hash_interval(self.args)) and (drifted := replicas_differ(self.chunks,
+        if semi.check_due(it, self.loop.hash_interval) and (drifted := replicas_differ(self.chunks,
                                                                                         across_replicas=True)):
             self.abort(f"iteration {it}: semi-synchronous replicas differ after the outer step ({drifted[0]})")
         if (line := semi.announcement(it)) is not None:  # --semi-sync-steps auto's choice
             print_rank_last(line)
-        if semi.H < semi.round and it < self.args.train_iters:
+        if semi.H < semi.round and it < self.loop.train_iters:
             self.cursor.rebuild()  # past idle ticks
 
     def finish(self, last):
         if self.semi.asynchronous and last > self.start:  # every replica holds the final weights
-            last, self.cursor.consumed = self.args.train_iters, self.args.train_iters * self.args.global_batch_size
+            last, self.cursor.consumed = self.loop.train_iters, self.loop.train_iters * self.loop.global_batch_size
             self.scheduler.step(self.cursor.consumed - self.scheduler.num_steps)
         return last
 
@@ -187,17 +189,17 @@ class Logging(Part):
     first iteration, once, the kernels' measured choices (kernels/choice.py: those made in setup, and those the
     first iteration made on this rank), when any was measured."""
 
-    def __init__(self, args, prepared, cursor, window, timers, read_losses):
-        """prepared: the run (its chunks, optimizer, model config, metrics logger); window: the losses and times
-        since the last line; timers: --log-timers-to-tensorboard's, or None; read_losses: the window's losses read
-        (the run stops on a NaN one)."""
-        self.args, self.run, self.cursor, self.window, self.timers, self.read_losses = \
-            args, prepared, cursor, window, timers, read_losses
+    def __init__(self, cfg, prepared, cursor, window, timers, read_losses):
+        """cfg: the LoggingConfig; prepared: the run (its chunks, optimizer, model config, metrics logger); window: the
+        losses and times since the last line; timers: --log-timers-to-tensorboard's, or None; read_losses: the
+        window's losses read (the run stops on a NaN one)."""
+        self.cfg, self.run, self.cursor, self.window, self.timers, self.read_losses = \
+            cfg, prepared, cursor, window, timers, read_losses
         self.padded = getattr(prepared.chunks[0].module, "padded_vocab_size", None)
         self.kernels_said = False
 
     def after(self, it, step):
-        if not it % self.args.log_interval or it == self.args.train_iters:
+        if not it % self.cfg.log_interval or it == self.cfg.train_iters:
             self.log(it, step)
         if not self.kernels_said:
             self.kernels_said = True
@@ -206,7 +208,7 @@ class Logging(Part):
                 print_rank_last(line)
 
     def log(self, it, step):
-        a, run = self.args, self.run
+        cfg, run = self.cfg, self.run
         self.read_losses()
         f = self.window.close(it)
         flops = num_floating_point_operations(run.mcfg, step.batch, self.padded) if self.padded else 0.0
@@ -214,8 +216,8 @@ class Logging(Part):
                                "tflops": flops / (f["elapsed"] * ps.grid_of(run.chunks).world_size()) / 1e12,
                                "loss_scale": run.optimizer.loss_scale, "grad_norm": step.grad_norm,
                                "timers": self.timers, "max_attention_logit": getattr(
-                                   run.optimizer, "max_attention_logit", None) if a.log_max_attention_logit else None,
-                               **grad_stats(a, run.chunks, run.optimizer)})
+                                   run.optimizer, "max_attention_logit", None) if cfg.log_max_attention_logit else None,
+                               **grad_stats(cfg, run.chunks, run.optimizer)})
         self.window.restart()
 
 
@@ -223,11 +225,12 @@ class Evaluation(Part):
     """Validation every --eval-interval iterations (not counted as iteration time), and the validation and test
     sets after training (as Megatron)."""
 
-    def __init__(self, args, prepared, forward_step_func, cursor, window):
-        """prepared: the run (its splits, chunks, evaluation plan, metrics logger, semi-synchronous replicas);
-        cursor: where training stands (its DP rank); window: the training times, evaluation's taken out."""
-        self.args, self.run, self.forward_step_func, self.cursor, self.window = \
-            args, prepared, forward_step_func, cursor, window
+    def __init__(self, cfg, prepared, forward_step_func, cursor, window):
+        """cfg: the EvaluationConfig; prepared: the run (its splits, chunks, evaluation plan, metrics logger,
+        semi-synchronous replicas); cursor: where training stands (its DP rank); window: the training times,
+        evaluation's taken out."""
+        self.cfg, self.run, self.forward_step_func, self.cursor, self.window = \
+            cfg, prepared, forward_step_func, cursor, window
         r = prepared
         self.valid_ds, self.test_ds, self.consumed, self.g = r.valid_ds, r.test_ds, r.consumed_valid, r.eval_g
         self.mbs, self.plan, self.shape = r.eval_mbs, r.eval_plan, r.eval_shape
@@ -235,28 +238,28 @@ class Evaluation(Part):
         # The validation set is sized for every evaluation of a run; a resumed run's extra final
         # evaluation (or --skip-train) starts again from its beginning.
         ds = self.valid_ds
-        self.loader = LoaderConfig.of(args)
+        self.loader = cfg.loader
         self.valid_iters = data_iterators(ds, self.consumed % len(ds) if ds is not None and len(ds) else 0,
                                           self.loader, r.chunks, self.mbs, self.plan)
 
     def evaluate(self, its):
-        a, run = self.args, self.run
-        if a.manual_gc and a.manual_gc_eval:
+        cfg, run = self.cfg, self.run
+        if cfg.manual_gc and cfg.manual_gc_eval:
             gc.collect()
-        out = evaluate(self.forward_step_func, its, run.chunks, self.micro, a.eval_iters, self.shape, run.dtype,
+        out = evaluate(self.forward_step_func, its, run.chunks, self.micro, cfg.eval_iters, self.shape, run.dtype,
                        self.total)
         if run.semi is not None:  # every replica evaluated the global weights on its part of the batches
             out = run.semi.combine(out, self.plan.replica_samples(0, self.cursor.rank))
-        if a.manual_gc and a.manual_gc_eval:
+        if cfg.manual_gc and cfg.manual_gc_eval:
             gc.collect(generation=0)  # what the evaluation made
         return out
 
     def after(self, it, step):
-        if self.valid_ds is None or not self.args.eval_interval or it % self.args.eval_interval:
+        if self.valid_ds is None or not self.cfg.eval_interval or it % self.cfg.eval_interval:
             return
         t = time.perf_counter()
         self.run.log.evaluation(it, "validation", self.evaluate(self.valid_iters))
-        self.consumed += self.args.eval_iters * self.g
+        self.consumed += self.cfg.eval_iters * self.g
         self.window.t0 += time.perf_counter() - t  # as Megatron: evaluation is not iteration time
 
     def final(self, last):
@@ -304,9 +307,9 @@ class SigtermFlag:
     """--exit-signal-handler: a SIGTERM from the run's start on is remembered here (ExitRules stops at the next
     iteration's end)."""
 
-    def __init__(self, args):
+    def __init__(self, loop):
         self.got = False
-        if args.exit_signal_handler:
+        if loop.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._received)
 
     def _received(self, *_):
@@ -317,8 +320,10 @@ class ExitRules(Part):
     """--exit-interval, --exit-signal-handler (SIGTERM), --exit-duration-in-mins: the state saved (with --save),
     then the run stops; every rank at the same iteration."""
 
-    def __init__(self, args, saver, started, sigterm):
-        self.args, self.saver, self.started, self.sigterm = args, saver, started, sigterm
+    def __init__(self, loop, saver, started, sigterm):
+        """loop: the LoopConfig; saver: the Saver part, or None; started: the run's start (time.time());
+        sigterm: the run's SigtermFlag."""
+        self.loop, self.saver, self.started, self.sigterm = loop, saver, started, sigterm
 
     def _stop(self, it, why):
         if self.saver is not None and self.saver.saved_at != it:
@@ -327,12 +332,12 @@ class ExitRules(Part):
         return why
 
     def after(self, it, step):
-        a = self.args
-        if a.exit_interval and it % a.exit_interval == 0:
-            return self._stop(it, f"--exit-interval {a.exit_interval}")
-        if a.exit_signal_handler or a.exit_duration_in_mins:
+        loop = self.loop
+        if loop.exit_interval and it % loop.exit_interval == 0:
+            return self._stop(it, f"--exit-interval {loop.exit_interval}")
+        if loop.exit_signal_handler or loop.exit_duration_in_mins:
             why = "SIGTERM received" if self.sigterm.got else "--exit-duration-in-mins reached" if \
-                a.exit_duration_in_mins and time.time() - self.started > 60 * a.exit_duration_in_mins else None
+                loop.exit_duration_in_mins and time.time() - self.started > 60 * loop.exit_duration_in_mins else None
             if any_rank(why is not None):  # every rank stops at the same iteration
                 return self._stop(it, why or "another rank asked to stop")
         return None

@@ -31,12 +31,18 @@ from megalite.rerun import initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
 from megalite.config.batching import BatchingConfig
 from megalite.config.checkpoint import CheckpointConfig
+from megalite.config.compression import GradCompressionConfig
+from megalite.config.evaluation import EvaluationConfig
+from megalite.config.kernels import KernelConfig
+from megalite.config.loop import LoopConfig
+from megalite.config.mixed_gpu import MixedGpuConfig
+from megalite.config.parallel import ParallelConfig
 from megalite.config.logging import LoggingConfig
 from megalite.config.pipeline import AutoLayoutConfig
 from megalite.config.rerun import RerunConfig
 from megalite.config.semi_sync import SemiSyncConfig
 from megalite.training.converters import converters_for
-from megalite.training.evaluation import dataset_sizes, eval_batch, report_splits
+from megalite.training.evaluation import dataset_sizes, report_splits
 from megalite.training.kernel_choice import decide_kernels
 from megalite.training.prepared import PreparedRun
 
@@ -52,37 +58,34 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
         batches = batch_schedule(batching)  # each iteration's global batch (ramp-up), checked
     except (ConfigError, CheckpointError) as e:
         abort(str(e))
-    try:  # torchrun's LOCAL_WORLD_SIZE: the ranks of one node, for --hierarchical-grad-reduce
-        ps.initialize_model_parallel(
-            args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.virtual_pipeline_model_parallel_size, context_parallel_size=args.context_parallel_size,
-            hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
-            use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
-            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size()))
-            if args.hierarchical_grad_reduce else None,
-            expert_model_parallel_size=args.expert_model_parallel_size if args.num_experts else None,
-            expert_tensor_parallel_size=args.expert_tensor_parallel_size, replicas=args.semi_sync_replicas)
+    parallel = ParallelConfig.of(args)
+    try:
+        initialize_grid(parallel)
     except ValueError as e:
         abort(str(e))
-    model_parallel_manual_seed(args.seed)
-    kernels.set_self_check("off" if args.no_kernel_self_check else "cuda")
+    model_parallel_manual_seed(parallel.seed)
+    kernels.set_self_check("off" if KernelConfig.of(args).no_kernel_self_check else "cuda")
     r = PreparedRun(args=args, batches=batches, dp_rank=ps.get_data_parallel_rank_across_replicas())
     # --rerun-mode: the run's one, handed to each step
     r.rerun = initialize_rerun_state_machine(RerunConfig.of(args), ps.current_grid())
     r.checkpoints = CheckpointIO()  # the checkpoint group and async writer: the run's, closed at its end
     r.plan = training_plan(batching, batches)  # each DP rank's micro-batches (count, size, weight)
     r.log = MetricsLogger(LoggingConfig.of(args))
+    loop = LoopConfig.of(args)
     try:
         # Data errors are the user's (missing/foreign files, bad paths): one line each.
-        wanted = dataset_sizes(args, batches)
+        evaluation = EvaluationConfig.of(args)
+        wanted = dataset_sizes(evaluation, batches)
         draft = args.draft()  # Megatron's contract: the provider may set the vocab size (config/run.py)
         datasets = datasets_provider(draft, wanted)
         r.args = args = args.with_data(draft)
+        evaluation = EvaluationConfig.of(args)  # (with the data's paths)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as e:
         abort(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    r.train_ds, r.valid_ds, r.test_ds = report_splits(args, datasets, wanted)  # sizes; an empty split's skip, said once
+    # sizes; an empty split's skip, said once
+    r.train_ds, r.valid_ds, r.test_ds = report_splits(evaluation, datasets, wanted)
     try:
-        sizing = (r.train_ds, forward_step_func) if r.train_ds is not None and not args.skip_train else None
+        sizing = (r.train_ds, forward_step_func) if r.train_ds is not None and not loop.skip_train else None
         # (sized by memory too)
         r.mcfg, r.tcfg, r.chunks, r.optimizer, r.scheduler = setup(args, model_provider, r.plan, sizing, record)
         r.aux = share_tracker(r.chunks)  # one record of the auxiliary losses for this rank's chunks (the log line)
@@ -91,31 +94,46 @@ def prepare(args, datasets_provider, model_provider, forward_step_func, abort, r
             converter.set_plan(r.plan, r.mcfg.calculate_per_token_loss)
         # replicas' outer steps (loaded too); None without
         r.semi = semi_sync_for(SemiSyncConfig.of(args), r.optimizer, r.chunks)
-        r.load = load_root(args)
-        start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, args, r.load, r.checkpoints)
-        align_main_weights(args, r.optimizer)  # replicas of different precisions: one set of fp32 main weights
+        checkpoint = CheckpointConfig.of(args)
+        r.load = load_root(checkpoint)
+        start = checkpoint_setup(r.chunks, r.optimizer, r.scheduler, r.mcfg, checkpoint, r.load, r.checkpoints)
+        # replicas of different precisions: one set of fp32 main weights
+        align_main_weights(loop.data_parallel_precisions, r.optimizer)
         if r.semi is not None:
             r.semi.begin((start or (0,))[0])
     except (ConfigError, CheckpointError) as e:
         abort(str(e))
     r.start_iter, r.consumed_train, r.consumed_valid = start or (0, 0, 0)
-    r.eval_g, r.eval_mbs = eval_batch(args)
-    r.eval_plan = evaluation_plan(batching, r.plan, r.eval_g, r.eval_mbs, args.eval_micro_batch_sizes)
+    r.eval_g, r.eval_mbs = evaluation.batch
+    r.eval_plan = evaluation_plan(batching, r.plan, r.eval_g, r.eval_mbs, evaluation.eval_micro_batch_sizes)
     grid = ps.grid_of(r.chunks)
     r.shape, r.dtype = pipeline_tensor_shape(r.mcfg, r.plan.micro_of(r.dp_rank), grid), r.mcfg.params_dtype
     r.eval_shape = pipeline_tensor_shape(r.mcfg, r.eval_plan.micro_of(r.dp_rank), grid)
-    _describe(args, r)
-    if args.skip_train or r.start_iter >= args.train_iters:
+    _describe(batching, r)
+    if loop.skip_train or r.start_iter >= loop.train_iters:
         r.train_ds = None  # nothing left to train on: no iterator (its position may be at the end)
     return r
 
 
-def _describe(args, r):
+def initialize_grid(cfg):
+    """The global grid of a ParallelConfig (torchrun's LOCAL_WORLD_SIZE: the ranks of one node, for
+    --hierarchical-grad-reduce); ValueError for sizes the world cannot hold."""
+    ps.initialize_model_parallel(
+        cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        hierarchical_context_parallel_sizes=cfg.hierarchical_context_parallel_sizes,
+        use_tp_pp_dp_mapping=cfg.use_tp_pp_dp_mapping,
+        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size())) if cfg.hierarchical_grad_reduce
+        else None,
+        expert_model_parallel_size=cfg.expert_model_parallel_size if cfg.num_experts else None,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size, replicas=cfg.semi_sync_replicas)
+
+
+def _describe(batching, r):
     """The run's one-line summary (grid, parameters, micro-batches per iteration) and the replicas' own."""
-    dp = args.data_parallel_size
+    dp, g = batching.data_parallel_size, batching.global_batch_size
     n_params = sum(p.numel() for c in r.chunks for p in c.parameters())
-    ramp = "" if r.batches.is_constant() else f" now, {args.global_batch_size // (args.micro_batch_size * dp)} at " \
-        f"the full batch {args.global_batch_size}"
+    ramp = "" if r.batches.is_constant() else f" now, {g // (batching.micro_batch_size * dp)} at the full batch {g}"
     counts = r.plan.counts(r.consumed_train)
     counts = f"{counts[0]}" if not r.plan.uneven else f"{','.join(map(str, counts))} (DP ranks' shares)" + (
         f" of {','.join(map(str, r.plan.micros))} samples" if r.plan.micros else "")
@@ -134,13 +152,14 @@ def build_model(mcfg, model_provider, args, plan=None):
     v = grid.vpp or 1
     chunks = []
     from megalite.distributed.grad_compression import build_compressor
-    compressor = build_compressor(args.grad_compression, args.grad_compression_ratio, args.grad_compression_start_iter,
-                                  args.seed)
+    compression, ddp = GradCompressionConfig.of(args), ddp_config(args)
+    compressor = build_compressor(compression.grad_compression, compression.grad_compression_ratio,
+                                  compression.grad_compression_start_iter, compression.seed)
     for j in range(v):
         # ZeRO-3: parameters built on the meta device; each rank makes only its shards (O(shard))
-        with ps.meta_init() if args.use_distributed_optimizer and args.zero_stage == 3 else contextlib.nullcontext():
+        with ps.meta_init() if ddp.use_distributed_optimizer and ddp.zero_stage == 3 else contextlib.nullcontext():
             m = provide(model_provider, mcfg, grid.first_stage() and j == 0, grid.last_stage() and j == v - 1, grid, j)
-        chunks.append(DistributedDataParallel(m, ddp_config(args), grid=grid,
+        chunks.append(DistributedDataParallel(m, ddp, grid=grid,
                                               grad_divisor=plan.grad_divisor if plan else None,
                                               reduce_once=reduces_once(BatchingConfig.of(args), plan),
                                               compressor=compressor))
@@ -170,19 +189,18 @@ def setup(args, model_provider, plan=None, sizing=None, record=None):
     offload), before training."""
     # --data-parallel-precisions: this replica's dtype builds its model and optimizer
     rank_args = with_rank_precision(args, ps.get_data_parallel_rank_across_replicas())
-    tcfg = training_config(rank_args)
-    fraction_auto = args.optimizer_offload_fraction == "auto"
-    if fraction_auto:
+    tcfg, mixed, layout = training_config(rank_args), MixedGpuConfig.of(args), AutoLayoutConfig.of(args)
+    if mixed.optimizer_offload_fraction == "auto":
         tcfg = dataclasses.replace(tcfg, optimizer_offload_fraction=0.0)  # measured without offload first
-    mcfg = model_config(rank_args, args.vocab_size)
+    mcfg = model_config(rank_args)
     mcfg.check_parallel(ps.get_tensor_model_parallel_world_size())
     chunks = build_model(mcfg, model_provider, args, plan)
-    decide_kernels(args, mcfg, ps.current_grid())  # before anything runs the model (the measurements below do)
-    optimizer = build_optimizer(args, chunks, tcfg)
+    decide_kernels(KernelConfig.of(args), mcfg, ps.current_grid())  # before anything runs the model (below)
+    zero = ddp_config(args).use_distributed_optimizer
+    optimizer = build_optimizer(zero, chunks, tcfg)
     from megalite.pipeline import auto_layout
-    if args.pipeline_model_parallel_layout == "auto" and sizing is not None:
-        stages, counts = auto_layout.measure_and_choose(AutoLayoutConfig.of(args), plan, mcfg, chunks, optimizer,
-                                                        *sizing)
+    if layout.pipeline_model_parallel_layout == "auto" and sizing is not None:
+        stages, counts = auto_layout.measure_and_choose(layout, plan, mcfg, chunks, optimizer, *sizing)
         auto_layout.report(stages, counts)
         rebuilt = tuple(counts) != mcfg.pipeline_layout
         if record is not None:
@@ -192,25 +210,26 @@ def setup(args, model_provider, plan=None, sizing=None, record=None):
             auto_layout.free_memory()  # (DDP's gradient hooks hold reference cycles: the old model goes now)
             mcfg.pipeline_layout = tuple(counts)  # (the model's; the flags stay what the user gave)
             chunks = build_model(mcfg, model_provider, args, plan)
-            optimizer = build_optimizer(args, chunks, tcfg)
-    elif args.pipeline_model_parallel_layout == "auto":
+            optimizer = build_optimizer(zero, chunks, tcfg)
+    elif layout.pipeline_model_parallel_layout == "auto":
         print_rank_last("megalite: --pipeline-model-parallel-layout auto: no training to profile (--skip-train or no "
                         f"training data): the near-even split '{auto_layout.layout_string(mcfg.pipeline_layout)}' "
                         "stays")
-    if sizing is not None and "auto" in (args.data_parallel_micro_batch_sizes, args.optimizer_offload_fraction):
-        fraction, profile, budget = fit_to_budget(args, plan, mcfg, chunks, optimizer, *sizing)
+    if sizing is not None and "auto" in (mixed.data_parallel_micro_batch_sizes, mixed.optimizer_offload_fraction):
+        fraction, profile, budget = fit_to_budget(mixed, plan, mcfg, chunks, optimizer, *sizing)
         if record is not None:
             record.memory = (profile, budget, list(plan.micros) if plan.micros else plan.micros, fraction)
         if fraction:
             tcfg = dataclasses.replace(tcfg, optimizer_offload_fraction=fraction)
             optimizer.release_model_params()
-            optimizer = build_optimizer(args, chunks, tcfg)
-        report_fit(args, plan, fraction, profile, budget, ps.grid_of(chunks))
+            optimizer = build_optimizer(zero, chunks, tcfg)
+        report_fit(mixed, plan, fraction, profile, budget, ps.grid_of(chunks))
     return mcfg, tcfg, chunks, optimizer, build_scheduler(optimizer, tcfg)
 
 
-def build_optimizer(args, chunks, tcfg):
-    return (DistributedOptimizer if args.use_distributed_optimizer else MixedPrecisionOptimizer)(chunks, tcfg)
+def build_optimizer(distributed, chunks, tcfg):
+    """ZeRO's DistributedOptimizer (distributed: --use-distributed-optimizer), else the replicated one."""
+    return (DistributedOptimizer if distributed else MixedPrecisionOptimizer)(chunks, tcfg)
 
 
 def build_scheduler(optimizer, tcfg):
@@ -224,19 +243,19 @@ def build_scheduler(optimizer, tcfg):
                        decoupled=(tcfg.decoupled_lr, tcfg.decoupled_min_lr))
 
 
-def load_root(args):
-    """What this run loads: --load, or --save when it already holds a checkpoint (a restarted job resumes by
-    itself: torchrun --max-restarts); None for neither. Checks --save early."""
-    if args.save:
-        check_save_dir(args.save)
-        if not args.load and read_tracker(args.save) is not None:
-            return args.save
-    return args.load
+def load_root(cfg):
+    """What this run loads (cfg: its CheckpointConfig): --load, or --save when it already holds a checkpoint (a
+    restarted job resumes by itself: torchrun --max-restarts); None for neither. Checks --save early."""
+    if cfg.save:
+        check_save_dir(cfg.save)
+        if not cfg.load and read_tracker(cfg.save) is not None:
+            return cfg.save
+    return cfg.load
 
 
-def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root, io):
-    """Load `root` (load_root's) over io (the run's CheckpointIO). Returns (iteration, consumed train, consumed
-    valid) or None."""
+def checkpoint_setup(chunks, optimizer, scheduler, mcfg, cfg, root, io):
+    """Load `root` (load_root's) over io (the run's CheckpointIO) as cfg (the CheckpointConfig) says. Returns
+    (iteration, consumed train, consumed valid) or None."""
     if not root:
         return None
     megatron = is_megatron_checkpoint(root)  # a Megatron-LM torch_dist directory: converted per node, then loaded
@@ -244,36 +263,35 @@ def checkpoint_setup(chunks, optimizer, scheduler, mcfg, args, root, io):
         from megalite.checkpoint import from_megatron
         from megalite.cli.megatron_args import model_config_of
         path = from_megatron.convert_for_load(root, model_config_of, io.group(), "cpu",
-                                              lambda m: print(m, flush=True), not (args.no_load_optim or args.finetune))
+                                              lambda m: print(m, flush=True), not (cfg.no_load_optim or cfg.finetune))
     try:
-        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, CheckpointConfig.of(args),
+        loaded = load_checkpoint(chunks, optimizer, scheduler, mcfg, cfg,
                                  path if megatron else root, io=io)
     except CheckpointException as e:  # DCP wraps every rank's error; ours is one line
         raise unwrap_checkpoint_error(e) from None
     finally:
         if megatron:
             from_megatron.remove_converted(root, io.group())
-    if megatron and loaded is not None and not (args.no_load_rng or args.finetune):
+    if megatron and loaded is not None and not (cfg.no_load_rng or cfg.finetune):
         from_megatron.restore_rng(root, chunks, lambda m: print(m, flush=True))
-    if loaded is None and args.exit_on_missing_checkpoint:
+    if loaded is None and cfg.exit_on_missing_checkpoint:
         raise CheckpointError(f"--load {root} holds no checkpoint and --exit-on-missing-checkpoint is set")
     if loaded is not None:
         print_rank_last(f"megalite: loaded checkpoint from {root} at iteration {loaded[0]}")
     return loaded
 
 
-def align_main_weights(args, optimizer):
-    """--data-parallel-precisions: every replica's fp32 main weights become those of the first replica of
-    the widest dtype (a bf16 replica's own copy starts from its bf16-rounded weights, an fp32 one's from
-    the exact ones; a checkpoint without optimizer state gives each its own rounding), and each model
-    computes with them rounded to its dtype. Collective over DP; after loading, before training."""
-    if not args.data_parallel_precisions:
+def align_main_weights(precisions, optimizer):
+    """--data-parallel-precisions (`precisions`, per DP replica): every replica's fp32 main weights become those of the
+    first replica of the widest dtype (a bf16 replica's own copy starts from its bf16-rounded weights, an fp32 one's
+    from the exact ones; a checkpoint without optimizer state gives each its own rounding), and each model computes
+    with them rounded to its dtype. Collective over DP; after loading, before training."""
+    if not precisions:
         return
     import torch
     import torch.distributed as dist
     from megalite.checkpoint.state import model_from_main_params
-    p = args.data_parallel_precisions
-    src = min(range(len(p)), key=lambda r: ("fp32", "fp16", "bf16").index(p[r]))
+    src = min(range(len(precisions)), key=lambda r: ("fp32", "fp16", "bf16").index(precisions[r]))
     with torch.no_grad():
         for m in optimizer.main_params:
             dist.broadcast(m, group=ps.get_data_parallel_group(), group_src=src)

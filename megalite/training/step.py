@@ -97,17 +97,17 @@ def mean_losses(reported, read=True, total=None, *, grid):
     return lm, out or {"lm loss": lm}
 
 
-def grad_stats(args, chunks, optimizer):
-    """--log-params-norm / --log-num-zeros-in-grad (each one all-reduce over the model)."""
+def grad_stats(cfg, chunks, optimizer):
+    """--log-params-norm / --log-num-zeros-in-grad (cfg: the LoggingConfig; each one all-reduce over the model)."""
     out = {}
-    if args.log_params_norm:
-        if args.zero_stage == 3:  # the shards (whole parameters exist only while gathered)
+    if cfg.log_params_norm:
+        if cfg.zero_stage == 3:  # the shards (whole parameters exist only while gathered)
             out["params_norm"] = global_norm_and_zeros([pc.param for pc in optimizer.pieces],
                                                        [pc.data for pc in optimizer.pieces], sharded_over_dp=True)[0]
         else:
             params = [p for c in chunks for p in c.parameters() if p.requires_grad]  # (an expert bias is no weight)
             out["params_norm"] = global_norm_and_zeros(params, params)[0]
-    if args.log_num_zeros_in_grad:
+    if cfg.log_num_zeros_in_grad:
         sharded = hasattr(optimizer, "pieces")
         params = [pc.param for pc in optimizer.pieces] if sharded else optimizer.model_params
         out["num_zeros"] = global_norm_and_zeros(params, optimizer._grads(), True, sharded)[1]
