@@ -12,7 +12,7 @@ from megalite.config import ConfigError
 from megalite.planner import cost
 from megalite.planner.gpus import GPUS, LINK_EFFICIENCY, parse_cluster
 from megalite.cli.plan import search, validated
-from megalite.planner.layout import Layout, layout_from_args
+from megalite.planner.layout import Layout, layout_of
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
@@ -45,7 +45,7 @@ def test_a_layouts_flags_launch_that_layout(lay):
     """The flags the plan prints parse in megalite to the same layout (and the user's own parallel flags give
     way to them)."""
     args = validated(GPT + ["--tensor-model-parallel-size", "8", "--recompute-activations"], lay, 8)
-    assert layout_from_args(args) == lay
+    assert layout_of(args) == lay
 
 
 def test_a_layout_megalite_refuses_is_refused():
@@ -71,7 +71,7 @@ def test_search_ranks_launchable_layouts_that_fit():
     assert tried > 50 and len(found) == 4 and all(p.fits for p in found)
     assert [p.step_time_s for p in found] == sorted(p.step_time_s for p in found)
     for p in found:  # each one launches that layout
-        assert layout_from_args(validated(GPT, p.layout, 8)) == p.layout
+        assert layout_of(validated(GPT, p.layout, 8)) == p.layout
 
 
 def test_a_pasted_overlap_param_gather_applies_to_the_layouts_with_zero():
@@ -119,7 +119,7 @@ def test_mixed_clusters_give_the_faster_stage_more_layers():
     cut = balanced_layout(args, even, cluster)
     assert cut.stage_layers and cut.stage_layers[0] > 2 * cut.stage_layers[1] and sum(cut.stage_layers) == 8
     cut_args = validated(GPT, cut, 8)
-    assert layout_from_args(cut_args) == cut
+    assert layout_of(cut_args) == cut
     assert cost.predict(cut_args, cut, cluster).step_time_s < cost.predict(args, even, cluster).step_time_s
     found, _ = search(GPT, cluster, top=3)
     assert all(p.layout.pp == 1 or p.layout.stage_layers is None or p.layout.stage_layers[0] > p.layout.stage_layers[1]
@@ -163,7 +163,7 @@ def test_mixed_replicas_get_shares_by_their_speed():
     shared = balanced_shares(args, equal, cluster)
     assert shared.shares and sum(shared.shares) == 64 and min(shared.shares[:4]) > 2 * max(shared.shares[4:])
     shared_args = validated(GPT, shared, 8)
-    assert layout_from_args(shared_args) == shared
+    assert layout_of(shared_args) == shared
     assert cost.predict(shared_args, shared, cluster).step_time_s < 0.75 * cost.predict(args, equal,
                                                                                        cluster).step_time_s
     alike = parse_cluster("8xA100-80GB")
@@ -186,10 +186,9 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16"
                          ids=["mha", "gqa_swiglu", "mla"])
 def test_the_time_models_flops_are_megalites(extra):
     """The step-time model's split of a layer's FLOPs (projections, scores, FFN) adds up to megalite/flops.py."""
-    from megalite.cli.parser import model_config
     from megalite.planner.flops import num_floating_point_operations
     args = validated(GPT + extra, Layout(), 1)
-    c = model_config(args, args.vocab_size)
+    c = args.model
     proj, score = cost._attention_terms(c)
     h, L, s, v = c.hidden_size, c.num_layers, c.seq_length, 50304
     ffn = c.ffn_hidden_size * (1.5 if c.swiglu else 1.0)
@@ -212,7 +211,7 @@ def test_review_findings_stay_fixed():
     for etp in (1, 2):
         m = Layout(2, 1, 1, 4, None, 4, 1, None, 1, True, etp=etp)
         margs = validated(moe, m, 8)
-        assert layout_from_args(margs) == m and f"--expert-tensor-parallel-size {etp}" in " ".join(m.flags())
+        assert layout_of(margs) == m and f"--expert-tensor-parallel-size {etp}" in " ".join(m.flags())
         states.append(cost.predict(margs, m, c8).memory["weights"])
     assert states[0] > states[1]  # ETP 1 keeps whole experts on each rank
     fp32 = cost.predict(validated(GPT[:-1], lay, 8), lay, c8)
@@ -231,13 +230,13 @@ def test_review_findings_stay_fixed():
 def test_predict_keeps_the_users_layout_or_says_why_not():
     from megalite.cli.parser import check_args
     args = check_args(GPT + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 8)
-    assert layout_from_args(args).vp == 2  # 8 layers, PP2, 2 chunks each: 2 layers per virtual stage
+    assert layout_of(args).vp == 2  # 8 layers, PP2, 2 chunks each: 2 layers per virtual stage
     args = check_args(GPT + ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"], 8)
-    assert layout_from_args(args).stage_layers == (3, 5)
+    assert layout_of(args).stage_layers == (3, 5)
     args = check_args(GPT + ["--recompute-granularity", "full", "--recompute-method", "block",
                              "--recompute-num-layers", "2"], 8)
     with pytest.raises(ConfigError, match="models full recompute as --recompute-method uniform"):
-        layout_from_args(args)
+        layout_of(args)
 
 
 def _stage_cut(args):
@@ -273,7 +272,7 @@ def test_predict_prices_every_pipeline_cut_the_validation_accepts():
         except ConfigError:
             continue  # (pretrain_gpt.py refuses it too)
         accepted += 1
-        lay = layout_from_args(args)
+        lay = layout_of(args)
         priced = validated(model + flags, lay, 8)
         assert _stage_cut(priced) == _stage_cut(args), (flags, _stage_cut(priced), _stage_cut(args))
         p = cost.predict(priced, lay, cluster)

@@ -54,7 +54,8 @@ LAYOUTS = {
 def _measure_and_predict(layouts):
     import pretrain_gpt
     from megalite import parallel_state as ps
-    from megalite.cli.parser import model_config, parse_args
+    from megalite.cli.parser import parse_args
+    from megalite.config.plan import PlanConfig
     from megalite.optimizer.memory import state_bytes_by_place, training_state_bytes
     from megalite.distributed import comm
     from megalite.planner.memory import training_state
@@ -70,15 +71,16 @@ def _measure_and_predict(layouts):
         g = ps._grid()  # this rank's coordinates, described without groups
         grid = ps.Grid.of(g.tp, g.pp, g.dp, g.cp, g.vpp, g.ep if g.experts else None, g.etp if g.experts else None,
                           g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank)
-        mcfg = model_config(args, args.vocab_size)
-        predicted = training_state(args, mcfg, grid)
+        plan = PlanConfig.of(args)  # (the planner's view of the same command line)
+        mcfg = plan.model
+        predicted = training_state(plan, mcfg, grid)
         m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
         sent = {op: c["wire_bytes"] for op, c in comm.counts().items()}
         from megalite.planner.optimizer_step import muon_plan
         muon = getattr(opt, "_muon", None)
         out.append((training_state_bytes(chunks, opt), predicted.total, vars(predicted), sent,
-                    dp_wire_bytes(args, mcfg, grid, m), muon.stats["ns_flops"] if muon else 0,
-                    muon_plan(args, mcfg, grid)["flops"], state_bytes_by_place(chunks, opt)[1],
+                    dp_wire_bytes(plan, mcfg, grid, m), muon.stats["ns_flops"] if muon else 0,
+                    muon_plan(plan, mcfg, grid)["flops"], state_bytes_by_place(chunks, opt)[1],
                     predicted.host + 4 * predicted.host_elements))
         ps.destroy_model_parallel()
     return out

@@ -12,7 +12,7 @@ from megalite.config import ConfigError
 from megalite.planner import cost
 from megalite.planner.gpus import GPUS, LINK_EFFICIENCY, parse_cluster
 from megalite.cli.plan import search, validated
-from megalite.planner.layout import Layout, layout_from_args
+from megalite.planner.layout import Layout, layout_of
 from test_planner import GPT, ROOT
 
 
@@ -20,7 +20,6 @@ def test_the_overlap_flags_are_priced():
     """--no-overlap-grad-reduce leaves the whole ZeRO-0/1 reduction after the backward (ZeRO-2 reduces each
     micro-batch's either way); --overlap-param-gather hides ZeRO-1/2's gather behind the next forward."""
     from megalite import parallel_state as ps
-    from megalite.cli.parser import model_config
     from megalite.planner import traffic
     cluster = parse_cluster("16xA100-80GB")  # DP across two nodes: the reduction outlasts a backward
     dp = {}
@@ -31,7 +30,7 @@ def test_the_overlap_flags_are_priced():
                 continue  # (Megatron's rule: it needs the distributed optimizer)
             dp[zero, extra] = cost.predict(validated(GPT + list(extra), lay, 16), lay, cluster).time["dp"]
     args = validated(GPT + ["--no-overlap-grad-reduce"], Layout(1, 1, 1, 16, None, None, 0, None, 1, False), 16)
-    wire = traffic.data_parallel_bytes(args, model_config(args, args.vocab_size), ps.Grid.of(1, 1, 16, 1),
+    wire = traffic.data_parallel_bytes(args, args.model, ps.Grid.of(1, 1, 16, 1),
                                        args.global_batch_size // 16)
     assert dp[0, ("--no-overlap-grad-reduce",)] == pytest.approx(
         wire["all_reduce"] / (cluster.link_gbps(range(16)) * 1e9), rel=1e-12)
@@ -51,7 +50,7 @@ def test_per_replica_micro_batch_sizes_are_priced():
     same = Layout(1, 1, 1, 2, None, None, 1, None, 16, False)
     sized = dataclasses.replace(same, micros=(16, 4))
     args = validated(GPT, sized, 2)
-    assert "--data-parallel-micro-batch-sizes 16,4" in " ".join(sized.flags()) and layout_from_args(args) == sized
+    assert "--data-parallel-micro-batch-sizes 16,4" in " ".join(sized.flags()) and layout_of(args) == sized
     p_same, p_sized = cost.predict(validated(GPT, same, 2), same, cluster), cost.predict(args, sized, cluster)
     assert p_same.memory["gpu"] == p_sized.memory["gpu"] == "RTX3090-24GB"  # the smaller GPU decides
     assert p_sized.memory["activations"] == pytest.approx(p_same.memory["activations"] / 4, rel=0.01)
@@ -61,7 +60,7 @@ def test_per_replica_micro_batch_sizes_are_priced():
     assert cost.predict(validated(GPT, shared, 2), shared, cluster).step_time_s < 0.6 * p_sized.step_time_s
     auto = check_args(GPT + ["--data-parallel-micro-batch-sizes", "auto", "--device-memory-budget", "20"], 2)
     with pytest.raises(ConfigError, match="not auto"):
-        layout_from_args(auto)
+        layout_of(auto)
 
 
 def test_the_search_gives_the_replica_that_runs_out_smaller_micro_batches():
@@ -84,9 +83,8 @@ def test_gemm_tiles_run_in_waves_over_the_sms():
     assert utilisation(16384, 6912, 108) == 1.0
     assert utilisation(300, 128, 1) == pytest.approx(300 / 512, rel=1e-12)  # 2 tiles of 256 rows, one SM
     assert utilisation(2048, 3840, None) == 1.0 and time_factor([(7, 5, 3)], 2, None) == 4
-    from megalite.cli.parser import model_config
     args = validated(GPT, Layout(8, 1, 1, 1, None, None, 0, None, 1, True), 8)
-    narrow = time_factor(layer_gemms(model_config(args, args.vocab_size), 1024, 8), 1, GPUS["A100-80GB"].sms)
+    narrow = time_factor(layer_gemms(args.model, 1024, 8), 1, GPUS["A100-80GB"].sms)
     assert narrow > 3.5  # TP 8 of hidden 1024: 48 to 128 columns per rank, few tiles for 108 SMs
 
 
@@ -123,7 +121,7 @@ def test_optimizer_offload_is_priced():
     base, half, whole = plan(None), plan((0.5, 0.5)), plan((1.0, 1.0))
     overlapped = plan((0.5, 0.5), ["--overlap-cpu-optimizer-d2h-h2d"])
     assert "--optimizer-cpu-offload --optimizer-offload-fraction 0.5" in " ".join(half.flags)
-    assert layout_from_args(validated(GPT, dataclasses.replace(lay, offload=(0.0, 1.0)), 2)).offload == (0.0, 1.0)
+    assert layout_of(validated(GPT, dataclasses.replace(lay, offload=(0.0, 1.0)), 2)).offload == (0.0, 1.0)
     assert base.memory["host"] == 0 < half.memory["host"] < whole.memory["host"]
     moved = base.memory["optimizer"] - whole.memory["optimizer"]  # every main value and Adam state (bf16 model)
     elements = moved / 12
@@ -147,7 +145,7 @@ def test_optimizer_offload_is_priced():
     per = plan((0.0, 1.0), cluster=mixed)
     assert per.memory["gpu"] == "RTX3090-24GB" and per.memory["host"] == whole.memory["host"]
     with pytest.raises(ConfigError, match="not auto"):
-        layout_from_args(check_args(GPT + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "auto",
+        layout_of(check_args(GPT + ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "auto",
                                            "--device-memory-budget", "20"], 2))
 
 

@@ -24,7 +24,8 @@ from megalite.config import ConfigError  # noqa: E402
 from megalite.planner.cost import GiB, predict  # noqa: E402
 from megalite.planner.gpus import parse_cluster  # noqa: E402
 from megalite.cli.plan import search, validated  # noqa: E402
-from megalite.planner.layout import layout_from_args  # noqa: E402
+from megalite.config.plan import PlanConfig  # noqa: E402
+from megalite.planner.layout import layout_of  # noqa: E402
 
 
 def build_parser():
@@ -73,7 +74,7 @@ def main(argv=None):
         cluster = parse_cluster(ours.cluster, ours.gpus_per_node, ours.intra_node_bandwidth, ours.inter_node_bandwidth)
         if ours.predict:
             from megalite.cli.parser import check_args
-            lay = layout_from_args(check_args(model_argv, cluster.size))
+            lay = layout_of(PlanConfig.of(check_args(model_argv, cluster.size)))
             found = [predict(validated(model_argv, lay, cluster.size), lay, cluster)]
             tried = 1
         else:

@@ -3,6 +3,7 @@ checks (what megalite would refuse to launch, the search skips), and the search 
 
 from megalite.cli.parser import ModelFlags
 from megalite.config import ConfigError
+from megalite.config.plan import PlanConfig
 from megalite.planner import search as layout_search
 from megalite.planner.layout import strip_layout_flags
 
@@ -23,11 +24,11 @@ class Validator:
         args = self.models[key].at(layout.flags(), world_size)
         if args.data_parallel_size != layout.dp:
             raise ConfigError(f"{layout.describe()}: {world_size} GPUs give DP {args.data_parallel_size}")
-        return args
+        return PlanConfig.of(args)
 
 
 def validated(model_argv, layout, world_size):
-    """megalite's parsed arguments for the user's model flags at this layout; ConfigError where megalite
+    """The PlanConfig (config/plan.py) of the user's model flags at this layout; ConfigError where megalite
     would refuse to launch it. The user's --overlap-param-gather (ZeRO's) applies to the layouts with ZeRO; those
     without run without it."""
     return Validator()(model_argv, layout, world_size)

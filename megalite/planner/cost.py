@@ -27,12 +27,9 @@ step."""
 import dataclasses
 
 from megalite import parallel_state as ps
-from megalite.config.from_flags import model_config
 from megalite.config import ConfigError
 from megalite.planner.flops import num_floating_point_operations
 from megalite.batching.iteration_plan import batch_schedule, training_plan
-from megalite.config.batching import BatchingConfig
-from megalite.config.from_flags import with_rank_precision
 from megalite.planner import activations, data_parallel, memory, optimizer_step, semi_sync, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
 from megalite.planner.memory import zero_as_run
@@ -92,22 +89,22 @@ def _ranks(layout, cluster, pp_rank, axis):
     return [p * t * c * d for p in range(layout.pp)]
 
 
-def check_plannable(args, cluster, layout=None):
+def check_plannable(cfg, cluster, layout=None):
     """One ConfigError line for what the planner cannot price: no vocabulary size, flags it does not model,
     bf16 on GPUs without it."""
-    if args.vocab_size is None:
+    if cfg.vocab_size is None:
         raise ConfigError("give --vocab-size (the planner does not load tokenizers)")
     unmodelled = [flag for flag, given in (
-        (f"--semi-sync-method with {semi_sync.refusal(args)}", semi_sync.refusal(args)),
-        ("--grad-compression", args.grad_compression != "none")) if given]
+        (f"--semi-sync-method with {semi_sync.refusal(cfg)}", semi_sync.refusal(cfg)),
+        ("--grad-compression", cfg.grad_compression != "none")) if given]
     if unmodelled:
         raise ConfigError(f"the planner does not model {', '.join(unmodelled)} yet: plan without, then add it")
     no_bf16 = sorted({g.name for g in cluster.gpus if not g.bf16})
-    if args.bf16 and no_bf16:
+    if cfg.bf16 and no_bf16:
         raise ConfigError(f"{', '.join(no_bf16)} cannot compute in bf16: plan with --fp16 (or give those replicas "
                           "fp16 with --data-parallel-precisions)")
-    if layout is not None and args.data_parallel_precisions:
-        for d, precision in enumerate(args.data_parallel_precisions):
+    if layout is not None and cfg.data_parallel_precisions:
+        for d, precision in enumerate(cfg.data_parallel_precisions):
             lacking = sorted({g.name for i in range(layout.pp) for g in shares.replica_gpus(layout, cluster, d, i)
                               if not g.bf16})
             if precision == "bf16" and lacking:
@@ -115,39 +112,40 @@ def check_plannable(args, cluster, layout=None):
                                   "cannot compute in bf16: give it fp16")
 
 
-def _figures(args, layout):
+def _figures(cfg, layout):
     """(model config, activation bytes per element, padded vocabulary) of the run."""
-    c = model_config(args, args.vocab_size)
-    e = 2 if (args.bf16 or args.fp16) else 4
+    c = cfg.model
+    e = 2 if (cfg.bf16 or cfg.fp16) else 4
     return c, e, padded_vocab_size(c.vocab_size, c.make_vocab_size_divisible_by, layout.tp)
 
 
-def predict(args, layout, cluster):
-    """Prediction for `args` (megalite's validated arguments at this layout) on `cluster`."""
+def predict(cfg, layout, cluster):
+    """Prediction for `cfg` (the PlanConfig, config/plan.py: megalite's validated flags at this layout) on
+    `cluster`."""
     if cluster.size != layout.world:
         raise ConfigError(f"{layout.describe()} needs {layout.world} GPUs, the cluster has {cluster.size}")
-    check_plannable(args, cluster, layout)
-    c, e, vocab = _figures(args, layout)
+    check_plannable(cfg, cluster, layout)
+    c, e, vocab = _figures(cfg, layout)
     v = layout.chunks_per_stage(c.num_layers)
     # micro-batches per DP rank, as the run's iteration plan cuts them (shares, per-replica sizes)
-    batching = BatchingConfig.of(args)
-    every = training_plan(batching, batch_schedule(batching)).counts_of(args.global_batch_size)
-    fractions = args.optimizer_offload_fraction if args.optimizer_cpu_offload else None  # (a list: per replica)
-    per_replica_state = isinstance(fractions, (list, tuple)) or len(set(args.data_parallel_precisions or ())) > 1
+    batching = cfg.batching
+    every = training_plan(batching, batch_schedule(batching)).counts_of(cfg.global_batch_size)
+    fractions = cfg.optimizer_offload_fraction if cfg.optimizer_cpu_offload else None  # (a list: per replica)
+    per_replica_state = isinstance(fractions, (list, tuple)) or len(set(cfg.data_parallel_precisions or ())) > 1
     alike = not (shares.mixed(layout, cluster) or layout.micros or per_replica_state)
     replicas = range(1) if alike else range(layout.dp)  # (alike: one stands for all, the largest share decides)
     counts = [max(every)] if alike else every
-    zero = zero_as_run(args)  # (ZeRO-2 whose ranks run different counts reduces once, as ZeRO-1)
+    zero = zero_as_run(cfg)  # (ZeRO-2 whose ranks run different counts reduces once, as ZeRO-1)
     # each replica's model config and activation bytes (--data-parallel-precisions: its own), once for all stages
-    figures = {d: _figures(with_rank_precision(args, d), layout)[:2] for d in replicas}
+    figures = {d: _figures(cfg.at_rank(d), layout)[:2] for d in replicas}
     stage_times, worst, dp_bytes, opt, outer_elements = [], None, {}, 0.0, []
-    inner_dp = layout.dp // semi_sync.replicas(args)  # (semi-synchronous replicas: each its own inner DP)
+    inner_dp = layout.dp // semi_sync.replicas(cfg)  # (semi-synchronous replicas: each its own inner DP)
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
     for i in range(layout.pp):
         grid = ps.Grid.of(layout.tp, layout.pp, inner_dp, layout.cp, v if v > 1 else None, layout.ep,
                           layout.expert_tp if layout.ep else None, pp_rank=i)
         gpus = stages.stage_gpus(layout, cluster, i)
-        state = memory.training_state(args, c, grid)
+        state = memory.training_state(cfg, c, grid)
         outer_elements.append(sum(state.stepped.values()))  # (the main weights a rank sums at an outer step)
         cuts = [chunk_layers(c, i, j, grid) for j in range(v)]
         layers = [n for n, _ in cuts]
@@ -157,7 +155,7 @@ def predict(args, layout, cluster):
             micro = layout.micro_of(d)
             cd, ed = figures[d]
             if d and per_replica_state:  # replica d's own offload fraction or precision: its state bytes
-                state = memory.training_state(args, c, ps.Grid.of(
+                state = memory.training_state(cfg, c, ps.Grid.of(
                     layout.tp, layout.pp, layout.dp, layout.cp, v if v > 1 else None, layout.ep,
                     layout.expert_tp if layout.ep else None, pp_rank=i, dp_rank=d))
             per_chunk = [activations.chunk_bytes(cd, grid, micro, ed, n, i == 0 and j == 0,
@@ -177,13 +175,13 @@ def predict(args, layout, cluster):
             gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)  # the slowest
             st = _stage_time(cd, layout, cluster, i, gpu, ed, sum(layers), i == layout.pp - 1, vocab, micro)
             if layout.ep:  # the MoE token dispatch, on the stage's critical path
-                st["ep"] = sum(traffic.dispatch_bytes(args, c, grid).values()) / (
+                st["ep"] = sum(traffic.dispatch_bytes(cfg, c, grid).values()) / (
                     cluster.link_gbps(_ranks(layout, cluster, i, "ep")) * 1e9)
             per_replica.append(st)
-            opt = max(opt, optimizer_step.seconds(args, state, c, grid, slow_gpu,
+            opt = max(opt, optimizer_step.seconds(cfg, state, c, grid, slow_gpu,
                                                   lambda axis: cluster.link_gbps(_ranks(layout, cluster, i, axis))))
         stage_times.append(per_replica)
-        dp_bytes = max(dp_bytes, traffic.data_parallel_bytes(args, c, grid, every[0]), key=lambda d: sum(d.values()))
+        dp_bytes = max(dp_bytes, traffic.data_parallel_bytes(cfg, c, grid, every[0]), key=lambda d: sum(d.values()))
     pipes = []
     for r, n in enumerate(counts):  # each replica's pipeline over its own micro-batches
         per_micro = [sum(stage_times[i][r].values()) for i in range(layout.pp)]
@@ -194,47 +192,47 @@ def predict(args, layout, cluster):
     busy = {k: n * t for k, t in stage_times[i][r].items()}
     dp_ranks = _ranks(layout, cluster, 0, "dp")  # (semi-synchronous: the first replica's inner DP reduces)
     dp_time = data_parallel.dp_time(dp_ranks[:inner_dp], layout.cp, zero, cluster, dp_bytes, slowest, n,
-                                    args.overlap_grad_reduce, args.overlap_param_gather, args.hierarchical_grad_reduce)
+                                    cfg.overlap_grad_reduce, cfg.overlap_param_gather, cfg.hierarchical_grad_reduce)
     step = pipe + dp_time + opt
-    outer = max((semi_sync.outer_seconds(args, e, cluster.link_gbps(dp_ranks[::inner_dp]), cluster.latency_us * 1e-6,
+    outer = max((semi_sync.outer_seconds(cfg, e, cluster.link_gbps(dp_ranks[::inner_dp]), cluster.latency_us * 1e-6,
                                          step) for e in outer_elements), default=0.0)
     step += outer
     time = {**busy, "bubble": pipe - n * slowest, "dp": dp_time, "optimizer": opt, "outer": outer}
-    flops = num_floating_point_operations(c, args.global_batch_size, vocab)
+    flops = num_floating_point_operations(c, cfg.global_batch_size, vocab)
     if c.recompute_granularity == "full":
         flops *= 4 / 3  # Narayanan et al.'s convention counts the recomputed forward
     tflops = flops / step / cluster.size / 1e12
-    low = [p != "fp32" for p in args.data_parallel_precisions] if args.data_parallel_precisions else [e < 4] * layout.dp
+    low = [p != "fp32" for p in cfg.data_parallel_precisions] if cfg.data_parallel_precisions else [e < 4] * layout.dp
     peak = sum(g.peak_tflops if low[d] else g.fp32_tflops for d in range(layout.dp) for i in range(layout.pp)
                for g in shares.replica_gpus(layout, cluster, d, i)) / cluster.size
-    return Prediction(layout, layout.flags(), worst, time, step, args.global_batch_size * c.seq_length / step, tflops,
+    return Prediction(layout, layout.flags(), worst, time, step, cfg.global_batch_size * c.seq_length / step, tflops,
                       tflops / peak, worst["headroom"] >= 0)
 
 
-def balanced_layout(args, layout, cluster):
+def balanced_layout(cfg, layout, cluster):
     """The layout with its layers cut across the pipeline stages by their GPUs' predicted speed and memory
     (stages.py); the layout itself where it is not a plain pipeline or the cut is the even one."""
     from megalite.transformer.pipeline_layers import stage_layer_counts
     if layout.pp == 1 or layout.vp or layout.chunks:
         return layout
-    c, e, vocab = _figures(args, layout)
-    m = args.global_batch_size // (layout.micro * layout.dp)
+    c, e, vocab = _figures(cfg, layout)
+    m = cfg.global_batch_size // (layout.micro * layout.dp)
 
     def seconds(i, gpu, layers, last):
         return sum(_stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab).values())
-    counts = stages.balance(args, c, layout, cluster, seconds, lambda i: _in_flight(layout, i, m, 1), RESERVED,
+    counts = stages.balance(cfg, c, layout, cluster, seconds, lambda i: _in_flight(layout, i, m, 1), RESERVED,
                             FRAGMENTATION)
     if tuple(counts) == tuple(stage_layer_counts(c.num_layers, layout.pp, None, None)):
         return layout
     return dataclasses.replace(layout, stage_layers=tuple(counts))
 
 
-def balanced_shares(args, layout, cluster):
+def balanced_shares(cfg, layout, cluster):
     """The layout with --data-parallel-shares giving each replica micro-batches by its predicted speed, where
     the replicas hold different GPUs (the layout itself where they do not, or the shares come out equal)."""
     if layout.dp == 1 or not shares.mixed(layout, cluster):
         return layout
-    c, e, vocab = _figures(args, layout)
+    c, e, vocab = _figures(cfg, layout)
     seconds = []
     for d in range(layout.dp):  # a replica's pace: its slowest stage per micro-batch
         per_stage = []
@@ -245,7 +243,7 @@ def balanced_shares(args, layout, cluster):
             gpu = min(shares.replica_gpus(layout, cluster, d, i), key=lambda g: g.peak_tflops)
             per_stage.append(sum(_stage_time(c, layout, cluster, i, gpu, e, n, i == layout.pp - 1, vocab).values()))
         seconds.append(max(per_stage))
-    total = args.global_batch_size // layout.micro
+    total = cfg.global_batch_size // layout.micro
     n = shares.counts(total, seconds)
     return layout if len(set(n)) == 1 else dataclasses.replace(layout, shares=tuple(n))
 

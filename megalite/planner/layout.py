@@ -108,61 +108,62 @@ def strip_layout_flags(argv):
     return out
 
 
-def layout_from_args(args):
-    """The layout a parsed pretrain_gpt.py command line asks for (one ConfigError line for what a Layout cannot
-    describe: interleaving with unequal chunks, full recompute other than one layer per checkpoint)."""
+def layout_of(cfg):
+    """The layout a validated pretrain_gpt.py command line asks for (cfg: its PlanConfig, config/plan.py; one
+    ConfigError line for what a Layout cannot describe: interleaving with unequal chunks, full recompute other than
+    one layer per checkpoint)."""
     from megalite.transformer.pipeline_layers import stage_layer_counts
-    full = args.recompute_granularity == "full"
-    if full and (args.recompute_method != "uniform" or (args.recompute_num_layers or 1) != 1):
+    full = cfg.recompute_granularity == "full"
+    if full and (cfg.recompute_method != "uniform" or (cfg.recompute_num_layers or 1) != 1):
         raise ConfigError("the planner models full recompute as --recompute-method uniform --recompute-num-layers 1; "
-                          f"not --recompute-method {args.recompute_method} --recompute-num-layers "
-                          f"{args.recompute_num_layers}")
-    pp, L, v = args.pipeline_model_parallel_size, args.num_layers, args.virtual_pipeline_model_parallel_size
+                          f"not --recompute-method {cfg.recompute_method} --recompute-num-layers "
+                          f"{cfg.recompute_num_layers}")
+    pp, L, v = cfg.pipeline_model_parallel_size, cfg.num_layers, cfg.virtual_pipeline_model_parallel_size
     counts, vp = None, None
     chunks = None
     if v:
-        cut = tuple(args.pipeline_layout or [L // (pp * v)] * (pp * v))  # (virtual stage k: stage k % pp)
+        cut = tuple(cfg.pipeline_layout or [L // (pp * v)] * (pp * v))  # (virtual stage k: stage k % pp)
         if len(set(cut)) > 1 or L % (pp * v):
             chunks, counts = v, cut  # unequal chunks (first/last stages, an explicit layout): priced chunk by chunk
         else:
             vp = L // (pp * v)
     else:
-        cut = tuple(args.pipeline_layout or stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers,
-                                                                args.decoder_last_pipeline_num_layers))
+        cut = tuple(cfg.pipeline_layout or stage_layer_counts(L, pp, cfg.decoder_first_pipeline_num_layers,
+                                                                cfg.decoder_last_pipeline_num_layers))
         even = tuple(stage_layer_counts(L, pp, None, None)) if L % pp == 0 else None  # (uneven: only given cuts)
         counts = cut if cut != even else None
-    ep = args.expert_model_parallel_size if args.num_experts else None
-    etp = (args.expert_tensor_parallel_size or args.tensor_model_parallel_size) if ep else None
-    micros = _micros(args)
-    micro = args.data_parallel_micro_batch_sizes[0] if args.data_parallel_micro_batch_sizes and not micros \
-        else args.micro_batch_size  # (equal sizes given: that size everywhere)
-    return Layout(args.tensor_model_parallel_size, pp, args.context_parallel_size, args.data_parallel_size, vp, ep,
-                  (args.zero_stage or 1) if args.use_distributed_optimizer else 0,
-                  "full" if full else args.recompute_granularity, micro, args.sequence_parallel,
-                  counts, _shares(args), etp, micros, _offload(args), chunks)
+    ep = cfg.expert_model_parallel_size if cfg.num_experts else None
+    etp = (cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size) if ep else None
+    micros = _micros(cfg)
+    micro = cfg.data_parallel_micro_batch_sizes[0] if cfg.data_parallel_micro_batch_sizes and not micros \
+        else cfg.micro_batch_size  # (equal sizes given: that size everywhere)
+    return Layout(cfg.tensor_model_parallel_size, pp, cfg.context_parallel_size, cfg.data_parallel_size, vp, ep,
+                  (cfg.zero_stage or 1) if cfg.use_distributed_optimizer else 0,
+                  "full" if full else cfg.recompute_granularity, micro, cfg.sequence_parallel,
+                  counts, _shares(cfg), etp, micros, _offload(cfg), chunks)
 
 
-def _offload(args):
+def _offload(cfg):
     """--optimizer-cpu-offload's fraction per DP replica (None without it)."""
-    if not args.optimizer_cpu_offload:
+    if not cfg.optimizer_cpu_offload:
         return None
-    f = args.optimizer_offload_fraction
+    f = cfg.optimizer_offload_fraction
     if f == "auto":
         from megalite.planner.memory import OFFLOAD_AUTO
         raise ConfigError(OFFLOAD_AUTO)
-    return tuple(float(x) for x in f) if isinstance(f, (list, tuple)) else (float(f),) * args.data_parallel_size
+    return tuple(float(x) for x in f) if isinstance(f, (list, tuple)) else (float(f),) * cfg.data_parallel_size
 
 
-def _micros(args):
-    sizes = args.data_parallel_micro_batch_sizes
+def _micros(cfg):
+    sizes = cfg.data_parallel_micro_batch_sizes
     if sizes == "auto":
         raise ConfigError("the planner prices given --data-parallel-micro-batch-sizes, not auto (measured at start): "
                           "give the sizes, or leave the flag out and let the search choose them")
     return tuple(sizes) if sizes and len(set(sizes)) > 1 else None
 
 
-def _shares(args):
-    s = args.data_parallel_shares
+def _shares(cfg):
+    s = cfg.data_parallel_shares
     if not s or s == "auto":
         return None
     return tuple(int(x) for x in str(s).split(",")) if not isinstance(s, (list, tuple)) else tuple(s)

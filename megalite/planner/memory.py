@@ -23,8 +23,6 @@ from megalite.config import ConfigError
 from megalite.distributed.grad_buffer import plan_reduction, tied_weight
 from megalite.distributed.param_facts import derive
 from megalite.batching.iteration_plan import batch_schedule, reduces_once, training_plan
-from megalite.config.batching import BatchingConfig
-from megalite.config.from_flags import with_rank_precision
 from megalite.optimizer.muon import is_muon_matrix
 from megalite.optimizer.offload import host_split
 from megalite.optimizer.optimizer import no_weight_decay
@@ -140,33 +138,33 @@ def _plan_buckets(model, grid, zero, bucket_size):
     return [(b, n, d, r) for b, n, (_, d, r) in plan]
 
 
-def zero_as_run(args):
+def zero_as_run(cfg):
     """The ZeRO stage the run's gradient reduction behaves as (0: plain DP): ZeRO-2 as ZeRO-1 where it reduces
     once per iteration, its ranks running different micro-batch counts (iteration_plan.reduces_once): the full
     fp32 gradients accumulated over the iteration, one reduce-scatter."""
-    zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
-    if zero == 2 and (args.data_parallel_shares or args.data_parallel_micro_batch_sizes):
-        batching = BatchingConfig.of(args)
+    zero = (cfg.zero_stage or 1) if cfg.use_distributed_optimizer else 0
+    if zero == 2 and (cfg.data_parallel_shares or cfg.data_parallel_micro_batch_sizes):
+        batching = cfg.batching
         if reduces_once(batching, training_plan(batching, batch_schedule(batching))):
             return 1
     return zero
 
 
-def training_state(args, mcfg, grid):
-    """StateBytes of the rank at `grid`'s coordinates for the run `args` describes (after a step: a ZeRO-2 that
+def training_state(cfg, mcfg, grid):
+    """StateBytes of the rank at `grid`'s coordinates for the run `cfg` describes (after a step: a ZeRO-2 that
     reduces once has released its full-size gradients again, cost.py counts them as a buffer), in its DP
     replica's precision (--data-parallel-precisions)."""
-    args = with_rank_precision(args, grid.dp_rank)
-    zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
-    low = bool(args.bf16 or args.fp16)
+    cfg = cfg.at_rank(grid.dp_rank)
+    zero = (cfg.zero_stage or 1) if cfg.use_distributed_optimizer else 0
+    low = bool(cfg.bf16 or cfg.fp16)
     chunks = build_chunks(mcfg, grid)
-    offload = _offload_fraction(args, grid)
-    key = (id(chunks), zero, low, args.ddp_bucket_size, args.decoupled_lr is not None, grid.dp, grid.cp, grid.dp_rank,
-           grid.cp_rank, grid.edp, grid.edp_rank, args.optimizer, args.muon_scalar_optimizer, offload)
+    offload = _offload_fraction(cfg, grid)
+    key = (id(chunks), zero, low, cfg.ddp_bucket_size, cfg.decoupled_lr is not None, grid.dp, grid.cp, grid.dp_rank,
+           grid.cp_rank, grid.edp, grid.edp_rank, cfg.optimizer, cfg.muon_scalar_optimizer, offload)
     if key not in _STATES:
         if len(_STATES) > 4096:
             _STATES.clear()
-        _STATES[key] = _state(args, chunks, grid, zero, low, offload)
+        _STATES[key] = _state(cfg, chunks, grid, zero, low, offload)
     return dataclasses.replace(_STATES[key])
 
 
@@ -174,21 +172,21 @@ OFFLOAD_AUTO = ("the planner prices a given --optimizer-offload-fraction, not au
                 "--device-memory-budget): give the fraction")
 
 
-def _offload_fraction(args, grid):
+def _offload_fraction(cfg, grid):
     """This rank's --optimizer-offload-fraction (0 without --optimizer-cpu-offload; a list: its DP replica's)."""
-    f = args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
+    f = cfg.optimizer_offload_fraction if cfg.optimizer_cpu_offload else 0.0
     if f == "auto":
         raise ConfigError(OFFLOAD_AUTO)
     return float(f[grid.dp_rank] if isinstance(f, (list, tuple)) else f)
 
 
-def _state(args, chunks, grid, zero, low, offload=0.0):
+def _state(cfg, chunks, grid, zero, low, offload=0.0):
     dtype_bytes = 2 if low else FP32
     out, kinds, groups = StateBytes(), set(), {}
     for model in chunks:
         names = {p: n for n, p in model.named_parameters()}
         out.weights += sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-        plan = _buckets(model, grid, zero, args.ddp_bucket_size)
+        plan = _buckets(model, grid, zero, cfg.ddp_bucket_size)
         total = sum(n for _, n, _, _ in plan)
         if not zero:
             out.weights += sum(p.numel() for b, _, _, _ in plan for p in b) * dtype_bytes
@@ -208,10 +206,10 @@ def _state(args, chunks, grid, zero, low, offload=0.0):
             if zero == 3:
                 out.weights += len(plan) * dtype_bytes  # each bucket's released parameters share one element
         for p, k in owned:
-            kind = optimizer_of(args, p)
+            kind = optimizer_of(cfg, p)
             out.stepped[kind] = out.stepped.get(kind, 0) + k
             out.optimizer += k * len(STATE_KEYS[kind]) * FP32 + (k * FP32 if low else 0)
-            groups.setdefault((kind, not no_weight_decay(names[p], p), _decoupled(args, p)), []).append(k)
+            groups.setdefault((kind, not no_weight_decay(names[p], p), _decoupled(cfg, p)), []).append(k)
     for key, sizes in groups.items():  # offload: whole parameters from the front of each group
         kind = key[0]
         host = sum(sizes[i] for i in host_split(range(len(sizes)), sizes, offload)[0]) if offload else 0
@@ -223,12 +221,12 @@ def _state(args, chunks, grid, zero, low, offload=0.0):
     return out
 
 
-def optimizer_of(args, p):
+def optimizer_of(cfg, p):
     """Which optimizer steps p (optimizer.py's groups)."""
-    if args.optimizer != "muon":
-        return args.optimizer
-    return "muon" if is_muon_matrix(p) else args.muon_scalar_optimizer
+    if cfg.optimizer != "muon":
+        return cfg.optimizer
+    return "muon" if is_muon_matrix(p) else cfg.muon_scalar_optimizer
 
 
-def _decoupled(args, p):
-    return args.decoupled_lr is not None and bool(getattr(p, "is_embedding_or_output_parameter", False))
+def _decoupled(cfg, p):
+    return cfg.decoupled_lr is not None and bool(getattr(p, "is_embedding_or_output_parameter", False))

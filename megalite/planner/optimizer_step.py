@@ -17,20 +17,20 @@ BYTES = {"adam": 30, "muon": 30, "sgd": 22, "lion": 22}
 ELEMENTWISE_EFFICIENCY = 0.8  # (cost.py's)
 
 
-def muon_plan(args, mcfg, grid):
+def muon_plan(cfg, mcfg, grid):
     """{"flops": Newton-Schulz FLOPs, "muon_all_to_all", "muon_all_gather": wire bytes} of this rank's Muon
     step (what comm counts under those names); zeros without Muon."""
     out = {"flops": 0, "muon_all_to_all": 0.0, "muon_all_gather": 0.0}
-    if args.optimizer != "muon":
+    if cfg.optimizer != "muon":
         return out
-    zero = (args.zero_stage or 1) if args.use_distributed_optimizer else 0
+    zero = (cfg.zero_stage or 1) if cfg.use_distributed_optimizer else 0
 
     def expert(p):
         return bool(getattr(p, "expert_parallel", False)) and grid.experts
-    mm = MuonMatrices([], args, tp_size=lambda p: grid.etp if expert(p) else grid.tp)
+    mm = MuonMatrices([], cfg.training, tp_size=lambda p: grid.etp if expert(p) else grid.tp)
     groups = {False: [], True: []}  # per sharding group (dense, experts): (param, ranges, rank, size)
     for model in build_chunks(mcfg, grid):
-        for params, n, d, r in _buckets(model, grid, zero, args.ddp_bucket_size):
+        for params, n, d, r in _buckets(model, grid, zero, cfg.ddp_bucket_size):
             offset, shard = 0, n // d
             for p in params:
                 k = p.numel()
@@ -49,31 +49,31 @@ def muon_plan(args, mcfg, grid):
             mine = [p for (p, _, _), o in zip(hs, owner) if o == r]
         out["flops"] += sum(mm.cost(p) for p in mine)
         tp = grid.etp if is_expert else grid.tp
-        if tp > 1 and args.muon_tp_mode == "duplicated":
+        if tp > 1 and cfg.muon_tp_mode == "duplicated":
             out["muon_all_gather"] += sum(4 * p.numel() * (tp - 1) for p in mine
                                           if getattr(p, "tensor_model_parallel", False))
     return out
 
 
-def seconds(args, state, mcfg, grid, gpu, gbps):
+def seconds(cfg, state, mcfg, grid, gpu, gbps):
     """state: memory.training_state's; gbps(axis): the link speed of this stage's group along 'dp' or 'tp'
     (asked only when bytes cross it). --optimizer-cpu-offload: the host part steps at the GPU's host_step_gbps,
     its fp32 gradients go down and its weights come up over the GPU's host link (behind the device's part of
     the step with --overlap-cpu-optimizer-d2h-h2d, on a device that runs behind its host: a CPU rank has no
     side stream, so its copies are always in the step)."""
     work = sum(n * BYTES[kind] for kind, n in state.stepped.items())
-    per_host = BYTES[args.optimizer if args.optimizer != "muon" else args.muon_scalar_optimizer]
+    per_host = BYTES[cfg.optimizer if cfg.optimizer != "muon" else cfg.muon_scalar_optimizer]
     device_gbps = gpu.optimizer_gbps or gpu.memory_gbps * ELEMENTWISE_EFFICIENCY
     t = (work - state.host_elements * per_host) / (device_gbps * 1e9)
     if state.host_elements:
-        copies = state.host_elements * (4 + (2 if args.bf16 or args.fp16 else 4)) / (gpu.host_gbps * 1e9)
+        copies = state.host_elements * (4 + (2 if cfg.bf16 or cfg.fp16 else 4)) / (gpu.host_gbps * 1e9)
         host = state.host_elements * per_host / (gpu.host_step_gbps * 1e9)
-        hidden = args.overlap_cpu_optimizer_d2h_h2d and gpu.asynchronous
+        hidden = cfg.overlap_cpu_optimizer_d2h_h2d and gpu.asynchronous
         t = t + host + (max(0.0, copies - t) if hidden else copies)
-    if args.optimizer != "muon":
+    if cfg.optimizer != "muon":
         return t
-    plan = muon_plan(args, mcfg, grid)
-    rate = (gpu.peak_tflops if args.muon_fp32_matmul_prec != "high" else gpu.fp32_tflops) * 1e12
+    plan = muon_plan(cfg, mcfg, grid)
+    rate = (gpu.peak_tflops if cfg.muon_fp32_matmul_prec != "high" else gpu.fp32_tflops) * 1e12
     t += plan["flops"] / (rate * gpu.gemm_efficiency)
     for op, axis in (("muon_all_to_all", "dp"), ("muon_all_gather", "tp")):
         t += plan[op] / (gbps(axis) * 1e9) if plan[op] else 0.0

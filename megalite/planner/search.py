@@ -21,10 +21,10 @@ def _divisors(n, limit=None):
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 
 
-def candidates(args, world, gpus_per_node, recomputes=(None, "selective", "full"), zeros=(0, 1, 2, 3)):
-    L, gbs = args.num_layers, args.global_batch_size
-    cps = [1] + ([2, 4, 8] if args.seq_length >= 8192 else [])
-    experts = args.num_experts or 0
+def candidates(cfg, world, gpus_per_node, recomputes=(None, "selective", "full"), zeros=(0, 1, 2, 3)):
+    L, gbs = cfg.num_layers, cfg.global_batch_size
+    cps = [1] + ([2, 4, 8] if cfg.seq_length >= 8192 else [])
+    experts = cfg.num_experts or 0
     for tp in _divisors(min(world, gpus_per_node)):
         for cp in cps:
             for pp in _divisors(L):
@@ -43,13 +43,13 @@ def candidates(args, world, gpus_per_node, recomputes=(None, "selective", "full"
                                             yield Layout(tp, pp, cp, dp, vp, ep, zero, rc, micro, tp > 1, etp=etp)
 
 
-def _fit_replicas(model_argv, args, lay, cluster, validate):
+def _fit_replicas(model_argv, cfg, lay, cluster, validate):
     """The layout's prediction; where it does not fit and its replicas hold different GPUs, the replicas on the
     GPU type that runs out get halved micro-batches (--data-parallel-micro-batch-sizes) until it fits, the sizes
     come out equal (a layout of its own) or megalite would not launch them (samples not whole micro-batches);
     then, where the layout chose no offload, half and then all of their optimizer on the host
     (--optimizer-cpu-offload)."""
-    p = predict(args, lay, cluster)
+    p = predict(cfg, lay, cluster)
     if p.fits or lay.dp == 1 or not shares.mixed(lay, cluster):
         return p
 
@@ -100,33 +100,33 @@ def _given_offload(model_argv):
 def search(model_argv, cluster, top=5, limit=None, *, validate, **choices):
     """[(Prediction)] of the `top` fastest layouts that fit (or, if none fits, the `top` tightest), and the
     count of layouts megalite would launch. choices: candidates' recomputes= and zeros= (default: all).
-    validate(model_argv, layout, world_size): the validated run configuration of a layout, ConfigError where
+    validate(model_argv, layout, world_size): the PlanConfig (config/plan.py) of a layout, ConfigError where
     megalite would refuse it (megalite/cli/plan.py's: the command line's own checks)."""
-    args0 = validate(model_argv, Layout(), 1)  # the model's and batch's own figures (one GPU's view)
-    check_plannable(args0, cluster)
+    cfg0 = validate(model_argv, Layout(), 1)  # the model's and batch's own figures (one GPU's view)
+    check_plannable(cfg0, cluster)
     fits, tight, n = [], [], 0
     offload = _given_offload(model_argv)
-    for lay in candidates(args0, cluster.size, cluster.gpus_per_node, **choices):
+    for lay in candidates(cfg0, cluster.size, cluster.gpus_per_node, **choices):
         if offload is not None:
             lay = dataclasses.replace(lay, offload=(offload,) * lay.dp)
         try:
-            args = validate(model_argv, lay, cluster.size)
+            cfg = validate(model_argv, lay, cluster.size)
             try:
-                cut = balanced_layout(args, lay, cluster)  # layers by the stages' GPUs (and the embedding, loss)
+                cut = balanced_layout(cfg, lay, cluster)  # layers by the stages' GPUs (and the embedding, loss)
             except ConfigError:  # no cut fits every stage: the even split, priced as it is (it will not fit)
                 cut = lay
             if cut is not lay:
-                lay, args = cut, validate(model_argv, cut, cluster.size)
-            shared = balanced_shares(args, lay, cluster)  # micro-batches by the replicas' GPUs
+                lay, cfg = cut, validate(model_argv, cut, cluster.size)
+            shared = balanced_shares(cfg, lay, cluster)  # micro-batches by the replicas' GPUs
             if shared is not lay:
                 try:
-                    lay, args = shared, validate(model_argv, shared, cluster.size)
+                    lay, cfg = shared, validate(model_argv, shared, cluster.size)
                 except ConfigError:  # a combination megalite does not run with shares: equal ones
                     pass
         except ConfigError:
             continue
         n += 1
-        p = _fit_replicas(model_argv, args, lay, cluster, validate)
+        p = _fit_replicas(model_argv, cfg, lay, cluster, validate)
         (fits if p.fits else tight).append(p)
         if limit and n >= limit:
             break

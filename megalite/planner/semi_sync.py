@@ -13,33 +13,33 @@ BUCKET = 1 << 24  # elements per outer all-reduce (distributed/semi_sync.py)
 PAYLOAD = {None: 4, "bf16": 2, "fp8": 1}  # bytes per element on the wire
 
 
-def replicas(args):
+def replicas(cfg):
     """R: the semi-synchronous replicas (1 without --semi-sync-method)."""
-    return (args.semi_sync_replicas or 1) if args.semi_sync_method else 1
+    return (cfg.semi_sync_replicas or 1) if cfg.semi_sync_method else 1
 
 
-def refusal(args):
+def refusal(cfg):
     """What of semi-synchronous training the planner does not price (one line), or None."""
-    if not args.semi_sync_method:
+    if not cfg.semi_sync_method:
         return None
-    if args.semi_sync_async:
+    if cfg.semi_sync_async:
         return "--semi-sync-async (replicas at their own pace)"
-    if getattr(args, "semi_sync_auto", False) or len(set(args.semi_sync_steps)) > 1:
+    if cfg.semi_sync_auto or len(set(cfg.semi_sync_steps)) > 1:
         return "--semi-sync-steps auto or a count per replica (give one H)"
     return None
 
 
-def outer_seconds(args, elements, counterparts_gbps, latency_s, inner_step_s):
+def outer_seconds(cfg, elements, counterparts_gbps, latency_s, inner_step_s):
     """Exposed seconds per inner step of the outer step, for a rank stepping `elements` main weights whose
     counterparts in the other replicas are reached at counterparts_gbps."""
-    r = replicas(args)
+    r = replicas(cfg)
     if r <= 1 or not elements:
         return 0.0
-    h = max(args.semi_sync_steps)
-    q = getattr(args, "semi_sync_quantize", None)
+    h = max(cfg.semi_sync_steps)
+    q = getattr(cfg, "semi_sync_quantize", None)
     wire = (r - 1) * PAYLOAD[q] * elements if q else 2 * (r - 1) / r * 4 * elements
-    k = getattr(args, "semi_sync_fragments", 1) or 1
+    k = getattr(cfg, "semi_sync_fragments", 1) or 1
     per_fragment = wire / k / (counterparts_gbps * 1e9) + latency_s * math.ceil(elements / k / BUCKET)
-    hidden = getattr(args, "semi_sync_fragment_delay", 0) * inner_step_s
+    hidden = getattr(cfg, "semi_sync_fragment_delay", 0) * inner_step_s
     round_s = latency_s + k * max(0.0, per_fragment - hidden)  # (the samples' one-element all-reduce first)
     return round_s / h

@@ -17,10 +17,10 @@ def stage_gpus(layout, cluster, i):
     return [cluster.gpus[r] for r in range(i * per, (i + 1) * per)]
 
 
-def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved, fragmentation):
+def balance(cfg, mcfg, layout, cluster, stage_seconds, in_flight, reserved, fragmentation):
     """Layers per stage (ConfigError where no cut fits). stage_seconds(i, gpu, layers, last) -> seconds of
     one micro-batch's forward and backward; in_flight(i) -> micro-batches stage i holds."""
-    e = 2 if (args.bf16 or args.fp16) else 4
+    e = 2 if (cfg.bf16 or cfg.fp16) else 4
     stages = []
     for i in range(layout.pp):
         gpus = stage_gpus(layout, cluster, i)
@@ -30,7 +30,7 @@ def balance(args, mcfg, layout, cluster, stage_seconds, in_flight, reserved, fra
         per_layer = stage_seconds(i, slow, 1, last) - fixed
         grid = ps.Grid.of(layout.tp, layout.pp, layout.dp, layout.cp, None, layout.ep,
                           layout.expert_tp if layout.ep else None, pp_rank=i)
-        state = memory.training_state(args, mcfg, grid)
+        state = memory.training_state(cfg, mcfg, grid)
         inside, everything, layers = memory.chunk_numels(memory.build_chunks(mcfg, grid)[0])
         layers = max(1, layers)
         per_param = state.total / max(1, everything)

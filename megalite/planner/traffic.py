@@ -21,33 +21,33 @@ from megalite.planner.memory import _buckets, _tied, build_chunks, chunk_routers
 from megalite.planner.optimizer_step import muon_plan
 
 
-def dp_wire_bytes(args, mcfg, grid, micro_batches):
+def dp_wire_bytes(cfg, mcfg, grid, micro_batches):
     """{"all_reduce", "reduce_scatter", "all_gather", "muon_all_to_all", "muon_all_gather": wire bytes} of
     this rank for one step (what comm counts: the data-parallel collectives, the MoE dispatch's, Muon's)."""
-    dp, ep = data_parallel_bytes(args, mcfg, grid, micro_batches), dispatch_bytes(args, mcfg, grid)
-    muon = muon_plan(args, mcfg, grid)
+    dp, ep = data_parallel_bytes(cfg, mcfg, grid, micro_batches), dispatch_bytes(cfg, mcfg, grid)
+    muon = muon_plan(cfg, mcfg, grid)
     return {**{op: dp[op] + ep.get(op, 0.0) * micro_batches for op in dp},
             "muon_all_to_all": muon["muon_all_to_all"], "muon_all_gather": muon["muon_all_gather"]}
 
 
-def dispatch_bytes(args, mcfg, grid):
+def dispatch_bytes(cfg, mcfg, grid):
     """{op: wire bytes} of one micro-batch's MoE token dispatch on this rank (all its chunks)."""
-    e = 2 if (args.bf16 or args.fp16) else 4
+    e = 2 if (cfg.bf16 or cfg.fp16) else 4
     out = {}
     for model in build_chunks(mcfg, grid):
-        for op, b in _dispatch(mcfg, grid, model, e, args.micro_batch_size).items():
+        for op, b in _dispatch(mcfg, grid, model, e, cfg.micro_batch_size).items():
             out[op] = out.get(op, 0.0) + b
     return out
 
 
-def data_parallel_bytes(args, mcfg, grid, micro_batches):
+def data_parallel_bytes(cfg, mcfg, grid, micro_batches):
     """{"all_reduce", "reduce_scatter", "all_gather": wire bytes} of this rank's data-parallel collectives
     for one step."""
-    zero = zero_as_run(args)
-    e = 2 if (args.bf16 or args.fp16) else 4
+    zero = zero_as_run(cfg)
+    e = 2 if (cfg.bf16 or cfg.fp16) else 4
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     for model in build_chunks(mcfg, grid):
-        for _, n, d, _ in _buckets(model, grid, zero, args.ddp_bucket_size):
+        for _, n, d, _ in _buckets(model, grid, zero, cfg.ddp_bucket_size):
             if d == 1:
                 continue
             ring = (d - 1) / d
@@ -62,7 +62,7 @@ def data_parallel_bytes(args, mcfg, grid, micro_batches):
         if zero == 3 and _tied(model, grid) is None and getattr(model, "share_embeddings_and_output_weights", False) \
                 and model.pre_process and model.post_process:
             word = model.embedding.word_embeddings.weight
-            for params, n, d, _ in _buckets(model, grid, zero, args.ddp_bucket_size):
+            for params, n, d, _ in _buckets(model, grid, zero, cfg.ddp_bucket_size):
                 if any(p is word for p in params):
                     out["all_gather"] += (d - 1) / d * e * n * micro_batches
     return out
