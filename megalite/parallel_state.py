@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from megalite.parallel.grid import Grid, rank_of  # noqa: F401  (re-exported: ps.Grid, ps.rank_of)
+from megalite.parallel.global_grid import global_grid, global_grid_or_none, set_global_grid
 from megalite.parallel.launch import initialize_distributed, new_group  # noqa: F401  (ps.initialize_distributed)
+from megalite.parallel.megatron_accessors import *  # noqa: F401,F403  (Megatron's accessors: ps.get_..._rank())
 from megalite.parallel.process_groups import build_groups, build_replica_groups
-
-_GRID = None
 
 # torch >= 2.12 renames the tensor-form collectives; older releases (the GPU machine's 2.11)
 # only have the original names.
@@ -53,7 +53,6 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     defaults to the TP size, as Megatron's). replicas (semi-synchronous training): the DP ranks split into
     this many consecutive blocks, each a whole model copy whose DP groups (gradients, ZeRO) are its block
     (megalite/distributed/semi_sync.py). The groups' rank lists: megalite/parallel/process_groups.py."""
-    global _GRID
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     for name, v in (("tensor-model", tp), ("pipeline-model", pp), ("context", cp)):
@@ -79,7 +78,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
         grid.experts, grid.ep, grid.etp, grid.edp = True, ep, etp, tp * cp * dp // (ep * etp)
     if not dist.is_initialized():
         grid.freeze()
-        _GRID = grid
+        set_global_grid(grid)
         return
     rank = grid.rank = dist.get_rank()
     grid.tp_rank = rank % tp
@@ -107,27 +106,23 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     if replicas > 1:
         build_replica_groups(grid, at_replica, make)
     grid.freeze()
-    _GRID = grid
+    set_global_grid(grid)
 
 
 def model_parallel_is_initialized():
-    return _GRID is not None
+    return global_grid_or_none() is not None
 
 
 def destroy_model_parallel():
     """Forget the grid and release the groups it made (a process that initialises many grids, as the
     tests and benchmarks do, would otherwise keep every group's sockets); re-initialisable."""
-    global _GRID
-    for g in getattr(_GRID, "created", ()):
+    for g in getattr(set_global_grid(None), "created", ()):
         if dist.is_initialized():
             dist.destroy_process_group(g)
-    _GRID = None
 
 
 def _grid():
-    if _GRID is None:
-        raise RuntimeError("megalite.parallel_state is not initialised: call initialize_model_parallel() first")
-    return _GRID
+    return global_grid()
 
 
 def current_grid(grid=None):
@@ -142,221 +137,6 @@ def grid_of(modules):
         if g is not None:
             return g
     return current_grid()
-
-
-def get_tensor_model_parallel_group():
-    return _grid().tp_group
-
-
-def get_tensor_model_parallel_rank():
-    return _grid().tp_rank
-
-
-def get_tensor_model_parallel_world_size():
-    return _grid().tp
-
-
-def get_pipeline_model_parallel_group():
-    return _grid().pp_group
-
-
-def get_pipeline_model_parallel_rank():
-    return _grid().pp_rank
-
-
-def get_pipeline_model_parallel_world_size():
-    return _grid().pp
-
-
-def get_pipeline_model_parallel_ranks():
-    return list(_grid().pp_ranks)
-
-
-def get_data_parallel_group(with_context_parallel=False):
-    """DP; with_context_parallel: DP x CP (gradient reduction and ZeRO shards, as Megatron)."""
-    return _grid().dp_cp()[0] if with_context_parallel else _grid().dp_group
-
-
-def get_data_parallel_rank(with_context_parallel=False):
-    return _grid().dp_cp()[2] if with_context_parallel else _grid().dp_rank
-
-
-def get_data_parallel_world_size(with_context_parallel=False):
-    return _grid().dp_cp()[1] if with_context_parallel else _grid().dp
-
-
-def get_data_parallel_rank_across_replicas():
-    """This rank's DP index over every replica (replica x inner DP): what it reads of each global batch."""
-    return _grid().data_rank()
-
-
-def get_replica_rank():
-    """Semi-synchronous training: which replica this rank belongs to (0 without)."""
-    return _grid().replica_rank
-
-
-def get_replica_world_size():
-    """The number of semi-synchronous replicas (1 without)."""
-    return _grid().replicas
-
-
-def get_replica_group():
-    """This rank and its counterparts (same TP, CP, inner DP, PP coordinates) in the other replicas:
-    the group of the outer step. None with one replica."""
-    return _grid().replica_group
-
-
-def get_replica_counterparts():
-    """Every position's counterparts across the replicas (lists of global ranks in replica order; [] without)."""
-    return _grid().replica_counterparts
-
-
-def get_replica_world_group():
-    """Every rank of this replica and their global ranks ((None, None) with one replica: the world)."""
-    g = _grid()
-    return g.replica_world_group, g.replica_world_ranks
-
-
-def get_context_parallel_group():
-    return _grid().cp_group
-
-
-def get_context_parallel_rank():
-    return _grid().cp_rank
-
-
-def get_context_parallel_world_size():
-    return _grid().cp
-
-
-def get_context_parallel_global_ranks():
-    return list(_grid().cp_ranks)
-
-
-def uses_tp_pp_dp_mapping():
-    """Whether the rank order is TP, CP, PP, DP (--use-tp-pp-dp-mapping)."""
-    return _grid().pp_before_dp
-
-
-def get_gradient_node_groups():
-    """--hierarchical-grad-reduce: (group of this rank's gradient-reduction peers on its node, their
-    global ranks, group of its counterparts on the other nodes, their ranks); None without."""
-    return _grid().grad_nodes
-
-
-def get_hierarchical_context_parallel_groups():
-    """[(group, global ranks)] per level of --hierarchical-context-parallel-sizes ([] without)."""
-    return list(_grid().hcp)
-
-
-def has_expert_grid():
-    """Whether expert groups exist (an MoE job); without, experts reduce like dense parameters."""
-    return _grid().experts
-
-
-def get_expert_model_parallel_group():
-    return _grid().ep_group
-
-
-def get_expert_model_parallel_rank():
-    return _grid().ep_rank
-
-
-def get_expert_model_parallel_world_size():
-    return _grid().ep
-
-
-def get_expert_tensor_parallel_group():
-    return _grid().expert_tp_group()
-
-
-def get_expert_tensor_parallel_rank():
-    return _grid().expert_tp()[1]
-
-
-def get_expert_tensor_parallel_world_size():
-    """Without an expert grid: the dense TP size (experts are then dense parameters)."""
-    return _grid().expert_tp()[0]
-
-
-def get_expert_tensor_and_model_parallel_group():
-    """ETP x EP: the ranks among which the allgather dispatcher gathers tokens."""
-    return _grid().tp_ep_group
-
-
-def get_expert_tensor_and_model_parallel_world_size():
-    g = _grid()
-    return g.etp * g.ep
-
-
-def get_expert_data_parallel_group():
-    """The ranks that hold the same experts: expert gradients are reduced, and ZeRO shards, here."""
-    return _grid().expert_dp()[0]
-
-
-def get_expert_data_parallel_rank():
-    return _grid().expert_dp()[2]
-
-
-def get_expert_data_parallel_world_size():
-    return _grid().edp
-
-
-def get_tensor_and_data_parallel_group(with_context_parallel=True):
-    return _grid().stage_dp_group(with_context_parallel)
-
-
-def get_expert_tensor_model_pipeline_parallel_group():
-    """ETP x EP x PP (Megatron's name): every expert element once; the norms sum over it."""
-    return _grid().expert_model_group()
-
-
-def get_tensor_and_context_parallel_group():
-    """TP x CP: the ranks that read one batch (each CP rank then keeps its part)."""
-    g = _grid()
-    return g.tp_cp_group if g.cp > 1 else g.tp_group
-
-
-def get_tensor_and_context_parallel_rank():
-    return _grid().tp_cp_rank()
-
-
-def get_model_parallel_group():
-    return _grid().mp_group
-
-
-def get_embedding_group():
-    return _grid().emb_group
-
-
-def get_embedding_ranks():
-    return list(_grid().emb_ranks)
-
-
-def get_virtual_pipeline_model_parallel_world_size():
-    return _grid().vpp
-
-
-def get_virtual_pipeline_model_parallel_rank():
-    return _grid().virtual_rank
-
-
-def set_virtual_pipeline_model_parallel_rank(rank):
-    _grid().virtual_rank = rank
-
-
-def is_pipeline_first_stage(ignore_virtual=False):
-    g = _grid()
-    if not ignore_virtual and g.vpp is not None and g.virtual_rank != 0:
-        return False
-    return g.first_stage()
-
-
-def is_pipeline_last_stage(ignore_virtual=False):
-    g = _grid()
-    if not ignore_virtual and g.vpp is not None and g.virtual_rank != g.vpp - 1:
-        return False
-    return g.last_stage()
 
 
 _BUILD_ON_META = []

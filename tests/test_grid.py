@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megalite import parallel_state as ps
+from megalite.parallel.global_grid import set_global_grid
 from megalite.cli.parser import model_config, parse_args
 from megalite.models.gpt import GPTModel
 from megalite.tensor_parallel import model_parallel_manual_seed
@@ -23,11 +24,11 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--disable-bias-linear", 
 
 @pytest.fixture
 def no_global_grid():
-    saved, ps._GRID = ps._GRID, None
+    saved = set_global_grid(None)
     try:
         yield
     finally:
-        ps._GRID = saved
+        set_global_grid(saved)
 
 
 def config(*extra):
