@@ -4,9 +4,10 @@ Each stage is a layer of known cost: forward takes t_f, backward t_b = 2 t_f. Th
 a sleep, not arithmetic, so that p ranks on a 2-core machine do not slow each other down
 and the schedule alone decides the idle time. The real megalite schedules and p2p run
 underneath (gloo ranks). Idle fraction of a stage = 1 - busy / iteration wall time.
-Theory: 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v m+p-1).
+Theory: 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v m+p-1); ZB-H1 (--pipeline-schedule
+zb-h1: the backward split into B, the input gradient, and W, the weight gradient, t_f each) (p-1)/(3m+p-1) for m >= p.
 Also prints the peak number of micro-batches whose activations are alive on each stage,
-1F1B vs all-forwards-then-all-backwards (GPipe).
+1F1B and ZB-H1 vs all-forwards-then-all-backwards (GPipe).
 
     python benchmarks/pipeline_bubble.py [--p 4 --ms 4 8 16 --v 2 --tf-ms 10]
 """
@@ -31,21 +32,32 @@ BUSY = [0.0]
 SHAPE = (8, 1, 16)
 
 
+def _sleep(seconds):
+    t = time.perf_counter()
+    time.sleep(seconds)
+    BUSY[0] += time.perf_counter() - t
+
+
 class _Sleep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tf, tb):
-        ctx.tb = tb
-        t = time.perf_counter()
-        time.sleep(tf)
-        BUSY[0] += time.perf_counter() - t
+    def forward(ctx, x, tf, tb, w, store):
+        ctx.tb, ctx.w, ctx.store = tb, w, store
+        _sleep(tf)
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        t = time.perf_counter()
-        time.sleep(ctx.tb)
-        BUSY[0] += time.perf_counter() - t
-        return g, None, None
+        if ctx.store is None:
+            _sleep(ctx.tb)
+            return g, None, None, None, None
+        _sleep(ctx.tb / 2)  # a split backward: B now, W (the other half) when the schedule says
+        w = ctx.w
+
+        def weight_gradient():
+            _sleep(ctx.tb / 2)
+            return w, torch.zeros_like(w)
+        ctx.store.put(weight_gradient)
+        return g, None, None, None, None
 
 
 class SleepStage(nn.Module):
@@ -56,12 +68,13 @@ class SleepStage(nn.Module):
         self.tf, self.tb, self.inp = tf, tb, None
         self.config = None  # (no model configuration: the schedules' defaults, e.g. micro-batch groups of PP)
 
+    wgrad_store = None  # set by a zero-bubble schedule (megalite/pipeline/wgrad.py): the backward split
     def set_input_tensor(self, t):
         self.inp = t
 
     def forward(self, first):
         x = torch.ones(SHAPE) if first else self.inp
-        return _Sleep.apply(x * self.w, self.tf, self.tb)
+        return _Sleep.apply(x * self.w, self.tf, self.tb, self.w, self.wgrad_store)
 
 
 def _forward_step(_it, model):
@@ -125,7 +138,7 @@ def _rank(rank, p, port, args, q):
     tf = args.tf_ms / 1000
     trace = ScheduleTrace()
     rows = []
-    for kind, v in (("1F1B", 1), ("interleaved", args.v)):
+    for kind, v in (("1F1B", 1), ("ZB-H1", 1), ("interleaved", args.v)):
         ps.initialize_model_parallel(1, p, v if v > 1 else None)
         # Interleaving splits the stage's work into v chunks of 1/v the cost each.
         chunks = [SleepStage(tf / v, 2 * tf / v, ps.is_pipeline_first_stage() and i == 0) for i in range(v)]
@@ -133,11 +146,14 @@ def _rank(rank, p, port, args, q):
             if v > 1 and m % p:
                 continue
             fracs = []
-            for _ in range(args.repeats):
+            for _ in range(args.repeats + 1):  # (the first call is a warm-up: gloo's first messages of a kind)
                 dist.barrier()
                 BUSY[0] = 0.0
                 t0 = time.perf_counter()
-                if v == 1:
+                if kind == "ZB-H1":
+                    schedules.forward_backward_pipelining_zero_bubble(
+                        _forward_step, None, chunks[0], m, tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
+                elif v == 1:
                     schedules.forward_backward_pipelining_without_interleaving(
                         _forward_step, None, chunks[0], m, tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
                 else:
@@ -145,7 +161,7 @@ def _rank(rank, p, port, args, q):
                         _forward_step, [None] * v, chunks, m, tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
                 dist.barrier()
                 fracs.append(1 - BUSY[0] / (time.perf_counter() - t0))
-            rows.append((kind, v, m, statistics.median(fracs), trace.max_alive))
+            rows.append((kind, v, m, statistics.median(fracs[1:]), trace.max_alive))
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, p)
     chunk = SleepStage(0.0, 0.0)
@@ -181,21 +197,22 @@ def main():
         pr.join()
     p = args.p
     print(f"pipeline bubble: p={p} stages (gloo CPU ranks), t_f={args.tf_ms} ms, t_b={2 * args.tf_ms} ms "
-          f"per stage per micro-batch, median of {args.repeats}")
+          f"per stage per micro-batch, median of {args.repeats} after a warm-up")
     print(f"one p2p message between stages (gloo, batched send/recv) takes {latency * 1e3:.2f} ms; the theory "
           "counts none, so each schedule step adds about that to the measured idle time")
     print(f"{'schedule':<13}{'v':>3}{'m':>5}{'theory':>9}{'measured (mean of stages)':>28}{'ratio':>8}"
           f"{'worst stage':>13}")
     for i, (kind, v, m, _, _) in enumerate(results[0][0]):
-        theory = (p - 1) / (v * m + p - 1)
+        theory = (p - 1) / ((3 * m if kind == "ZB-H1" else v * m) + p - 1)  # (ZB-H1's: m >= p)
         per_stage = [results[r][0][i][3] for r in range(p)]
         mean = sum(per_stage) / p
         print(f"{kind:<13}{v:>3}{m:>5}{theory:>9.3f}{mean:>28.3f}{mean / theory:>8.3f}{max(per_stage):>13.3f}")
-    print("\npeak micro-batches with live activations per stage (1F1B vs all-forward-then-backward):")
-    print(f"{'m':>4}  " + "  ".join(f"stage {s}: 1F1B/GPipe" for s in range(p)))
+    print("\npeak micro-batches with live activations per stage (1F1B, ZB-H1 vs all-forward-then-backward):")
+    print(f"{'m':>4}  " + "  ".join(f"stage {s}: 1F1B/ZB-H1/GPipe" for s in range(p)))
     for m in args.ms:
-        idx = next(i for i, row in enumerate(results[0][0]) if row[0] == "1F1B" and row[2] == m)
-        cells = [f"{results[s][0][idx][4]:>9}/{results[s][1][m]:<8}" for s in range(p)]
+        idx = [next(i for i, row in enumerate(results[0][0]) if row[0] == kind and row[2] == m)
+               for kind in ("1F1B", "ZB-H1")]
+        cells = [f"{results[s][0][idx[0]][4]:>9}/{results[s][0][idx[1]][4]}/{results[s][1][m]:<8}" for s in range(p)]
         print(f"{m:>4}  " + "  ".join(f"{c:>20}" for c in cells))
 
 

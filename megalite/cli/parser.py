@@ -23,6 +23,7 @@ from megalite.cli.features.semi_sync import add_semi_sync_flags
 from megalite.cli.features.ft import add_ft_flags
 from megalite.cli.features.fp8 import add_fp8_flags
 from megalite.cli.features.optimizer import add_optimizer_flags
+from megalite.cli.features.pipeline_schedule import add_pipeline_schedule_flags
 
 TOKENIZER_CHOICES = ["GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
                      "HuggingFaceTokenizer", "NullTokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
@@ -40,6 +41,7 @@ def build_parser():
     a = p.add_argument
     add_model_flags(a)  # the model's own flags (megalite/cli/features/model.py)
     _parallel_flags(a)
+    add_pipeline_schedule_flags(a)  # the pipeline's schedule (megalite/cli/features/pipeline_schedule.py)
     add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/cli/features/semi_sync.py)
     add_ft_flags(a)  # fault-tolerant replicas on torchft (megalite/cli/features/ft.py)
     add_fp8_flags(a)  # FP8 GEMMs (megalite/cli/features/fp8.py)

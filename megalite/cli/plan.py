@@ -18,6 +18,8 @@ class Validator:
         argv = strip_layout_flags(model_argv)
         if not layout.zero:
             argv = [a for a in argv if a != "--overlap-param-gather"]
+        if layout.pp == 1 or layout.vp:  # (a split backward fills a plain pipeline's bubble: those layouts only)
+            argv = _without_zero_bubble(argv)
         key = tuple(argv)
         if key not in self.models:
             self.models[key] = ModelFlags(argv)
@@ -27,10 +29,23 @@ class Validator:
         return PlanConfig.of(args)
 
 
+def _without_zero_bubble(argv):
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--pipeline-schedule" and argv[i + 1:i + 2] == ["zb-h1"]:
+            skip = True
+        elif a not in ("--delay-wgrad-compute", "--pipeline-schedule=zb-h1"):
+            out.append(a)
+    return out
+
+
 def validated(model_argv, layout, world_size):
     """The PlanConfig (config/plan.py) of the user's model flags at this layout; ConfigError where megalite
     would refuse to launch it. The user's --overlap-param-gather (ZeRO's) applies to the layouts with ZeRO; those
-    without run without it."""
+    without run without it (and --pipeline-schedule zb-h1 / --delay-wgrad-compute to plain pipelines, PP > 1
+    without virtual stages)."""
     return Validator()(model_argv, layout, world_size)
 
 

@@ -13,6 +13,7 @@ from megalite.cli.features.mixed_gpu import check_uneven_composes, is_auto, vali
 from megalite.cli.features.semi_sync import validate_semi_sync
 from megalite.cli.features.ft import validate_ft
 from megalite.cli.features.fp8 import validate_fp8
+from megalite.cli.features.pipeline_schedule import validate_pipeline_schedule
 from megalite.cli.features.optimizer import validate_optimizer
 from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features
 
@@ -50,6 +51,7 @@ def validate_args(args):
         raise ConfigError("--skip-train evaluates only: it needs --eval-iters > 0")
     if args.recompute_activations:
         args.recompute_granularity = "selective"  # Megatron's alias
+    validate_pipeline_schedule(args)
     if args.ddp_bucket_size is None:
         args.ddp_bucket_size = max(40_000_000, 1_000_000 * args.data_parallel_size)  # Megatron's default
     if args.distributed_backend == "nccl":

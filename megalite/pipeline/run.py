@@ -2,10 +2,13 @@
 model chunks (forward, backward, loss collection and scaling, the DP reduction left to each chunk's last
 backward) and the release of a sent output's memory.
 
-A caller's ScheduleTrace (`trace`) records the call's operations (("F"|"B", chunk, micro-batch) in order) and the
-most micro-batches whose activations were alive at once (tests, benchmarks); a `timer` (kind "F" | "B" -> a
-context; megalite/pipeline/auto_layout.py's profiler) wraps each forward and backward.
+A caller's ScheduleTrace (`trace`) records the call's operations (("F"|"B"|"W", chunk, micro-batch) in order; W:
+a split backward's weight gradients, zero_bubble_run.py) and the most micro-batches whose activations were alive at
+once (tests, benchmarks); a `timer` (kind "F" | "B" -> a context; megalite/pipeline/auto_layout.py's profiler) wraps
+each forward and backward.
 """
+
+import contextlib
 
 import torch
 
@@ -41,6 +44,8 @@ class Run:
         self.reported, self.alive = [], 0
         self.next_mb = [0] * len(self.chunks)
         self.bwd_mb = [0] * len(self.chunks)
+        self.wgrad_mb = [0] * len(self.chunks)  # a split backward's W's (zero-bubble schedules)
+        self.kept = {}  # (chunk, mb) -> the weight gradients its B computed, accumulated at its W
         self.trace, self.timer = trace, timer
         if trace is not None:
             trace.ops, trace.max_alive = [], 0
@@ -104,6 +109,44 @@ class Run:
             (output_tensor,), (output_grad,), False, False, (), True, True)
         self.alive -= 1
         return None if input_tensor is None else input_tensor.grad
+
+    def backward_input(self, chunk, input_tensor, output_tensor, output_grad, store):
+        """B of a split backward: the input gradient, returned; the weight gradients it computes at once (norms,
+        biases, embeddings) are kept and those the linear layers defer go to `store` (pipeline/wgrad.py), all
+        accumulated by this micro-batch's W (backward_weight), so the DP hooks fire there."""
+        mb = self.bwd_mb[chunk]
+        self.bwd_mb[chunk] += 1
+        if self.trace is not None:
+            self.trace.ops.append(("B", chunk, mb))
+        params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
+        given = () if input_tensor is None else (input_tensor,)
+        if output_grad is None:  # the last stage's loss
+            output_grad = torch.ones_like(output_tensor)
+        with store.collecting((chunk, mb)), self._timed("B"):  # (the engine, as _backward: no shape check)
+            grads = torch.autograd.Variable._execution_engine.run_backward(
+                (output_tensor,), (output_grad,), False, False, given + tuple(params), True, False)
+        self.kept[(chunk, mb)] = [(p, g) for p, g in zip(params, grads[len(given):]) if g is not None]
+        return grads[0] if given else None
+
+    def backward_weight(self, chunk, store):
+        """W: the weight gradients of this chunk's next micro-batch whose B has run, accumulated (the DP reduction
+        enabled for the last one's, as _backward enables it for the last backward)."""
+        mb = self.wgrad_mb[chunk]
+        self.wgrad_mb[chunk] += 1
+        if self.trace is not None:
+            self.trace.ops.append(("W", chunk, mb))
+        if mb == self.m - 1 and hasattr(self.chunks[chunk], "sync_enabled"):
+            self.chunks[chunk].sync_enabled = True
+        with self._timed("B"):
+            summed = {}  # one accumulation per parameter (a tied weight's two uses summed first, as autograd does)
+            for p, g in self.kept.pop((chunk, mb)) + store.run((chunk, mb)):
+                summed[p] = g if p not in summed else summed[p] + g
+            if summed:
+                torch.autograd.backward(list(summed), list(summed.values()))
+        self.alive -= 1
+
+    def _timed(self, kind):
+        return contextlib.nullcontext() if self.timer is None else self.timer(kind)
 
 
 def free_output(t, last=False):

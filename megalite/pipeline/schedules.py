@@ -17,6 +17,7 @@ from megalite import parallel_state as ps
 from megalite.pipeline.interleaved import forward_backward_pipelining_with_interleaving
 from megalite.pipeline.p2p import P2P
 from megalite.pipeline.run import Run, free_output
+from megalite.pipeline.zero_bubble_run import forward_backward_with_plan
 
 
 def pipeline_tensor_shape(model_config, micro_batch_size, grid):
@@ -97,13 +98,29 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
     return run.reported
 
 
-def get_forward_backward_func(grid=None):
-    """Megatron's: the schedule of `grid`'s layout (default the global one, as Megatron's takes none)."""
+def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, model, num_microbatches,
+                                            forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
+                                            loss_divisor=None, trace=None, timer=None):
+    """ZB-H1 (--pipeline-schedule zb-h1): 1F1B's order with each backward split, the weight gradients placed in
+    the bubble (zero_bubble.py's plan, zero_bubble_run.py); forward only (evaluation): 1F1B's."""
+    if forward_only:
+        return forward_backward_pipelining_without_interleaving(
+            forward_step_func, data_iterator, model, num_microbatches, True, loss_scale, tensor_shape, dtype,
+            loss_divisor, trace, timer)
+    return forward_backward_with_plan("zb-h1", forward_step_func, data_iterator, model, num_microbatches,
+                                      loss_scale, tensor_shape, dtype, loss_divisor, trace, timer)
+
+
+def get_forward_backward_func(grid=None, schedule=None):
+    """Megatron's: the schedule of `grid`'s layout (default the global one, as Megatron's takes none); schedule:
+    --pipeline-schedule's (None: by the layout)."""
     g = ps.current_grid(grid)
     if g.pp == 1:
         return forward_backward_no_pipelining
     if g.vpp is not None:
         return forward_backward_pipelining_with_interleaving
+    if schedule == "zb-h1":
+        return forward_backward_pipelining_zero_bubble
     return forward_backward_pipelining_without_interleaving
 
 
@@ -111,7 +128,8 @@ def get_forward_backward_func(grid=None):
 def run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
     """One iteration's micro-batches over this rank's model chunks with the layout's schedule (iters: one data
     iterator per chunk); returns what the loss function reported per micro-batch (last stage)."""
-    fwd_bwd = get_forward_backward_func(ps.grid_of(chunks))
+    config = getattr(getattr(chunks[0], "module", chunks[0]), "config", None)
+    fwd_bwd = get_forward_backward_func(ps.grid_of(chunks), getattr(config, "pipeline_schedule", None))
     model = chunks if len(chunks) > 1 else chunks[0]
     data = iters if len(chunks) > 1 else iters[0]
     return fwd_bwd(forward_step_func, data, model, num_microbatches, tensor_shape=shape, dtype=dtype, **kw)

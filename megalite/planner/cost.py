@@ -13,8 +13,9 @@ attention (half the s^2 FLOPs of the convention) at peak x ATTENTION_EFFICIENCY;
 residuals, activation, rope) at memory bandwidth; at least the host's time to launch the operators (the device runs
 ahead of the host only while it has more work); the TP collectives ((t-1)/t of [s, b, h] per gather / scatter, four
 each way per layer, not overlapped, as megalite runs them, each with the cluster's start-up latency); the CP ring's
-k/v blocks beyond what attention hides; the p2p sends. The pipeline takes (m - 1) max_i t_i + sum_i t_i (1F1B) or m
-max_i t_i + (p - 1) max_i t_i / v (interleaved); the bubble is what exceeds m max_i t_i. Data parallelism: ring
+k/v blocks beyond what attention hides; the p2p sends. The pipeline takes (m - 1) max_i t_i + sum_i t_i (1F1B), m
+max_i t_i + (p - 1) max_i t_i / v (interleaved) or 1F1B's with a third of its bubble (zb-h1, m >= p); the bubble is
+what exceeds m max_i t_i. Data parallelism: ring
 all-reduce / reduce-scatter of the fp32 gradients, hidden behind the last micro-batch's backward (ZeRO-2: every
 micro-batch's; ZeRO-3: also the gathers, each micro-batch's behind its compute) but for one bucket
 (--no-overlap-grad-reduce: none of it at ZeRO-0/1), then the parameters' all-gather (ZeRO-1/2; behind the next
@@ -33,6 +34,7 @@ from megalite.batching.iteration_plan import batch_schedule, training_plan
 from megalite.planner import activations, data_parallel, memory, optimizer_step, semi_sync, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
 from megalite.planner.memory import zero_as_run
+from megalite.pipeline.zero_bubble import make_plan
 from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
 
@@ -161,7 +163,7 @@ def predict(cfg, layout, cluster):
             per_chunk = [activations.chunk_bytes(cd, grid, micro, ed, n, i == 0 and j == 0,
                                                  i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
                          for j, (n, first) in enumerate(cuts)]
-            in_flight = _in_flight(layout, i, counts[r], v)
+            in_flight = _in_flight(c, layout, i, counts[r], v)
             act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
             device = state.total - state.host  # (--optimizer-cpu-offload: the host part lives in host memory)
             total = device + act + activations.transient_bytes(cd, grid, micro, ed) + buffers + RESERVED
@@ -186,7 +188,8 @@ def predict(cfg, layout, cluster):
     for r, n in enumerate(counts):  # each replica's pipeline over its own micro-batches
         per_micro = [sum(stage_times[i][r].values()) for i in range(layout.pp)]
         top = max(per_micro)
-        pipes.append((n * top + (layout.pp - 1) * top / v if v > 1 else (n - 1) * top + sum(per_micro), top, r, n,
+        pipes.append((n * top + (layout.pp - 1) * top / v if v > 1 else
+                      n * top + (sum(per_micro) - top) * _bubble_share(c, layout.pp, n), top, r, n,
                       per_micro.index(top)))
     pipe, slowest, r, n, i = max(pipes)
     busy = {k: n * t for k, t in stage_times[i][r].items()}
@@ -220,7 +223,7 @@ def balanced_layout(cfg, layout, cluster):
 
     def seconds(i, gpu, layers, last):
         return sum(_stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab).values())
-    counts = stages.balance(cfg, c, layout, cluster, seconds, lambda i: _in_flight(layout, i, m, 1), RESERVED,
+    counts = stages.balance(cfg, c, layout, cluster, seconds, lambda i: _in_flight(c, layout, i, m, 1), RESERVED,
                             FRAGMENTATION)
     if tuple(counts) == tuple(stage_layer_counts(c.num_layers, layout.pp, None, None)):
         return layout
@@ -248,8 +251,19 @@ def balanced_shares(cfg, layout, cluster):
     return layout if len(set(n)) == 1 else dataclasses.replace(layout, shares=tuple(n))
 
 
-def _in_flight(layout, i, m, v):
-    """Micro-batches (interleaved: chunks) whose activations stage i holds at its peak."""
+def _bubble_share(c, p, m):
+    """The schedule's bubble over 1F1B's: zb-h1's plan (F = B = W, the paper's ZB-H1) leaves a third of it once
+    m >= p (its unit-cost simulation, pipeline/zero_bubble.py, below that)."""
+    if c.pipeline_schedule != "zb-h1" or p == 1:
+        return 1.0
+    return (make_plan("zb-h1", p, m).makespan - 3 * m) / (3 * (p - 1))
+
+
+def _in_flight(c, layout, i, m, v):
+    """Micro-batches (interleaved: chunks) whose activations stage i holds at its peak (zb-h1: from a forward
+    until its weight gradients, the plan's count)."""
+    if v == 1 and c.pipeline_schedule == "zb-h1" and layout.pp > 1:
+        return make_plan("zb-h1", layout.pp, m).most_alive(i)
     if v == 1:
         return min(layout.pp - i, m)
     return min((layout.pp - i - 1) * 2 + (v - 1) * layout.pp + 1, m * v)

@@ -23,6 +23,7 @@ from megalite.tensor_parallel.init import (  # noqa: F401 (re-exported)
     with_recipe,
 )
 from megalite.tensor_parallel.fp8 import fp8_linear
+from megalite.tensor_parallel.deferred_wgrad import deferred_embedding, deferred_linear
 from megalite.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -76,6 +77,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     fp8 = None  # an Fp8Site: its GEMMs in FP8 (set by the transformer block, --fp8-format)
+    wgrad_store = None  # a zero-bubble schedule's store: the weight gradient deferred (deferred_wgrad.py)
 
     def __init__(self, input_size, output_size, bias=True, gather_output=False, init_method=None,
                  skip_bias_add=False, sequence_parallel=False, init_seed=None, shard_chunks=1,
@@ -110,7 +112,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x, weight=None):
         weight = self.weight if weight is None else weight
         if self.expert:
-            y = F.linear(x, weight) if self.fp8 is None else fp8_linear(x, weight, self.fp8)
+            y = fp8_linear(x, weight, self.fp8) if self.fp8 is not None else F.linear(x, weight) \
+                if self.wgrad_store is None else deferred_linear(x, weight, None, self.wgrad_store)
             return (y, None) if self.skip_bias_add else y
         bias = None if self.skip_bias_add else self.bias
         if self.fp8 is not None:  # FP8 GEMMs (tensor_parallel/fp8.py; the bias in the model's precision)
@@ -120,6 +123,9 @@ class ColumnParallelLinear(nn.Module):
             y = y if bias is None else y + bias
         elif self.sequence_parallel:  # (keeps only this rank's rows of x for backward)
             y = linear_with_sequence_parallel_gather(x, weight, bias, grid=self.grid)
+        elif self.wgrad_store is not None:  # a split backward: the weight gradient when the schedule says W
+            y = deferred_linear(copy_to_tensor_model_parallel_region(x, grid=self.grid), weight, bias,
+                                self.wgrad_store)
         else:
             y = F.linear(copy_to_tensor_model_parallel_region(x, grid=self.grid), weight, bias)
         if self.gather_output:
@@ -138,6 +144,7 @@ class RowParallelLinear(nn.Module):
     """
 
     fp8 = None  # an Fp8Site (see ColumnParallelLinear)
+    wgrad_store = None  # (see ColumnParallelLinear)
 
     def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, init_method=None,
                  skip_bias_add=False, sequence_parallel=False, init_seed=None,
@@ -179,7 +186,8 @@ class RowParallelLinear(nn.Module):
         GEMM reads x in place, so autograd keeps x itself rather than a second, [s, b]-ordered copy of it."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, grid=self.grid)
-        y = F.linear(x, self.weight) if self.fp8 is None else fp8_linear(x, self.weight, self.fp8)
+        y = fp8_linear(x, self.weight, self.fp8) if self.fp8 is not None else F.linear(x, self.weight) \
+            if self.wgrad_store is None else deferred_linear(x, self.weight, None, self.wgrad_store)
         if batch_first:
             y = y.transpose(0, 1).contiguous()
         if self.sequence_parallel and not self.expert:
@@ -219,6 +227,8 @@ class VocabParallelEmbedding(nn.Module):
     sequence, for sequence parallelism) instead of all-reduced.
     """
 
+    wgrad_store = None  # (see ColumnParallelLinear)
+
     def __init__(self, num_embeddings, embedding_dim, init_method=None, real_vocab_size=None,
                  init_seed=None, reduce_scatter=False, params_dtype=torch.float32, device=None, grid=None):
         super().__init__()
@@ -248,13 +258,18 @@ class VocabParallelEmbedding(nn.Module):
         _set_tp_attrs(self.weight, True, 0)
         self.weight.real_vocab_size = real  # rows past it are padding (checkpoints store only real rows)
 
+    def _lookup(self, ids):
+        if self.wgrad_store is None:
+            return F.embedding(ids, self.weight)
+        return deferred_embedding(ids, self.weight, self.wgrad_store)  # a split backward's W computes its gradient
+
     def forward(self, ids):
         if self.grid.tp > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = F.embedding(ids, self.weight)
+            out = self._lookup(ids)
         if self.reduce_scatter:
             return reduce_scatter_to_sequence_parallel_region(out, grid=self.grid)
         return reduce_from_tensor_model_parallel_region(out, inplace=True, grid=self.grid)  # fresh lookup

@@ -1,0 +1,201 @@
+"""Zero-bubble pipelines (--pipeline-schedule zb-h1, megalite/pipeline/zero_bubble.py): every plan runs (the
+checker over every schedule, p <= 8, m <= 24, and broken plans it must refuse), its bubble is the paper's, and a
+split-backward run reproduces the single process (tests/support/parity.py) at PP2 and PP4, with TP + SP, DP with
+ZeRO-1/2, tied and untied embeddings, MoE experts over EP, and micro-batch counts that are not a multiple of the
+stages; a reduction fired at B instead of the last W must be caught. One spawn of four ranks runs the layouts."""
+
+import pytest
+
+from megalite.cli.parser import parse_args
+from megalite.pipeline.zero_bubble import B, F, W, Action, PlanError, check_plan, make_plan, one_f_one_b_order
+from parity import EIGHT_LAYERS, LLAMA, MB2, MOE, layout, patched, reference, run_layouts
+from parity_check import assert_parity, mismatches
+
+ZB = ("--pipeline-schedule", "zb-h1")
+
+
+# -- the plans -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_every_plan_up_to_8_stages_and_24_micro_batches_runs(schedule):
+    for p in range(1, 9):
+        for m in range(1, 25):
+            plan = make_plan(schedule, p, m)  # (make_plan checks it: PlanError otherwise)
+            assert all(len(acts) == 3 * m for acts in plan.actions), (p, m)
+            for r in range(p):
+                assert plan.most_alive(r) <= min(p, m), (schedule, p, m, r)
+                if schedule == "1f1b":
+                    assert plan.most_alive(r) == min(p - r, m), (p, m, r)
+
+
+def test_bubbles_are_the_papers():
+    """Unit costs F = B = W = 1: 1F1B's step is (m + p - 1)(F + B + W); ZB-H1's 3m + (p - 1) once m >= p (its
+    bubble (p - 1)(F + B - W), a third of 1F1B's), and never longer than 1F1B's."""
+    for p in range(2, 9):
+        for m in range(1, 25):
+            one, zb = make_plan("1f1b", p, m).makespan, make_plan("zb-h1", p, m).makespan
+            assert one == 3 * (m + p - 1), (p, m, one)
+            assert zb <= one, (p, m, zb, one)
+            if m >= p:
+                assert zb == 3 * m + p - 1, (p, m, zb)
+    assert round(make_plan("1f1b", 4, 8).idle_fraction(0), 4) == round(3 / 11, 4)
+    assert round(make_plan("zb-h1", 4, 8).idle_fraction(0), 4) == round(3 / 27, 4)
+
+
+def _good(p=2, m=3):
+    return [list(acts) for acts in make_plan("zb-h1", p, m).actions]
+
+
+def _without(acts, op, mb):
+    return [a for a in acts if (a.op, a.mb) != (op, mb)]
+
+
+@pytest.mark.parametrize("broken,says", [
+    (lambda ranks: [ranks[0], _without(ranks[1], W, 2)], "rank 1 never runs W2"),
+    (lambda ranks: [ranks[0] + [Action(W, 0, 1)], ranks[1]], "rank 0 runs W1 twice"),
+    (lambda ranks: [[Action(W, 0, 0)] + _without(ranks[0], W, 0), ranks[1]], "rank 0 runs W0 before its B"),
+    (lambda ranks: [ranks[0], [Action(F, 0, 1), Action(F, 0, 0)] + ranks[1][2:]],
+     "rank 1 runs F0 after F1: each chunk's F's in micro-batch order"),
+    # rank 0 sends F1's activation only after B0, which waits for rank 1's B0, which waits for that activation
+    (lambda ranks: [[Action(F, 0, 0), Action(B, 0, 0), Action(F, 0, 1), Action(B, 0, 1), Action(W, 0, 0),
+                     Action(W, 0, 1)],
+                    [Action(F, 0, 0), Action(F, 0, 1), Action(B, 0, 0), Action(B, 0, 1), Action(W, 0, 0),
+                     Action(W, 0, 1)]], "rank 0 waits for ever at B0"),
+])
+def test_broken_plans_are_refused_naming_the_rank(broken, says):
+    m = 2 if "for ever" in says else 3
+    ranks = broken(_good(m=m))
+    with pytest.raises(PlanError, match=says.replace("(", r"\(")):
+        check_plan([tuple(acts) for acts in ranks], m)
+
+
+def test_one_f_one_b_plan_keeps_megatrons_order():
+    for p, m in ((2, 4), (4, 8), (4, 3)):
+        for r in range(p):
+            fb = [a for a in make_plan("1f1b", p, m).actions[r] if a.op != W]
+            assert fb == one_f_one_b_order(p, m, r), (p, m, r)
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+ARGV = "--mock-data --num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --micro-batch-size 1 " \
+       "--global-batch-size 4 --train-iters 1 --lr 1e-3 --pipeline-model-parallel-size 2"
+
+
+def test_delay_wgrad_compute_is_zb_h1():
+    assert parse_args(ARGV.split() + ["--delay-wgrad-compute"], world_size=2).pipeline_schedule == "zb-h1"
+    assert parse_args(ARGV.split(), world_size=2).pipeline_schedule == "1f1b"
+    vp = ARGV.split() + ["--num-layers-per-virtual-pipeline-stage", "1"]
+    assert parse_args(vp, world_size=2).pipeline_schedule == "interleaved"
+
+
+@pytest.mark.parametrize("extra,says", [
+    ("--pipeline-schedule zbv", "--pipeline-schedule zbv is not built yet in megalite"),
+    ("--pipeline-schedule interleaved", "--pipeline-schedule interleaved needs virtual stages"),
+    ("--pipeline-schedule zb-h1 --num-layers-per-virtual-pipeline-stage 1",
+     "--pipeline-schedule zb-h1 runs one model chunk per rank"),
+    ("--pipeline-schedule zb-h1 --pipeline-model-parallel-size 1",
+     "--pipeline-schedule zb-h1 fills a pipeline's bubble: it needs --pipeline-model-parallel-size > 1"),
+    ("--delay-wgrad-compute --pipeline-schedule 1f1b", "--delay-wgrad-compute is --pipeline-schedule zb-h1's split"),
+    ("--delay-wgrad-compute --recompute-granularity full --recompute-method uniform",
+     "--delay-wgrad-compute with --recompute-granularity full is not built yet"),
+    ("--pipeline-schedule zb-h1 --use-distributed-optimizer --zero-stage 3",
+     "--pipeline-schedule zb-h1 with --zero-stage 3 is not built yet"),
+])
+def test_schedule_refusals_are_one_line(capsys, extra, says):
+    with pytest.raises(SystemExit) as e:
+        parse_args(ARGV.split() + extra.split(), world_size=2)
+    assert e.value.code != 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and says in err[0], err
+
+
+# -- parity ----------------------------------------------------------------------------------------------------
+def reduction_at_last_b():
+    """The DP reduction enabled at the last micro-batch's B (as 1F1B's backward does) instead of at its W: the
+    buckets start before the last weight gradients reach them."""
+    from megalite.pipeline.run import Run
+    original = Run.backward_input
+
+    def early(self, chunk, *a):
+        if self.bwd_mb[chunk] == self.m - 1 and hasattr(self.chunks[chunk], "sync_enabled"):
+            self.chunks[chunk].sync_enabled = True
+        return original(self, chunk, *a)
+    return patched(Run, "backward_input", early)
+
+
+def weight_gradients_lost():
+    """A store that loses the first micro-batch's deferred weight gradients."""
+    from megalite.pipeline.wgrad import WeightGradStore
+    original = WeightGradStore.run
+    return patched(WeightGradStore, "run", lambda self, key: [] if key[1] == 0 else original(self, key))
+
+
+UNTIED = ("--untie-embeddings-and-output-weights",)
+LAYOUTS = [
+    layout("pp4_zb_h1", pp=4, flags=ZB, model=EIGHT_LAYERS),
+    layout("pp4_zb_h1_6_micro_batches_untied", pp=4, flags=ZB,
+           model=EIGHT_LAYERS + UNTIED + ("--global-batch-size", "6")),
+    layout("tp2_pp2_sp_zb_h1_llama", tp=2, pp=2, sp=True, flags=ZB, model=LLAMA),
+    layout("pp2_dp2_zero2_zb_h1_tied", pp=2, dp=2, zero=2, flags=ZB),
+    layout("pp2_dp2_ep2_moe_zb_h1_zero1", pp=2, dp=2, zero=1, model=MB2 + MOE,
+           flags=ZB + ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall")),
+]
+FAULTY = [layout("reduction_at_last_b@pp2_dp2_zb_h1", pp=2, dp=2, flags=ZB, fault=reduction_at_last_b),
+          layout("weight_gradients_lost@pp2_dp2_zb_h1", pp=2, dp=2, flags=ZB, fault=weight_gradients_lost)]
+
+
+@pytest.fixture(scope="module")
+def four():
+    lays = LAYOUTS + FAULTY
+    return dict(zip((lay.name for lay in lays), run_layouts(lays, 4)))
+
+
+@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: lay.name)
+def test_zero_bubble_matches_single_process(four, lay):
+    ranks = four[lay.name]
+    assert_parity(lay, ranks)
+    pp = 4 if "pp4" in lay.name else 2
+    for r in ranks:
+        schedule, stage = r["record"].schedule, r["coords"][1]
+        m = len([op for op in schedule.ops if op[0] == F])
+        want = [(a.op, a.chunk, a.mb) for a in make_plan("zb-h1", pp, m).actions[stage]]
+        assert schedule.ops == want, f"{lay.name} stage {stage}: {schedule.ops}"
+        assert schedule.max_alive <= min(pp, m), f"{lay.name} stage {stage}: {schedule.max_alive} alive"
+
+
+@pytest.mark.parametrize("lay", FAULTY, ids=lambda lay: lay.name)
+def test_a_misplaced_or_lost_weight_gradient_is_caught(four, lay):
+    found = mismatches(lay, four[lay.name], reference(lay))
+    assert any("step-1 grad" in m for m in found), found[:5]
+
+
+# -- the planner ---------------------------------------------------------------------------------------------
+def test_the_planner_prices_zb_h1s_bubble_and_activations():
+    """Equal stages, communication free (as test_planner's bubble test): zb-h1 idles (p-1)/(3m+p-1) of the step
+    (a third of 1F1B's bubble, F = B = W), and each stage holds the plan's micro-batches alive, p on every stage."""
+    from megalite.cli.plan import validated
+    from megalite.planner import cost
+    from megalite.planner.gpus import parse_cluster
+    from megalite.planner.layout import Layout
+    gpt = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+           "--max-position-embeddings", "1024", "--micro-batch-size", "1", "--vocab-size", "128", "--lr", "1e-4",
+           "--train-iters", "10", "--fp16"]
+    c = parse_cluster("8xH100-80GB", intra_node_bandwidth=1e9)
+    for pp, m in ((4, 4), (4, 16), (2, 8), (8, 8)):
+        lay = Layout(1, pp, 1, 8 // pp, None, None, 0, None, 1, False)
+        argv = gpt + ["--global-batch-size", str(m * 8 // pp)]
+        one, zb = (cost.predict(validated(argv + extra, lay, 8), lay, c) for extra in ([], list(ZB)))
+        busy = zb.step_time_s - zb.time["dp"] - zb.time["optimizer"]
+        assert zb.time["bubble"] / busy == pytest.approx((pp - 1) / (3 * m + pp - 1), rel=0.02), (pp, m)
+        assert zb.time["bubble"] == pytest.approx(one.time["bubble"] / 3, rel=0.02), (pp, m)
+        cfg = validated(argv + list(ZB), lay, 8)
+        assert [cost._in_flight(cfg.model, lay, i, m, 1) for i in range(pp)] == [min(pp, m)] * pp
+
+
+def test_the_planners_search_applies_zb_h1_to_the_plain_pipelines_only():
+    from megalite.cli.plan import search
+    from megalite.planner.gpus import parse_cluster
+    gpt = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "512",
+           "--max-position-embeddings", "512", "--micro-batch-size", "1", "--global-batch-size", "32",
+           "--vocab-size", "1024", "--lr", "1e-4", "--train-iters", "10", "--bf16"]
+    ranked, _ = search(gpt + list(ZB), parse_cluster("8xH100-80GB"), top=200)
+    assert {p.layout.pp > 1 for p in ranked} == {True, False}, [p.layout.describe() for p in ranked][:5]
