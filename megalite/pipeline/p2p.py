@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 
-_ACT, _GRAD = 0, 1
+ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
 
 class P2P:
@@ -38,14 +38,14 @@ class P2P:
         ops = []
         # Gradient-kind messages first (sent to prev, received from next) ...
         if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(send_prev), self.prev, self.group, _GRAD))
+            ops.append(dist.P2POp(dist.isend, self._check(send_prev), self.prev, self.group, GRADIENT_TAG))
         if from_next is not None:
-            ops.append(dist.P2POp(dist.irecv, from_next, self.next, self.group, _GRAD))
+            ops.append(dist.P2POp(dist.irecv, from_next, self.next, self.group, GRADIENT_TAG))
         # ... then activation-kind messages (sent to next, received from prev).
         if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(send_next), self.next, self.group, _ACT))
+            ops.append(dist.P2POp(dist.isend, self._check(send_next), self.next, self.group, ACTIVATION_TAG))
         if from_prev is not None:
-            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev, self.group, _ACT))
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev, self.group, ACTIVATION_TAG))
         if ops:
             for req in dist.batch_isend_irecv(ops):
                 req.wait()

@@ -38,7 +38,7 @@ class Run:
         self.m, self.forward_only, self.loss_scale = num_microbatches, forward_only, loss_scale
         self.divisor = loss_divisor or num_microbatches
         # MoE auxiliary losses enter the backward scaled as the main loss (Megatron's MoEAuxLossAutoScaler)
-        config = getattr(getattr(self.chunks[0], "module", self.chunks[0]), "config", None)
+        config = self.config_of(self.chunks)
         per_token = getattr(config, "calculate_per_token_loss", False)
         set_aux_loss_scale(self.chunks, loss_scale if per_token else loss_scale / self.divisor)
         self.reported, self.alive = [], 0
@@ -46,6 +46,7 @@ class Run:
         self.bwd_mb = [0] * len(self.chunks)
         self.wgrad_mb = [0] * len(self.chunks)  # a split backward's W's (zero-bubble schedules)
         self.kept = {}  # (chunk, mb) -> the weight gradients its B computed, accumulated at its W
+        self._trained = {}  # chunk -> its parameters that take gradients (a split backward asks for them)
         self.trace, self.timer = trace, timer
         if trace is not None:
             trace.ops, trace.max_alive = [], 0
@@ -54,21 +55,22 @@ class Run:
             if hasattr(c, "sync_enabled"):
                 c.sync_enabled = False
 
+    @staticmethod
+    def config_of(chunks):
+        """The model configuration of a rank's chunks (None for a model without one)."""
+        return getattr(getattr(chunks[0], "module", chunks[0]), "config", None)
+
     def restore(self):
         for c, s in zip(self.chunks, self._sync_states):
             if s is not None:
                 c.sync_enabled = s
 
     def forward(self, chunk, input_tensor):
-        if self.timer is None:
-            return self._forward(chunk, input_tensor)
-        with self.timer("F"):
+        with self._timed("F"):
             return self._forward(chunk, input_tensor)
 
     def backward(self, chunk, input_tensor, output_tensor, output_grad):
-        if self.timer is None:
-            return self._backward(chunk, input_tensor, output_tensor, output_grad)
-        with self.timer("B"):
+        with self._timed("B"):
             return self._backward(chunk, input_tensor, output_tensor, output_grad)
 
     def _forward(self, chunk, input_tensor):
@@ -118,13 +120,15 @@ class Run:
         self.bwd_mb[chunk] += 1
         if self.trace is not None:
             self.trace.ops.append(("B", chunk, mb))
-        params = [p for p in self.chunks[chunk].parameters() if p.requires_grad]
+        if chunk not in self._trained:
+            self._trained[chunk] = tuple(p for p in self.chunks[chunk].parameters() if p.requires_grad)
+        params = self._trained[chunk]
         given = () if input_tensor is None else (input_tensor,)
         if output_grad is None:  # the last stage's loss
             output_grad = torch.ones_like(output_tensor)
         with store.collecting((chunk, mb)), self._timed("B"):  # (the engine, as _backward: no shape check)
             grads = torch.autograd.Variable._execution_engine.run_backward(
-                (output_tensor,), (output_grad,), False, False, given + tuple(params), True, False)
+                (output_tensor,), (output_grad,), False, False, given + params, True, False)
         self.kept[(chunk, mb)] = [(p, g) for p, g in zip(params, grads[len(given):]) if g is not None]
         return grads[0] if given else None
 

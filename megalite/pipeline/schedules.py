@@ -128,7 +128,7 @@ def get_forward_backward_func(grid=None, schedule=None):
 def run_forward_backward(forward_step_func, iters, chunks, num_microbatches, shape, dtype, **kw):
     """One iteration's micro-batches over this rank's model chunks with the layout's schedule (iters: one data
     iterator per chunk); returns what the loss function reported per micro-batch (last stage)."""
-    config = getattr(getattr(chunks[0], "module", chunks[0]), "config", None)
+    config = Run.config_of(chunks)
     fwd_bwd = get_forward_backward_func(ps.grid_of(chunks), getattr(config, "pipeline_schedule", None))
     model = chunks if len(chunks) > 1 else chunks[0]
     data = iters if len(chunks) > 1 else iters[0]

@@ -5,33 +5,29 @@ micro-batch's weight gradients (backward_weight: the DP reduction fires at the l
 posted at once and waited for at the end, receives when an action needs them, in the order the plan's checker
 proved the senders send them."""
 
-import torch
 import torch.distributed as dist
 
 from megalite import parallel_state as ps
+from megalite.pipeline.p2p import ACTIVATION_TAG, GRADIENT_TAG, P2P
 from megalite.pipeline.run import Run, free_output
 from megalite.pipeline.wgrad import WeightGradStore
 from megalite.pipeline.zero_bubble import B, F, make_plan
 
-_ACTIVATION, _GRADIENT = 0, 1  # message tags (p2p.py's)
 
-
-class _Messages:
-    """One stage's sends (posted at once, finished at the end) and receives of one fixed shape and dtype."""
+class _Messages(P2P):
+    """P2P's messages (one shape and dtype, its tags), each to or from any stage: sends posted at once and
+    finished at the end (a plan's rank runs on past them), receives waited for when an action needs them."""
 
     def __init__(self, shape, dtype, grid):
-        self.shape, self.dtype, self.device = tuple(shape), dtype, ps.get_device()
-        self.ranks, self.group, self.sends = list(grid.pp_ranks), grid.pp_group, []
+        super().__init__(shape, dtype, ps.get_device(), grid)
+        self.ranks, self.sends = list(grid.pp_ranks), []
 
     def send(self, t, stage, tag):
-        if tuple(t.shape) != self.shape or t.dtype != self.dtype:
-            raise RuntimeError(f"pipeline p2p: tensor {tuple(t.shape)} {t.dtype} does not match the configured "
-                               f"{self.shape} {self.dtype}")
-        t = t.detach().contiguous()  # (kept until its send completes)
+        t = self._check(t)  # (kept until its send completes)
         self.sends.append((dist.isend(t, dst=self.ranks[stage], group=self.group, tag=tag), t))
 
     def recv(self, stage, tag):
-        t = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        t = self._empty()
         dist.irecv(t, src=self.ranks[stage], group=self.group, tag=tag).wait()
         return t
 
@@ -57,17 +53,17 @@ def forward_backward_with_plan(schedule, forward_step_func, data_iterator, model
     try:
         for a in plan.actions[stage]:
             if a.op == F:
-                inp = None if stage == 0 else messages.recv(stage - 1, _ACTIVATION)
+                inp = None if stage == 0 else messages.recv(stage - 1, ACTIVATION_TAG)
                 out = run.forward(a.chunk, inp)
                 if stage < last:
-                    messages.send(out, stage + 1, _ACTIVATION)
+                    messages.send(out, stage + 1, ACTIVATION_TAG)
                 free_output(out, stage == last)
                 inputs[a.mb], outputs[a.mb] = inp, out
             elif a.op == B:
-                grad = None if stage == last else messages.recv(stage + 1, _GRADIENT)
+                grad = None if stage == last else messages.recv(stage + 1, GRADIENT_TAG)
                 in_grad = run.backward_input(a.chunk, inputs.pop(a.mb), outputs.pop(a.mb), grad, store)
                 if stage > 0:
-                    messages.send(in_grad, stage - 1, _GRADIENT)
+                    messages.send(in_grad, stage - 1, GRADIENT_TAG)
             else:
                 run.backward_weight(a.chunk, store)
         messages.finish()

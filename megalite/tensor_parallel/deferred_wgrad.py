@@ -33,8 +33,9 @@ class _DeferredLinear(torch.autograd.Function):
 
 def deferred_linear(x, weight, bias, store):
     """F.linear(x, weight, bias) whose weight gradient `store.put`s a closure returning (weight, its gradient) (the
-    bias's comes at once: it is a sum, and accumulates at the same W, megalite/pipeline/run.py)."""
-    if not weight.requires_grad:
+    bias's comes at once: it is a sum, and accumulates at the same W, megalite/pipeline/run.py); store None (no
+    split backward) or a frozen weight: F.linear."""
+    if store is None or not weight.requires_grad:
         return F.linear(x, weight, bias)
     return _DeferredLinear.apply(x, weight, bias, store)
 
@@ -58,7 +59,7 @@ class _DeferredEmbedding(torch.autograd.Function):
 
 
 def deferred_embedding(ids, weight, store):
-    """F.embedding(ids, weight) whose weight gradient is deferred to `store` (as deferred_linear's)."""
-    if not weight.requires_grad:
+    """F.embedding(ids, weight) whose weight gradient is deferred to `store` (as deferred_linear's; None: none)."""
+    if store is None or not weight.requires_grad:
         return F.embedding(ids, weight)
     return _DeferredEmbedding.apply(ids, weight, store)

@@ -112,8 +112,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x, weight=None):
         weight = self.weight if weight is None else weight
         if self.expert:
-            y = fp8_linear(x, weight, self.fp8) if self.fp8 is not None else F.linear(x, weight) \
-                if self.wgrad_store is None else deferred_linear(x, weight, None, self.wgrad_store)
+            y = fp8_linear(x, weight, self.fp8) if self.fp8 is not None else \
+                deferred_linear(x, weight, None, self.wgrad_store)
             return (y, None) if self.skip_bias_add else y
         bias = None if self.skip_bias_add else self.bias
         if self.fp8 is not None:  # FP8 GEMMs (tensor_parallel/fp8.py; the bias in the model's precision)
@@ -123,11 +123,9 @@ class ColumnParallelLinear(nn.Module):
             y = y if bias is None else y + bias
         elif self.sequence_parallel:  # (keeps only this rank's rows of x for backward)
             y = linear_with_sequence_parallel_gather(x, weight, bias, grid=self.grid)
-        elif self.wgrad_store is not None:  # a split backward: the weight gradient when the schedule says W
+        else:  # (a zero-bubble schedule's store: the weight gradient when the schedule says W)
             y = deferred_linear(copy_to_tensor_model_parallel_region(x, grid=self.grid), weight, bias,
                                 self.wgrad_store)
-        else:
-            y = F.linear(copy_to_tensor_model_parallel_region(x, grid=self.grid), weight, bias)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, grid=self.grid)
         if self.skip_bias_add:
@@ -186,8 +184,8 @@ class RowParallelLinear(nn.Module):
         GEMM reads x in place, so autograd keeps x itself rather than a second, [s, b]-ordered copy of it."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, grid=self.grid)
-        y = fp8_linear(x, self.weight, self.fp8) if self.fp8 is not None else F.linear(x, self.weight) \
-            if self.wgrad_store is None else deferred_linear(x, self.weight, None, self.wgrad_store)
+        y = fp8_linear(x, self.weight, self.fp8) if self.fp8 is not None else \
+            deferred_linear(x, self.weight, None, self.wgrad_store)
         if batch_first:
             y = y.transpose(0, 1).contiguous()
         if self.sequence_parallel and not self.expert:
@@ -258,18 +256,13 @@ class VocabParallelEmbedding(nn.Module):
         _set_tp_attrs(self.weight, True, 0)
         self.weight.real_vocab_size = real  # rows past it are padding (checkpoints store only real rows)
 
-    def _lookup(self, ids):
-        if self.wgrad_store is None:
-            return F.embedding(ids, self.weight)
-        return deferred_embedding(ids, self.weight, self.wgrad_store)  # a split backward's W computes its gradient
-
     def forward(self, ids):
         if self.grid.tp > 1:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-            out = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = deferred_embedding(local, self.weight, self.wgrad_store).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = self._lookup(ids)
+            out = deferred_embedding(ids, self.weight, self.wgrad_store)
         if self.reduce_scatter:
             return reduce_scatter_to_sequence_parallel_region(out, grid=self.grid)
         return reduce_from_tensor_model_parallel_region(out, inplace=True, grid=self.grid)  # fresh lookup
