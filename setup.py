@@ -25,9 +25,11 @@ setup(
         # tensorboard: Megatron's launch scripts pass --tensorboard-dir (tests/test_megatron_scripts.py).
         # torchft: the fault-tolerant replicas' tests (tests/test_ft.py).
         # torchao: the external FP8 reference (its Float8Linear in emulation mode, tests/test_fp8_torchao.py).
-        "test": ["pytest", "megatron-core>=0.16", "transformers", "matplotlib", "tensorboard", "torchft>=0.2",
+        # transformers < 5.25: 5.25 requires Hugging Face's `kernels` distribution, whose import name is our
+        # top-level `kernels` package; both cannot be installed (tests/test_packaging.py checks no other does).
+        "test": ["pytest", "megatron-core>=0.16", "transformers<5.25", "matplotlib", "tensorboard", "torchft>=0.2",
                  "torchao>=0.18"],
-        "hf": ["transformers", "safetensors"],
+        "hf": ["transformers<5.25", "safetensors"],
         "tensorboard": ["tensorboard"],
         "plot": ["matplotlib"],  # tools/plot_metrics.py
         "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging, megalite/logger.py)

@@ -37,3 +37,18 @@ def test_the_wheel_holds_every_module_and_data_file(tmp_path):
     want = {os.path.relpath(f, ROOT) for top in ("megalite", "kernels")
             for f in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)} | set(DATA_FILES)
     assert not want - shipped, f"the wheel lacks {sorted(want - shipped)}"
+
+
+def test_no_other_installed_distribution_ships_our_top_level_names():
+    """Two distributions with one import name overwrite each other's files on install and shadow each other on
+    sys.path: transformers 5.25 pulled in Hugging Face's `kernels`, and transformers then imported our `kernels`
+    as its own and failed (setup.py caps transformers below it)."""
+    import importlib.metadata as md
+    clashes = []
+    for dist in md.distributions():
+        name = dist.metadata["Name"]
+        if name and name.lower() != "megalite":
+            tops = (dist.read_text("top_level.txt") or "").split()
+            tops += [f.parts[0] for f in (dist.files or ()) if len(f.parts) > 1 and f.parts[1] == "__init__.py"]
+            clashes += [f"{name} ships `{t}`" for t in {"megalite", "kernels"} & set(tops)]
+    assert not clashes, f"installed distributions that clash with megalite's packages: {sorted(set(clashes))}"
