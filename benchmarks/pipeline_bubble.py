@@ -5,9 +5,12 @@ a sleep, not arithmetic, so that p ranks on a 2-core machine do not slow each ot
 and the schedule alone decides the idle time. The real megalite schedules and p2p run
 underneath (gloo ranks). Idle fraction of a stage = 1 - busy / iteration wall time.
 Theory: 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v m+p-1); ZB-H1 (--pipeline-schedule
-zb-h1: the backward split into B, the input gradient, and W, the weight gradient, t_f each) (p-1)/(3m+p-1) for m >= p.
+zb-h1: the backward split into B, the input gradient, and W, the weight gradient, t_f each) (p-1)/(3m+p-1) for m >= p;
+ZB-V (--pipeline-schedule zbv: two chunks per rank in a V, each half the stage's cost, the backward split) at
+p = 2, 4 (p-1)/(6m+p-1) for m >= p (its plan's; a few units more at other p).
 Also prints the peak number of micro-batches whose activations are alive on each stage,
-1F1B and ZB-H1 vs all-forwards-then-all-backwards (GPipe).
+1F1B and ZB-H1 vs all-forwards-then-all-backwards (GPipe), and ZB-V's in chunk-activations (half a stage's each;
+1F1B's first stage holds 2p of them).
 
     python benchmarks/pipeline_bubble.py [--p 4 --ms 4 8 16 --v 2 --tf-ms 10]
 """
@@ -138,19 +141,23 @@ def _rank(rank, p, port, args, q):
     tf = args.tf_ms / 1000
     trace = ScheduleTrace()
     rows = []
-    for kind, v in (("1F1B", 1), ("ZB-H1", 1), ("interleaved", args.v)):
-        ps.initialize_model_parallel(1, p, v if v > 1 else None)
-        # Interleaving splits the stage's work into v chunks of 1/v the cost each.
-        chunks = [SleepStage(tf / v, 2 * tf / v, ps.is_pipeline_first_stage() and i == 0) for i in range(v)]
+    for kind, v in (("1F1B", 1), ("ZB-H1", 1), ("ZB-V", 2), ("interleaved", args.v)):
+        ps.initialize_model_parallel(1, p, v if v > 1 else None, pipeline_placement="v" if kind == "ZB-V" else "loop")
+        # Interleaving (and the V) splits the stage's work into v chunks of 1/v the cost each.
+        g = ps.current_grid()
+        chunks = [SleepStage(tf / v, 2 * tf / v, g.stage_of(i) == 0) for i in range(v)]
         for m in args.ms:
-            if v > 1 and m % p:
+            if kind == "interleaved" and m % p:
                 continue
             fracs = []
             for _ in range(args.repeats + 1):  # (the first call is a warm-up: gloo's first messages of a kind)
                 dist.barrier()
                 BUSY[0] = 0.0
                 t0 = time.perf_counter()
-                if kind == "ZB-H1":
+                if kind == "ZB-V":
+                    schedules.forward_backward_pipelining_zero_bubble_v(
+                        _forward_step, [None] * v, chunks, m, tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
+                elif kind == "ZB-H1":
                     schedules.forward_backward_pipelining_zero_bubble(
                         _forward_step, None, chunks[0], m, tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
                 elif v == 1:
@@ -203,17 +210,20 @@ def main():
     print(f"{'schedule':<13}{'v':>3}{'m':>5}{'theory':>9}{'measured (mean of stages)':>28}{'ratio':>8}"
           f"{'worst stage':>13}")
     for i, (kind, v, m, _, _) in enumerate(results[0][0]):
-        theory = (p - 1) / ((3 * m if kind == "ZB-H1" else v * m) + p - 1)  # (ZB-H1's: m >= p)
+        work = {"ZB-H1": 3 * m, "ZB-V": 6 * m}.get(kind, v * m)  # (ZB-H1's and ZB-V's: m >= p)
+        theory = (p - 1) / (work + p - 1)
         per_stage = [results[r][0][i][3] for r in range(p)]
         mean = sum(per_stage) / p
         print(f"{kind:<13}{v:>3}{m:>5}{theory:>9.3f}{mean:>28.3f}{mean / theory:>8.3f}{max(per_stage):>13.3f}")
-    print("\npeak micro-batches with live activations per stage (1F1B, ZB-H1 vs all-forward-then-backward):")
-    print(f"{'m':>4}  " + "  ".join(f"stage {s}: 1F1B/ZB-H1/GPipe" for s in range(p)))
+    print("\npeak micro-batches with live activations per stage (1F1B, ZB-H1 vs all-forward-then-backward; ZB-V: "
+          "chunk-activations, half a stage's each):")
+    print(f"{'m':>4}  " + "  ".join(f"stage {s}: 1F1B/ZB-H1/GPipe/ZB-V" for s in range(p)))
     for m in args.ms:
         idx = [next(i for i, row in enumerate(results[0][0]) if row[0] == kind and row[2] == m)
-               for kind in ("1F1B", "ZB-H1")]
-        cells = [f"{results[s][0][idx[0]][4]:>9}/{results[s][0][idx[1]][4]}/{results[s][1][m]:<8}" for s in range(p)]
-        print(f"{m:>4}  " + "  ".join(f"{c:>20}" for c in cells))
+               for kind in ("1F1B", "ZB-H1", "ZB-V")]
+        cells = [f"{results[s][0][idx[0]][4]:>9}/{results[s][0][idx[1]][4]}/{results[s][1][m]}/"
+                 f"{results[s][0][idx[2]][4]:<5}" for s in range(p)]
+        print(f"{m:>4}  " + "  ".join(f"{c:>25}" for c in cells))
 
 
 if __name__ == "__main__":

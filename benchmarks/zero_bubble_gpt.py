@@ -1,7 +1,8 @@
-"""A real GPT's step under 1F1B and ZB-H1 (--pipeline-schedule zb-h1) side by side: `pretrain_gpt.py` on
---pp CPU ranks (gloo, one thread each, torchrun), mock data, the same model and batch; the arms alternate so the
-machine's drift falls on both. Prints the median time per iteration of each (the first iterations, warm-up, left
-out), the ratio, and the bubble theory's ratio (1F1B (m+p-1)(F+B+W) against ZB-H1's 3m+p-1 units; F = B = W).
+"""A real GPT's step under 1F1B, ZB-H1 and ZB-V (--pipeline-schedule zb-h1|zbv) side by side: `pretrain_gpt.py`
+on --pp CPU ranks (gloo, one thread each, torchrun), mock data, the same model and batch; the arms alternate so the
+machine's drift falls on all. Prints the median time per iteration of each (the first iterations, warm-up, left
+out), its ratio to 1F1B's, and the bubble theory's ratio with F = B = W: 1F1B (m+p-1)(F+B+W) against ZB-H1's 3m+p-1
+units and ZB-V's 3m+(p-1)/2 (its units are half a stage's; exact at p = 2, 4 for m >= p).
 
     python benchmarks/zero_bubble_gpt.py [--pp 2 --micro-batches 8 --hidden 256 --layers 4 --rounds 2]
 """
@@ -44,18 +45,21 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=29517)
     a = ap.parse_args()
-    got = {"1f1b": [], "zb-h1": []}
+    if a.layers % (2 * a.pp):
+        raise SystemExit(f"--layers {a.layers} must divide into 2 x --pp {a.pp} for zbv's two chunks a rank")
+    got = {"1f1b": [], "zb-h1": [], "zbv": []}
     for _ in range(a.rounds):
         for schedule in got:
             got[schedule] += _iteration_ms(schedule, a)
-    one, zb = (statistics.median(got[s]) for s in ("1f1b", "zb-h1"))
+    median = {s: statistics.median(t) for s, t in got.items()}
     p, m = a.pp, a.micro_batches
+    theory = {"1f1b": 1.0, "zb-h1": (3 * m + p - 1) / (3 * (m + p - 1)),
+              "zbv": (3 * m + (p - 1) / 2) / (3 * (m + p - 1))}
     print(f"GPT {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch {a.micro}, {m} micro-batches, "
           f"PP{p} on {os.cpu_count()} cores (gloo, 1 thread a rank); median of {len(got['1f1b'])} iterations each")
-    print(f"{'schedule':<8}{'ms / iteration':>16}")
-    print(f"{'1f1b':<8}{one:>16.1f}\n{'zb-h1':<8}{zb:>16.1f}")
-    print(f"speed-up zb-h1 / 1f1b: {one / zb:.3f} (theory with F = B = W and no overhead: "
-          f"{3 * (m + p - 1) / (3 * m + p - 1):.3f})")
+    print(f"{'schedule':<8}{'ms / iteration':>16}{'x 1f1b':>9}{'theory (F = B = W, no overhead)':>34}")
+    for s, ms in median.items():
+        print(f"{s:<8}{ms:>16.1f}{ms / median['1f1b']:>9.3f}{theory[s]:>34.3f}")
 
 
 if __name__ == "__main__":

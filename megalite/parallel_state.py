@@ -45,14 +45,15 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
                               virtual_pipeline_model_parallel_size=None, *, context_parallel_size=1,
                               hierarchical_context_parallel_sizes=None, use_tp_pp_dp_mapping=False,
                               ranks_per_node=None, expert_model_parallel_size=None, expert_tensor_parallel_size=None,
-                              replicas=1):
+                              replicas=1, pipeline_placement="loop"):
     """Build the TP/CP/DP/PP/model-parallel/embedding groups for the current world.
     ranks_per_node (--hierarchical-grad-reduce): also split each gradient-reduction group (DP x CP)
     into its members on one node (global rank // ranks_per_node) and its cross-node groups.
     expert_model_parallel_size (MoE models): also the expert grid, see _expert_groups (its expert-TP size
     defaults to the TP size, as Megatron's). replicas (semi-synchronous training): the DP ranks split into
     this many consecutive blocks, each a whole model copy whose DP groups (gradients, ZeRO) are its block
-    (megalite/distributed/semi_sync.py). The groups' rank lists: megalite/parallel/process_groups.py."""
+    (megalite/distributed/semi_sync.py). pipeline_placement: "loop" or "v" (where the stages sit:
+    megalite/parallel/pipeline_stages.py). The groups' rank lists: megalite/parallel/process_groups.py."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     for name, v in (("tensor-model", tp), ("pipeline-model", pp), ("context", cp)):
@@ -74,6 +75,8 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     grid = Grid(tp, pp, dp, cp, virtual_pipeline_model_parallel_size)
     grid.created = []  # this rank's groups, released by destroy_model_parallel
     grid.pp_before_dp = bool(use_tp_pp_dp_mapping)
+    grid.pipeline_placement = pipeline_placement
+    grid.stages()  # (a placement the sizes cannot hold: ValueError)
     if ep is not None:
         grid.experts, grid.ep, grid.etp, grid.edp = True, ep, etp, tp * cp * dp // (ep * etp)
     if not dist.is_initialized():

@@ -64,6 +64,14 @@ RESUME_LAYOUTS = {
     "pp2_dp2_zero2_bf16": (4, ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
                                "--zero-stage", "2", "--bf16"]),
     "cp2_dp2_zero1_dropout": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer"] + DROPOUT),
+    "pp2_zbv_dp2_zero1": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv",
+                              "--use-distributed-optimizer"]),
+}
+# checkpoints of one pipeline placement continued at another (global layer numbers): name -> (flags, saved by)
+CROSS = {
+    "zbv_to_pp4_1f1b": (["--pipeline-model-parallel-size", "4", "--use-distributed-optimizer"], "pp2_zbv_dp2_zero1"),
+    "interleaved_to_zbv": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
+                           "pp2_interleaved_dp2_zero1"),
 }
 
 
@@ -71,7 +79,8 @@ RESUME_LAYOUTS = {
 def resumed(tmp_path_factory):
     """Per layout: (straight losses, first half, resumed half, checkpoint dir). The 4-rank layouts run
     in two halves, each one spawn for the first halves and one for the resumes; the halves and the
-    single-process layout side by side (one world alone leaves the cores idle while its ranks wait)."""
+    single-process layout side by side (one world alone leaves the cores idle while its ranks wait). The CROSS
+    loads run with the second half's resumes: out[name] = their losses."""
     out, dirs = {}, {n: str(tmp_path_factory.mktemp(n) / "ckpt") for n in RESUME_LAYOUTS}
 
     def first_runs(names):
@@ -94,9 +103,14 @@ def resumed(tmp_path_factory):
     ones = [n for n, (w, _) in RESUME_LAYOUTS.items() if w == 1]
     record(ones, _spawn(1, first_runs(ones)), _spawn(1, second_runs(ones)))
     firsts = [w.result()[-1] for w in started]
-    started = [start_on_ranks(_train_all, 4, second_runs(h), timeout=420) for h in halves]
-    for h, f, w in zip(halves, firsts, started):
-        record(h, f, w.result()[-1])
+    cross = [flags + ["--load", dirs[saved_by]] for flags, saved_by in CROSS.values()]
+    started = [start_on_ranks(_train_all, 4, second_runs(h) + (cross if i else []), timeout=420)
+               for i, h in enumerate(halves)]
+    for i, (h, f, w) in enumerate(zip(halves, firsts, started)):
+        losses = w.result()[-1]
+        record(h, f, losses)
+        if i:
+            out.update(zip(CROSS, losses[len(h):]))
     return out
 
 
@@ -115,6 +129,16 @@ def test_resume_is_bit_identical(name, resumed):
                        for r, _, fs in os.walk(os.path.join(d, it))
                        for f in fs}
             assert set(recorded) == on_disk - {"integrity.json"} and "rng/rank_00003.json" in recorded, recorded
+
+
+@pytest.mark.parametrize("name", list(CROSS))
+def test_the_v_and_the_loop_continue_each_others_checkpoints(name, resumed):
+    """ZB-V's two chunks per rank hold the stages of a V (chunk 0 of PP rank 0 the model's second stage of four),
+    yet its checkpoint names every layer by its global number: the loop continues it, and it the loop's, as the
+    saving run went on (the same sums, in the order of another DP size: rounding only)."""
+    straight = resumed[CROSS[name][1]][0]
+    assert _rel(resumed[name], straight[5:]) <= 1e-5, f"{name}: {resumed[name]} vs {straight[5:]}"
+    assert resumed[name][0] < straight[0] - 0.5  # (fresh weights would restart near ln V)
 
 
 def test_resume_at_another_topology(tmp_path):

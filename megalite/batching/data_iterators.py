@@ -70,13 +70,44 @@ def close_iterators(its):
 
 def chunk_iterators(it, num_chunks, grid):
     """Per model chunk: the first chunk of the first stage and the last chunk of the last
-    stage read the data; other chunks get None."""
+    stage read the data; other chunks get None. Where one rank holds both (the V of --pipeline-schedule zbv),
+    its two chunks read one iterator's micro-batches each in turn (_Shared)."""
     g, its = grid, [None] * num_chunks
     if g.first_stage():
         its[0] = it
     if g.last_stage():
         its[-1] = it
+    if it is not None and num_chunks > 1 and its[0] is it and its[-1] is it:
+        its[0], its[-1] = _Shared.pair(it)
     return its
+
+
+class _Shared:
+    """One of two readers of one iterator, each given every item (the embedding's chunk reads micro-batch i's
+    tokens, the loss's chunk later its labels): an item is kept until both have taken it."""
+
+    def __init__(self, source, queues, mine):
+        self.source, self.queues, self.mine = source, queues, mine
+
+    @classmethod
+    def pair(cls, source):
+        queues = ([], [])
+        return cls(source, queues, 0), cls(source, queues, 1)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        mine = self.queues[self.mine]
+        if not mine:
+            item = next(self.source)
+            for q in self.queues:
+                q.append(item)
+        return mine.pop(0)
+
+    def close(self):
+        if hasattr(self.source, "close"):
+            self.source.close()
 
 
 def data_iterators(dataset, consumed_samples, loader, chunks, micro_batch_size=None, plan=None, rank=None,

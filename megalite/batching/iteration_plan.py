@@ -211,7 +211,7 @@ def auto_shares(cfg, plan, grid):
     interleaved), else None."""
     if cfg.data_parallel_shares != "auto":
         return None
-    unit = cfg.pipeline_model_parallel_size if cfg.virtual_pipeline_model_parallel_size else 1
+    unit = cfg.pipeline_model_parallel_size if interleaving(cfg) else 1
     return AutoShares(plan, cfg.data_parallel_shares_profile_iters, unit, grid)
 
 
@@ -268,6 +268,6 @@ def batch_schedule(cfg):
 
 def interleaving(cfg):
     """The `interleaved` argument of the checks: False, True (groups of PP) or the group size."""
-    if cfg.virtual_pipeline_model_parallel_size is None:
+    if cfg.virtual_pipeline_model_parallel_size is None or cfg.pipeline_schedule == "zbv":
         return False
     return cfg.microbatch_group_size_per_virtual_pipeline_stage or True

@@ -19,7 +19,9 @@ class Validator:
         if not layout.zero:
             argv = [a for a in argv if a != "--overlap-param-gather"]
         if layout.pp == 1 or layout.vp:  # (a split backward fills a plain pipeline's bubble: those layouts only)
-            argv = _without_zero_bubble(argv)
+            argv = _without_schedule(argv, "zb-h1")
+        if layout.pp == 1 or not layout.vp:  # (zbv: the layouts of two chunks per rank, search.candidates')
+            argv = _without_schedule(argv, "zbv")
         key = tuple(argv)
         if key not in self.models:
             self.models[key] = ModelFlags(argv)
@@ -29,14 +31,16 @@ class Validator:
         return PlanConfig.of(args)
 
 
-def _without_zero_bubble(argv):
+def _without_schedule(argv, schedule):
+    """argv without --pipeline-schedule `schedule` (zb-h1: nor Megatron's --delay-wgrad-compute)."""
     out, skip = [], False
+    dropped = (f"--pipeline-schedule={schedule}",) + (("--delay-wgrad-compute",) if schedule == "zb-h1" else ())
     for i, a in enumerate(argv):
         if skip:
             skip = False
-        elif a == "--pipeline-schedule" and argv[i + 1:i + 2] == ["zb-h1"]:
+        elif a == "--pipeline-schedule" and argv[i + 1:i + 2] == [schedule]:
             skip = True
-        elif a not in ("--delay-wgrad-compute", "--pipeline-schedule=zb-h1"):
+        elif a not in dropped:
             out.append(a)
     return out
 
@@ -45,7 +49,7 @@ def validated(model_argv, layout, world_size):
     """The PlanConfig (config/plan.py) of the user's model flags at this layout; ConfigError where megalite
     would refuse to launch it. The user's --overlap-param-gather (ZeRO's) applies to the layouts with ZeRO; those
     without run without it (and --pipeline-schedule zb-h1 / --delay-wgrad-compute to plain pipelines, PP > 1
-    without virtual stages)."""
+    without virtual stages; zbv to PP > 1 with virtual stages, which it takes two per rank)."""
     return Validator()(model_argv, layout, world_size)
 
 

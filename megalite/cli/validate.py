@@ -13,7 +13,7 @@ from megalite.cli.features.mixed_gpu import check_uneven_composes, is_auto, vali
 from megalite.cli.features.semi_sync import validate_semi_sync
 from megalite.cli.features.ft import validate_ft
 from megalite.cli.features.fp8 import validate_fp8
-from megalite.cli.features.pipeline_schedule import validate_pipeline_schedule
+from megalite.cli.features.pipeline_schedule import v_split, validate_pipeline_schedule
 from megalite.cli.features.optimizer import validate_optimizer
 from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features
 
@@ -284,6 +284,8 @@ def _validate_pipeline(args):
         if args.virtual_pipeline_model_parallel_size == 1:
             args.virtual_pipeline_model_parallel_size = None  # one chunk per stage: plain 1F1B
         return
+    if args.pipeline_schedule == "zbv":
+        return v_split(args)
     stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 

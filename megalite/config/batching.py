@@ -21,4 +21,5 @@ class BatchingConfig(Section):
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int
     microbatch_group_size_per_virtual_pipeline_stage: int
+    pipeline_schedule: str  # (zbv's two chunks per rank are not interleaving: any micro-batch count)
     semi_sync_replicas: int

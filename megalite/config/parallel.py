@@ -11,6 +11,7 @@ class ParallelConfig(Section):
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     virtual_pipeline_model_parallel_size: int
+    pipeline_schedule: str  # (zbv: the stages placed in a V, megalite/parallel/pipeline_stages.py)
     context_parallel_size: int
     hierarchical_context_parallel_sizes: list
     data_parallel_size: int  # (derived by validation from the world size)

@@ -31,17 +31,25 @@ def allreduce_sequence_parallel_grads(params, grid):
 
 def allreduce_embedding_grads(model_chunks):
     """A word embedding with copies on the first and last pipeline stages (tied to the output layer, or
-    looked up by multi-token prediction on the last stage): sum their grads."""
+    looked up by multi-token prediction on the last stage): sum their grads (the V: both copies are this rank's,
+    in its two chunks, summed here; the loop: one on each of the embedding group's two ranks)."""
     g = ps.grid_of(model_chunks)
     if g.pp == 1 or g.rank not in g.emb_ranks:
         return
+    grads = []
     for m in model_chunks:
         m = getattr(m, "module", m)
-        if not getattr(m, "shares_embedding_across_stages", False):
-            continue
-        w = m.shared_embedding_or_output_weight()
-        if w is not None:
-            dist.all_reduce(_grad(w), group=g.emb_group)
+        if getattr(m, "shares_embedding_across_stages", False) and \
+                (w := m.shared_embedding_or_output_weight()) is not None:
+            grads.append(_grad(w))
+    if not grads:
+        return
+    total = grads[0] if len(grads) == 1 else grads[0] + grads[1]
+    if len(g.emb_ranks) > 1:
+        dist.all_reduce(total, group=g.emb_group)
+    for grad in grads:
+        if grad is not total:
+            grad.copy_(total)
 
 
 def dist_flatten(tensors):

@@ -37,7 +37,7 @@ def derive(p, grid):
     expert = bool(getattr(p, "expert_parallel", False)) and grid.experts
     dp = grid.expert_dp() if expert else grid.dp_cp()
     tp = (*grid.expert_tp(), grid.expert_tp_group()) if expert else (grid.tp, grid.tp_rank, grid.tp_group)
-    tied_copy = getattr(p, "shared_embedding", False) and not grid.first_stage()
+    tied_copy = getattr(p, "shared_embedding", False)  # (only a later stage's copy is marked: counted once)
     counted = not tied_copy and (getattr(p, "tensor_model_parallel", False) or tp[1] == 0)
     return Facts(grid, expert, dp, tp, counted, dp[2] == 0)
 

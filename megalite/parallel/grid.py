@@ -1,6 +1,8 @@
 """A parallel layout as a value: sizes, one rank's coordinates and its process groups (DESIGN.md,
 "Process-group grid"). parallel_state builds the global one and keeps it; model code is handed one."""
 
+from megalite.parallel.pipeline_stages import PipelineStages
+
 
 class Grid:
     """One layout's sizes, this rank's coordinates and its groups (None where a group is not built: a
@@ -14,6 +16,7 @@ class Grid:
         self.hcp = []  # --hierarchical-context-parallel-sizes: [(group, global ranks)] per level
         self.grad_nodes = None  # --hierarchical-grad-reduce: (this node's group, ranks; cross-node group, ranks)
         self.pp_before_dp = False  # --use-tp-pp-dp-mapping
+        self.pipeline_placement = "loop"  # where the stages sit (pipeline_stages.py): "v" under --pipeline-schedule zbv
         self.tp_rank = self.pp_rank = self.dp_rank = self.cp_rank = 0
         self.pp_ranks = [0]
         self.emb_ranks = [0]
@@ -34,11 +37,13 @@ class Grid:
         self.rank = 0  # global
 
     @classmethod
-    def of(cls, tp=1, pp=1, dp=1, cp=1, vpp=None, ep=None, etp=None, tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0):
+    def of(cls, tp=1, pp=1, dp=1, cp=1, vpp=None, ep=None, etp=None, tp_rank=0, pp_rank=0, dp_rank=0, cp_rank=0,
+           placement="loop"):
         """A layout's grid without process groups: sizes and one rank's coordinates (the expert ones follow
         from them as in process_groups), to build that rank's model (on the meta device: a planner builds
         many layouts in one process)."""
         g = cls(tp, pp, dp, cp, vpp)
+        g.pipeline_placement = placement
         g.tp_rank, g.pp_rank, g.dp_rank, g.cp_rank = tp_rank, pp_rank, dp_rank, cp_rank
         g.pp_ranks = list(range(pp))
         if ep is not None:
@@ -48,9 +53,17 @@ class Grid:
             g.etp_rank, g.ep_rank, g.edp_rank = j % etp, (j // etp) % ep, j // (etp * ep)
         return g
 
+    def stages(self):
+        """Where the pipeline's stages sit (PipelineStages: which rank and chunk runs each)."""
+        return PipelineStages(self.pp, self.vpp or 1, self.pipeline_placement)
+
+    def stage_of(self, chunk, pp_rank=None):
+        """The pipeline stage this rank's (or pp_rank's) model chunk `chunk` runs."""
+        return self.stages().stage(self.pp_rank if pp_rank is None else pp_rank, chunk)
+
     def first_stage(self):
-        """This rank holds the pipeline's first stage (whatever its virtual chunk)."""
-        return self.pp_rank == 0
+        """This rank holds the pipeline's first stage (whatever its virtual chunk; the V: the last rank)."""
+        return self.pp_rank == self.stages().holder(0)[0]
 
     def last_stage(self):
         """This rank holds the pipeline's last stage (whatever its virtual chunk)."""

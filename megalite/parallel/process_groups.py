@@ -50,8 +50,9 @@ def build_groups(grid, rank, at, make, hierarchical_context_parallel_sizes=None,
         ranks = [at(t, c, d, p) for p in P]
         if (g := make(ranks)) is not None:
             grid.pp_group, grid.pp_ranks = g, ranks
-        if pp > 1:  # tied word embeddings live on the first and last stage
-            emb = [ranks[0], ranks[-1]]
+        if pp > 1:  # tied word embeddings live on the first and last stage (one rank in the V)
+            st = grid.stages()
+            emb = sorted({ranks[st.holder(0)[0]], ranks[st.holder(st.count - 1)[0]]})
             if (g := make(emb)) is not None:
                 grid.emb_group, grid.emb_ranks = g, emb
     for c, d in ((c, d) for d in D for c in C):

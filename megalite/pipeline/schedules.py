@@ -107,8 +107,17 @@ def forward_backward_pipelining_zero_bubble(forward_step_func, data_iterator, mo
         return forward_backward_pipelining_without_interleaving(
             forward_step_func, data_iterator, model, num_microbatches, True, loss_scale, tensor_shape, dtype,
             loss_divisor, trace, timer)
-    return forward_backward_with_plan("zb-h1", forward_step_func, data_iterator, model, num_microbatches,
+    return forward_backward_with_plan("zb-h1", forward_step_func, data_iterator, model, num_microbatches, False,
                                       loss_scale, tensor_shape, dtype, loss_divisor, trace, timer)
+
+
+def forward_backward_pipelining_zero_bubble_v(forward_step_func, data_iterator, model, num_microbatches,
+                                              forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
+                                              loss_divisor=None, trace=None, timer=None):
+    """ZB-V (--pipeline-schedule zbv): two model chunks per rank in a V (megalite/parallel/pipeline_stages.py),
+    each backward split, by zero_bubble.py's plan; forward only: the plan's forwards."""
+    return forward_backward_with_plan("zbv", forward_step_func, data_iterator, model, num_microbatches,
+                                      forward_only, loss_scale, tensor_shape, dtype, loss_divisor, trace, timer)
 
 
 def get_forward_backward_func(grid=None, schedule=None):
@@ -117,6 +126,8 @@ def get_forward_backward_func(grid=None, schedule=None):
     g = ps.current_grid(grid)
     if g.pp == 1:
         return forward_backward_no_pipelining
+    if g.pipeline_placement == "v":
+        return forward_backward_pipelining_zero_bubble_v
     if g.vpp is not None:
         return forward_backward_pipelining_with_interleaving
     if schedule == "zb-h1":

@@ -7,15 +7,24 @@ A plan is made by simulating the pipeline with unit costs (F = B = W = 1): each 
 B's and fills a wait with a W it owes (a W it owes also goes first where one more F would keep more micro-batches
 alive than 1F1B's first stage does, p), so ZB-H1's peak activation memory is 1F1B's (the paper's H1) and its bubble
 (p - 1)(F + B - W) instead of (p - 1)(F + B + W); 1f1b's plan runs each W right after its B (and its
-simulation sends the input gradient after both, as 1F1B's one backward does). check_plan proves a plan runs:
-every (chunk, micro-batch) of a rank has one F, one B and one W in that order, each chunk's in micro-batch order;
-every receive meets a send (no rank waits for one never issued, no circle of waits); and between two ranks the
-messages are received in the order they are sent (as NCCL matches them)."""
+simulation sends the input gradient after both, as 1F1B's one backward does). zbv's plan runs two chunks per rank
+placed in a V (megalite/parallel/pipeline_stages.py): a free rank runs a B whose gradient has come, else an F
+whose input has come (the later chunk's first) while fewer than 2p chunk-activations are alive (1F1B's first
+stage: p micro-batches of a p-th of the model; one kept free for the later chunk), else the oldest W it owes; at
+p = 2 and 4 its step is the least any plan can take once m >= p, 6m + p - 1 (unit costs per chunk: only the
+rank of the V's turning point waits, p - 1 units, for its first input). check_plan proves a plan runs: every
+(chunk, micro-batch) of a rank has one F, one B and one W in that order, each chunk's in micro-batch order; every
+message a rank waits for is sent by the stage before or after (no rank waits for one never issued, no circle of
+waits). A rank posts its receives from each peer in the order that peer sends them (zero_bubble_run.py), as NCCL,
+which ignores tags, matches them."""
 
 import dataclasses
 import functools
 
+from megalite.parallel.pipeline_stages import PipelineStages
+
 F, B, W = "F", "B", "W"
+SCHEDULES = ("1f1b", "zb-h1", "zbv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,13 +46,15 @@ class Plan:
     actions: tuple  # per pipeline rank, its actions in order
     finish: dict  # (rank, Action) -> its end in the simulation's time units
     makespan: float
+    stages: PipelineStages
 
     def idle_fraction(self, rank):
         busy = sum(1 for _ in self.actions[rank])  # (unit costs)
         return 1 - busy / self.makespan
 
     def most_alive(self, rank):
-        """The most micro-batches whose activations `rank` holds at once (from its F until its W)."""
+        """The most chunk-activations (a micro-batch's of one chunk) `rank` holds at once (from an F until its
+        W)."""
         alive = most = 0
         for a in self.actions[rank]:
             alive += {F: 1, B: 0, W: -1}[a.op]
@@ -60,20 +71,33 @@ def one_f_one_b_order(p, m, rank):
     return order + [Action(B, 0, i) for i in range(m - warmup, m)]
 
 
-def _ready(a, rank, p, done, t, combined=False):
-    """Whether action a of `rank` (one chunk per rank: stage = rank) may start at time t (what it waits for
-    has finished by then; combined: a stage's input gradient leaves after its weight gradients, 1F1B's)."""
+def _needs(a, rank, st, combined=False):
+    """(rank, Action) that action a of `rank` waits for (None: nothing), the stages placed as `st` says: an F the
+    stage before's F, a B the stage after's B (the last stage: its own F), a W its B (combined: a stage's input
+    gradient leaves after its weight gradients, 1F1B's)."""
+    s = st.stage(rank, a.chunk)
     if a.op == F:
-        need = None if rank == 0 else (rank - 1, Action(F, 0, a.mb))
-    elif a.op == B:
-        need = (rank, Action(F, 0, a.mb)) if rank == p - 1 else (rank + 1, Action(W if combined else B, 0, a.mb))
-    else:
-        need = (rank, Action(B, 0, a.mb))
+        if s == 0:
+            return None
+        r, c = st.holder(s - 1)
+        return r, Action(F, c, a.mb)
+    if a.op == B:
+        if s == st.count - 1:
+            return rank, Action(F, a.chunk, a.mb)
+        r, c = st.holder(s + 1)
+        return r, Action(W if combined else B, c, a.mb)
+    return rank, Action(B, a.chunk, a.mb)
+
+
+def _ready(a, rank, st, done, t, combined=False):
+    """Whether action a of `rank` may start at time t (what it waits for has finished by then)."""
+    need = _needs(a, rank, st, combined)
     return need is None or (need in done and done[need] <= t)
 
 
 def _simulate(p, m, defer):
     """Per rank, 1F1B's F/B order with each W placed as `defer` says (False: right after its B); unit costs."""
+    st = PipelineStages(p)
     orders = [one_f_one_b_order(p, m, r) for r in range(p)]
     nxt, owed, free = [0] * p, [[] for _ in range(p)], [0.0] * p
     actions, done = [[] for _ in range(p)], {}
@@ -97,7 +121,7 @@ def _simulate(p, m, defer):
             a = orders[r][nxt[r]] if nxt[r] < 2 * m else None
             if owed[r] and (not defer or a is None or (a.op == F and started[r] >= p)):
                 run(r, owed[r].pop(0), t)
-            elif a is not None and _ready(a, r, p, done, t, combined=not defer):
+            elif a is not None and _ready(a, r, st, done, t, combined=not defer):
                 nxt[r] += 1
                 run(r, a, t)
             elif owed[r]:  # it would wait: a W fills the hole
@@ -106,74 +130,122 @@ def _simulate(p, m, defer):
                 continue
             progressed = True
         if not progressed:
-            later = [f for f in list(free) + list(done.values()) if f > t]
-            if not later:
-                raise PlanError(f"the {p}-stage simulation stalls at time {t}")
-            t = min(later)
-    return Plan(tuple(tuple(a) for a in actions), done, max(done.values()))
+            t = _next_event(free, done, t, f"the {p}-stage simulation")
+    return Plan(tuple(tuple(a) for a in actions), done, max(done.values()), st)
+
+
+def _next_event(free, done, t, what):
+    """The simulation's next time at which a rank frees or an action ends; PlanError if none (nothing can run)."""
+    later = [f for f in list(free) + list(done.values()) if f > t]
+    if not later:
+        raise PlanError(f"{what} stalls at time {t}")
+    return min(later)
+
+
+def _simulate_v(p, m):
+    """ZB-V's plan (two chunks per rank in a V), greedy on unit costs per chunk: see the module's docstring."""
+    st, cap = PipelineStages(p, 2, "v"), 2 * p
+    done, free, alive = {}, [0.0] * p, [0] * p
+    fwd, bwd = [[0, 0] for _ in range(p)], [[0, 0] for _ in range(p)]  # per rank and chunk: the next F's, B's mb
+    owed, actions = [[] for _ in range(p)], [[] for _ in range(p)]
+
+    def pick(r, t):
+        for c in (0, 1):
+            if bwd[r][c] < m and _ready(a := Action(B, c, bwd[r][c]), r, st, done, t):
+                return a
+        for c in (1, 0):  # (a chunk-0 F leaves room for one of chunk 1, which brings its micro-batch nearer its B)
+            if fwd[r][c] < m and alive[r] < cap - (c == 0) and _ready(a := Action(F, c, fwd[r][c]), r, st, done, t):
+                return a
+        return owed[r][0] if owed[r] else None
+    t = 0.0
+    while any(len(acts) < 6 * m for acts in actions):
+        progressed = False
+        for r in range(p):
+            if free[r] > t or (a := pick(r, t)) is None:
+                continue
+            if a.op == F:
+                fwd[r][a.chunk] += 1
+                alive[r] += 1
+            elif a.op == B:
+                bwd[r][a.chunk] += 1
+                owed[r].append(Action(W, a.chunk, a.mb))
+            else:
+                owed[r].pop(0)
+                alive[r] -= 1
+            actions[r].append(a)
+            done[(r, a)] = free[r] = t + 1
+            progressed = True
+        if not progressed:
+            t = _next_event(free, done, t, f"the {p}-rank V's simulation")
+    return Plan(tuple(tuple(a) for a in actions), done, max(done.values()), st)
 
 
 @functools.lru_cache(maxsize=256)
 def make_plan(schedule, p, m):
-    """The Plan of `schedule` (1f1b | zb-h1) for p stages and m micro-batches, checked (check_plan)."""
-    if schedule not in ("1f1b", "zb-h1"):
+    """The Plan of `schedule` (1f1b | zb-h1 | zbv) for p pipeline ranks and m micro-batches, checked
+    (check_plan)."""
+    if schedule not in SCHEDULES:
         raise ValueError(f"no plan for schedule {schedule!r}")
-    plan = _simulate(p, m, defer=schedule == "zb-h1")
-    check_plan(plan.actions, m)
+    plan = _simulate_v(p, m) if schedule == "zbv" else _simulate(p, m, defer=schedule == "zb-h1")
+    check_plan(plan.actions, m, plan.stages)
     return plan
 
 
-def _messages(actions, p):
-    """Per directed rank pair, the messages in the sender's order and in the receiver's ((kind, stage, mb))."""
+def messages(actions, st):
+    """Per directed pair of ranks, the messages in the sender's order ((kind, stage it is for, mb)), and the set
+    each receiver waits for; none between two stages of one rank (the V's turning point)."""
     sent, received = {}, {}
     for r, acts in enumerate(actions):
         for a in acts:
-            if a.op == F and r + 1 < p:
-                sent.setdefault((r, r + 1), []).append(("activation", r + 1, a.mb))
-            if a.op == F and r > 0:
-                received.setdefault((r - 1, r), []).append(("activation", r, a.mb))
-            if a.op == B and r > 0:
-                sent.setdefault((r, r - 1), []).append(("gradient", r - 1, a.mb))
-            if a.op == B and r + 1 < p:
-                received.setdefault((r + 1, r), []).append(("gradient", r, a.mb))
+            s = st.stage(r, a.chunk)
+            if a.op not in (F, B):
+                continue
+            to, frm = (s + 1, s - 1) if a.op == F else (s - 1, s + 1)
+            kind = "activation" if a.op == F else "gradient"
+            if 0 <= to < st.count and (dst := st.holder(to)[0]) != r:
+                sent.setdefault((r, dst), []).append((kind, to, a.mb))
+            if 0 <= frm < st.count and (src := st.holder(frm)[0]) != r:
+                received.setdefault((src, r), set()).add((kind, s, a.mb))
     return sent, received
 
 
-def check_plan(actions, m):
-    """PlanError naming the rank and action where a plan (per rank, its Actions; one chunk per rank) cannot run."""
-    p = len(actions)
+def check_plan(actions, m, stages=None):
+    """PlanError naming the rank and action where a plan (per rank, its Actions; stages: where they sit, default
+    one chunk per rank) cannot run."""
+    st = stages or PipelineStages(len(actions))
     for r, acts in enumerate(actions):
-        seen = {}
+        seen, last_mb = {}, {}
         for k, a in enumerate(acts):
-            if (a.op, a.mb) in seen:
+            key = (a.op, a.chunk, a.mb)
+            if key in seen:
                 raise PlanError(f"rank {r} runs {a} twice")
             before = {F: None, B: F, W: B}[a.op]
-            if before is not None and (before, a.mb) not in seen:
+            if before is not None and (before, a.chunk, a.mb) not in seen:
                 raise PlanError(f"rank {r} runs {a} before its {before}")
-            same = [b.mb for b in acts[:k] if b.op == a.op and b.chunk == a.chunk]
-            if same and same[-1] > a.mb:
-                raise PlanError(f"rank {r} runs {a} after {a.op}{same[-1]}: each chunk's {a.op}'s in micro-batch "
-                                "order")
-            seen[(a.op, a.mb)] = k
-        missing = [f"{op}{i}" for op in (F, B, W) for i in range(m) if (op, i) not in seen]
+            if last_mb.get((a.op, a.chunk), -1) > a.mb:
+                raise PlanError(f"rank {r} runs {a} after {Action(a.op, a.chunk, last_mb[(a.op, a.chunk)])}: each "
+                                f"chunk's {a.op}'s in micro-batch order")
+            seen[key], last_mb[(a.op, a.chunk)] = k, a.mb
+        missing = [repr(Action(op, c, i)) for c in range(st.v) for op in (F, B, W) for i in range(m)
+                   if (op, c, i) not in seen]
         if missing:
             raise PlanError(f"rank {r} never runs {', '.join(missing[:3])}")
-    sent, received = _messages(actions, p)
+    sent, received = messages(actions, st)
     for pair in sorted(set(sent) | set(received)):
-        if sent.get(pair, []) != received.get(pair, []):
-            raise PlanError(f"rank {pair[1]} receives from rank {pair[0]} in another order than it sends: "
-                            f"{received.get(pair, [])[:4]} vs {sent.get(pair, [])[:4]}")
-    _check_no_waits_for_ever(actions, p)
+        if sorted(sent.get(pair, [])) != sorted(received.get(pair, set())):
+            raise PlanError(f"rank {pair[1]} waits for other messages from rank {pair[0]} than it sends")
+    _check_no_waits_for_ever(actions, st)
 
 
-def _check_no_waits_for_ever(actions, p):
+def _check_no_waits_for_ever(actions, st):
     """Every rank runs its list in order, each action once what it waits for has run: all of them must run."""
-    nxt, done = [0] * p, set()
+    p = st.p
+    nxt, done = [0] * p, {}  # (rank, Action) -> 0: ran
     while True:
         moved = False
         for r in range(p):
-            while nxt[r] < len(actions[r]) and _ready(actions[r][nxt[r]], r, p, {k: 0 for k in done}, 0):
-                done.add((r, actions[r][nxt[r]]))
+            while nxt[r] < len(actions[r]) and _ready(actions[r][nxt[r]], r, st, done, 0):
+                done[(r, actions[r][nxt[r]])] = 0
                 nxt[r] += 1
                 moved = True
         if not moved:

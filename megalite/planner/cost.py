@@ -14,13 +14,13 @@ residuals, activation, rope) at memory bandwidth; at least the host's time to la
 ahead of the host only while it has more work); the TP collectives ((t-1)/t of [s, b, h] per gather / scatter, four
 each way per layer, not overlapped, as megalite runs them, each with the cluster's start-up latency); the CP ring's
 k/v blocks beyond what attention hides; the p2p sends. The pipeline takes (m - 1) max_i t_i + sum_i t_i (1F1B), m
-max_i t_i + (p - 1) max_i t_i / v (interleaved) or 1F1B's with a third of its bubble (zb-h1, m >= p); the bubble is
-what exceeds m max_i t_i. Data parallelism: ring
-all-reduce / reduce-scatter of the fp32 gradients, hidden behind the last micro-batch's backward (ZeRO-2: every
-micro-batch's; ZeRO-3: also the gathers, each micro-batch's behind its compute) but for one bucket
-(--no-overlap-grad-reduce: none of it at ZeRO-0/1), then the parameters' all-gather (ZeRO-1/2; behind the next
-forward with --overlap-param-gather) and Adam over this rank's shard at memory bandwidth. Links: a group inside a
-node uses the node's link, else the inter-node one. Per data-parallel replica where replicas differ (GPUs,
+max_i t_i + (p - 1) max_i t_i / v (interleaved) or 1F1B's with the share of its bubble the schedule's plan leaves
+(zb-h1: a third, m >= p; zbv: (p - 1) / (6m + p - 1) of the step, p = 2, 4); the bubble is what exceeds m max_i t_i.
+Data parallelism: ring all-reduce / reduce-scatter of the fp32 gradients, hidden behind the last micro-batch's
+backward (ZeRO-2: every micro-batch's; ZeRO-3: also the gathers, each micro-batch's behind its compute) but for
+one bucket (--no-overlap-grad-reduce: none of it at ZeRO-0/1), then the parameters' all-gather (ZeRO-1/2; behind
+the next forward with --overlap-param-gather) and Adam over this rank's shard at memory bandwidth. Links: a group
+inside a node uses the node's link, else the inter-node one. Per data-parallel replica where replicas differ (GPUs,
 --data-parallel-micro-batch-sizes, --data-parallel-precisions, an offload fraction each): its micro-batch count
 from the run's iteration plan, its activations and state on its own GPUs, its pace; the slowest replica sets the
 step."""
@@ -143,9 +143,10 @@ def predict(cfg, layout, cluster):
     stage_times, worst, dp_bytes, opt, outer_elements = [], None, {}, 0.0, []
     inner_dp = layout.dp // semi_sync.replicas(cfg)  # (semi-synchronous replicas: each its own inner DP)
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
+    placement = "v" if c.pipeline_schedule == "zbv" else "loop"
     for i in range(layout.pp):
         grid = ps.Grid.of(layout.tp, layout.pp, inner_dp, layout.cp, v if v > 1 else None, layout.ep,
-                          layout.expert_tp if layout.ep else None, pp_rank=i)
+                          layout.expert_tp if layout.ep else None, pp_rank=i, placement=placement)
         gpus = stages.stage_gpus(layout, cluster, i)
         state = memory.training_state(cfg, c, grid)
         outer_elements.append(sum(state.stepped.values()))  # (the main weights a rank sums at an outer step)
@@ -159,9 +160,9 @@ def predict(cfg, layout, cluster):
             if d and per_replica_state:  # replica d's own offload fraction or precision: its state bytes
                 state = memory.training_state(cfg, c, ps.Grid.of(
                     layout.tp, layout.pp, layout.dp, layout.cp, v if v > 1 else None, layout.ep,
-                    layout.expert_tp if layout.ep else None, pp_rank=i, dp_rank=d))
-            per_chunk = [activations.chunk_bytes(cd, grid, micro, ed, n, i == 0 and j == 0,
-                                                 i == layout.pp - 1 and j == v - 1, vocab, first_layer=first)
+                    layout.expert_tp if layout.ep else None, pp_rank=i, dp_rank=d, placement=placement))
+            per_chunk = [activations.chunk_bytes(cd, grid, micro, ed, n, grid.stage_of(j) == 0,
+                                                 grid.stage_of(j) == layout.pp * v - 1, vocab, first_layer=first)
                          for j, (n, first) in enumerate(cuts)]
             in_flight = _in_flight(c, layout, i, counts[r], v)
             act = max(per_chunk) * in_flight if v > 1 else per_chunk[0] * in_flight
@@ -188,7 +189,7 @@ def predict(cfg, layout, cluster):
     for r, n in enumerate(counts):  # each replica's pipeline over its own micro-batches
         per_micro = [sum(stage_times[i][r].values()) for i in range(layout.pp)]
         top = max(per_micro)
-        pipes.append((n * top + (layout.pp - 1) * top / v if v > 1 else
+        pipes.append((n * top + (layout.pp - 1) * top / v if v > 1 and c.pipeline_schedule != "zbv" else
                       n * top + (sum(per_micro) - top) * _bubble_share(c, layout.pp, n), top, r, n,
                       per_micro.index(top)))
     pipe, slowest, r, n, i = max(pipes)
@@ -252,18 +253,20 @@ def balanced_shares(cfg, layout, cluster):
 
 
 def _bubble_share(c, p, m):
-    """The schedule's bubble over 1F1B's: zb-h1's plan (F = B = W, the paper's ZB-H1) leaves a third of it once
-    m >= p (its unit-cost simulation, pipeline/zero_bubble.py, below that)."""
-    if c.pipeline_schedule != "zb-h1" or p == 1:
+    """The schedule's bubble over 1F1B's, from its plan's unit-cost simulation (pipeline/zero_bubble.py: F = B =
+    W, as the paper's): zb-h1 leaves a third of it once m >= p, zbv (costs per chunk, a rank's 6m of work) almost
+    none."""
+    if c.pipeline_schedule not in ("zb-h1", "zbv") or p == 1:
         return 1.0
-    return (make_plan("zb-h1", p, m).makespan - 3 * m) / (3 * (p - 1))
+    work = 6 * m if c.pipeline_schedule == "zbv" else 3 * m
+    return (make_plan(c.pipeline_schedule, p, m).makespan - work) / (work / m * (p - 1))
 
 
 def _in_flight(c, layout, i, m, v):
     """Micro-batches (interleaved: chunks) whose activations stage i holds at its peak (zb-h1: from a forward
-    until its weight gradients, the plan's count)."""
-    if v == 1 and c.pipeline_schedule == "zb-h1" and layout.pp > 1:
-        return make_plan("zb-h1", layout.pp, m).most_alive(i)
+    until its weight gradients, the plan's count; zbv: its chunks')."""
+    if c.pipeline_schedule in ("zb-h1", "zbv") and layout.pp > 1:
+        return make_plan(c.pipeline_schedule, layout.pp, m).most_alive(i)
     if v == 1:
         return min(layout.pp - i, m)
     return min((layout.pp - i - 1) * 2 + (v - 1) * layout.pp + 1, m * v)

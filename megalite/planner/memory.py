@@ -58,7 +58,7 @@ def build_chunks(mcfg, grid, model_class=None):
     model_class = model_class or GPTModel
     spans = tuple(chunk_layers(mcfg, grid.pp_rank, j, grid) for j in range(grid.vpp or 1))  # (layers, offset) each
     key = (_shape_key(mcfg), spans, model_class, grid.tp, grid.pp, grid.vpp, grid.experts, grid.ep, grid.etp,
-           grid.tp_rank, grid.pp_rank, grid.ep_rank, grid.etp_rank)
+           grid.tp_rank, grid.pp_rank, grid.ep_rank, grid.etp_rank, grid.pipeline_placement)
     if key not in _BUILT:
         if len(_BUILT) > 256:
             _BUILT.clear()
@@ -108,7 +108,7 @@ def _build(mcfg, grid, model_class):
     with ps.meta_init():
         for j in range(v):
             n, offset = chunk_layers(mcfg, grid.pp_rank, j, grid)
-            pre, post = grid.pp_rank == 0 and j == 0, grid.pp_rank == grid.pp - 1 and j == v - 1
+            pre, post = grid.stage_of(j) == 0, grid.stage_of(j) == grid.pp * v - 1
             chunks.append(model_class(mcfg, pre_process=pre, post_process=post, num_layers=n, layer_offset=offset,
                                       grid=grid))
     return chunks

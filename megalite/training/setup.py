@@ -126,7 +126,8 @@ def initialize_grid(cfg):
         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size())) if cfg.hierarchical_grad_reduce
         else None,
         expert_model_parallel_size=cfg.expert_model_parallel_size if cfg.num_experts else None,
-        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size, replicas=cfg.semi_sync_replicas)
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size, replicas=cfg.semi_sync_replicas,
+        pipeline_placement="v" if cfg.pipeline_schedule == "zbv" else "loop")
 
 
 def _describe(batching, r):

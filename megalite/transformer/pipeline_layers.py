@@ -7,7 +7,8 @@ equal chunks and stage p holds chunks p, p + PP, p + 2PP, ...
 Megatron's --pipeline-model-parallel-layout names every (virtual) stage's layers instead, so a
 bigger GPU can take more: "E" embedding, "t" transformer layer, "L" loss, stages split by "|",
 "m" a multi-token prediction layer (all of them with the loss, in the last stage: megalite has no standalone
-MTP stage), "x*n" and "(...)*n" repeat, commas are cosmetic; PP x v stages, stage s = vrank x PP + pp rank.
+MTP stage), "x*n" and "(...)*n" repeat, commas are cosmetic; PP x v stages in model order, stage s = vrank x PP +
+pp rank (the loop), or as --pipeline-schedule zbv's V places them (megalite/parallel/pipeline_stages.py).
 """
 
 import re
@@ -107,7 +108,7 @@ def chunk_layers(config, pp_rank=None, vrank=None, grid=None):
     pp_rank = grid.pp_rank if pp_rank is None else pp_rank
     vrank = grid.virtual_rank if vrank is None else vrank
     if config.pipeline_layout is not None:
-        s = (0 if v is None else vrank) * pp + pp_rank
+        s = grid.stage_of(0 if v is None else vrank, pp_rank)
         return config.pipeline_layout[s], sum(config.pipeline_layout[:s])
     if v is None:
         counts = stage_layer_counts(config.num_layers, pp, config.decoder_first_pipeline_num_layers,
@@ -117,4 +118,4 @@ def chunk_layers(config, pp_rank=None, vrank=None, grid=None):
         raise ConfigError(f"--num-layers {config.num_layers} is not divisible by pipeline size {pp} x virtual "
                           f"stages {v} = {pp * v}")
     per = config.num_layers // (pp * v)
-    return per, (vrank * pp + pp_rank) * per
+    return per, grid.stage_of(vrank, pp_rank) * per
