@@ -210,7 +210,7 @@ def _train(argv, model=LLAMA + NEW):
 
 def test_checkpoint_round_trip_and_hf_refusal(tmp_path):
     """The new parameters save and load (a resumed run continues exactly), and the HF
-    converter refuses what Llama cannot represent, in one line."""
+    converter refuses what Qwen3 (Llama with q/k norms) cannot represent, in one line."""
     ckpt = str(tmp_path / "ckpt")
     straight = _train(["--train-iters", "4"])[0]
     _train(["--train-iters", "4", "--save", ckpt, "--exit-interval", "2"])
@@ -219,7 +219,7 @@ def test_checkpoint_round_trip_and_hf_refusal(tmp_path):
     rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", ckpt,
                          "--save-dir", str(tmp_path / "hf"))
     assert rc != 0
-    assert "LlamaForCausalLM cannot represent qk_layernorm=True" in err, err
+    assert "Qwen3ForCausalLM cannot represent apply_layernorm_1p=True" in err, err
 
 
 def test_deterministic_mode_repeats_bitwise():

@@ -16,6 +16,8 @@ import torch
 from megalite import __version__
 from megalite.checkpoint.hf import EXPORT_ONLY, GPT2, Bert, Llama
 from megalite.checkpoint.hf_deepseek import DeepseekV3
+from megalite.checkpoint.hf_dense import Qwen2, Qwen3
+from megalite.checkpoint.hf_fields import read_hf_config
 from megalite.checkpoint.hf_moe import Mixtral, Qwen2Moe, Qwen3Moe, fused_expert_tensor, moe_arch_for
 from megalite.checkpoint.storage import (
     DTYPES,
@@ -30,8 +32,17 @@ from megalite.checkpoint.storage import (
 from megalite.transformer.pipeline_layers import stage_layer_counts
 
 META, TRACKER = "megalite.json", "latest_checkpointed_iteration.txt"
-BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "bert": Bert, "mixtral": Mixtral, "qwen2_moe": Qwen2Moe,
-              "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepseekV3}
+BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "bert": Bert, "mixtral": Mixtral,
+              "qwen2_moe": Qwen2Moe, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepseekV3}
+
+# architectures not mapped yet -> the nearest one that is, and what the difference is
+NEAREST = {"mistral": "llama (Mistral adds a sliding window)", "gemma": "llama (Gemma scales the embedding and "
+           "uses (1 + w) RMSNorm and GeLU-tanh)", "gemma2": "llama (Gemma 2 adds soft-capping, local/global "
+           "windows and post-norms)", "gemma3_text": "llama (Gemma 3 adds local/global windows, QK-norm and "
+           "post-norms)", "phi3": "llama (Phi-3 fuses qkv and gate_up)", "olmo2": "qwen3 (OLMo 2 normalises "
+           "after attention and the MLP, and q/k over all heads)", "gpt_neox": "gpt2 (GPT-NeoX has rotary "
+           "positions and a parallel residual)", "qwen2_vl": "qwen2 (text only)",
+           "deepseek_v2": "deepseek_v3 (V2 routes by softmax)"}
 
 
 def arch_for(config):
@@ -42,7 +53,9 @@ def arch_for(config):
         return DeepseekV3
     if config.get("num_moe_experts"):
         return moe_arch_for(config)
-    return Llama if config["position_embedding_type"] == "rope" else GPT2
+    if config["position_embedding_type"] != "rope":
+        return GPT2
+    return Qwen3 if config.get("qk_layernorm") else Qwen2 if config.get("add_qkv_bias") else Llama
 _LAYER = re.compile(r"(?:de|en)coder\.layers\.(\d+)\.")
 
 
@@ -279,10 +292,12 @@ def import_hf(load_dir, save_dir, tp, pp, divisible_by=128):
     h = src.config
     arch = BY_HF_TYPE.get(h.get("model_type"))
     if arch is None:
-        raise CheckpointError(f"model_type {h.get('model_type')!r} is not one megalite converts "
-                              f"({', '.join(BY_HF_TYPE)})")
-    arch.check_hf(h)
-    cfg = dict(arch.model_config(h), make_vocab_size_divisible_by=divisible_by)
+        kind = h.get("model_type")
+        near = NEAREST.get(kind)
+        raise CheckpointError(f"model_type {kind!r} ({', '.join(h.get('architectures') or ['no architectures'])}) "
+                              "is not one megalite converts" + (f"; the nearest it has is {near}" if near else "")
+                              + f" (it converts {', '.join(BY_HF_TYPE)})")
+    cfg = dict(read_hf_config(h, arch, h["model_type"]), make_vocab_size_divisible_by=divisible_by)
     if cfg.get("mtp_num_layers") and not src.has(arch.mtp_probe(cfg)):
         print(f"convert: {load_dir} has no multi-token prediction weights (num_nextn_predict_layers "
               f"{cfg['mtp_num_layers']}; transformers does not save them): imported without MTP", flush=True)

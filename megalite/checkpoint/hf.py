@@ -103,12 +103,25 @@ def llama_hf_config(c, arch, model_type):
             "tie_word_embeddings": not c["untie_embeddings_and_output_weights"], "torch_dtype": c["params_dtype"]}
 
 
+def _full_attention_only(h):
+    """Refuse a sliding window: Mixtral and Mistral window whenever sliding_window is set, Qwen only with
+    use_sliding_window (its layer_types say where; max_window_layers which layers a switched-on window covers)."""
+    window, types = h.get("sliding_window"), h.get("layer_types") or []
+    h.get("max_window_layers")
+    on = h.get("use_sliding_window") if "use_sliding_window" in h else window is not None
+    if on or any(t != "full_attention" for t in types):
+        raise CheckpointError(f"{h.get('model_type')} sliding_window={window!r} (sliding-window attention"
+                              f"{', layer types ' + str(sorted(set(types))) if types else ''}) is not implemented "
+                              "in megalite: importing it as full attention would be another model")
+
+
 def llama_model_config(h):
     """The megalite fields of a Llama-family HF config (rope, RMSNorm, SwiGLU, GQA, no biases)."""
     rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         kind = rope.get("rope_type", rope.get("type"))
         raise CheckpointError(f"{h.get('model_type', 'llama')} rope scaling {kind!r} is not implemented in megalite")
+    _full_attention_only(h)
     heads = h["num_attention_heads"]
     return {"num_layers": h["num_hidden_layers"], "hidden_size": h["hidden_size"], "num_attention_heads": heads,
             "num_query_groups": h.get("num_key_value_heads") or heads,
@@ -121,7 +134,7 @@ def llama_model_config(h):
 
 
 class GPT2:
-    """GPT2LMHeadModel: learned positions, LayerNorm, tanh GeLU, biases, tied embeddings."""
+    """GPT2LMHeadModel: learned positions, LayerNorm, tanh GeLU, biases, tied or untied embeddings."""
     hf_class = "GPT2LMHeadModel"
 
     @staticmethod
@@ -130,8 +143,8 @@ class GPT2:
         if c.get("layernorm_position", "pre") != "pre" or c.get("gelu", "tanh") != "tanh":
             raise CheckpointError("GPT2LMHeadModel cannot represent a post-norm model or exact GeLU")
         _need(c, "GPT2LMHeadModel", position_embedding_type="learned_absolute", normalization="LayerNorm",
-              swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=False,
-              num_query_groups=c["num_attention_heads"], kv_channels=c["hidden_size"] // c["num_attention_heads"])
+              swiglu=False, add_bias_linear=True, num_query_groups=c["num_attention_heads"],
+              kv_channels=c["hidden_size"] // c["num_attention_heads"])
 
     @staticmethod
     def hf_config(c):
@@ -139,7 +152,8 @@ class GPT2:
                 "n_positions": c["max_position_embeddings"], "n_embd": c["hidden_size"], "n_layer": c["num_layers"],
                 "n_head": c["num_attention_heads"], "n_inner": c["ffn_hidden_size"],
                 "activation_function": "gelu_new", "layer_norm_epsilon": c["layernorm_epsilon"],
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": not c["untie_embeddings_and_output_weights"],
                 "bos_token_id": None, "eos_token_id": None,  # GPT-2's 50256 is not in every vocabulary
                 "torch_dtype": c["params_dtype"]}
 
@@ -152,16 +166,25 @@ class GPT2:
                 "max_position_embeddings": h["n_positions"], "seq_length": h["n_positions"],
                 "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
                 "layernorm_epsilon": h.get("layer_norm_epsilon", 1e-5), "swiglu": False, "add_bias_linear": True,
-                "untie_embeddings_and_output_weights": False}
+                "untie_embeddings_and_output_weights": not h.get("tie_word_embeddings", True)}
 
     @staticmethod
     def check_hf(h):
         if h.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise CheckpointError(f"GPT-2 activation_function={h['activation_function']!r}: megalite's GeLU is "
                                   "the tanh approximation (gelu_new)")
-        for f in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        for f in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
             if h.get(f):
                 raise CheckpointError(f"GPT-2 {f}=True has no megalite equivalent")
+        if not h.get("scale_attn_weights", True):
+            raise CheckpointError("GPT-2 scale_attn_weights=False (attention scores not divided by the square root "
+                                  "of the head size) has no megalite equivalent")
+
+    @staticmethod
+    def inert(h):
+        """n_ctx: older files' copy of n_positions; summary_*: GPT2DoubleHeadsModel's classifier, not built by
+        GPT2LMHeadModel."""
+        return {"n_ctx", "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels"}
 
     @staticmethod
     @_gamma_rows
@@ -195,6 +218,8 @@ class GPT2:
                      (h + "mlp.c_proj.bias", m + "mlp.linear_fc2.bias", ident, ident)]
         rows += [("transformer.ln_f.weight", "decoder.final_layernorm.weight", ident, ident),
                  ("transformer.ln_f.bias", "decoder.final_layernorm.bias", ident, ident)]
+        if c["untie_embeddings_and_output_weights"]:
+            rows.append(("lm_head.weight", "output_layer.weight", ident, ident))
         return rows
 
 
@@ -294,6 +319,10 @@ class Bert:
                                   "BERT has learned absolute positions")
         if not h.get("tie_word_embeddings", True):
             raise CheckpointError("BERT with tie_word_embeddings=False: megalite ties the MLM output layer")
+        for f in ("is_decoder", "add_cross_attention"):
+            if h.get(f):
+                raise CheckpointError(f"BERT {f}=True: megalite's BERT is a bidirectional encoder without "
+                                      "cross-attention")
 
     @staticmethod
     def table(c):

@@ -103,6 +103,11 @@ class DeepseekV3:
                            h.get("norm_topk_prob", True) or h["num_experts_per_tok"] == 1)):
             if not ok:
                 raise CheckpointError(f"{ARCH} without {field} is not implemented in megalite")
+        nope, pe, heads = h["qk_nope_head_dim"], h["qk_rope_head_dim"], h["num_attention_heads"]
+        # fields transformers derives from others (a file that disagrees is not DeepSeek's attention)
+        for field, want in (("head_dim", pe), ("qk_head_dim", nope + pe), ("num_key_value_heads", heads)):
+            if h.get(field) not in (None, want):
+                raise CheckpointError(f"{ARCH} {field}={h[field]!r}: its multi-latent attention has {want}")
         rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in ("default", "yarn") or rope.get("attention_factor") is not None:
@@ -142,6 +147,11 @@ class DeepseekV3:
                        beta_slow=rope.get("beta_slow") or 1.0,
                        original_max_position_embeddings=rope["original_max_position_embeddings"])
         return out
+
+    @staticmethod
+    def inert(h):
+        """topk_group chooses among n_group groups: with one group there is nothing to choose."""
+        return {"topk_group"} if (h.get("n_group") or 1) <= 1 else set()
 
     @staticmethod
     def mtp_probe(c):

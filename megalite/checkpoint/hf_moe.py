@@ -50,8 +50,6 @@ def _llama_like_hf(c, arch, model_type):
 def _llama_like_config(h):
     if h.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act={h['hidden_act']!r}: megalite's SwiGLU uses silu")
-    if h.get("use_sliding_window"):
-        raise CheckpointError("use_sliding_window=True (sliding-window attention) is not implemented in megalite")
     return dict(llama_model_config(h), moe_router_topk=h["num_experts_per_tok"])
 
 

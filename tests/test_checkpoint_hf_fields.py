@@ -1,0 +1,154 @@
+"""`--loader hf` reads a config.json field by field (megalite/checkpoint/hf_fields.py): tiny random models built by
+transformers' own config classes import with every field of the class accounted for, and a field megalite does not
+represent is one line naming it, never a different model. Two imports that once were silently another model: a
+GPT-2 with an untied lm_head (now mapped: logits equal transformers') and a Mixtral with a sliding window
+(refused)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from cli_batch import convert
+from test_checkpoint_hf import hf_logits, megalite_logits, tensors
+
+transformers = pytest.importorskip("transformers", reason="the HF field checks need transformers (the [test] extra "
+                                   "installs it)")
+
+VOCAB = 96
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=48, max_position_embeddings=32)
+MOE = dict(SMALL, num_experts_per_tok=2, moe_intermediate_size=16)
+# Each a config class's own defaults except its sizes: every field the class writes must be accounted for.
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32),
+    "gpt2_untied": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                                   tie_word_embeddings=False),
+    "llama": lambda: transformers.LlamaConfig(**SMALL, head_dim=8),
+    "mixtral": lambda: transformers.MixtralConfig(**dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**MOE, num_experts=4, shared_expert_intermediate_size=24),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE, num_experts=4, head_dim=8),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **dict(MOE, num_key_value_heads=4), n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=1, topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, num_nextn_predict_layers=0),
+}
+
+
+def _save(config, path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _edit(path, **changes):
+    f = os.path.join(path, "config.json")
+    with open(f) as fh:
+        h = json.load(fh)
+    for k, v in changes.items():
+        if isinstance(v, dict) and isinstance(h.get(k), dict):
+            h[k].update(v)
+        else:
+            h[k] = v
+    with open(f, "w") as fh:
+        json.dump(h, fh)
+
+
+def _import(src, dst):
+    return convert("--loader", "hf", "--saver", "megalite", "--load-dir", src, "--save-dir", dst)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hf_fields")
+    return {name: _save(make(), str(base / name)) for name, make in CONFIGS.items()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_config_class_of_its_defaults_imports_as_the_same_model(name, saved, tmp_path):
+    rc, out, err = _import(saved[name], str(tmp_path / "m"))
+    assert rc == 0, err
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    _, ref = hf_logits(saved[name], tokens)
+    ours = megalite_logits(str(tmp_path / "m"), tokens)
+    # fp32 both sides, the same products summed in another order: rounding of a few ulps of logits near 1
+    assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), name
+
+
+def test_a_bert_config_of_its_defaults_imports(tmp_path):
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=48, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.BertForPreTraining(config).save_pretrained(str(tmp_path / "bert"), safe_serialization=True)
+    rc, _, err = _import(str(tmp_path / "bert"), str(tmp_path / "m"))
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("name, cls", [("gpt2_untied", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"),
+                                       ("qwen3", "Qwen3ForCausalLM")])
+def test_hf_to_megalite_to_hf_is_the_same_class_bit_for_bit(name, cls, saved, tmp_path):
+    """An untied GPT-2 keeps its lm_head; dense Qwen2 (q/k/v biases) and Qwen3 (q/k norms) come back as themselves."""
+    src, mine, back = saved[name], str(tmp_path / "m"), str(tmp_path / "back")
+    assert _import(src, mine)[0] == 0
+    assert convert("--loader", "megalite", "--saver", "hf", "--load-dir", mine, "--save-dir", back)[0] == 0
+    a, b = tensors(src), tensors(back)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"HF round trip changed {k}"
+    model, _ = hf_logits(back, torch.zeros(1, 2, dtype=torch.long))
+    assert type(model).__name__ == cls
+    if name == "gpt2_untied":
+        assert model.config.tie_word_embeddings is False
+        assert not torch.equal(a["lm_head.weight"], a["transformer.wte.weight"])
+
+
+def _refused(src, tmp_path, **changes):
+    """Import after editing src's config.json (put back after): its (exit status, stderr)."""
+    with open(os.path.join(src, "config.json")) as f:
+        original = f.read()
+    try:
+        _edit(src, **changes)
+        rc, _, err = _import(src, str(tmp_path / "x"))
+    finally:
+        with open(os.path.join(src, "config.json"), "w") as f:
+            f.write(original)
+    return rc, err
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("mixtral", dict(sliding_window=8), "mixtral sliding_window=8 (sliding-window attention) is not implemented"),
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8), "sliding_window=8"),
+    ("qwen2_moe", dict(layer_types=["sliding_attention", "full_attention"]), "layer types ['full_attention', "
+                                                                             "'sliding_attention']"),
+    ("gpt2", dict(scale_attn_weights=False), "GPT-2 scale_attn_weights=False"),
+    ("gpt2", dict(add_cross_attention=True), "GPT-2 add_cross_attention=True"),
+    ("llama", dict(logit_softcapping=30.0), "field logit_softcapping=30.0 not represented"),
+    ("llama", dict(rope_parameters={"partial_rotary_factor": 0.5}), "rope_parameters.partial_rotary_factor=0.5"),
+    ("llama", dict(quantization_config={"quant_method": "fp8"}), "quantization_config.quant_method='fp8'"),
+    ("qwen3_moe", dict(attention_bias=True), "attention_bias=True"),
+    ("qwen3", dict(attention_bias=True), "Qwen3 attention_bias=True"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8), "qwen2 sliding_window=8"),
+    ("llama", dict(model_type="mistral", sliding_window=None), "'mistral' (LlamaForCausalLM) is not one megalite "
+                                                              "converts; the nearest it has is llama"),
+])
+def test_a_field_megalite_does_not_represent_is_one_line_naming_it(name, changes, message, saved, tmp_path):
+    rc, err = _refused(saved[name], tmp_path, **changes)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_training_setting_is_named_not_carried(saved, tmp_path):
+    src = saved["llama"]
+    with open(os.path.join(src, "config.json")) as f:
+        original = f.read()
+    try:
+        _edit(src, attention_dropout=0.1)
+        rc, out, err = _import(src, str(tmp_path / "m"))
+    finally:
+        with open(os.path.join(src, "config.json"), "w") as f:
+            f.write(original)
+    assert rc == 0, err
+    assert "attention_dropout=0.1 (set --attention-dropout)" in out
