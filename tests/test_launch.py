@@ -39,8 +39,8 @@ def test_a_loop_that_names_itself_late_is_still_lowered():
 
     def late_loop():
         time.sleep(0.05)  # gloo's loop, not yet scheduled when the group is made
+        tid.append(threading.get_native_id())  # (before the name: the block may return the moment it is set)
         ctypes.CDLL(None).prctl(15, b"gloo_tcp_loop", 0, 0, 0)  # PR_SET_NAME, as the loop names itself
-        tid.append(threading.get_native_id())
         done.wait(10)
 
     with gloo_loops_yielding():
