@@ -1,11 +1,14 @@
 """Zero-bubble pipelines (--pipeline-schedule zb-h1 | zbv, megalite/pipeline/zero_bubble.py): every plan runs (the
 checker over every schedule, p <= 8, m <= 24, and broken plans it must refuse), its bubble is the paper's, and a
 split-backward run reproduces the single process (tests/support/parity.py) at PP2 and PP4, with TP + SP, DP with
-ZeRO-1/2, tied and untied embeddings, MoE experts over EP, explicit layouts and micro-batch counts that are not a
-multiple of the stages; ZB-V's two chunks per rank sit in a V (megalite/parallel/pipeline_stages.py). A reduction
+ZeRO-1/2, tied and untied embeddings, MoE experts over EP, CP, full and selective recompute, bf16, explicit layouts
+and micro-batch counts that are not a multiple of the stages (FP8: tests/test_fp8.py); ZB-V's two chunks per rank
+sit in a V (megalite/parallel/pipeline_stages.py). A reduction
 fired at B instead of the last W, a lost weight gradient, the V's tied copies left unsummed and its layers placed
 as the loop must be caught. One spawn of four ranks runs the layouts; test_zbv_checkpoints.py moves checkpoints
 between the V and the loop."""
+
+import contextlib
 
 import pytest
 
@@ -144,8 +147,8 @@ def test_zbv_runs_two_chunks_per_rank_at_any_micro_batch_count():
     ("--pipeline-schedule zb-h1 --pipeline-model-parallel-size 1",
      "--pipeline-schedule zb-h1 fills a pipeline's bubble: it needs --pipeline-model-parallel-size > 1"),
     ("--delay-wgrad-compute --pipeline-schedule 1f1b", "--delay-wgrad-compute is --pipeline-schedule zb-h1's split"),
-    ("--delay-wgrad-compute --recompute-granularity full --recompute-method uniform",
-     "--delay-wgrad-compute with --recompute-granularity full is not built yet"),
+    ("--delay-wgrad-compute --pipeline-model-parallel-layout auto",
+     "--delay-wgrad-compute with --pipeline-model-parallel-layout auto is not built yet"),
     ("--pipeline-schedule zb-h1 --use-distributed-optimizer --zero-stage 3",
      "--pipeline-schedule zb-h1 with --zero-stage 3 is not built yet"),
 ])
@@ -185,6 +188,7 @@ LAYOUTS = [
            model=EIGHT_LAYERS + UNTIED + ("--global-batch-size", "6")),
     layout("tp2_pp2_sp_zb_h1_llama", tp=2, pp=2, sp=True, flags=ZB, model=LLAMA),
     layout("pp2_dp2_zero2_zb_h1_tied", pp=2, dp=2, zero=2, flags=ZB),
+    layout("pp2_cp2_zb_h1_selective_recompute", pp=2, cp=2, recompute="selective", flags=ZB, model=MB2),
     layout("pp2_dp2_ep2_moe_zb_h1_zero1", pp=2, dp=2, zero=1, model=MB2 + MOE,
            flags=ZB + ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall")),
     layout("pp4_zbv", pp=4, flags=ZBV, model=EIGHT_LAYERS),
@@ -192,6 +196,8 @@ LAYOUTS = [
            model=EIGHT_LAYERS + UNTIED + ("--global-batch-size", "6")),
     layout("tp2_pp2_sp_zbv_llama", tp=2, pp=2, sp=True, flags=ZBV, model=LLAMA),
     layout("pp2_dp2_zero2_zbv_tied", pp=2, dp=2, zero=2, flags=ZBV),
+    layout("pp2_dp2_zbv_full_recompute", pp=2, dp=2, recompute="full", flags=ZBV),
+    layout("pp2_dp2_zbv_bf16", pp=2, dp=2, dtype="bf16", flags=ZBV),
     layout("pp2_dp2_zbv_explicit_layout", pp=2, dp=2, model=EIGHT_LAYERS,
            flags=ZBV + ("--pipeline-model-parallel-layout", "Ettt|t|tt|ttL")),
     layout("pp2_dp2_ep2_moe_zbv_zero1", pp=2, dp=2, zero=1, model=MB2 + MOE,
@@ -252,6 +258,42 @@ def test_zero_bubble_matches_single_process(four, lay):
 def test_a_misplaced_or_lost_weight_gradient_is_caught(four, lay):
     found = mismatches(lay, four[lay.name], reference(lay))
     assert any("step-1 grad" in m for m in found), found[:5]
+
+
+def _recomputed_split_backward(split):
+    """A recomputed region (a linear layer and a norm, tensor_parallel's checkpoint) backward from y.sum(): under a
+    split backward's B (split) or a plain one; the parameters' .grad right after B, the deferred (param, gradient)
+    pairs, and the input's gradient."""
+    import torch
+    from megalite.pipeline.wgrad import WeightGradStore
+    from megalite.tensor_parallel import checkpoint
+    from megalite.tensor_parallel.deferred_wgrad import deferred_linear
+    torch.manual_seed(0)
+    store, norm = WeightGradStore(), torch.nn.LayerNorm(4)
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    y = checkpoint(lambda t: deferred_linear(norm(t), w, None, store if split else None), x,
+                   wgrad_store=store if split else None)
+    with store.collecting((0, 0)) if split else contextlib.nullcontext():
+        y.square().sum().backward()
+    at_b = {n: p.grad for n, p in (("norm.weight", norm.weight), ("norm.bias", norm.bias), ("w", w))}
+    deferred = {n: g for p, g in store.run((0, 0))
+                for n, q in (("norm.weight", norm.weight), ("norm.bias", norm.bias), ("w", w)) if p is q}
+    return at_b, deferred, x.grad
+
+
+def test_a_recomputed_regions_weight_gradients_wait_for_w():
+    """Under full recompute the checkpoint's inner backward would accumulate its parameters' gradients at B (the
+    DP hooks firing there, a deferred weight's with no gradient at all: the run crashes); given the split
+    backward's store, its B hands them to the store instead."""
+    import torch
+    at_b, deferred, dx = _recomputed_split_backward(split=True)
+    plain, _, plain_dx = _recomputed_split_backward(split=False)
+    assert all(g is None for g in at_b.values()), {n: g is not None for n, g in at_b.items()}
+    assert sorted(deferred) == sorted(plain), sorted(deferred)
+    for n, g in deferred.items():
+        torch.testing.assert_close(g, plain[n], rtol=0, atol=0, msg=n)
+    torch.testing.assert_close(dx, plain_dx, rtol=0, atol=0)
 
 
 # -- the planner ---------------------------------------------------------------------------------------------

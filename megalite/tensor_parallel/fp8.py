@@ -202,16 +202,18 @@ def _rowwise_forward(site, x2, weight):
     return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=x2.dtype)
 
 
-def _rowwise_backward(site, dy2, x2, weight, dtypes):
+def _rowwise_dgrad(site, dy2, weight, dtype):
     n_sharded, g, m = not site.row_parallel, site.grid, site.margin  # (a column-parallel layer's N is split)
     dyq, sdy = along(dy2, 0, site.grad_dtype, m, n_sharded, g)  # dx = dy w: contraction over N
     wq, sw = along(weight, 1, site.forward_dtype, m, n_sharded, g)  # [1, K]
-    dx = torch._scaled_mm(dyq, _column_major(wq), scale_a=sdy, scale_b=sw, out_dtype=dtypes[0])
-    if not site.wgrad:
-        return dx, dy2.t().float() @ x2.float()
+    return torch._scaled_mm(dyq, _column_major(wq), scale_a=sdy, scale_b=sw, out_dtype=dtype)
+
+
+def _rowwise_wgrad(site, dy2, x2):
+    g, m = site.grid, site.margin
     dytq, sdyt = along(dy2.t(), 0, site.grad_dtype, m, False, g)  # dw = dy^T x: contraction over M (whole here)
     xq, sx = along(x2, 1, site.forward_dtype, m, False, g)  # [1, K]
-    return dx, torch._scaled_mm(dytq, _column_major(xq), scale_a=sdyt, scale_b=sx, out_dtype=torch.float32)
+    return torch._scaled_mm(dytq, _column_major(xq), scale_a=sdyt, scale_b=sx, out_dtype=torch.float32)
 
 
 def quantized_blocks(t, rows, cols, dtype, margin):
@@ -248,17 +250,23 @@ def _blockwise_forward(site, x2, weight):
     return blockwise_mm(xq, sx, wq.t(), sw.t(), BLOCK, x2.dtype)
 
 
-def _blockwise_backward(site, dy2, x2, weight, dtypes):
+def _blockwise_dgrad(site, dy2, weight, dtype):
     fd, gd, m = site.forward_dtype, site.grad_dtype, site.margin
     wq, sw = quantized_blocks(weight, BLOCK, BLOCK, fd, m)  # (square blocks: the same for both contractions)
     dyq, sdy = quantized_blocks(dy2, 1, BLOCK, gd, m)  # dx = dy w: tiles along N
-    dx = blockwise_mm(dyq, sdy, wq, sw, BLOCK, dtypes[0])
-    if not site.wgrad:
-        return dx, dy2.t().float() @ x2.float()
+    return blockwise_mm(dyq, sdy, wq, sw, BLOCK, dtype)
+
+
+def _blockwise_wgrad(site, dy2, x2):
+    fd, gd, m = site.forward_dtype, site.grad_dtype, site.margin
     # dw = dy^T x: tiles along M (the tokens) of both; x's tiles run down its columns (one factor a column)
     dytq, sdyt = quantized_blocks(dy2.t(), 1, BLOCK, gd, m)
     xtq, sxt = quantized_blocks(x2.t(), 1, BLOCK, fd, m)
-    return dx, blockwise_mm(dytq, sdyt, xtq.t(), sxt.t(), 1, torch.float32)
+    return blockwise_mm(dytq, sdyt, xtq.t(), sxt.t(), 1, torch.float32)
+
+
+# recipe -> (its input gradient's GEMM, its weight gradient's), each quantizing from the unquantized operands
+_REQUANTIZED = {"rowwise": (_rowwise_dgrad, _rowwise_wgrad), "blockwise": (_blockwise_dgrad, _blockwise_wgrad)}
 
 
 def _mm(a, b_t, scale_a, scale_b, out_dtype):
@@ -273,11 +281,11 @@ def _column_major(t):
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, site):
+    def forward(ctx, x, weight, site, store):
         shape, out_dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
-        ctx.site, ctx.shape, ctx.dtypes = site, shape, (x.dtype, weight.dtype)
-        if site.recipe in ("rowwise", "blockwise"):  # (each GEMM requantizes from the unquantized operands)
+        ctx.site, ctx.store, ctx.shape, ctx.dtypes = site, store, shape, (x.dtype, weight.dtype)
+        if site.recipe in _REQUANTIZED:  # (each GEMM requantizes from the unquantized operands)
             ctx.save_for_backward(x2, weight)
             fwd = _rowwise_forward if site.recipe == "rowwise" else _blockwise_forward
             with site.kernels():  # (blockwise: its GEMM kernel on CUDA)
@@ -285,28 +293,42 @@ class _Fp8Linear(torch.autograd.Function):
         xq, sx = site.quantize("x", x2)
         wq, sw = site.quantize("w", weight)
         y = _mm(xq, wq.t(), sx, sw, out_dtype)
-        ctx.save_for_backward(xq if site.wgrad else x2, sx, wq, sw)
+        ctx.save_for_backward(xq if site.wgrad else x2, sx, wq, sw, weight)
         return y.reshape(*shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         site = ctx.site
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if site.recipe in ("rowwise", "blockwise"):
-            bwd = _rowwise_backward if site.recipe == "rowwise" else _blockwise_backward
+        if site.recipe in _REQUANTIZED:
+            x2, weight = saved = ctx.saved_tensors
+            dgrad, wgrad = _REQUANTIZED[site.recipe]
             with site.kernels():
-                dx, dw = bwd(site, dy2, *ctx.saved_tensors, ctx.dtypes)
-            return dx.reshape(ctx.shape), dw.to(ctx.dtypes[1]), None
-        saved, sx, wq, sw = ctx.saved_tensors
-        dyq, sdy = site.quantize("dy", dy2)
-        dx = _mm(dyq, _column_major(wq), sdy, sw, ctx.dtypes[0]).reshape(ctx.shape)
-        if site.wgrad:
-            dw = _mm(dyq.t().contiguous(), _column_major(saved), sdy, sx, torch.float32)
-        else:  # --no-fp8-wgrad: the weight gradient in the model's precision
-            dw = dy2.t().float() @ saved.float()
-        return dx, dw.to(ctx.dtypes[1]), None
+                dx = dgrad(site, dy2, weight, ctx.dtypes[0])
+
+            def weight_gradient():
+                if not site.wgrad:  # --no-fp8-wgrad: the weight gradient in the model's precision
+                    return dy2.t().float() @ x2.float()
+                with site.kernels():
+                    return wgrad(site, dy2, x2)
+        else:
+            saved, sx, wq, sw, weight = ctx.saved_tensors
+            dyq, sdy = site.quantize("dy", dy2)  # (its amax taken here, at B, with dx's)
+            dx = _mm(dyq, _column_major(wq), sdy, sw, ctx.dtypes[0])
+
+            def weight_gradient():
+                if not site.wgrad:
+                    return dy2.t().float() @ saved.float()
+                return _mm(dyq.t().contiguous(), _column_major(saved), sdy, sx, torch.float32)
+        dx = dx.reshape(ctx.shape)
+        if ctx.store is None:
+            return dx, weight_gradient().to(ctx.dtypes[1]), None, None
+        # a split backward (tensor_parallel/deferred_wgrad.py): the weight gradient's GEMM when the schedule says W
+        ctx.store.put(lambda: (weight, weight_gradient().to(ctx.dtypes[1])))
+        return dx, None, None, None
 
 
-def fp8_linear(x, weight, site):
-    """x w^T with every GEMM (forward and both gradients) in FP8 as `site` says; no bias."""
-    return _Fp8Linear.apply(x, weight, site)
+def fp8_linear(x, weight, site, store=None):
+    """x w^T with every GEMM (forward and both gradients) in FP8 as `site` says; no bias. store: a split backward's
+    (deferred_linear's), which gets the weight gradient's GEMM; None or a frozen weight: computed at once."""
+    return _Fp8Linear.apply(x, weight, site, store if weight.requires_grad else None)

@@ -112,14 +112,14 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x, weight=None):
         weight = self.weight if weight is None else weight
         if self.expert:
-            y = fp8_linear(x, weight, self.fp8) if self.fp8 is not None else \
+            y = fp8_linear(x, weight, self.fp8, self.wgrad_store) if self.fp8 is not None else \
                 deferred_linear(x, weight, None, self.wgrad_store)
             return (y, None) if self.skip_bias_add else y
         bias = None if self.skip_bias_add else self.bias
         if self.fp8 is not None:  # FP8 GEMMs (tensor_parallel/fp8.py; the bias in the model's precision)
             x = gather_from_sequence_parallel_region(x, grid=self.grid) if self.sequence_parallel else \
                 copy_to_tensor_model_parallel_region(x, grid=self.grid)
-            y = fp8_linear(x, weight, self.fp8)
+            y = fp8_linear(x, weight, self.fp8, self.wgrad_store)
             y = y if bias is None else y + bias
         elif self.sequence_parallel:  # (keeps only this rank's rows of x for backward)
             y = linear_with_sequence_parallel_gather(x, weight, bias, grid=self.grid)
@@ -184,7 +184,7 @@ class RowParallelLinear(nn.Module):
         GEMM reads x in place, so autograd keeps x itself rather than a second, [s, b]-ordered copy of it."""
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, grid=self.grid)
-        y = fp8_linear(x, self.weight, self.fp8) if self.fp8 is not None else \
+        y = fp8_linear(x, self.weight, self.fp8, self.wgrad_store) if self.fp8 is not None else \
             deferred_linear(x, self.weight, None, self.wgrad_store)
         if batch_first:
             y = y.transpose(0, 1).contiguous()

@@ -122,8 +122,8 @@ def model_parallel_manual_seed(seed, grid=None):
 
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run_function, *args):
-        ctx.run_function = run_function
+    def forward(ctx, run_function, wgrad_store, *args):
+        ctx.run_function, ctx.wgrad_store = run_function, wgrad_store
         ctx.fwd_rng = _get_state()
         ctx.fwd_tracker = _TRACKER.get_states()
         with torch.no_grad():
@@ -159,10 +159,45 @@ class _CheckpointFunction(torch.autograd.Function):
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        store = ctx.wgrad_store
+        if store is not None and store.key is not None:  # a split backward's B (zero-bubble pipelines)
+            return (None, None) + _split_backward(store, inputs, pairs)
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in inputs)
+        return (None, None) + tuple(a.grad if torch.is_tensor(a) else None for a in inputs)
 
 
-def checkpoint(function, *args):
-    """Run `function(*args)` without keeping its activations; recompute them in backward."""
-    return _CheckpointFunction.apply(function, *args)
+def _split_backward(store, inputs, pairs):
+    """The recomputed region's backward inside a split backward's B: its inputs' gradients returned; its own
+    parameters' gradients (norms, biases: the linear layers defer theirs already) handed to the store rather than
+    accumulated, so that they accumulate at W with the rest, where the DP reduction fires (megalite/pipeline/
+    run.py)."""
+    outputs = [o for o, _ in pairs]
+    wanted = [a for a in inputs if torch.is_tensor(a) and a.requires_grad]
+    params = [p for p in _graph_leaves(outputs) if not any(p is a for a in wanted)]
+    got = torch.autograd.grad(outputs, wanted + params, [g for _, g in pairs], allow_unused=True)
+    for p, g in zip(params, got[len(wanted):]):
+        if g is not None:
+            store.put(lambda p=p, g=g: (p, g))
+    given = iter(got[:len(wanted)])
+    return tuple(next(given) if torch.is_tensor(a) and a.requires_grad else None for a in inputs)
+
+
+def _graph_leaves(outputs):
+    """The leaf tensors that take gradients in the autograd graph behind `outputs` (each once)."""
+    nodes, seen, leaves = [o.grad_fn for o in outputs], set(), {}
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # (an AccumulateGrad node: its leaf)
+            leaves[id(node.variable)] = node.variable
+        nodes.extend(n for n, _ in node.next_functions)
+    return list(leaves.values())
+
+
+def checkpoint(function, *args, wgrad_store=None):
+    """Run `function(*args)` without keeping its activations; recompute them in backward. wgrad_store: the split
+    backward's (megalite/pipeline/wgrad.py) when the region holds parameters; during its B their gradients go
+    there, not into .grad."""
+    return _CheckpointFunction.apply(function, wgrad_store, *args)

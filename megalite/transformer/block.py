@@ -34,6 +34,8 @@ class TransformerBlock(nn.Module):
     keep the global layer index (`decoder.layers.<global i>.…`), so a state dict means the
     same thing whatever the pipeline split."""
 
+    wgrad_store = None  # a split backward's (megalite/pipeline/wgrad.py attaches it): full recomputation's
+
     def __init__(self, config, num_layers=None, layer_offset=0, post_process=True, prefix="decoder", grid=None):
         super().__init__()
         self.config = config
@@ -70,12 +72,13 @@ class TransformerBlock(nn.Module):
             if c.recompute_method == "uniform":
                 # Checkpoint chunks of k layers: only chunk inputs stay alive.
                 for start in range(0, n, k):
-                    x = checkpoint(self._run(start, min(start + k, n)), x, rotary, attn_mask)
+                    x = checkpoint(self._run(start, min(start + k, n)), x, rotary, attn_mask,
+                                   wgrad_store=self.wgrad_store)
             else:
                 # "block": recompute the first k layers of this stage, keep the rest.
                 for i in range(n):
-                    x = checkpoint(self._run(i, i + 1), x, rotary, attn_mask) if i < k else \
-                        self._stack[i](x, rotary, attn_mask)
+                    x = checkpoint(self._run(i, i + 1), x, rotary, attn_mask, wgrad_store=self.wgrad_store) \
+                        if i < k else self._stack[i](x, rotary, attn_mask)
         else:
             for layer in self._stack:
                 x = layer(x, rotary, attn_mask, inference_cache)

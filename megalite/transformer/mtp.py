@@ -38,6 +38,8 @@ from megalite.transformer.utils import param_seed
 class MTPLayer(nn.Module):
     """Depth k + 1 (k 0-based): Megatron's MultiTokenPredictionLayer, its parameter names included."""
 
+    wgrad_store = None  # a split backward's (megalite/pipeline/wgrad.py attaches it): full recomputation's
+
     def __init__(self, config, k, grid):
         super().__init__()
         c, h = config, config.hidden_size
@@ -65,7 +67,7 @@ class MTPLayer(nn.Module):
 
     def forward(self, h, emb, rotary=None, attn_mask=None):
         if self.config.recompute_granularity == "full" and self.training:
-            return checkpoint(self._forward, h, emb, rotary, attn_mask)
+            return checkpoint(self._forward, h, emb, rotary, attn_mask, wgrad_store=self.wgrad_store)
         return self._forward(h, emb, rotary, attn_mask)
 
 

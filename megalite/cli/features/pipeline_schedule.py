@@ -77,9 +77,7 @@ def _check_zero_bubble(args, pp, flag):
     if pp == 1:
         raise ConfigError(f"{flag} fills a pipeline's bubble: it needs --pipeline-model-parallel-size > 1")
     unbuilt = [other for other, given in (
-        ("--recompute-granularity full", args.recompute_granularity == "full"),
         ("--zero-stage 3", args.use_distributed_optimizer and args.zero_stage == 3),
-        ("--fp8-format", args.fp8_format is not None),
         ("--pipeline-model-parallel-layout auto", args.pipeline_model_parallel_layout == "auto")) if given]
     if unbuilt:
         raise ConfigError(f"{flag} with {unbuilt[0]} is not built yet in megalite")
