@@ -21,7 +21,7 @@ from megalite.checkpoint.convert import Reader, find_checkpoint
 from megalite.distributed.param_units import ParamUnits
 from megalite.distributed.sharded_bucket import ShardedBucket
 from megalite.training import pretrain
-from parity import BASE, LLAMA, MB2, layout, learnable_datasets, patched, reference, train
+from parity import BASE, EIGHT_LAYERS, LLAMA, MB2, layout, learnable_datasets, patched, reference, train
 from parity_check import assert_parity, mismatches
 
 Z3 = ("--use-distributed-optimizer", "--zero-stage", "3")
@@ -65,6 +65,10 @@ LAYOUTS = [
     layout("cp2_dp2_zero3_overlap_gather", dp=2, cp=2, zero=3, model=MB2, flags=("--overlap-param-gather",)),
     layout("dp4_megatron_fsdp_no_reshard", dp=4, model=MB2,
            flags=("--use-megatron-fsdp", "--torch-fsdp2-no-reshard-after-forward")),
+    # zero-bubble pipelines: B accumulates nothing (the units freed as it passes them), W after (tests below)
+    layout("pp2_dp2_zero3_zb_h1_eight_layers", pp=2, dp=2, zero=3, model=MB2 + EIGHT_LAYERS,
+           flags=("--pipeline-schedule", "zb-h1")),
+    layout("pp2_dp2_zero3_zbv_tied", pp=2, dp=2, zero=3, model=MB2, flags=("--pipeline-schedule", "zbv")),
 ]
 FAULTS = [
     layout("fault_no_regather", dp=4, zero=3, fault=no_regather_before_backward, model=MB2),
@@ -191,6 +195,16 @@ def test_unit_schedule_prefetches_each_next_unit(world):
         (c,) = r["collected"]
         units = sorted(c["units"])
         assert c["stats"]["peak_bytes"] <= units[-1] + units[-2] and c["stats"]["wasted"] == 0, c
+
+
+def test_a_zero_bubble_b_frees_each_unit_behind_it(world):
+    """A split backward's B captures its gradients (accumulated at W, which reads no weights), so no gradient frees a
+    unit: B frees each unit as it passes below it, and the peak stays 1F1B's (a unit and the prefetched next: two
+    4-layer stages of 8 layers, else a whole stage at once)."""
+    for r in world[1]["pp2_dp2_zero3_zb_h1_eight_layers"]:
+        (c,) = r["collected"]
+        units = sorted(c["units"])
+        assert c["stats"]["peak_bytes"] <= units[-1] + units[-2] < sum(units) / 2, (r["coords"], c)
 
 
 def test_faults_are_caught(world):

@@ -149,8 +149,6 @@ def test_zbv_runs_two_chunks_per_rank_at_any_micro_batch_count():
     ("--delay-wgrad-compute --pipeline-schedule 1f1b", "--delay-wgrad-compute is --pipeline-schedule zb-h1's split"),
     ("--delay-wgrad-compute --pipeline-model-parallel-layout auto",
      "--delay-wgrad-compute with --pipeline-model-parallel-layout auto is not built yet"),
-    ("--pipeline-schedule zb-h1 --use-distributed-optimizer --zero-stage 3",
-     "--pipeline-schedule zb-h1 with --zero-stage 3 is not built yet"),
 ])
 def test_schedule_refusals_are_one_line(capsys, extra, says):
     with pytest.raises(SystemExit) as e:

@@ -14,11 +14,13 @@ Schedule, per model chunk (DistributedDataParallel wrapper):
   the same weights, so they are not gathered twice); hook the outputs, whose gradient arrives
   just before the unit's backward: the unit is gathered again and the previous one prefetched;
 - a bucket is freed once every parameter of it has its gradient from this backward (`DDP`'s
-  post-accumulate hook calls `backward_done`); anything left is freed at the end of the
-  backward, after every forward (prefetched but unused) and after every optimizer step.
+  post-accumulate hook calls `backward_done`; a zero-bubble B, which accumulates nothing: as the
+  backward passes below its unit); anything left is freed at the end of the backward, after every
+  forward (prefetched but unused) and after every optimizer step.
 A forward without autograd (evaluation, generation) gathers each unit on demand and frees it.
 """
 
+import contextlib
 import functools
 
 import torch
@@ -78,7 +80,7 @@ class ParamUnits:
     def __init__(self, units, prefetch=True, reshard_after_forward=True):
         self.units, self.prefetch, self.reshard_after_forward = units, prefetch, reshard_after_forward
         self.buckets = list({id(b): b for u in units for b in u.buckets}.values())
-        self.order, self.order_fixed = [], False
+        self.order, self.order_fixed, self.splitting = [], False, False
         self.stats = {"demand": 0, "prefetch": 0, "wasted": 0, "peak_bytes": 0}
         for u in units:
             u.module.register_forward_pre_hook(functools.partial(self._pre_forward, u))
@@ -148,9 +150,26 @@ class ParamUnits:
 
     def _pre_backward(self, u, grad):
         self.ensure(u)
+        if self.splitting:  # the unit after u is behind this backward: none of it accumulates now to free it
+            done = self._neighbour(u, 1)
+            for b in () if done is None else done.buckets:
+                if b not in u.buckets:  # (the tied output layer's bucket is the embedding's)
+                    self._release_bucket(b)
         prev = self._neighbour(u, -1)
         if prev is not None:
             self._gather(prev, True)
+
+    @contextlib.contextmanager
+    def split_backward(self):
+        """A zero-bubble schedule's B (megalite/pipeline/run.py): the parameters' gradients are captured, not
+        accumulated (that waits for W, which reads no weights), so nothing calls backward_done; each unit is freed
+        as the backward passes below it instead, and what is left at the end."""
+        self.splitting = True
+        try:
+            yield
+        finally:
+            self.splitting = False
+            self.release_all()
 
     def backward_done(self, b, p):
         """p's gradient of this backward arrived; once all of b's have, b is not needed."""

@@ -126,8 +126,10 @@ class Run:
         given = () if input_tensor is None else (input_tensor,)
         if output_grad is None:  # the last stage's loss
             output_grad = torch.ones_like(output_tensor)
-        with store.collecting((chunk, mb)), self._timed("B"):  # (the engine, as _backward: no shape check)
-            grads = torch.autograd.Variable._execution_engine.run_backward(
+        units = getattr(self.chunks[chunk], "units", None)  # (ZeRO-3: freed as the backward passes them)
+        with store.collecting((chunk, mb)), self._timed("B"), \
+                units.split_backward() if units is not None else contextlib.nullcontext():
+            grads = torch.autograd.Variable._execution_engine.run_backward(  # (the engine, as _backward's)
                 (output_tensor,), (output_grad,), False, False, given + params, True, False)
         self.kept[(chunk, mb)] = [(p, g) for p, g in zip(params, grads[len(given):]) if g is not None]
         return grads[0] if given else None

@@ -76,8 +76,5 @@ def _check_v(args, vp):
 def _check_zero_bubble(args, pp, flag):
     if pp == 1:
         raise ConfigError(f"{flag} fills a pipeline's bubble: it needs --pipeline-model-parallel-size > 1")
-    unbuilt = [other for other, given in (
-        ("--zero-stage 3", args.use_distributed_optimizer and args.zero_stage == 3),
-        ("--pipeline-model-parallel-layout auto", args.pipeline_model_parallel_layout == "auto")) if given]
-    if unbuilt:
-        raise ConfigError(f"{flag} with {unbuilt[0]} is not built yet in megalite")
+    if args.pipeline_model_parallel_layout == "auto":
+        raise ConfigError(f"{flag} with --pipeline-model-parallel-layout auto is not built yet in megalite")
