@@ -1,12 +1,11 @@
 """Zero-bubble pipelines (--pipeline-schedule zb-h1 | zbv, megalite/pipeline/zero_bubble.py): every plan runs (the
 checker over every schedule, p <= 8, m <= 24, and broken plans it must refuse), its bubble is the paper's, and a
 split-backward run reproduces the single process (tests/support/parity.py) at PP2 and PP4, with TP + SP, DP with
-ZeRO-1/2, tied and untied embeddings, MoE experts over EP, CP, full and selective recompute, bf16, explicit layouts
-and micro-batch counts that are not a multiple of the stages (FP8: tests/test_fp8.py); ZB-V's two chunks per rank
-sit in a V (megalite/parallel/pipeline_stages.py). A reduction
-fired at B instead of the last W, a lost weight gradient, the V's tied copies left unsummed and its layers placed
-as the loop must be caught. One spawn of four ranks runs the layouts; test_zbv_checkpoints.py moves checkpoints
-between the V and the loop."""
+ZeRO-1/2, tied and untied embeddings, MoE experts over EP, CP, full and selective recompute, bf16, fp16, MTP,
+explicit layouts and micro-batch counts that are not a multiple of the stages (FP8: tests/test_fp8.py); ZB-V's two
+chunks per rank sit in a V (megalite/parallel/pipeline_stages.py). A reduction fired at B instead of the last W, a
+lost weight gradient, the V's tied copies left unsummed and its layers placed as the loop must be caught. One
+spawn of four ranks runs the layouts; test_checkpoint.py moves checkpoints between the V and the loop."""
 
 import contextlib
 
@@ -196,6 +195,9 @@ LAYOUTS = [
     layout("pp2_dp2_zero2_zbv_tied", pp=2, dp=2, zero=2, flags=ZBV),
     layout("pp2_dp2_zbv_full_recompute", pp=2, dp=2, recompute="full", flags=ZBV),
     layout("pp2_dp2_zbv_bf16", pp=2, dp=2, dtype="bf16", flags=ZBV),
+    layout("pp2_dp2_zbv_fp16_loss_scaling", pp=2, dp=2, dtype="fp16", flags=ZBV),
+    layout("pp2_dp2_zbv_mtp", pp=2, dp=2, flags=ZBV,
+           model=("--mtp-num-layers", "1", "--position-embedding-type", "rope")),
     layout("pp2_dp2_zbv_explicit_layout", pp=2, dp=2, model=EIGHT_LAYERS,
            flags=ZBV + ("--pipeline-model-parallel-layout", "Ettt|t|tt|ttL")),
     layout("pp2_dp2_ep2_moe_zbv_zero1", pp=2, dp=2, zero=1, model=MB2 + MOE,
