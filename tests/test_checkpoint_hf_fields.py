@@ -4,6 +4,7 @@ represent is one line naming it, never a different model. Two imports that once 
 GPT-2 with an untied lm_head (now mapped: logits equal transformers') and a Mixtral with a sliding window
 (refused)."""
 
+import dataclasses
 import json
 import os
 
@@ -20,12 +21,18 @@ VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=48, max_position_embeddings=32)
 MOE = dict(SMALL, num_experts_per_tok=2, moe_intermediate_size=16)
+LLAMA3_1 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 # Each a config class's own defaults except its sizes: every field the class writes must be accounted for.
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32),
     "gpt2_untied": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                                    tie_word_embeddings=False),
     "llama": lambda: transformers.LlamaConfig(**SMALL, head_dim=8),
+    # Llama 3.1's rope scaling, its band moved down to this context (an original context of 16 positions) so that
+    # it scales the frequencies 12 tokens reach; Llama 3.1's own values are checked against transformers' formula
+    # in tests/test_model_flags.py
+    "llama3_1": lambda: transformers.LlamaConfig(**SMALL, head_dim=8, rope_parameters=LLAMA3_1),
     "mixtral": lambda: transformers.MixtralConfig(**dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**MOE, num_experts=4, shared_expert_intermediate_size=24),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
@@ -89,7 +96,7 @@ def test_a_bert_config_of_its_defaults_imports(tmp_path):
 
 
 @pytest.mark.parametrize("name, cls", [("gpt2_untied", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"),
-                                       ("qwen3", "Qwen3ForCausalLM")])
+                                       ("qwen3", "Qwen3ForCausalLM"), ("llama3_1", "LlamaForCausalLM")])
 def test_hf_to_megalite_to_hf_is_the_same_class_bit_for_bit(name, cls, saved, tmp_path):
     """An untied GPT-2 keeps its lm_head; dense Qwen2 (q/k/v biases) and Qwen3 (q/k norms) come back as themselves."""
     src, mine, back = saved[name], str(tmp_path / "m"), str(tmp_path / "back")
@@ -101,6 +108,8 @@ def test_hf_to_megalite_to_hf_is_the_same_class_bit_for_bit(name, cls, saved, tm
         assert torch.equal(a[k], b[k]), f"HF round trip changed {k}"
     model, _ = hf_logits(back, torch.zeros(1, 2, dtype=torch.long))
     assert type(model).__name__ == cls
+    if name == "llama3_1":  # (the scaling written back as transformers reads it)
+        assert {k: model.config.rope_parameters[k] for k in LLAMA3_1} == LLAMA3_1, model.config.rope_parameters
     if name == "gpt2_untied":
         assert model.config.tie_word_embeddings is False
         assert not torch.equal(a["lm_head.weight"], a["transformer.wte.weight"])
@@ -129,6 +138,9 @@ def _refused(src, tmp_path, **changes):
     ("llama", dict(logit_softcapping=30.0), "field logit_softcapping=30.0 not represented"),
     ("llama", dict(rope_parameters={"partial_rotary_factor": 0.5}), "rope_parameters.partial_rotary_factor=0.5"),
     ("llama", dict(quantization_config={"quant_method": "fp8"}), "quantization_config.quant_method='fp8'"),
+    ("llama", dict(rope_parameters={"rope_type": "longrope"}), "llama rope scaling 'longrope' is not implemented"),
+    ("llama", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
+     "llama rope scaling 'llama3' without low_freq_factor, high_freq_factor, original_max_position_embeddings"),
     ("qwen3_moe", dict(attention_bias=True), "attention_bias=True"),
     ("qwen3", dict(attention_bias=True), "Qwen3 attention_bias=True"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8), "qwen2 sliding_window=8"),
@@ -138,6 +150,25 @@ def _refused(src, tmp_path, **changes):
 def test_a_field_megalite_does_not_represent_is_one_line_naming_it(name, changes, message, saved, tmp_path):
     rc, err = _refused(saved[name], tmp_path, **changes)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_llama3_rope_scaling_is_what_the_logits_need(saved, tmp_path):
+    """The imported model without its rope scaling is another model (the check above can see it), and Megatron,
+    whose band and original context are fixed (1, 4, 8192), is not written this one."""
+    import test_checkpoint_hf
+    mine = str(tmp_path / "m")
+    assert _import(saved["llama3_1"], mine)[0] == 0
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    _, ref = hf_logits(saved["llama3_1"], tokens)
+    original = test_checkpoint_hf.config_for_one_process
+    unscaled = (lambda cfg: dataclasses.replace(original(cfg), use_rope_scaling=False))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(test_checkpoint_hf, "config_for_one_process", unscaled)
+        off = megalite_logits(mine, tokens)
+    assert (off - ref).abs().max().item() > 1e-3 * ref.abs().max().item()
+    rc, _, err = convert("--loader", "megalite", "--saver", "megatron", "--load-dir", mine,
+                         "--save-dir", str(tmp_path / "mg"))
+    assert rc != 0 and "Megatron's are fixed at (1.0, 4.0, 8192)" in err, err
 
 
 def test_a_training_setting_is_named_not_carried(saved, tmp_path):

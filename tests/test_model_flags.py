@@ -242,3 +242,45 @@ def test_layernorm_1p_exports_gamma_to_hf(tmp_path):
         ours = megalite_logits(ckpt, tokens)
         _, theirs = hf_logits(hf, tokens)
         torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("theta, factor, low, high, original", [(500000.0, 8.0, 1.0, 4.0, 8192),  # Llama 3.1
+                                                                (500000.0, 32.0, 1.0, 4.0, 8192),  # Llama 3.2
+                                                                (10000.0, 4.0, 2.0, 8.0, 64)])
+def test_llama3_rope_scaling_is_transformers_formula(theta, factor, low, high, original):
+    """--use-rope-scaling's frequencies against transformers' own llama3 rope (head dim 128): kept above the band,
+    divided by the factor below it, blended inside it; fp32 on both sides, the same few operations."""
+    transformers = pytest.importorskip("transformers", reason="the formula's reference is transformers' (the "
+                                       "[test] extra installs it)")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from megalite.transformer.rope import config_inv_freq, rope_inv_freq
+    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
+    hf = transformers.LlamaConfig(hidden_size=1024, num_attention_heads=8, head_dim=128, rope_parameters=rope)
+    want, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    args = parse_args(list(BASE) + list(LLAMA) + ["--kv-channels", "128", "--rotary-base", str(theta),
+                                                  "--use-rope-scaling", "--rope-scaling-factor", str(factor),
+                                                  "--rope-scaling-low-freq-factor", str(low),
+                                                  "--rope-scaling-high-freq-factor", str(high),
+                                                  "--rope-scaling-original-max-position-embeddings", str(original)],
+                      world_size=1)
+    from megalite.cli.parser import model_config
+    got = config_inv_freq(model_config(args, 128), 128)
+    plain = rope_inv_freq(128, theta)
+    assert attention_factor == 1.0  # (llama3 leaves the attention's scale alone, as megalite does)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    wavelength = 2 * torch.pi / plain
+    short, long = wavelength < original / high, wavelength > original / low
+    assert short.any() and long.any() and (~short & ~long).any()  # (every case has all three bands)
+    assert torch.equal(got[short], plain[short]) and torch.equal(got[long], plain[long] / factor)
+
+
+def test_rope_scaling_flags_refuse_in_one_line(capsys):
+    for extra, says in ((("--use-rope-scaling",), "--use-rope-scaling (Llama 3.1's) scales rotary embeddings: it "
+                                                  "needs --position-embedding-type rope"),
+                        (LLAMA + ("--use-rope-scaling", "--rope-scaling-factor", "0.5"),
+                         "--use-rope-scaling needs --rope-scaling-factor >= 1 (got 0.5)")):
+        with pytest.raises(SystemExit):
+            parse_args(list(BASE) + list(extra), world_size=1)
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err

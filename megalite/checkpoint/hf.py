@@ -94,13 +94,38 @@ def swiglu_rows(m, gate, up, down):
 def llama_hf_config(c, arch, model_type):
     """The config keys every Llama-family class (Llama, Mixtral, Qwen-MoE) shares."""
     theta = c["rotary_base"]
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if c.get("use_rope_scaling"):
+        rope = dict(rope, rope_type="llama3", **{hf: c[ours] for hf, ours in LLAMA3_ROPE.items()})
     return {"architectures": [arch], "model_type": model_type, "vocab_size": c["vocab_size"],
             "hidden_size": c["hidden_size"], "num_hidden_layers": c["num_layers"],
             "num_attention_heads": c["num_attention_heads"], "num_key_value_heads": c["num_query_groups"],
             "head_dim": c["kv_channels"], "max_position_embeddings": c["max_position_embeddings"],
-            "rms_norm_eps": c["layernorm_epsilon"], "rope_theta": theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "hidden_act": "silu",
-            "tie_word_embeddings": not c["untie_embeddings_and_output_weights"], "torch_dtype": c["params_dtype"]}
+            "rms_norm_eps": c["layernorm_epsilon"], "rope_theta": theta, "rope_parameters": rope,
+            "hidden_act": "silu", "tie_word_embeddings": not c["untie_embeddings_and_output_weights"],
+            "torch_dtype": c["params_dtype"]}
+
+
+# HF's rope_type "llama3" parameters -> megalite's --use-rope-scaling fields
+LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",
+               "high_freq_factor": "rope_scaling_high_freq_factor",
+               "original_max_position_embeddings": "rope_scaling_original_max_position_embeddings"}
+
+
+def _rope_fields(h):
+    """The megalite rope fields of a Llama-family HF config: its base, and Llama 3.1's scaling (rope_type llama3)."""
+    rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out = {"rotary_base": float(rope.get("rope_theta", h.get("rope_theta", 10000.0)))}
+    if kind == "llama3":
+        missing = [k for k in LLAMA3_ROPE if k not in rope]
+        if missing:
+            raise CheckpointError(f"{h.get('model_type', 'llama')} rope scaling 'llama3' without {', '.join(missing)}")
+        return dict(out, use_rope_scaling=True, **{ours: rope[hf] for hf, ours in LLAMA3_ROPE.items()})
+    if kind != "default":
+        raise CheckpointError(f"{h.get('model_type', 'llama')} rope scaling {kind!r} is not implemented in megalite "
+                              "(it has Llama 3.1's, rope_type 'llama3')")
+    return out
 
 
 def _full_attention_only(h):
@@ -117,20 +142,16 @@ def _full_attention_only(h):
 
 def llama_model_config(h):
     """The megalite fields of a Llama-family HF config (rope, RMSNorm, SwiGLU, GQA, no biases)."""
-    rope = h.get("rope_parameters") or h.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        kind = rope.get("rope_type", rope.get("type"))
-        raise CheckpointError(f"{h.get('model_type', 'llama')} rope scaling {kind!r} is not implemented in megalite")
+    rope = _rope_fields(h)
     _full_attention_only(h)
     heads = h["num_attention_heads"]
     return {"num_layers": h["num_hidden_layers"], "hidden_size": h["hidden_size"], "num_attention_heads": heads,
             "num_query_groups": h.get("num_key_value_heads") or heads,
             "kv_channels": h.get("head_dim") or h["hidden_size"] // heads, "vocab_size": h["vocab_size"],
             "max_position_embeddings": h["max_position_embeddings"], "seq_length": h["max_position_embeddings"],
-            "position_embedding_type": "rope",
-            "rotary_base": float(rope.get("rope_theta", h.get("rope_theta", 10000.0))),
-            "normalization": "RMSNorm", "layernorm_epsilon": h.get("rms_norm_eps", 1e-6), "swiglu": True,
-            "add_bias_linear": False, "untie_embeddings_and_output_weights": not h.get("tie_word_embeddings", False)}
+            "position_embedding_type": "rope", **rope, "normalization": "RMSNorm",
+            "layernorm_epsilon": h.get("rms_norm_eps", 1e-6), "swiglu": True, "add_bias_linear": False,
+            "untie_embeddings_and_output_weights": not h.get("tie_word_embeddings", False)}
 
 
 class GPT2:

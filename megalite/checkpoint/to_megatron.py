@@ -22,6 +22,9 @@ from megalite.config import CHECKPOINT_ARGS
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
+MEGATRON_ROPE_SCALING_BAND = (1.0, 4.0, 8192)  # (megatron-core's apply_rope_scaling: no flag reaches them)
+
+
 def _names(cfg, mine, theirs):
     """The Megatron keys one tensor is written under: Transformer Engine's name (which megatron-core's local spec
     maps its dense layers' norms to as well); in an MLA layer, whose specs map no norm, each norm under both
@@ -102,6 +105,11 @@ def export_megatron(load_dir, save_dir, tp=1):
     cfg = meta["model_config"]
     if cfg.get("model_type", "gpt") != "gpt" or cfg.get("mtp_num_layers"):
         raise CheckpointError("--saver megatron writes GPT models, dense, MoE or MLA (no MTP or BERT yet)")
+    band = tuple(cfg.get(f) for f in ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                                      "rope_scaling_original_max_position_embeddings"))
+    if cfg.get("use_rope_scaling") and band != MEGATRON_ROPE_SCALING_BAND:
+        raise CheckpointError(f"--use-rope-scaling with low/high frequency factors and original context {band}: "
+                              f"Megatron's are fixed at {MEGATRON_ROPE_SCALING_BAND}, so it would build another model")
     src = Reader(path)
     vocab = padded_vocab(cfg["vocab_size"], cfg["make_vocab_size_divisible_by"], tp)
 

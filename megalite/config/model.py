@@ -33,6 +33,12 @@ class ModelConfig(ExecutionConfig):
     make_vocab_size_divisible_by: int = 128
     position_embedding_type: Annotated[str, SHAPE_RESTORED] = "learned_absolute"  # or "rope"
     rotary_base: Annotated[float, RESTORED] = 10000.0
+    # Llama 3.1's rope scaling (transformer/rope.py): Megatron's two flags; the band and original context megalite's
+    use_rope_scaling: Annotated[bool, RESTORED] = False
+    rope_scaling_factor: Annotated[float, RESTORED] = 8.0
+    rope_scaling_low_freq_factor: Annotated[float, RESTORED] = 1.0
+    rope_scaling_high_freq_factor: Annotated[float, RESTORED] = 4.0
+    rope_scaling_original_max_position_embeddings: Annotated[int, RESTORED] = 8192
     normalization: Annotated[str, SHAPE_RESTORED] = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: Annotated[float, Field("norm_epsilon", restored=True)] = 1e-5
     swiglu: Annotated[bool, SHAPE_RESTORED] = False
@@ -189,8 +195,19 @@ class ModelConfig(ExecutionConfig):
             if not 0 < self.rotary_percent <= 1 or rot < 2 or rot % 2:
                 raise ConfigError(f"--rotary-percent {self.rotary_percent} of head dim {self.kv_channels} gives a "
                                   f"rotary dim of {rot}: it needs 0 < p <= 1 and an even rotary dim")
+        if self.use_rope_scaling:
+            self._check_rope_scaling()
         if self.use_mup:
             finalize_mup(self)
+
+    def _check_rope_scaling(self):
+        if self.position_embedding_type != "rope" or self.multi_latent_attention:
+            raise ConfigError("--use-rope-scaling (Llama 3.1's) scales rotary embeddings: it needs "
+                              "--position-embedding-type rope without --multi-latent-attention (MLA has YaRN)")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if self.rope_scaling_factor < 1 or not 0 < low < high or self.rope_scaling_original_max_position_embeddings < 1:
+            raise ConfigError(f"--use-rope-scaling needs --rope-scaling-factor >= 1 (got {self.rope_scaling_factor}), "
+                              f"0 < low < high frequency factor (got {low}, {high}) and an original context >= 1")
 
     def _check_mla(self):
         """Megatron's MLA checks, and what megalite's MLA does not do, one line each."""

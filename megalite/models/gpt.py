@@ -26,7 +26,7 @@ from megalite.tensor_parallel.init import replicated_init
 from megalite.tensor_parallel.layers import init_normal, with_recipe
 from megalite.transformer import TransformerBlock
 from megalite.transformer.mtp import MTPBlock
-from megalite.transformer.rope import rotary_cos_sin
+from megalite.transformer.rope import config_inv_freq, rotary_cos_sin
 from megalite.transformer.utils import param_seed
 from megalite.transformer.yarn import mla_rotary_cos_sin
 
@@ -134,7 +134,8 @@ class GPTModel(nn.Module):
             c = self.config
             rot = int(c.kv_channels * c.rotary_percent)  # Megatron's rotary dim
             self._rotary = mla_rotary_cos_sin(c, seq, device) if c.multi_latent_attention else \
-                rotary_cos_sin(seq, rot, c.rotary_base, device, interleaved=c.rotary_interleaved)
+                rotary_cos_sin(seq, rot, c.rotary_base, device, interleaved=c.rotary_interleaved,
+                               inv_freq=config_inv_freq(c, rot, device))
             self._rotary_key = key
         return self._rotary
 

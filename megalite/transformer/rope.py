@@ -1,6 +1,8 @@
 """Rotary position embeddings: rotate-half (GPT-NeoX / Llama) layout, or interleaved pairs
 (GPT-J; Megatron's --rotary-interleaved: dims 2i and 2i+1 rotate together by frequency i)."""
 
+import math
+
 import torch
 
 import kernels
@@ -9,6 +11,27 @@ import kernels
 def rope_inv_freq(dim, base, device=None):
     """The dim/2 rotary inverse frequencies base^(-2i/dim), fp32."""
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+
+def llama3_inv_freq(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings):
+    """Llama 3.1's scaling of rotary inverse frequencies (--use-rope-scaling): a frequency whose wavelength is
+    beyond the original context / low_freq_factor is divided by `factor`, one within the original context /
+    high_freq_factor is kept, and between the two the blend that is linear in original context / wavelength."""
+    wavelength = 2 * math.pi / inv_freq
+    blend = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    long_wave = wavelength > original_max_position_embeddings / low_freq_factor
+    short_wave = wavelength < original_max_position_embeddings / high_freq_factor
+    return torch.where(long_wave, inv_freq / factor, torch.where(short_wave, inv_freq, blended))
+
+
+def config_inv_freq(c, dim, device=None):
+    """The rotary inverse frequencies of ModelConfig c (rotary base, Llama 3.1's scaling if asked), dim wide."""
+    inv_freq = rope_inv_freq(dim, c.rotary_base, device)
+    if not c.use_rope_scaling:
+        return inv_freq
+    return llama3_inv_freq(inv_freq, c.rope_scaling_factor, c.rope_scaling_low_freq_factor,
+                           c.rope_scaling_high_freq_factor, c.rope_scaling_original_max_position_embeddings)
 
 
 def rotary_cos_sin(seq_length, dim, base, device, dtype=torch.float32, interleaved=False, inv_freq=None):

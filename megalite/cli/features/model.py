@@ -24,6 +24,15 @@ def add_model_flags(a):
       help="deprecated in Megatron: accepted with --position-embedding-type rope (which has no position table)")
     a("--rotary-base", type=float, default=10000.0)
     a("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims that rotary rotates")
+    a("--use-rope-scaling", action="store_true",
+      help="Llama 3.1's rope scaling: frequencies whose wavelength exceeds the original context / low factor "
+           "divided by --rope-scaling-factor, those below the original context / high factor kept, a smooth "
+           "blend between")
+    a("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling (Llama 3.1: 8, 3.2: 32)")
+    a("--rope-scaling-low-freq-factor", type=float, default=1.0, help="with --use-rope-scaling (megalite's)")
+    a("--rope-scaling-high-freq-factor", type=float, default=4.0, help="with --use-rope-scaling (megalite's)")
+    a("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+      help="with --use-rope-scaling: the context the model was first trained at (megalite's)")
     a("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     a("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     a("--apply-layernorm-1p", action="store_true", help="norm weights stored as w - 1 (zero-centred gamma)")
