@@ -35,6 +35,7 @@ CONFIGS = {
     "llama3_1": lambda: transformers.LlamaConfig(**SMALL, head_dim=8, rope_parameters=LLAMA3_1),
     "mixtral": lambda: transformers.MixtralConfig(**dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**MOE, num_experts=4, shared_expert_intermediate_size=24),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, head_dim=8, sliding_window=None),  # (v0.3, Nemo, Small)
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE, num_experts=4, head_dim=8),
@@ -96,7 +97,8 @@ def test_a_bert_config_of_its_defaults_imports(tmp_path):
 
 
 @pytest.mark.parametrize("name, cls", [("gpt2_untied", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"),
-                                       ("qwen3", "Qwen3ForCausalLM"), ("llama3_1", "LlamaForCausalLM")])
+                                       ("qwen3", "Qwen3ForCausalLM"), ("llama3_1", "LlamaForCausalLM"),
+                                       ("mistral", "MistralForCausalLM")])
 def test_hf_to_megalite_to_hf_is_the_same_class_bit_for_bit(name, cls, saved, tmp_path):
     """An untied GPT-2 keeps its lm_head; dense Qwen2 (q/k/v biases) and Qwen3 (q/k norms) come back as themselves."""
     src, mine, back = saved[name], str(tmp_path / "m"), str(tmp_path / "back")
@@ -144,8 +146,10 @@ def _refused(src, tmp_path, **changes):
     ("qwen3_moe", dict(attention_bias=True), "attention_bias=True"),
     ("qwen3", dict(attention_bias=True), "Qwen3 attention_bias=True"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8), "qwen2 sliding_window=8"),
-    ("llama", dict(model_type="mistral", sliding_window=None), "'mistral' (LlamaForCausalLM) is not one megalite "
-                                                              "converts; the nearest it has is llama"),
+    ("llama", dict(model_type="phi3"), "'phi3' (LlamaForCausalLM) is not one megalite converts; the nearest it "
+                                       "has is llama"),
+    ("mistral", dict(sliding_window=4096), "mistral sliding_window=4096 (sliding-window attention) is not "
+                                           "implemented"),
 ])
 def test_a_field_megalite_does_not_represent_is_one_line_naming_it(name, changes, message, saved, tmp_path):
     rc, err = _refused(saved[name], tmp_path, **changes)
@@ -169,6 +173,27 @@ def test_llama3_rope_scaling_is_what_the_logits_need(saved, tmp_path):
     rc, _, err = convert("--loader", "megalite", "--saver", "megatron", "--load-dir", mine,
                          "--save-dir", str(tmp_path / "mg"))
     assert rc != 0 and "Megatron's are fixed at (1.0, 4.0, 8192)" in err, err
+
+
+def test_a_llama_exports_as_mistral_on_asking_and_nothing_else(saved, tmp_path):
+    """--hf-architecture: a class that holds the same models (Mistral without a window holds Llama's), with
+    transformers' logits; one that does not, one line."""
+    mine, out = str(tmp_path / "m"), str(tmp_path / "mistral")
+    assert _import(saved["llama"], mine)[0] == 0
+    assert convert("--loader", "megalite", "--saver", "hf", "--load-dir", mine, "--save-dir", out,
+                   "--hf-architecture", "MistralForCausalLM")[0] == 0
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    model, got = hf_logits(out, tokens)
+    _, ref = hf_logits(saved["llama"], tokens)
+    assert type(model).__name__ == "MistralForCausalLM" and torch.equal(got, ref)
+    for asked, says in (("Qwen2ForCausalLM", "--hf-architecture Qwen2ForCausalLM cannot hold this model: it is a "
+                                             "LlamaForCausalLM (or MistralForCausalLM)"),):
+        rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", mine, "--save-dir",
+                             str(tmp_path / "x"), "--hf-architecture", asked)
+        assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    rc, _, err = convert("--loader", "megalite", "--saver", "megalite", "--load-dir", mine, "--save-dir",
+                         str(tmp_path / "y"), "--hf-architecture", "MistralForCausalLM")
+    assert rc == 2 and "--hf-architecture picks the class --saver hf writes" in err, err
 
 
 def test_a_training_setting_is_named_not_carried(saved, tmp_path):

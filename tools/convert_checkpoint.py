@@ -53,6 +53,9 @@ def build_parser():
     p.add_argument("--no-load-optim", action="store_true",
                    help="--loader megatron: the weights, iteration and data position only (as Megatron's flag)")
     p.add_argument("--max-shard-size-mb", type=int, default=1024, help="--saver hf: largest safetensors shard")
+    p.add_argument("--hf-architecture", default=None,
+                   help="--saver hf: the class to write where more than one holds the model (MistralForCausalLM for "
+                        "a Llama; default: the class an imported checkpoint came from, else the model's own)")
     return p
 
 
@@ -63,6 +66,9 @@ def main(argv=None):
             raise CheckpointError("target parallel sizes must be >= 1")
         if args.loader == "hf" and args.saver == "hf":
             raise CheckpointError("--loader hf --saver hf converts nothing; pick megalite for one side")
+        if args.hf_architecture and args.saver != "hf":
+            raise CheckpointError("--hf-architecture picks the class --saver hf writes; drop it for --saver "
+                                  f"{args.saver}")
         if not os.path.isdir(args.load_dir):
             raise CheckpointError(f"--load-dir {args.load_dir} is not a directory")
         if args.loader == "megalite":
@@ -75,7 +81,7 @@ def main(argv=None):
                 export_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size)
             else:
                 export_hf(args.load_dir, args.save_dir, args.max_shard_size_mb << 20,
-                          args.model_type.lower() if args.model_type else None)
+                          args.model_type.lower() if args.model_type else None, args.hf_architecture)
         elif args.loader == "megatron":
             if args.saver != "megalite":
                 raise CheckpointError("--loader megatron converts to megalite (--saver megalite); export to HF from "

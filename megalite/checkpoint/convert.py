@@ -16,7 +16,7 @@ import torch
 from megalite import __version__
 from megalite.checkpoint.hf import EXPORT_ONLY, GPT2, Bert, Llama
 from megalite.checkpoint.hf_deepseek import DeepseekV3
-from megalite.checkpoint.hf_dense import Qwen2, Qwen3
+from megalite.checkpoint.hf_dense import Mistral, Qwen2, Qwen3
 from megalite.checkpoint.hf_fields import read_hf_config
 from megalite.checkpoint.hf_moe import Mixtral, Qwen2Moe, Qwen3Moe, fused_expert_tensor, moe_arch_for
 from megalite.checkpoint.storage import (
@@ -32,11 +32,11 @@ from megalite.checkpoint.storage import (
 from megalite.transformer.pipeline_layers import stage_layer_counts
 
 META, TRACKER = "megalite.json", "latest_checkpointed_iteration.txt"
-BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "bert": Bert, "mixtral": Mixtral,
-              "qwen2_moe": Qwen2Moe, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepseekV3}
+BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3, "bert": Bert,
+              "mixtral": Mixtral, "qwen2_moe": Qwen2Moe, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepseekV3}
 
 # architectures not mapped yet -> the nearest one that is, and what the difference is
-NEAREST = {"mistral": "llama (Mistral adds a sliding window)", "gemma": "llama (Gemma scales the embedding and "
+NEAREST = {"gemma": "llama (Gemma scales the embedding and "
            "uses (1 + w) RMSNorm and GeLU-tanh)", "gemma2": "llama (Gemma 2 adds soft-capping, local/global "
            "windows and post-norms)", "gemma3_text": "llama (Gemma 3 adds local/global windows, QK-norm and "
            "post-norms)", "phi3": "llama (Phi-3 fuses qkv and gate_up)", "olmo2": "qwen3 (OLMo 2 normalises "
@@ -45,8 +45,25 @@ NEAREST = {"mistral": "llama (Mistral adds a sliding window)", "gemma": "llama (
            "deepseek_v2": "deepseek_v3 (V2 routes by softmax)"}
 
 
-def arch_for(config):
-    """The architecture a megalite model config maps to (configs before model_type: GPT)."""
+def arch_for(config, asked=None):
+    """The architecture a megalite model config maps to (configs before model_type: GPT); asked: an HF class name
+    that must hold it instead (one whose `same_models_as` is that architecture's: Mistral for Llama)."""
+    arch = _arch_for(config)
+    if asked in (None, arch.hf_class):
+        return arch
+    for a in _alike(arch):
+        if a.hf_class == asked:
+            return a
+    raise CheckpointError(f"--hf-architecture {asked} cannot hold this model: it is a {arch.hf_class}"
+                          + "".join(f" (or {a.hf_class})" for a in _alike(arch)))
+
+
+def _alike(arch):
+    """The other architectures that hold exactly arch's models."""
+    return [a for a in BY_HF_TYPE.values() if getattr(a, "same_models_as", None) == arch.hf_class]
+
+
+def _arch_for(config):
     if config.get("model_type", "gpt") == "bert":
         return Bert
     if config.get("multi_latent_attention"):
@@ -205,9 +222,11 @@ def reshard(load_dir, save_dir, tp, pp):
     w.close(meta)
 
 
-def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None):
+def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None, hf_class=None):
     """megalite -> a Hugging Face directory (config.json + safetensors shards + index).
-    model_type ("gpt" or "bert"): for checkpoints that do not record it; must agree with those that do."""
+    model_type ("gpt" or "bert"): for checkpoints that do not record it; must agree with those that do.
+    hf_class (--hf-architecture): the class to write where more than one holds the model; default the class an
+    imported checkpoint came from, if it holds it, else arch_for's."""
     path, meta = find_checkpoint(load_dir)
     cfg = dict(meta["model_config"])
     if model_type is not None:
@@ -217,7 +236,10 @@ def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None):
     if cfg.get("use_mup"):  # its embedding / logit multipliers and attention scale have no HF field
         raise CheckpointError("Hugging Face models cannot represent a muP model (--use-mup: embedding and logit "
                               "multipliers, attention scale); convert a model trained without --use-mup")
-    arch = arch_for(cfg)
+    arch = arch_for(cfg, hf_class)
+    if hf_class is None:  # an imported checkpoint goes back as the class it came from, where that one holds it
+        source = meta.get("source", {}).get("hf_class")
+        arch = next((a for a in _alike(arch) if a.hf_class == source), arch)
     if cfg.get("mtp_num_layers") and not getattr(arch, "holds_mtp", False):
         raise CheckpointError(f"{arch.hf_class} cannot hold the {cfg['mtp_num_layers']} multi-token prediction layers "
                               "(--mtp-num-layers); DeepseekV3ForCausalLM's layout can")
