@@ -1,6 +1,7 @@
 """FP8 GEMMs for the tensor-parallel linear layers (--fp8-format, --fp8-recipe), on torch._scaled_mm (cuBLASLt's
-FP8 GEMM on sm_89/sm_90; a reference implementation on CPU whose result is the fp32 product of the dequantized
-operands, exactly).
+FP8 GEMM on sm_89/sm_90); on CPU the fp32 product of the dequantized operands, which is what the GEMM computes
+(scaled_mm: oneDNN's FP8 primitive, torch._scaled_mm's CPU path, costs about 1 ms a call however small, and some
+instruction sets (AVX-512 without BF16) have none).
 
 Each of a linear layer's three GEMMs — forward y = x w^T, input gradient dx = dy w, weight gradient dw = dy^T x —
 multiplies FP8 operands: x and w in e4m3, dy in e4m3 (--fp8-format e4m3) or e5m2 (hybrid), each with one fp32
@@ -199,21 +200,21 @@ def _rowwise_forward(site, x2, weight):
     k_sharded = site.row_parallel  # (a row-parallel layer's K is split over TP)
     xq, sx = along(x2, 0, site.forward_dtype, site.margin, k_sharded, site.grid)  # [M, 1]
     wq, sw = along(weight, 0, site.forward_dtype, site.margin, k_sharded, site.grid)  # [N, 1]
-    return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=x2.dtype)
+    return scaled_mm(xq, wq.t(), sx, sw.t(), x2.dtype)
 
 
 def _rowwise_dgrad(site, dy2, weight, dtype):
     n_sharded, g, m = not site.row_parallel, site.grid, site.margin  # (a column-parallel layer's N is split)
     dyq, sdy = along(dy2, 0, site.grad_dtype, m, n_sharded, g)  # dx = dy w: contraction over N
     wq, sw = along(weight, 1, site.forward_dtype, m, n_sharded, g)  # [1, K]
-    return torch._scaled_mm(dyq, _column_major(wq), scale_a=sdy, scale_b=sw, out_dtype=dtype)
+    return scaled_mm(dyq, _column_major(wq), sdy, sw, dtype)
 
 
 def _rowwise_wgrad(site, dy2, x2):
     g, m = site.grid, site.margin
     dytq, sdyt = along(dy2.t(), 0, site.grad_dtype, m, False, g)  # dw = dy^T x: contraction over M (whole here)
     xq, sx = along(x2, 1, site.forward_dtype, m, False, g)  # [1, K]
-    return torch._scaled_mm(dytq, _column_major(xq), scale_a=sdyt, scale_b=sx, out_dtype=torch.float32)
+    return scaled_mm(dytq, _column_major(xq), sdyt, sx, torch.float32)
 
 
 def quantized_blocks(t, rows, cols, dtype, margin):
@@ -271,8 +272,15 @@ _REQUANTIZED = {"rowwise": (_rowwise_dgrad, _rowwise_wgrad), "blockwise": (_bloc
 
 def _mm(a, b_t, scale_a, scale_b, out_dtype):
     """a [m, k] (row-major) x b_t [k, n] (column-major) in FP8, rescaled: [m, n] in out_dtype."""
-    return torch._scaled_mm(a, b_t, scale_a=scale_a.reshape(()).float(), scale_b=scale_b.reshape(()).float(),
-                            out_dtype=out_dtype)
+    return scaled_mm(a, b_t, scale_a.reshape(()).float(), scale_b.reshape(()).float(), out_dtype)
+
+
+def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """(a scale_a) @ (b scale_b) in out_dtype, FP8 a [m, k] and b [k, n] (column-major) with fp32 scales (0-d, or
+    [m, 1] and [1, n]): torch._scaled_mm on CUDA; on CPU the fp32 GEMM of the dequantized operands."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
 
 
 def _column_major(t):
