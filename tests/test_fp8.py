@@ -209,7 +209,7 @@ LAYOUTS = [layout("pp2_fp8_tensorwise", pp=2, model=TENSORWISE), layout("dp2_fp8
              for name, recipe, kind in (("tensorwise", TENSORWISE, "alltoall"), ("delayed", DELAYED, "allgather"),
                                         ("rowwise", ROWWISE, "allgather"), ("blockwise", BLOCKWISE, "alltoall")))]
 # Only step 1 is compared, so each layout (and its reference) trains 2 iterations, the second running what the first
-# leaves (the delayed histories' roll, the FP8 weights requantized): 6 would cost this world 35 s more for no check.
+# leaves (the delayed histories' roll, the FP8 weights requantized): 6 would triple this world's time for no check.
 # That FP8 training learns is test_fp8_training_learns_the_chain's.
 LAYOUTS = [dataclasses.replace(lay, base=lay.base + ("--train-iters", "2")) for lay in LAYOUTS]
 STEP_ONE_ONLY = {"losses@1": 1e-5, "norms@1": 1e-5, "grads": 1e-5, "embedding grads": 1e-5,
