@@ -36,6 +36,10 @@ CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(**dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**MOE, num_experts=4, shared_expert_intermediate_size=24),
     "mistral": lambda: transformers.MistralConfig(**SMALL, head_dim=8, sliding_window=None),  # (v0.3, Nemo, Small)
+    # Phi-3 / Phi-4: fused qkv and gate_up tensors; a partial rotary (3 of each head's 4 rotary pairs), tied
+    "phi3": lambda: transformers.Phi3Config(**SMALL, tie_word_embeddings=True, pad_token_id=0,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.75}),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE, num_experts=4, head_dim=8),
@@ -98,7 +102,7 @@ def test_a_bert_config_of_its_defaults_imports(tmp_path):
 
 @pytest.mark.parametrize("name, cls", [("gpt2_untied", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"),
                                        ("qwen3", "Qwen3ForCausalLM"), ("llama3_1", "LlamaForCausalLM"),
-                                       ("mistral", "MistralForCausalLM")])
+                                       ("mistral", "MistralForCausalLM"), ("phi3", "Phi3ForCausalLM")])
 def test_hf_to_megalite_to_hf_is_the_same_class_bit_for_bit(name, cls, saved, tmp_path):
     """An untied GPT-2 keeps its lm_head; dense Qwen2 (q/k/v biases) and Qwen3 (q/k norms) come back as themselves."""
     src, mine, back = saved[name], str(tmp_path / "m"), str(tmp_path / "back")
@@ -146,8 +150,10 @@ def _refused(src, tmp_path, **changes):
     ("qwen3_moe", dict(attention_bias=True), "attention_bias=True"),
     ("qwen3", dict(attention_bias=True), "Qwen3 attention_bias=True"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8), "qwen2 sliding_window=8"),
-    ("llama", dict(model_type="phi3"), "'phi3' (LlamaForCausalLM) is not one megalite converts; the nearest it "
-                                       "has is llama"),
+    ("llama", dict(model_type="olmo2"), "'olmo2' (LlamaForCausalLM) is not one megalite converts; the nearest it "
+                                        "has is qwen3"),
+    ("phi3", dict(sliding_window=2047), "phi3 sliding_window=2047 (sliding-window attention) is not implemented"),
+    ("phi3", dict(rope_parameters={"rope_type": "longrope"}), "phi3 rope scaling 'longrope' is not implemented"),
     ("mistral", dict(sliding_window=4096), "mistral sliding_window=4096 (sliding-window attention) is not "
                                            "implemented"),
 ])

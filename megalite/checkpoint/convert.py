@@ -16,7 +16,7 @@ import torch
 from megalite import __version__
 from megalite.checkpoint.hf import EXPORT_ONLY, GPT2, Bert, Llama
 from megalite.checkpoint.hf_deepseek import DeepseekV3
-from megalite.checkpoint.hf_dense import Mistral, Qwen2, Qwen3
+from megalite.checkpoint.hf_dense import Mistral, Phi3, Qwen2, Qwen3
 from megalite.checkpoint.hf_fields import read_hf_config
 from megalite.checkpoint.hf_moe import Mixtral, Qwen2Moe, Qwen3Moe, fused_expert_tensor, moe_arch_for
 from megalite.checkpoint.storage import (
@@ -32,16 +32,15 @@ from megalite.checkpoint.storage import (
 from megalite.transformer.pipeline_layers import stage_layer_counts
 
 META, TRACKER = "megalite.json", "latest_checkpointed_iteration.txt"
-BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3, "bert": Bert,
-              "mixtral": Mixtral, "qwen2_moe": Qwen2Moe, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepseekV3}
+BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "mistral": Mistral, "phi3": Phi3, "qwen2": Qwen2, "qwen3": Qwen3,
+              "bert": Bert, "mixtral": Mixtral, "qwen2_moe": Qwen2Moe, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepseekV3}
 
 # architectures not mapped yet -> the nearest one that is, and what the difference is
-NEAREST = {"gemma": "llama (Gemma scales the embedding and "
-           "uses (1 + w) RMSNorm and GeLU-tanh)", "gemma2": "llama (Gemma 2 adds soft-capping, local/global "
-           "windows and post-norms)", "gemma3_text": "llama (Gemma 3 adds local/global windows, QK-norm and "
-           "post-norms)", "phi3": "llama (Phi-3 fuses qkv and gate_up)", "olmo2": "qwen3 (OLMo 2 normalises "
-           "after attention and the MLP, and q/k over all heads)", "gpt_neox": "gpt2 (GPT-NeoX has rotary "
-           "positions and a parallel residual)", "qwen2_vl": "qwen2 (text only)",
+NEAREST = {"gemma": "llama (Gemma scales the embedding and uses (1 + w) RMSNorm and GeLU-tanh)",
+           "gemma2": "llama (Gemma 2 adds soft-capping, local/global windows and post-norms)",
+           "gemma3_text": "llama (Gemma 3 adds local/global windows, QK-norm and post-norms)",
+           "olmo2": "qwen3 (OLMo 2 normalises after attention and the MLP, and q/k over all heads)",
+           "gpt_neox": "gpt2 (GPT-NeoX has rotary positions and a parallel residual)", "qwen2_vl": "qwen2 (text only)",
            "deepseek_v2": "deepseek_v3 (V2 routes by softmax)"}
 
 

@@ -1,11 +1,15 @@
 """Hugging Face's dense Llama-family classes beyond Llama itself: Qwen2 (biases on q, k and v), Qwen3 (per-head
-RMSNorm of queries and keys) and Mistral (Llama's tensors; a sliding window, refused where it is set). Qwen's
-tensors are Llama's with those rows added (hf.attention_rows maps both); their configs are Llama's with the flag
-that tells them apart, so a megalite model with --add-qkv-bias exports as Qwen2 and one with --qk-layernorm as
-Qwen3. Mistral without a window holds exactly Llama's models (`same_models_as`): a checkpoint imported from it goes
-back as it, any other on asking (convert.arch_for)."""
+RMSNorm of queries and keys), Mistral (Llama's tensors; a sliding window, refused where it is set) and Phi-3 /
+Phi-4 (Llama's function in fused qkv and gate_up tensors, with a partial rotary). Qwen's tensors are Llama's with
+those rows added (hf.attention_rows maps both); their configs are Llama's with the flag that tells them apart, so
+a megalite model with --add-qkv-bias exports as Qwen2 and one with --qk-layernorm as Qwen3. Mistral without a
+window and Phi-3 hold every Llama model (`same_models_as`): a checkpoint imported from one goes back as it, any
+other on asking (convert.arch_for)."""
 
-from megalite.checkpoint.hf import Llama, _need, _plain, llama_hf_config, llama_model_config
+import torch
+
+from megalite.checkpoint.hf import (Llama, _gamma_rows, _need, _plain, llama_hf_config, llama_model_config, qkv_join,
+                                    qkv_split)
 from megalite.checkpoint.storage import CheckpointError
 
 
@@ -96,3 +100,68 @@ class Mistral:
     @staticmethod
     def check_hf(h):
         _silu(h, "Mistral")
+
+
+class Phi3:
+    """Phi3ForCausalLM (Phi-3, Phi-4): Llama's function in fused tensors, q, k and v in one qkv_proj (rows: q, k,
+    v) and gate and up in one gate_up_proj, split on import and fused on export; a partial rotary
+    (rope_parameters' partial_rotary_factor: --rotary-percent). Holds every Llama model (`same_models_as`)."""
+    hf_class = "Phi3ForCausalLM"
+    same_models_as = "LlamaForCausalLM"
+
+    @staticmethod
+    def check(c):
+        _plain(c, Phi3.hf_class, ("qk_layernorm", "rotary_interleaved", "squared_relu", "add_qkv_bias"))
+        if c.get("layernorm_position", "pre") != "pre":
+            raise CheckpointError(f"{Phi3.hf_class} cannot represent a post-norm model")
+        if c["kv_channels"] * c["num_attention_heads"] != c["hidden_size"]:
+            raise CheckpointError(f"{Phi3.hf_class} derives its head dim from the hidden size: kv_channels "
+                                  f"{c['kv_channels']} x {c['num_attention_heads']} heads != {c['hidden_size']}")
+        _need(c, Phi3.hf_class, position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+              add_bias_linear=False)
+
+    @staticmethod
+    def hf_config(c):
+        out = dict(llama_hf_config(c, Phi3.hf_class, "phi3"), intermediate_size=c["ffn_hidden_size"],
+                   original_max_position_embeddings=c["max_position_embeddings"], sliding_window=None,
+                   resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                   pad_token_id=None)  # (megalite keeps no token ids; Phi3Config's default 32000 is Phi-3's vocabulary)
+        out["rope_parameters"] = dict(out["rope_parameters"], partial_rotary_factor=c.get("rotary_percent", 1.0))
+        return out
+
+    @staticmethod
+    def model_config(h):
+        rope = h.get("rope_parameters") or {}
+        return dict(llama_model_config(h), ffn_hidden_size=h["intermediate_size"],
+                    rotary_percent=float(rope.get("partial_rotary_factor", h.get("partial_rotary_factor", 1.0))))
+
+    @staticmethod
+    def check_hf(h):
+        _silu(h, "Phi-3")
+
+    @staticmethod
+    def inert(h):
+        """Its original context matters only to longrope scaling, which llama_model_config refuses."""
+        return {"original_max_position_embeddings"}
+
+    @staticmethod
+    @_gamma_rows
+    def table(c):
+        a, g, d = c["num_attention_heads"], c["num_query_groups"], c["kv_channels"]
+        ident = (lambda x: x)
+        rows = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", ident, ident)]
+        for i in range(c["num_layers"]):
+            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+            rows += [(h + "input_layernorm.weight", m + "input_layernorm.weight", ident, ident),
+                     (h + "self_attn.qkv_proj.weight", m + "self_attention.linear_qkv.weight",
+                      lambda w: torch.cat(qkv_split(w, a, g, d)),
+                      lambda t: qkv_join(*t.split([a * d, g * d, g * d]), a, g, d)),
+                     (h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight", ident, ident),
+                     (h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight", ident, ident),
+                     (h + "mlp.gate_up_proj.weight", m + "mlp.linear_fc1.weight",
+                      lambda w: w.reshape(-1, w.shape[-1]), lambda t: t.reshape(2, -1, t.shape[-1])),
+                     (h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight", ident, ident)]
+        rows.append(("model.norm.weight", "decoder.final_layernorm.weight", ident, ident))
+        if c["untie_embeddings_and_output_weights"]:
+            rows.append(("lm_head.weight", "output_layer.weight", ident, ident))
+        return rows
