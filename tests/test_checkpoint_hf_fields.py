@@ -199,7 +199,7 @@ def test_a_llama_exports_as_mistral_on_asking_and_nothing_else(saved, tmp_path):
         assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, err
     rc, _, err = convert("--loader", "megalite", "--saver", "megalite", "--load-dir", mine, "--save-dir",
                          str(tmp_path / "y"), "--hf-architecture", "MistralForCausalLM")
-    assert rc == 2 and "--hf-architecture picks the class --saver hf writes" in err, err
+    assert rc == 2 and "--hf-architecture is --saver hf's; drop it for --saver megalite" in err, err
 
 
 def test_a_training_setting_is_named_not_carried(saved, tmp_path):
@@ -214,3 +214,27 @@ def test_a_training_setting_is_named_not_carried(saved, tmp_path):
             f.write(original)
     assert rc == 0, err
     assert "attention_dropout=0.1 (set --attention-dropout)" in out
+
+
+def test_a_bf16_run_exports_its_fp32_main_weights_on_asking(tmp_path):
+    """A --bf16 run's checkpoint holds bf16 model weights and the optimizer's fp32 main weights: by default the
+    export writes the bf16 ones and says so; --hf-dtype float32 writes the fp32 main weights, bit for bit."""
+    from megalite.checkpoint.convert import Reader, find_checkpoint
+    from test_checkpoint import _train
+    ckpt = str(tmp_path / "bf16")
+    _train(["--bf16", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+            "--disable-bias-linear", "--save", ckpt, "--train-iters", "2"])
+    rc, out, _ = convert("--loader", "megalite", "--saver", "hf", "--load-dir", ckpt, "--save-dir",
+                         str(tmp_path / "half"))
+    assert rc == 0 and "wrote the model's bfloat16 weights; --hf-dtype float32 writes the fp32 main weights" in out
+    assert {t.dtype for t in tensors(str(tmp_path / "half")).values()} == {torch.bfloat16}
+    rc, out, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", ckpt, "--save-dir",
+                           str(tmp_path / "full"), "--hf-dtype", "float32")
+    assert rc == 0 and "wrote float32 weights from the optimizer's fp32 main weights" in out, err
+    main = Reader(find_checkpoint(ckpt)[0])
+    got = tensors(str(tmp_path / "full"))
+    assert torch.equal(got["model.norm.weight"], main.get("optimizer.main_param.decoder.final_layernorm.weight"))
+    assert torch.equal(got["model.embed_tokens.weight"], main.get("optimizer.main_param.embedding.word_embeddings."
+                                                                  "weight"))  # (the parity model's 128: no padding)
+    with open(os.path.join(str(tmp_path / "full"), "config.json")) as f:
+        assert json.load(f)["torch_dtype"] == "float32"

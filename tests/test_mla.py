@@ -22,7 +22,8 @@ import kernels
 import pretrain_gpt
 from megalite import parallel_state as ps
 from megalite.cli.parser import parse_args
-from megalite.checkpoint.convert import Reader, export_hf, find_checkpoint, reshard
+from megalite.checkpoint.convert import Reader, find_checkpoint, reshard
+from megalite.checkpoint.hf_convert import export_hf
 from megalite.checkpoint.storage import CheckpointError
 from megalite.config import ModelConfig
 from megalite.tensor_parallel import model_parallel_manual_seed

@@ -15,7 +15,7 @@ import torch
 
 from megalite import mup, parallel_state as ps
 from megalite.cli.parser import model_config, parse_args, training_config
-from megalite.checkpoint.convert import export_hf
+from megalite.checkpoint.hf_convert import export_hf
 
 from megalite.checkpoint.manager import META, TRACKER, config_json
 from megalite.models import GPTModel

@@ -235,7 +235,7 @@ def _checkpoint_runs(d):
 
 
 def test_checkpoints_resume_exactly_and_cross_to_synchronous_training(tmp_path):
-    from megalite.checkpoint.convert import export_hf
+    from megalite.checkpoint.hf_convert import export_hf
     runs = run_on_ranks(_checkpoint_runs, 2, str(tmp_path))
 
     def same(a, b, what):

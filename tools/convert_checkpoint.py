@@ -26,7 +26,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.checkpoint.convert import export_hf, find_checkpoint, import_hf, import_megatron, reshard  # noqa: E402
+from megalite.checkpoint.convert import find_checkpoint, import_megatron, reshard  # noqa: E402
+from megalite.checkpoint.hf_convert import export_hf, import_hf  # noqa: E402
 from megalite.checkpoint.storage import CheckpointError  # noqa: E402
 from megalite.errors import ConfigError  # noqa: E402
 
@@ -53,6 +54,9 @@ def build_parser():
     p.add_argument("--no-load-optim", action="store_true",
                    help="--loader megatron: the weights, iteration and data position only (as Megatron's flag)")
     p.add_argument("--max-shard-size-mb", type=int, default=1024, help="--saver hf: largest safetensors shard")
+    p.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="--saver hf: the weights' dtype (default the model's; float32 from a --bf16/--fp16 run: the "
+                        "fp32 main weights its checkpoint holds)")
     p.add_argument("--hf-architecture", default=None,
                    help="--saver hf: the class to write where more than one holds the model (MistralForCausalLM for "
                         "a Llama; default: the class an imported checkpoint came from, else the model's own)")
@@ -66,9 +70,9 @@ def main(argv=None):
             raise CheckpointError("target parallel sizes must be >= 1")
         if args.loader == "hf" and args.saver == "hf":
             raise CheckpointError("--loader hf --saver hf converts nothing; pick megalite for one side")
-        if args.hf_architecture and args.saver != "hf":
-            raise CheckpointError("--hf-architecture picks the class --saver hf writes; drop it for --saver "
-                                  f"{args.saver}")
+        for flag, given in (("--hf-architecture", args.hf_architecture), ("--hf-dtype", args.hf_dtype)):
+            if given and args.saver != "hf":
+                raise CheckpointError(f"{flag} is --saver hf's; drop it for --saver {args.saver}")
         if not os.path.isdir(args.load_dir):
             raise CheckpointError(f"--load-dir {args.load_dir} is not a directory")
         if args.loader == "megalite":
@@ -81,7 +85,7 @@ def main(argv=None):
                 export_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size)
             else:
                 export_hf(args.load_dir, args.save_dir, args.max_shard_size_mb << 20,
-                          args.model_type.lower() if args.model_type else None, args.hf_architecture)
+                          args.model_type.lower() if args.model_type else None, args.hf_architecture, args.hf_dtype)
         elif args.loader == "megatron":
             if args.saver != "megalite":
                 raise CheckpointError("--loader megatron converts to megalite (--saver megalite); export to HF from "

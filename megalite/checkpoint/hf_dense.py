@@ -4,7 +4,7 @@ Phi-4 (Llama's function in fused qkv and gate_up tensors, with a partial rotary)
 those rows added (hf.attention_rows maps both); their configs are Llama's with the flag that tells them apart, so
 a megalite model with --add-qkv-bias exports as Qwen2 and one with --qk-layernorm as Qwen3. Mistral without a
 window and Phi-3 hold every Llama model (`same_models_as`): a checkpoint imported from one goes back as it, any
-other on asking (convert.arch_for)."""
+other on asking (hf_convert.arch_for)."""
 
 import torch
 
