@@ -148,11 +148,11 @@ def test_no_position_embedding_only_with_rope(capsys):
 
 def test_unknown_and_not_implemented_are_told_apart(capsys):
     line = _error(SMALL + ["--num-layerz", "3", "--moe-input-jitter-eps", "0.01", "--fp4-format", "e2m1",
-                           "--cuda-graph-scope", "p", "--batch-size", "4"], capsys)
+                           "--hybrid-override-pattern", "p", "--batch-size", "4"], capsys)
     assert "--num-layerz: unrecognized (did you mean --num-layers?)" in line
     assert "--moe-input-jitter-eps: this Mixture of Experts option is not implemented in megalite" in line
     assert "--fp4-format: FP4 training (Transformer Engine's NVFP4) is not implemented" in line
-    assert "--cuda-graph-scope: CUDA graphs are not implemented" in line
+    assert "--hybrid-override-pattern: hybrid/Mamba models are not implemented" in line
     assert "--batch-size: renamed in Megatron-LM: use --micro-batch-size" in line
     # values go with their flags
     assert "'3'" not in line and "'4'" not in line and "'p'" not in line and "e2m1" not in line
@@ -164,11 +164,25 @@ def test_implementation_flags_are_accepted_with_a_notice(capsys):
              "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
              "--no-persist-layer-norm", "--cross-entropy-loss-fusion", "--no-create-attention-mask-in-dataloader",
              "--no-mmap-bin-files", "--empty-unused-memory-level", "1", "--timing-log-level", "2",
-             "--logging-level", "20"]
+             "--logging-level", "20", "--moe-permute-fusion", "--moe-router-fusion", "--cuda-graph-impl",
+             "transformer_engine", "--cuda-graph-warmup-steps", "3", "--te-rng-tracker"]
     parse_args(SMALL + flags, world_size=1)
     out = capsys.readouterr().out
     for flag in (f for f in flags if f.startswith("--")):
         assert f"megalite: {flag}" in out and "accepted" in out, (flag, out)
+
+
+def test_implementation_only_flags_change_nothing():
+    """The notices of Megatron's fusion, CUDA-graph and RNG-tracker flags (its functional tests carry them): the
+    same run, loss for loss and weight for weight, on a MoE model (where the fusions would act)."""
+    import torch
+    from parity import MB2, MOE, layout, train
+    flags = ("--moe-permute-fusion", "--moe-router-fusion", "--cuda-graph-impl", "local", "--cuda-graph-modules",
+             "attn", "--cuda-graph-warmup-steps", "2", "--enable-cuda-graph", "--te-rng-tracker")
+    plain, noticed = (train(layout(name, model=MB2 + MOE, flags=f)) for name, f in (("plain", ()), ("fused", flags)))
+    assert noticed["losses"] == plain["losses"]
+    for name, p in plain["params"].items():
+        assert torch.equal(noticed["params"][name], p), name
 
 
 def test_recompute_activations_is_selective():

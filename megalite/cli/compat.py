@@ -96,6 +96,16 @@ NOTICE = {
     "--megatron-fsdp-version": "megalite has one FSDP implementation (ZeRO-3 in its distributed optimizer)",
     "--disable-strict-fsdp-dtensor-load": "megalite's checkpoint loads are always strict",
     "--no-strict-fsdp-dtensor-load": "megalite's checkpoint loads are always strict",
+    "--moe-permute-fusion": "the MoE token permutation runs as megalite's gather/scatter (the same tokens to the "
+                            "same experts; speed only)",
+    "--moe-router-fusion": "the router's scores and top-k run unfused (the same choices; speed only)",
+    "--cuda-graph-impl": "CUDA graphs are not captured: every step launches its kernels (speed only)",
+    "--cuda-graph-modules": "CUDA graphs are not captured: every step launches its kernels (speed only)",
+    "--cuda-graph-scope": "CUDA graphs are not captured: every step launches its kernels (speed only)",
+    "--cuda-graph-warmup-steps": "CUDA graphs are not captured: every step launches its kernels (speed only)",
+    "--enable-cuda-graph": "CUDA graphs are not captured: every step launches its kernels (speed only)",
+    "--te-rng-tracker": "megalite's own RNG tracker (Megatron's streams: one shared, one per TP rank; no "
+                        "Transformer Engine)",
 }
 
 # Value-carrying flags whose *value* decides: accepted at these values, not implemented otherwise.
