@@ -189,3 +189,20 @@ def test_decoupled_lr_steps_embedding_and_output_at_their_own_lr(distributed):
         ref, other = (at_d, at_l) if name in decoupled else (at_l, at_d)
         assert torch.equal(w, ref[name]), name
         assert not torch.equal(w, other[name]), name  # the two LRs really differ on this weight
+
+
+def test_apply_wd_to_qk_layernorm_decays_those_norms_only():
+    """--apply-wd-to-qk-layernorm (Megatron's qwen3_next rule): after one step the q/k norms' weights are the plain
+    run's less lr x weight decay x their start (AdamW's decoupled decay); every other parameter equals the plain
+    run's bit for bit (the same gradients, the same groups)."""
+    from parity import LLAMA, layout, train
+    model = LLAMA + ("--qk-layernorm", "--train-iters", "1", "--weight-decay", "0.1")
+    plain = train(layout("plain", model=model))["params"]
+    decayed = train(layout("qk_decayed", model=model, flags=("--apply-wd-to-qk-layernorm",)))["params"]
+    qk = [n for n in plain if "q_layernorm" in n or "k_layernorm" in n]
+    assert len(qk) == 2 * 4, qk  # (4 layers, a q and a k norm each)
+    for name, p in plain.items():
+        if name in qk:  # (norm weights start at 1; lr 1e-2 x wd 0.1 = 1e-3, far above fp32 rounding of ~1e-7)
+            torch.testing.assert_close(decayed[name], p - 1e-2 * 0.1 * torch.ones_like(p), rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(decayed[name], p), name

@@ -37,6 +37,7 @@ def training_config(args):
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         optimizer=args.optimizer, **{k: getattr(args, k) for k in OPTIMIZER_FIELDS},
         bf16=args.bf16, fp16=args.fp16,

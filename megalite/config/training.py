@@ -68,6 +68,7 @@ class TrainingConfig:
     override_opt_param_scheduler: bool = False
     decoupled_lr: Optional[float] = None  # the input embedding's and output layer's own peak LR
     decoupled_min_lr: Optional[float] = None  # ... and floor (default --min-lr)
+    apply_wd_to_qk_layernorm: bool = False  # the q/k norms' weights decayed (optimizer.no_weight_decay)
 
     @property
     def params_dtype(self):

@@ -42,8 +42,11 @@ class NonFiniteGradError(RuntimeError):
         self.grad_norm, self.param = grad_norm, param
 
 
-def no_weight_decay(name, param):
-    """Megatron's rule: biases and norm weights (all 1-D parameters) are not decayed."""
+def no_weight_decay(name, param, qk_decayed=False):
+    """Megatron's rule: biases and norm weights (all 1-D parameters) are not decayed; qk_decayed
+    (--apply-wd-to-qk-layernorm, Megatron's qwen3_next condition): the q/k layernorms' are."""
+    if qk_decayed and ("q_layernorm" in name or "k_layernorm" in name):
+        return False
     return param.ndim < 2 or name.endswith(".bias")
 
 
@@ -145,7 +148,8 @@ class MixedPrecisionOptimizer:
         def kind(name, param):
             decoupled = split and getattr(param, "is_embedding_or_output_parameter", False)
             opt = kinds[0] if not muon or is_muon_matrix(param) else kinds[1]
-            return opt, not no_weight_decay(name, param), decoupled, mup.lr_mult(name, param, width)
+            decay = not no_weight_decay(name, param, getattr(c, "apply_wd_to_qk_layernorm", False))
+            return opt, decay, decoupled, mup.lr_mult(name, param, width)
         fraction, device = offload.fraction_for_rank(c, self.grid), triples[0][2].device if triples else ps.get_device()
         self.offload, self._host = offload.OffloadStats(), None
         with torch.no_grad():

@@ -209,7 +209,8 @@ def _state(cfg, chunks, grid, zero, low, offload=0.0):
             kind = optimizer_of(cfg, p)
             out.stepped[kind] = out.stepped.get(kind, 0) + k
             out.optimizer += k * len(STATE_KEYS[kind]) * FP32 + (k * FP32 if low else 0)
-            groups.setdefault((kind, not no_weight_decay(names[p], p), _decoupled(cfg, p)), []).append(k)
+            decay = not no_weight_decay(names[p], p, getattr(cfg, "apply_wd_to_qk_layernorm", False))
+            groups.setdefault((kind, decay, _decoupled(cfg, p)), []).append(k)
     for key, sizes in groups.items():  # offload: whole parameters from the front of each group
         kind = key[0]
         host = sum(sizes[i] for i in host_split(range(len(sizes)), sizes, offload)[0]) if offload else 0
