@@ -44,9 +44,12 @@ def _megatron_scheduler(a):
     else:
         decay = a.lr_decay_samples if a.lr_decay_samples is not None else a.train_samples
         warmup = a.lr_warmup_fraction * decay if a.lr_warmup_fraction is not None else a.lr_warmup_samples
+    wsd = a.lr_wsd_decay_samples if a.train_samples is not None else \
+        a.lr_wsd_decay_iters * a.global_batch_size if a.lr_wsd_decay_iters is not None else None
     return ops.OptimizerParamScheduler(_Opt(), init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr,
                                        lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=a.lr_decay_style,
-                                       start_wd=0.01, end_wd=0.01, wd_incr_steps=decay, wd_incr_style="constant")
+                                       start_wd=0.01, end_wd=0.01, wd_incr_steps=decay, wd_incr_style="constant",
+                                       wsd_decay_steps=wsd, lr_wsd_decay_style=a.lr_wsd_decay_style)
 
 
 def _megatron_calculator(a):
@@ -72,6 +75,14 @@ SCHEDULES = {
     "samples_fraction_linear": "--train-samples 1000 --lr-warmup-fraction 0.1 --global-batch-size 24 --min-lr 1e-5",
     "samples_inverse_sqrt": "--train-samples 777 --lr-decay-style inverse-square-root --lr-warmup-samples 64 "
                             "--global-batch-size 16",
+    # WSD: held, then annealed over the last iterations/samples of the decay, each of Megatron's four anneals
+    **{f"iters_wsd_{style}": f"--train-iters 60 --lr-decay-style WSD --lr-wsd-decay-style {style} "
+                             f"--lr-wsd-decay-iters 17 --lr-warmup-iters 5 --min-lr 1e-5 --global-batch-size 8"
+       for style in ("exponential", "linear", "cosine", "minus_sqrt")},
+    "iters_wsd_decay_iters": "--train-iters 70 --lr-decay-iters 50 --lr-decay-style WSD --lr-wsd-decay-iters 20 "
+                             "--min-lr 1e-5 --global-batch-size 8",  # (then --min-lr from 50 to 70)
+    "samples_wsd_rampup": "--train-samples 3001 --rampup-batch-size 8 16 1000 --global-batch-size 72 --lr-decay-style "
+                          "WSD --lr-wsd-decay-samples 900 --lr-wsd-decay-style cosine --lr-warmup-samples 300",
 }
 
 
@@ -199,6 +210,18 @@ def test_checkpoint_schedule_rules():
     over.load_state_dict(sd)
     assert (over.max_lr, over.decay, over.style, over.num_steps) == (2e-3, 800, "linear", 96)
     assert over.optimizer.param_groups[0]["lr"] == over.get_lr(96)
+    # WSD's annealing length and style are the schedule's too
+    wsd = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "WSD", wsd=(100, "cosine"))
+    wsd.step(320)
+    wsd_sd = json.loads(json.dumps(wsd.state_dict()))
+    with pytest.raises(ConfigError, match="wsd_decay_steps=100"):
+        LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "WSD", wsd=(50, "cosine")).load_state_dict(wsd_sd)
+    taken = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine", use_checkpoint=True)
+    with pytest.raises(ConfigError, match="has --lr-wsd-decay-iters/--lr-wsd-decay-samples but this run's flags"):
+        taken.load_state_dict(wsd_sd)
+    again = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "WSD", use_checkpoint=True, wsd=(60, "linear"))
+    again.load_state_dict(wsd_sd)
+    assert again.optimizer.param_groups[0]["lr"] == wsd.optimizer.param_groups[0]["lr"] < 1e-3
     # A checkpoint from before the schedule was saved: {"num_steps": iterations}.
     old = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine", legacy_step=8)
     old.load_state_dict({"num_steps": 12})
@@ -352,6 +375,18 @@ def test_decoupled_lr_equals_megatron_core(flags):
     sd = json.loads(json.dumps(ours.state_dict()))
     with pytest.raises(ConfigError, match="--decoupled-lr"):  # a checkpoint with it, a run without
         LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine").load_state_dict(sd)
+
+
+@pytest.mark.parametrize("flags, says", [
+    ("--lr-decay-style WSD", "--lr-decay-style WSD with --train-iters anneals over its last --lr-wsd-decay-iters"),
+    ("--lr-wsd-decay-iters 5", "--lr-wsd-decay-iters is --lr-decay-style WSD's annealing length"),
+    ("--lr-decay-style WSD --lr-wsd-decay-samples 40", "anneals over its last --lr-wsd-decay-iters: give it")])
+def test_wsd_errors_are_one_line(flags, says, capsys):
+    with pytest.raises(SystemExit):
+        parse_args((MODEL + "--mock-data --micro-batch-size 2 --global-batch-size 8 --train-iters 20 " + flags).split(),
+                   world_size=1)
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_decoupled_min_lr_alone_is_an_error(capsys):

@@ -130,7 +130,11 @@ def _training_flags(a):
     a("--train-samples", type=int, default=None, help="sample-based training (instead of --train-iters)")
     a("--lr", type=float, default=None)
     a("--min-lr", type=float, default=0.0)
-    a("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    a("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+      help="WSD: warmup, --lr held, then annealed over the last --lr-wsd-decay-iters/samples of the decay")
+    a("--lr-wsd-decay-style", default="exponential", choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    a("--lr-wsd-decay-iters", type=int, default=None, help="WSD's annealing iterations (with --train-iters)")
+    a("--lr-wsd-decay-samples", type=int, default=None, help="WSD's annealing samples (with --train-samples)")
     a("--decoupled-lr", type=float, default=None,
       help="a separate peak LR for the input embedding and the output layer (same schedule)")
     a("--decoupled-min-lr", type=float, default=None, help="their minimum LR (default --min-lr)")

@@ -15,7 +15,10 @@ class TrainingConfig:
     train_iters: int = 10
     lr: float = 1e-4
     min_lr: float = 0.0
-    lr_decay_style: str = "cosine"  # constant, linear, cosine
+    lr_decay_style: str = "cosine"  # constant, linear, cosine, inverse-square-root, WSD
+    lr_wsd_decay_style: str = "exponential"  # WSD's anneal (optimizer/lr_scheduler.py)
+    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
     lr_warmup_iters: int = 0
     lr_decay_iters: Optional[int] = None
     weight_decay: float = 0.01

@@ -1,7 +1,9 @@
 """Learning rate: Megatron's OptimizerParamScheduler maths.
 
 Linear warmup from --lr-warmup-init to --lr over the warmup steps, then constant / linear /
-cosine / inverse-square-root decay to --min-lr at the decay steps (--min-lr after them).
+cosine / inverse-square-root decay to --min-lr at the decay steps (--min-lr after them), or WSD:
+--lr held until the last --lr-wsd-decay-iters/samples of the decay, then annealed to --min-lr by
+--lr-wsd-decay-style (exponential, linear, cosine, minus_sqrt).
 The LR is a function of the completed steps n; the log line shows it after the step.
 
 A step is a sample, as in Megatron's training loop: each successful iteration advances the
@@ -13,7 +15,10 @@ import math
 
 from megalite.config import ConfigError
 
-STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+# WSD's anneal: its share r of the annealing steps done -> the coefficient of (max - min LR), Megatron's
+WSD_STYLES = {"exponential": lambda r: 2.0 * math.pow(0.5, r) - 1.0, "linear": lambda r: 1.0 - r,
+              "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0), "minus_sqrt": lambda r: 1.0 - math.sqrt(r)}
 
 
 def schedule_steps(tcfg):
@@ -28,23 +33,33 @@ def schedule_steps(tcfg):
     return warmup, decay
 
 
+def wsd_steps(tcfg):
+    """WSD's annealing steps in samples (None: not WSD), as Megatron's get_optimizer_param_scheduler."""
+    if tcfg.lr_decay_style != "WSD":
+        return None
+    if tcfg.train_samples is not None:
+        return tcfg.lr_wsd_decay_samples
+    return tcfg.lr_wsd_decay_iters * tcfg.global_batch_size
+
+
 # Checkpoint key -> (the flags that set it, Megatron's name in its assertion).
 _CHECKED = {"max_lr": "--lr", "min_lr": "--min-lr",
             "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction",
             "lr_decay_steps": "--lr-decay-iters/--lr-decay-samples (default --train-iters/--train-samples)",
             "lr_decay_style": "--lr-decay-style", "decoupled_lr": "--decoupled-lr",
-            "decoupled_min_lr": "--decoupled-min-lr"}
-_CHECKED_IF_SET = ("decoupled_lr", "decoupled_min_lr")  # present only when the run sets them
+            "decoupled_min_lr": "--decoupled-min-lr", "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
+            "lr_wsd_decay_style": "--lr-wsd-decay-style"}
+_CHECKED_IF_SET = ("decoupled_lr", "decoupled_min_lr", "wsd_decay_steps", "lr_wsd_decay_style")  # (when set)
 
 
 class LRScheduler:
     def __init__(self, optimizer, max_lr, min_lr, warmup_iters, decay_iters, decay_style, init_lr=0.0,
-                 use_checkpoint=False, override=False, legacy_step=1, decoupled=(None, None)):
+                 use_checkpoint=False, override=False, legacy_step=1, decoupled=(None, None), wsd=(None, None)):
         """warmup_iters / decay_iters: in steps (samples when training). legacy_step: steps per
         iteration of a checkpoint from before the schedule counted samples ({"num_steps"} only).
         decoupled: (peak, minimum) LR of the param groups marked "decoupled" (Megatron's
         --decoupled-lr / --decoupled-min-lr: the input embedding and output layer); the same
-        warmup and decay, to their own peak and floor."""
+        warmup and decay, to their own peak and floor. wsd: (annealing steps, --lr-wsd-decay-style) of WSD."""
         if decay_style not in STYLES:
             raise ConfigError(f"--lr-decay-style {decay_style!r} is not one of {', '.join(STYLES)}")
         if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
@@ -61,6 +76,12 @@ class LRScheduler:
         if self.decoupled_lr is not None and not 0.0 <= self.decoupled_min_lr <= self.decoupled_lr:
             raise ConfigError(f"the LR schedule needs 0 <= --decoupled-min-lr ({self.decoupled_min_lr}, default "
                               f"--min-lr) <= --decoupled-lr ({self.decoupled_lr})")
+        self.wsd_decay_steps, self.wsd_style = wsd
+        if decay_style == "WSD" and not (self.wsd_decay_steps or 0) > 0:
+            raise ConfigError("--lr-decay-style WSD anneals over its last --lr-wsd-decay-iters (--lr-wsd-decay-"
+                              "samples with --train-samples): give it, > 0")
+        if decay_style == "WSD" and self.wsd_style not in WSD_STYLES:
+            raise ConfigError(f"--lr-wsd-decay-style {self.wsd_style!r} is not one of {', '.join(WSD_STYLES)}")
         self.num_steps = 0
         self.step(0)
 
@@ -79,7 +100,11 @@ class LRScheduler:
             lr = max_lr * max(self.warmup, 1) ** 0.5 / max(step, 1) ** 0.5
             return max(min_lr, lr)
         ratio = float(step - self.warmup) / float(self.decay - self.warmup)
-        coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        if self.style == "WSD":  # (held until the anneal starts, which counts from step 0, not the warmup's end)
+            start = self.decay - self.wsd_decay_steps
+            coeff = 1.0 if step <= start else WSD_STYLES[self.wsd_style](float(step - start) / self.wsd_decay_steps)
+        else:
+            coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
 
     def step(self, increment=1):
@@ -97,7 +122,9 @@ class LRScheduler:
         return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup,
                 "lr_decay_steps": self.decay, "lr_decay_style": self.style, "num_steps": self.num_steps,
                 **({} if self.decoupled_lr is None else {"decoupled_lr": self.decoupled_lr,
-                                                          "decoupled_min_lr": self.decoupled_min_lr})}
+                                                          "decoupled_min_lr": self.decoupled_min_lr}),
+                **({} if self.style != "WSD" else {"wsd_decay_steps": self.wsd_decay_steps,
+                                                   "lr_wsd_decay_style": self.wsd_style})}
 
     def load_state_dict(self, sd):
         """Megatron's rule: --use-checkpoint-opt_param-scheduler takes the checkpoint's
@@ -126,5 +153,7 @@ class LRScheduler:
             self.style = sd.get("lr_decay_style", self.style)
             if self.decoupled_lr is not None:
                 self.decoupled_lr, self.decoupled_min_lr = sd["decoupled_lr"], sd["decoupled_min_lr"]
+            if self.style == "WSD":
+                self.wsd_decay_steps, self.wsd_style = sd["wsd_decay_steps"], sd["lr_wsd_decay_style"]
         self.num_steps = 0
         self.step(sd["num_steps"])
