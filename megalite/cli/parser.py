@@ -17,6 +17,7 @@ from megalite.config import ConfigError, fail
 from megalite.config.run import freeze
 from megalite.config.from_flags import model_config, training_config  # noqa: F401 (imported from here too)
 from megalite.cli.compat import print_notices, sort_unknown
+from megalite.cli.features.lr_schedule import add_lr_schedule_flags
 from megalite.cli.features.model import add_model_flags
 from megalite.cli.features.mixed_gpu import add_mixed_gpu_flags
 from megalite.cli.features.semi_sync import add_semi_sync_flags
@@ -130,11 +131,7 @@ def _training_flags(a):
     a("--train-samples", type=int, default=None, help="sample-based training (instead of --train-iters)")
     a("--lr", type=float, default=None)
     a("--min-lr", type=float, default=0.0)
-    a("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
-      help="WSD: warmup, --lr held, then annealed over the last --lr-wsd-decay-iters/samples of the decay")
-    a("--lr-wsd-decay-style", default="exponential", choices=["exponential", "linear", "cosine", "minus_sqrt"])
-    a("--lr-wsd-decay-iters", type=int, default=None, help="WSD's annealing iterations (with --train-iters)")
-    a("--lr-wsd-decay-samples", type=int, default=None, help="WSD's annealing samples (with --train-samples)")
+    add_lr_schedule_flags(a)
     a("--decoupled-lr", type=float, default=None,
       help="a separate peak LR for the input embedding and the output layer (same schedule)")
     a("--decoupled-min-lr", type=float, default=None, help="their minimum LR (default --min-lr)")

@@ -13,6 +13,7 @@ from megalite.cli.features.mixed_gpu import check_uneven_composes, is_auto, vali
 from megalite.cli.features.semi_sync import validate_semi_sync
 from megalite.cli.features.ft import validate_ft
 from megalite.cli.features.fp8 import validate_fp8
+from megalite.cli.features.lr_schedule import validate_lr_schedule
 from megalite.cli.features.pipeline_schedule import v_split, validate_pipeline_schedule
 from megalite.cli.features.optimizer import validate_optimizer
 from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features
@@ -37,7 +38,7 @@ def validate_args(args):
     if args.decoupled_min_lr is not None and args.decoupled_lr is None:
         raise ConfigError(f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr (the embedding and "
                           "output layer's peak LR)")
-    _validate_wsd(args)
+    validate_lr_schedule(args)
     validate_features(args)
     validate_precisions(args)
     validate_mup(args)
@@ -290,22 +291,6 @@ def _validate_pipeline(args):
     stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
-
-
-def _validate_wsd(args):
-    """--lr-decay-style WSD's annealing length: iterations with --train-iters, samples with --train-samples (as
-    Megatron, which reads only that one); either one without WSD would do nothing."""
-    given = [f for f, v in (("--lr-wsd-decay-iters", args.lr_wsd_decay_iters),
-                            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples)) if v is not None]
-    if args.lr_decay_style != "WSD":
-        if given:
-            raise ConfigError(f"{given[0]} is --lr-decay-style WSD's annealing length; add --lr-decay-style WSD or "
-                              "drop it")
-        return
-    want = "--lr-wsd-decay-samples" if args.train_samples is not None else "--lr-wsd-decay-iters"
-    if want not in given:
-        raise ConfigError(f"--lr-decay-style WSD with --{'train-samples' if 'samples' in want else 'train-iters'} "
-                          f"anneals over its last {want}: give it")
 
 
 def _validate_context_parallel(args):
