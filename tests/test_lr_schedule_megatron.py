@@ -32,7 +32,7 @@ MODEL = "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 class _Opt:
     def __init__(self):
-        self.param_groups = [{"lr": None}]
+        self.param_groups = [{"lr": None, "weight_decay": 0.01, "decay": True}]
 
 
 def _megatron_scheduler(a):
@@ -48,7 +48,9 @@ def _megatron_scheduler(a):
         a.lr_wsd_decay_iters * a.global_batch_size if a.lr_wsd_decay_iters is not None else None
     return ops.OptimizerParamScheduler(_Opt(), init_lr=a.lr_warmup_init, max_lr=a.lr, min_lr=a.min_lr,
                                        lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=a.lr_decay_style,
-                                       start_wd=0.01, end_wd=0.01, wd_incr_steps=decay, wd_incr_style="constant",
+                                       start_wd=a.start_weight_decay, end_wd=a.end_weight_decay,
+                                       wd_incr_steps=a.train_samples or a.train_iters * a.global_batch_size,
+                                       wd_incr_style=a.weight_decay_incr_style,
                                        wsd_decay_steps=wsd, lr_wsd_decay_style=a.lr_wsd_decay_style)
 
 
@@ -81,6 +83,11 @@ SCHEDULES = {
        for style in ("exponential", "linear", "cosine", "minus_sqrt")},
     "iters_wsd_decay_iters": "--train-iters 70 --lr-decay-iters 50 --lr-decay-style WSD --lr-wsd-decay-iters 20 "
                              "--min-lr 1e-5 --global-batch-size 8",  # (then --min-lr from 50 to 70)
+    # the weight decay's increment (Megatron's --start/--end-weight-decay, --weight-decay-incr-style)
+    "iters_wd_linear": "--train-iters 40 --lr-decay-style cosine --start-weight-decay 0.01 --end-weight-decay 0.1 "
+                       "--weight-decay-incr-style linear --global-batch-size 8",
+    "samples_wd_cosine_rampup": "--train-samples 2001 --rampup-batch-size 8 8 600 --global-batch-size 40 "
+                                "--start-weight-decay 0.02 --end-weight-decay 0.1 --weight-decay-incr-style cosine",
     "samples_wsd_rampup": "--train-samples 3001 --rampup-batch-size 8 16 1000 --global-batch-size 72 --lr-decay-style "
                           "WSD --lr-wsd-decay-samples 900 --lr-wsd-decay-style cosine --lr-warmup-samples 300",
 }
@@ -103,6 +110,8 @@ def test_lr_and_batch_sizes_equal_megatron_core(name):
         ours.step(batch)
         ref.step(increment=batch)
         assert ours.optimizer.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"], (name, it, consumed)
+        assert ours.optimizer.param_groups[0]["weight_decay"] == ref.optimizer.param_groups[0]["weight_decay"], \
+            (name, it, consumed)
         consumed += batch
         sizes.append(batch)
     if a.rampup_batch_size is not None:
@@ -378,6 +387,12 @@ def test_decoupled_lr_equals_megatron_core(flags):
 
 
 @pytest.mark.parametrize("flags, says", [
+    ("--start-weight-decay 0.1", "--start-weight-decay is for --weight-decay-incr-style linear or cosine"),
+    ("--weight-decay-incr-style cosine --end-weight-decay 0.1", "--weight-decay-incr-style cosine goes from "
+                                                               "--start-weight-decay to --end-weight-decay: give both"),
+    ("--weight-decay-incr-style linear --start-weight-decay 0.1 --end-weight-decay 0.01",
+     "--weight-decay-incr-style linear increases the weight decay: 0 <= --start-weight-decay 0.1 <= "
+     "--end-weight-decay 0.01 does not hold"),
     ("--lr-decay-style WSD", "--lr-decay-style WSD with --train-iters anneals over its last --lr-wsd-decay-iters"),
     ("--lr-wsd-decay-iters 5", "--lr-wsd-decay-iters is --lr-decay-style WSD's annealing length"),
     ("--lr-decay-style WSD --lr-wsd-decay-samples 40", "anneals over its last --lr-wsd-decay-iters: give it")])

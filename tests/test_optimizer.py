@@ -206,3 +206,24 @@ def test_apply_wd_to_qk_layernorm_decays_those_norms_only():
             torch.testing.assert_close(decayed[name], p - 1e-2 * 0.1 * torch.ones_like(p), rtol=0, atol=1e-6)
         else:
             assert torch.equal(decayed[name], p), name
+
+
+@pytest.mark.parametrize("zero", [(), ("--use-distributed-optimizer",)], ids=["replicated", "zero1"])
+def test_the_weight_decay_increment_reaches_the_decayed_groups_only(zero):
+    """--weight-decay-incr-style linear over 4 iterations of 8 samples: after them the decayed groups hold
+    --end-weight-decay and the norms' and biases' groups 0 (the increment itself: megatron-core's get_wd in
+    tests/test_lr_schedule_megatron.py)."""
+    import pretrain_gpt
+    from megalite.cli.parser import parse_args
+    from megalite.training import pretrain
+    from parity import BASE, learnable_datasets
+    args = parse_args(list(BASE) + ["--train-iters", "4", "--weight-decay-incr-style", "linear",
+                                    "--start-weight-decay", "0.0", "--end-weight-decay", "0.1"] + list(zero),
+                      world_size=1)
+    try:
+        _, _, opt = pretrain(learnable_datasets, pretrain_gpt.model_provider, pretrain_gpt.forward_step, args,
+                             return_state=True)
+        groups = opt.param_groups
+    finally:
+        ps.destroy_model_parallel()
+    assert sorted({(g["decay"], g["weight_decay"]) for g in groups}) == [(False, 0.0), (True, 0.1)], groups

@@ -39,6 +39,8 @@ def training_config(args):
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm, lr_wsd_decay_style=args.lr_wsd_decay_style,
         lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_samples=args.lr_wsd_decay_samples,
+        start_weight_decay=args.start_weight_decay, end_weight_decay=args.end_weight_decay,
+        weight_decay_incr_style=args.weight_decay_incr_style,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         optimizer=args.optimizer, **{k: getattr(args, k) for k in OPTIMIZER_FIELDS},
         bf16=args.bf16, fp16=args.fp16,

@@ -19,6 +19,9 @@ class TrainingConfig:
     lr_wsd_decay_style: str = "exponential"  # WSD's anneal (optimizer/lr_scheduler.py)
     lr_wsd_decay_iters: Optional[int] = None
     lr_wsd_decay_samples: Optional[int] = None
+    start_weight_decay: Optional[float] = None  # the weight decay's increment (None: --weight-decay throughout)
+    end_weight_decay: Optional[float] = None
+    weight_decay_incr_style: str = "constant"
     lr_warmup_iters: int = 0
     lr_decay_iters: Optional[int] = None
     weight_decay: float = 0.01

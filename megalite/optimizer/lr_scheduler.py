@@ -33,6 +33,14 @@ def schedule_steps(tcfg):
     return warmup, decay
 
 
+def weight_decay_schedule(tcfg):
+    """(start, end, style, increment steps in samples) of the weight decay's increment; None: constant."""
+    if tcfg.weight_decay_incr_style == "constant":
+        return None
+    steps = tcfg.train_samples if tcfg.train_samples is not None else tcfg.train_iters * tcfg.global_batch_size
+    return tcfg.start_weight_decay, tcfg.end_weight_decay, tcfg.weight_decay_incr_style, steps
+
+
 def wsd_steps(tcfg):
     """WSD's annealing steps in samples (None: not WSD), as Megatron's get_optimizer_param_scheduler."""
     if tcfg.lr_decay_style != "WSD":
@@ -48,18 +56,25 @@ _CHECKED = {"max_lr": "--lr", "min_lr": "--min-lr",
             "lr_decay_steps": "--lr-decay-iters/--lr-decay-samples (default --train-iters/--train-samples)",
             "lr_decay_style": "--lr-decay-style", "decoupled_lr": "--decoupled-lr",
             "decoupled_min_lr": "--decoupled-min-lr", "wsd_decay_steps": "--lr-wsd-decay-iters/--lr-wsd-decay-samples",
-            "lr_wsd_decay_style": "--lr-wsd-decay-style"}
-_CHECKED_IF_SET = ("decoupled_lr", "decoupled_min_lr", "wsd_decay_steps", "lr_wsd_decay_style")  # (when set)
+            "lr_wsd_decay_style": "--lr-wsd-decay-style", "start_wd": "--start-weight-decay",
+            "end_wd": "--end-weight-decay", "wd_incr_style": "--weight-decay-incr-style",
+            "wd_incr_steps": "--train-iters/--train-samples (the weight decay's increment)"}
+WD_KEYS = ("start_wd", "end_wd", "wd_incr_style", "wd_incr_steps")  # (Megatron's names)
+_CHECKED_IF_SET = ("decoupled_lr", "decoupled_min_lr", "wsd_decay_steps", "lr_wsd_decay_style") + WD_KEYS
 
 
 class LRScheduler:
     def __init__(self, optimizer, max_lr, min_lr, warmup_iters, decay_iters, decay_style, init_lr=0.0,
-                 use_checkpoint=False, override=False, legacy_step=1, decoupled=(None, None), wsd=(None, None)):
+                 use_checkpoint=False, override=False, legacy_step=1, decoupled=(None, None), wsd=(None, None),
+                 weight_decay=None):
         """warmup_iters / decay_iters: in steps (samples when training). legacy_step: steps per
         iteration of a checkpoint from before the schedule counted samples ({"num_steps"} only).
         decoupled: (peak, minimum) LR of the param groups marked "decoupled" (Megatron's
         --decoupled-lr / --decoupled-min-lr: the input embedding and output layer); the same
-        warmup and decay, to their own peak and floor. wsd: (annealing steps, --lr-wsd-decay-style) of WSD."""
+        warmup and decay, to their own peak and floor. wsd: (annealing steps, --lr-wsd-decay-style) of WSD.
+        weight_decay: (start, end, style, steps) of the weight decay's increment (weight_decay_schedule), set on
+        the decayed groups at every step; None: their --weight-decay."""
+        self.weight_decay = weight_decay
         if decay_style not in STYLES:
             raise ConfigError(f"--lr-decay-style {decay_style!r} is not one of {', '.join(STYLES)}")
         if not 0.0 <= min_lr <= max_lr or init_lr > max_lr:
@@ -107,8 +122,22 @@ class LRScheduler:
             coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
         return min_lr + coeff * (max_lr - min_lr)
 
+    def get_wd(self, step):
+        """The weight decay after `step` completed steps (Megatron's get_wd)."""
+        start, end, style, steps = self.weight_decay
+        if step > steps:
+            return end
+        ratio = float(step) / float(steps)
+        coeff = ratio if style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return start + coeff * (end - start)
+
     def step(self, increment=1):
         self.num_steps += increment
+        if self.weight_decay is not None:
+            wd = self.get_wd(self.num_steps)
+            for g in self.optimizer.param_groups:
+                if g.get("decay"):
+                    g["weight_decay"] = wd
         self.lr = self.get_lr(self.num_steps)  # the LR for the next iteration
         decoupled = self.lr if self.decoupled_lr is None else \
             self.get_lr(self.num_steps, self.decoupled_lr, self.decoupled_min_lr)
@@ -124,7 +153,8 @@ class LRScheduler:
                 **({} if self.decoupled_lr is None else {"decoupled_lr": self.decoupled_lr,
                                                           "decoupled_min_lr": self.decoupled_min_lr}),
                 **({} if self.style != "WSD" else {"wsd_decay_steps": self.wsd_decay_steps,
-                                                   "lr_wsd_decay_style": self.wsd_style})}
+                                                   "lr_wsd_decay_style": self.wsd_style}),
+                **({} if self.weight_decay is None else dict(zip(WD_KEYS, self.weight_decay)))}
 
     def load_state_dict(self, sd):
         """Megatron's rule: --use-checkpoint-opt_param-scheduler takes the checkpoint's
@@ -155,5 +185,7 @@ class LRScheduler:
                 self.decoupled_lr, self.decoupled_min_lr = sd["decoupled_lr"], sd["decoupled_min_lr"]
             if self.style == "WSD":
                 self.wsd_decay_steps, self.wsd_style = sd["wsd_decay_steps"], sd["lr_wsd_decay_style"]
+            if self.weight_decay is not None:
+                self.weight_decay = tuple(sd[k] for k in WD_KEYS)
         self.num_steps = 0
         self.step(sd["num_steps"])

@@ -25,7 +25,7 @@ from megalite.training.memory_budget import fit_to_budget, report_fit
 from megalite.config.from_flags import with_rank_precision
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
-from megalite.optimizer.lr_scheduler import schedule_steps, wsd_steps
+from megalite.optimizer.lr_scheduler import schedule_steps, weight_decay_schedule, wsd_steps
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.rerun import initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
@@ -236,13 +236,14 @@ def build_optimizer(distributed, chunks, tcfg):
 def build_scheduler(optimizer, tcfg):
     """Megatron's schedule in samples; --skip-train without a length takes the checkpoint's."""
     if tcfg.train_iters is None and tcfg.train_samples is None:
-        warmup, decay, use_checkpoint, wsd = 0, 1, True, 1
+        warmup, decay, use_checkpoint, wsd, wd = 0, 1, True, 1, None
     else:
         (warmup, decay), use_checkpoint = schedule_steps(tcfg), tcfg.use_checkpoint_opt_param_scheduler
-        wsd = wsd_steps(tcfg)
+        wsd, wd = wsd_steps(tcfg), weight_decay_schedule(tcfg)
     return LRScheduler(optimizer, tcfg.lr, tcfg.min_lr, warmup, decay, tcfg.lr_decay_style, tcfg.lr_warmup_init,
                        use_checkpoint, tcfg.override_opt_param_scheduler, legacy_step=tcfg.global_batch_size,
-                       decoupled=(tcfg.decoupled_lr, tcfg.decoupled_min_lr), wsd=(wsd, tcfg.lr_wsd_decay_style))
+                       decoupled=(tcfg.decoupled_lr, tcfg.decoupled_min_lr), wsd=(wsd, tcfg.lr_wsd_decay_style),
+                       weight_decay=wd)
 
 
 def load_root(cfg):

@@ -1,5 +1,6 @@
-"""The command line of the LR schedule's decay styles (megalite/optimizer/lr_scheduler.py): --lr-decay-style and
-WSD's flags, Megatron's names and defaults, and their checks, each user error one line."""
+"""The command line of the LR and weight-decay schedule (megalite/optimizer/lr_scheduler.py): --lr-decay-style and
+WSD's flags, the weight decay's increment, Megatron's names and defaults, and their checks, each user error one
+line."""
 
 from megalite.config import ConfigError
 
@@ -10,9 +11,36 @@ def add_lr_schedule_flags(a):
     a("--lr-wsd-decay-style", default="exponential", choices=["exponential", "linear", "cosine", "minus_sqrt"])
     a("--lr-wsd-decay-iters", type=int, default=None, help="WSD's annealing iterations (with --train-iters)")
     a("--lr-wsd-decay-samples", type=int, default=None, help="WSD's annealing samples (with --train-samples)")
+    a("--start-weight-decay", type=float, default=None, help="the weight decay at the start (linear/cosine increment)")
+    a("--end-weight-decay", type=float, default=None, help="... and at the end of training")
+    a("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"],
+      help="the weight decay from --start-weight-decay to --end-weight-decay over training (constant: --weight-decay)")
 
 
 def validate_lr_schedule(args):
+    _validate_weight_decay(args)
+    _validate_wsd(args)
+
+
+def _validate_weight_decay(args):
+    """Megatron's rule: a constant weight decay is --weight-decay; an increment needs both ends."""
+    given = [f for f, v in (("--start-weight-decay", args.start_weight_decay),
+                            ("--end-weight-decay", args.end_weight_decay)) if v is not None]
+    if args.weight_decay_incr_style == "constant":
+        if given:
+            raise ConfigError(f"{given[0]} is for --weight-decay-incr-style linear or cosine; a constant weight "
+                              "decay is --weight-decay")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif len(given) < 2:
+        raise ConfigError(f"--weight-decay-incr-style {args.weight_decay_incr_style} goes from --start-weight-decay "
+                          "to --end-weight-decay: give both")
+    elif not 0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ConfigError(f"--weight-decay-incr-style {args.weight_decay_incr_style} increases the weight decay: "
+                          f"0 <= --start-weight-decay {args.start_weight_decay} <= --end-weight-decay "
+                          f"{args.end_weight_decay} does not hold")
+
+
+def _validate_wsd(args):
     """--lr-decay-style WSD's annealing length: iterations with --train-iters, samples with --train-samples (as
     Megatron, which reads only that one); either one without WSD would do nothing."""
     given = [f for f, v in (("--lr-wsd-decay-iters", args.lr_wsd_decay_iters),
