@@ -93,6 +93,21 @@ def test_pretrain_loads_a_megatron_directory_and_continues(megatron, capsys):
     assert not any(n.startswith("megalite-from-megatron-") for n in os.listdir(__import__("tempfile").gettempdir()))
 
 
+def test_use_checkpoint_args_reads_megatrons_saved_arguments(megatron, capsys):
+    """--use-checkpoint-args on Megatron's directory (Megatron's own flag for continuing a run): the model flags
+    come from its saved arguments, as --load maps them, so a command line without sizes builds the same model."""
+    base, roots, _, _ = megatron
+    run = ["--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "7"]
+    given = ["--num-layers", "2", "--hidden-size", "64"]  # (replaced, and named)
+    args = parse_args(given + run + ["--load", roots[("llama", 2, 2)], "--use-checkpoint-args"], world_size=1)
+    k = KINDS["llama"]
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups, args.swiglu,
+            args.normalization, args.position_embedding_type, args.ffn_hidden_size) == (
+        4, 32, 4, 2, True, "RMSNorm", "rope", k["ffn_hidden_size"]), args
+    out = capsys.readouterr().out
+    assert "--use-checkpoint-args: model flags from" in out and "--num-layers 2, --hidden-size 64" in out, out
+
+
 def test_megatron_rng_states_are_restored_where_they_map(megatron):
     """Megatron-LM's per-(PP, TP) RNG item: at the same TP x PP each rank takes its own coordinates' Python, numpy
     and torch CPU streams (CUDA's: on CUDA only, said in one line on a CPU run); at another TP x PP none, one

@@ -1,13 +1,15 @@
 """--use-checkpoint-args (Megatron's load_args_from_checkpoint): the model flags that --load's newest
 checkpoint recorded (its metadata's model config) go into args before validation, so every rank derives
 the same args once, and a fine-tuning command needs no size flags. Works alike for checkpoints written by
-training and by tools/convert_checkpoint.py (a Hugging Face import)."""
+training and by tools/convert_checkpoint.py (a Hugging Face import), and for a Megatron-LM torch_dist directory
+(its saved arguments, mapped as --load maps them: megalite/cli/megatron_args.py)."""
 
 import os
 
 from megalite.checkpoint.storage import CheckpointError, read_json
 from megalite.config import CHECKPOINT_ARGS
 from megalite.checkpoint.manager import META, TRACKER, iteration_dir, read_tracker
+from megalite.checkpoint.megatron import is_megatron_checkpoint
 
 # Command-line dest -> the ModelConfig field a checkpoint records (config.Field(restored=True): Megatron's list for
 # what megalite has, and MLA's; disable_bias_linear is add_bias_linear negated). The checkpoint's value replaces
@@ -29,6 +31,9 @@ def use_checkpoint_args(args, defaults):
         raise CheckpointError("--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)")
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"--load {root} is a file; give the checkpoint directory (the one holding {TRACKER})")
+    if is_megatron_checkpoint(root):
+        path, saved = _megatron_model_config(root)
+        return path, _take(args, saved, defaults)
     it = read_tracker(root) if os.path.isdir(root) else None
     if it is None:
         missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "hidden_size", "num_attention_heads",
@@ -43,6 +48,22 @@ def use_checkpoint_args(args, defaults):
     saved = meta.get("model_config") if isinstance(meta, dict) else None
     if not isinstance(saved, dict):
         raise CheckpointError(f"{os.path.join(path, META)} records no model config for --use-checkpoint-args")
+    return path, _take(args, saved, defaults)
+
+
+def _megatron_model_config(root):
+    """(its iteration directory, megalite's model config JSON) of the Megatron-LM checkpoint at root."""
+    from megalite.checkpoint.megatron import MegatronCheckpoint
+    from megalite.cli.megatron_args import model_config_of
+    src = MegatronCheckpoint(root)
+    vocab = getattr(src.args, "vocab_size", None) or getattr(src.args, "padded_vocab_size", None)
+    if not vocab:
+        raise CheckpointError(f"{src.path}: Megatron's args give neither vocab_size nor padded_vocab_size")
+    return src.path, model_config_of(src.args, vocab)
+
+
+def _take(args, saved, defaults):
+    """The checkpoint's model flags (saved: a model config JSON) into args; [the command line's flags replaced]."""
     replaced = []
     for dest, field in CHECKPOINT_ARGS.items():
         if field not in saved or (dest in CHECKPOINT_ARGS_IF_UNSET and getattr(args, dest) is not None):
@@ -55,4 +76,4 @@ def use_checkpoint_args(args, defaults):
         args.group_query_attention = args.num_query_groups not in (None, args.num_attention_heads)
     if args.vocab_size is None and args.tokenizer_type is None and saved.get("vocab_size"):
         args.vocab_size = saved["vocab_size"]
-    return path, replaced
+    return replaced
