@@ -19,6 +19,7 @@ SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 3
 DIFFERENT_ON_PURPOSE = {
     "--distributed-backend": "None picks nccl with CUDA, gloo without; Megatron's nccl cannot run on CPU ranks",
     "--overlap-grad-reduce": "overlapping the DP reduction changes no value, only speed",
+    "--profile-ranks": "[0], Megatron's documented default (this parser's list is empty, which profiles no rank)",
     "--rerun-mode": "disabled (Megatron's validate_results needs a second host read and a world all-reduce per "
                     "iteration); a NaN/Inf loss or gradient still stops the run, and no value changes",
 }
@@ -112,21 +113,18 @@ def test_llama3_script_lists_everything_it_cannot_honour_at_once(capsys):
                     DATA_ARG="MOCK", DATA_CACHE_PATH="/d")
     line = _error(argv, capsys, world_size=8)
     assert "Megatron flags megalite cannot honour" in line
-    refused = ["--profile", "--profile-step-start", "--profile-step-end", "--grad-reduce-in-bf16"]
+    refused = ["--grad-reduce-in-bf16"]
     for flag in refused:
         assert f"{flag}," in line or f"{flag}:" in line, (flag, line)
     named = {tok.rstrip(",:") for tok in line.split() if tok.startswith("--")}
     assert named - {"--tensorboard-dir", "--log-json"} == set(refused), named  # nothing else refused
     assert "unrecognized" not in line and "--fp8" not in line
     assert {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo"} <= set(argv)
-    kept, skip = [], 0
-    for i, a in enumerate(argv):  # the refused flags and their values out
-        if skip:
-            skip -= 1
-        elif a in refused:
-            skip = int(a in ("--profile-step-start", "--profile-step-end"))
-        else:
-            kept.append(a)
+    kept = [a for a in argv if a not in refused]
+    assert "--profile" in kept and "--use-pytorch-profiler" not in kept  # (its --profile is nsys' capture range)
+    if not __import__("torch").cuda.is_available():
+        assert "needs CUDA; add --use-pytorch-profiler" in _error(kept, capsys, world_size=8)
+        kept.append("--use-pytorch-profiler")  # (its --tensorboard-dir takes the traces)
     args = parse_args(kept, world_size=8)
     assert args.fp8_param_gather and args.fp8_format == "hybrid" and args.use_distributed_optimizer
 

@@ -19,6 +19,7 @@ from megalite.config.from_flags import model_config, training_config  # noqa: F4
 from megalite.cli.compat import print_notices, sort_unknown
 from megalite.cli.features.lr_schedule import add_lr_schedule_flags
 from megalite.cli.features.model import add_model_flags
+from megalite.cli.features.profiling import add_profiling_flags
 from megalite.cli.features.mixed_gpu import add_mixed_gpu_flags
 from megalite.cli.features.semi_sync import add_semi_sync_flags
 from megalite.cli.features.ft import add_ft_flags
@@ -46,6 +47,7 @@ def build_parser():
     add_semi_sync_flags(a)  # semi-synchronous replicas (megalite/cli/features/semi_sync.py)
     add_ft_flags(a)  # fault-tolerant replicas on torchft (megalite/cli/features/ft.py)
     add_fp8_flags(a)  # FP8 GEMMs (megalite/cli/features/fp8.py)
+    add_profiling_flags(a)  # --profile (megalite/cli/features/profiling.py)
     add_mixed_gpu_flags(a)  # per-replica micro-batches, optimizer offload (megalite/cli/features/mixed_gpu.py)
     _training_flags(a)
     _logging_flags(a)

@@ -16,6 +16,7 @@ from megalite.cli.features.fp8 import validate_fp8
 from megalite.cli.features.lr_schedule import validate_lr_schedule
 from megalite.cli.features.pipeline_schedule import v_split, validate_pipeline_schedule
 from megalite.cli.features.optimizer import validate_optimizer
+from megalite.cli.features.profiling import validate_profiling
 from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features
 
 # Flags Megatron has no default for: a launch script always passes them.
@@ -43,6 +44,7 @@ def validate_args(args):
     validate_precisions(args)
     validate_mup(args)
     validate_optimizer(args)
+    validate_profiling(args)
     validate_data_parallel_reduction(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size

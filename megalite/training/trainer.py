@@ -12,6 +12,7 @@ from megalite.config.evaluation import EvaluationConfig
 from megalite.config.ft import FtConfig
 from megalite.config.logging import LoggingConfig
 from megalite.config.loop import LoopConfig
+from megalite.config.profiling import ProfilingConfig
 from megalite.batching.data_iterators import close_iterators
 from megalite.batching.iteration_plan import auto_shares
 from megalite.logger import TrainingWindow, print_rank_last
@@ -19,6 +20,7 @@ from megalite.optimizer.optimizer import NonFiniteGradError
 from megalite.rerun import RerunExit, exit_after
 from megalite.training import parts, setup, step as steps
 from megalite.training.cursor import DataCursor
+from megalite.training.profiler import Profiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Trainer:
         self.evaluation = parts.Evaluation(EvaluationConfig.of(args), r, forward_step_func, self.cursor, self.window) \
             if r.valid_ds is not None or r.test_ds is not None else None
         logging, ft_cfg, checkpoint = LoggingConfig.of(args), FtConfig.of(args), CheckpointConfig.of(args)
+        profiling, rank = ProfilingConfig.of(args), ps.grid_of(r.chunks).rank
         self.timers = {} if logging.log_timers_to_tensorboard else None
         auto = auto_shares(BatchingConfig.of(args), r.plan, ps.grid_of(r.chunks))
         self.ft = None
@@ -84,7 +87,8 @@ class Trainer:
             parts.Logging(logging, r, self.cursor, self.window, self.timers, self.read_losses),
             self.evaluation is not None and self.evaluation.valid_ds is not None and self.evaluation,
             self.saver,
-            parts.ExitRules(loop, self.saver, started, sigterm))
+            parts.ExitRules(loop, self.saver, started, sigterm),
+            profiling.profile and rank in profiling.profile_ranks and Profiler(profiling, rank))
         self.parts = [p for p in optional if p]
         parts.check_order(self.parts)  # what one part tells another: its writer first
 
