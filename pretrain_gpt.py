@@ -26,7 +26,7 @@ def _tokenizer(args):
 
 
 def datasets_provider(args, num_samples):
-    from megalite.data import build_gpt_datasets
+    from megalite.data import build_gpt_datasets, build_gpt_datasets_per_split
     from megalite.data.mock_dataset import MockGPTDataset
 
     from megalite.config.data import BatchMaskConfig, FimConfig
@@ -41,7 +41,8 @@ def datasets_provider(args, num_samples):
             args.vocab_size, eod = tok.vocab_size, tok.eod
         return with_batch_masks(tuple(MockGPTDataset(n, args.seq_length, args.vocab_size, args.seed, split_id=i)
                                       for i, n in enumerate(num_samples)), BatchMaskConfig.of(args), eod)
-    if not args.data_path:
+    split_paths = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if not args.data_path and not any(split_paths):
         from megalite.data.default_corpus import prepare_default_corpus
         cache = args.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megalite")
         prefix, model_file = prepare_default_corpus(cache, is_builder=builder, barrier=barrier,
@@ -52,8 +53,12 @@ def datasets_provider(args, num_samples):
         raise ValueError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-size)")
     tok = _tokenizer(args)
     args.vocab_size = tok.vocab_size
-    datasets = build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
-                                  args.data_cache_path, is_builder=builder, barrier=barrier)
+    if any(split_paths):  # (Megatron's --train/--valid/--test-data-path)
+        datasets = build_gpt_datasets_per_split(split_paths, args.seq_length, args.seed, num_samples,
+                                                args.data_cache_path, is_builder=builder, barrier=barrier)
+    else:
+        datasets = build_gpt_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
+                                      args.data_cache_path, is_builder=builder, barrier=barrier)
     datasets = with_fim(datasets, FimConfig.of(args), tok)
     return with_batch_masks(datasets, BatchMaskConfig.of(args), tok.eod)
 

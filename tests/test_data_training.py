@@ -60,3 +60,29 @@ def test_default_corpus_trains(tmp_path):
 def test_data_path_needs_a_tokenizer(tmp_path):
     with pytest.raises(SystemExit):
         _train(TINY + ["--data-path", str(tmp_path / "nothing"), "--train-iters", "1"])
+
+
+def test_a_data_path_per_split_trains_and_evaluates(tmp_path, capsys):
+    """pretrain_gpt.py --train-data-path A --valid-data-path B (Megatron's): trains on A, evaluates on B; with
+    --data-path or --split as well, one line."""
+    import numpy as np
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder, index_file_path
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        b = IndexedDatasetBuilder(str(tmp_path / name) + ".bin", np.uint16)
+        for _ in range(40):
+            b.add_item(rng.integers(0, 500, int(rng.integers(10, 80))))
+            b.end_document()
+        b.finalize(index_file_path(str(tmp_path / name)))
+    data = ["--train-data-path", str(tmp_path / "a"), "--valid-data-path", str(tmp_path / "b"),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--data-cache-path", str(tmp_path / "c")]
+    losses = _train(TINY + data + ["--train-iters", "10"])
+    assert len(losses) == 10
+    out = capsys.readouterr().out
+    assert "validation loss at iteration 10" in out, out
+    for extra, says in ((["--split", "9,1,0"], "--train-data-path gives each split its own data; --split does too"),
+                        (["--data-path", str(tmp_path / "a")], "; --data-path does too: drop one")):
+        with pytest.raises(SystemExit):
+            parse_args(TINY + data + ["--train-iters", "1"] + extra, world_size=1)
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err

@@ -198,6 +198,8 @@ def _data_flags(a):
     """Data: paths, splits, FIM, masks, tokenizers."""
     a("--data-path", nargs="*", default=None)
     a("--split", default=None, help="train,valid,test weights (commas or slashes; default 969,30,1)")
+    for name in ("train", "valid", "test"):  # (Megatron's per-split blends: instead of --data-path and --split)
+        a(f"--{name}-data-path", nargs="*", default=None, help=f"the {name} split's prefix or blend, all of it")
     a("--data-cache-path", default=None)
     a("--mock-data", action="store_true")
     a("--fim-data", action="store_true", help="fill-in-the-middle samples (PSM/SPM), as Megatron's FIM dataset")

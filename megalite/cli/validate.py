@@ -17,7 +17,7 @@ from megalite.cli.features.lr_schedule import validate_lr_schedule
 from megalite.cli.features.pipeline_schedule import v_split, validate_pipeline_schedule
 from megalite.cli.features.optimizer import validate_optimizer
 from megalite.cli.features.profiling import validate_profiling
-from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features
+from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features, validate_split_paths
 
 # Flags Megatron has no default for: a launch script always passes them.
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "lr")
@@ -373,7 +373,8 @@ def _validate_schedule(args):
 
 
 def _validate_data(args):
-    if args.data_path and args.tokenizer_type is None:
+    validate_split_paths(args)  # (before --split's default)
+    if (args.data_path or args.train_data_path) and args.tokenizer_type is None:
         args.tokenizer_type = "GPT2BPETokenizer"  # Megatron's default (with --vocab-file / --merge-file)
     if args.split is None:
         args.split = "969,30,1"  # Megatron's legacy default

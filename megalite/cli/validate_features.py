@@ -17,6 +17,20 @@ def validate_features(args):
     _validate_mtp(args)
 
 
+def validate_split_paths(args):
+    """Megatron's --train/--valid/--test-data-path: each split its own data, instead of --data-path cut by --split."""
+    given = [f"--{n}-data-path" for n in ("train", "valid", "test") if getattr(args, f"{n}_data_path")]
+    if not given:
+        return
+    for other, on in (("--data-path", args.data_path), ("--mock-data", args.mock_data), ("--split", args.split)):
+        if on:
+            raise ConfigError(f"{given[0]} gives each split its own data; {other} does too: drop one")
+    if not args.train_data_path and args.train_iters:
+        raise ConfigError(f"{given[0]} without --train-data-path: the train split has no data")
+    if args.model_type == "bert":
+        raise ConfigError(f"{given[0]} is not built yet for BERT in megalite: use --data-path and --split")
+
+
 def _validate_mtp(args):
     """Multi-token prediction (--mtp-num-layers), each problem one line."""
     d = args.mtp_num_layers

@@ -131,3 +131,18 @@ def build_gpt_datasets(data_path: list[str], split: str, seq_length: int, seed: 
         result = build_all(load_only=True)
     return result
 
+
+
+def build_gpt_datasets_per_split(paths, seq_length, seed, num_samples, cache_path, is_builder=True,
+                                 barrier=lambda: None):
+    """(train, valid, test) from a data path per split (Megatron's --train/--valid/--test-data-path: each a prefix or
+    a blend, all of its documents that split's); None for a split without one."""
+    out = []
+    for s, path in enumerate(paths):
+        if not path:
+            out.append(None)
+            continue
+        whole = ",".join("1" if i == s else "0" for i in range(3))  # (every document to this split)
+        wanted = tuple(n if i == s else 0 for i, n in enumerate(num_samples))
+        out.append(build_gpt_datasets(path, whole, seq_length, seed, wanted, cache_path, is_builder, barrier)[s])
+    return tuple(out)

@@ -156,3 +156,20 @@ def test_separate_final_epoch(data, tmp_path):
     assert sorted(ds.document_index[:n]) == sorted(ds.document_index[n:]) == list(range(n))
     before_final = (tokens - 1) // L  # samples fully inside the first epoch's shuffle
     assert sorted(ds.shuffle_index[:before_final]) == list(range(before_final))
+
+
+def test_a_data_path_per_split_gives_each_split_all_of_its_data(tmp_path):
+    """Megatron's --train/--valid/--test-data-path: each split's dataset is the whole of its own prefix (a blend
+    too), the same samples as that prefix alone given every document; a split without a path has none."""
+    from megalite.data import build_gpt_datasets_per_split
+    rng = np.random.default_rng(3)
+    for name in ("a", "b", "c"):
+        write_random_dataset(tmp_path / name, rng, empty_every=0)
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    train, valid, test = build_gpt_datasets_per_split([[a], ["1", b, "3", c], None], 8, 1, (40, 12, 5),
+                                                      str(tmp_path / "cache"))
+    assert test is None
+    assert set(train.document_index.tolist()) == set(range(60))
+    alone = build_gpt_datasets([a], "1,0,0", 8, 1, (40, 0, 0), str(tmp_path / "cache2"))[0]
+    assert len(train) == len(alone) and all(np.array_equal(train[i]["text"], alone[i]["text"]) for i in range(40))
+    assert len(valid) == 12 and {valid.dataset_index[i] for i in range(12)} == {0, 1}  # (the blend of b and c)
