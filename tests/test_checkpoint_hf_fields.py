@@ -40,6 +40,9 @@ CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**SMALL, tie_word_embeddings=True, pad_token_id=0,
                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                              "partial_rotary_factor": 0.75}),
+    # Gemma: the embeddings times sqrt(hidden), (1 + w) RMSNorm, tanh-GeLU GLU; random norm weights (HF starts them
+    # at 0, where (1 + w) and w would agree)
+    "gemma": lambda: transformers.GemmaConfig(**SMALL, head_dim=8),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=8),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE, num_experts=4, head_dim=8),
@@ -53,6 +56,10 @@ CONFIGS = {
 def _save(config, path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # (norms away from their initial 1 or 0: a norm's weight mapped wrongly shows)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -102,7 +109,8 @@ def test_a_bert_config_of_its_defaults_imports(tmp_path):
 
 @pytest.mark.parametrize("name, cls", [("gpt2_untied", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"),
                                        ("qwen3", "Qwen3ForCausalLM"), ("llama3_1", "LlamaForCausalLM"),
-                                       ("mistral", "MistralForCausalLM"), ("phi3", "Phi3ForCausalLM")])
+                                       ("mistral", "MistralForCausalLM"), ("phi3", "Phi3ForCausalLM"),
+                                       ("gemma", "GemmaForCausalLM")])
 def test_hf_to_megalite_to_hf_is_the_same_class_bit_for_bit(name, cls, saved, tmp_path):
     """An untied GPT-2 keeps its lm_head; dense Qwen2 (q/k/v biases) and Qwen3 (q/k norms) come back as themselves."""
     src, mine, back = saved[name], str(tmp_path / "m"), str(tmp_path / "back")
@@ -152,6 +160,7 @@ def _refused(src, tmp_path, **changes):
     ("qwen2", dict(use_sliding_window=True, sliding_window=8), "qwen2 sliding_window=8"),
     ("llama", dict(model_type="olmo2"), "'olmo2' (LlamaForCausalLM) is not one megalite converts; the nearest it "
                                         "has is qwen3"),
+    ("gemma", dict(hidden_act="gelu"), "Gemma hidden_act='gelu': megalite's GeGLU is the tanh GeLU's"),
     ("phi3", dict(sliding_window=2047), "phi3 sliding_window=2047 (sliding-window attention) is not implemented"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope"}), "phi3 rope scaling 'longrope' is not implemented"),
     ("mistral", dict(sliding_window=4096), "mistral sliding_window=4096 (sliding-window attention) is not "

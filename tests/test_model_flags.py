@@ -29,7 +29,10 @@ ROPE_LN = ("--position-embedding-type", "rope")
 def runs():
     lays = [layout("tp2_sp_pp2_llama_qk_1p_rot50", tp=2, pp=2, sp=True, model=LLAMA + NEW),
             layout("tp2_sp_pp2_layernorm_qk_1p_rot50_interleaved_relu2", tp=2, pp=2, sp=True,
-                   model=ROPE_LN + NEW + ("--rotary-interleaved", "--squared-relu"))]
+                   model=ROPE_LN + NEW + ("--rotary-interleaved", "--squared-relu")),
+            # Gemma's options: the embeddings times a multiplier (the first stage's), the gated MLP's tanh GeLU
+            layout("tp2_sp_pp2_gemma_geglu_embedding_multiplier", tp=2, pp=2, sp=True,
+                   model=LLAMA + ("--geglu", "--embedding-multiplier", "5.0", "--apply-layernorm-1p"))]
     return lays, run_layouts(lays, 4)
 
 
@@ -45,6 +48,28 @@ def test_flags_match_single_process_at_tp2_sp_pp2(runs, i):
             "decoder.layers.3.self_attention.k_layernorm.weight"} <= names
     assert float(ref["params"]["decoder.layers.0.self_attention.q_layernorm.weight"].abs().max()) > 0  # it trains
     assert_parity(lays[i], results[i])
+
+
+def test_gemma_options_match_single_process_at_tp2_sp_pp2(runs):
+    lays, results = runs
+    check_reference(reference(lays[2]))
+    assert_parity(lays[2], results[2])
+
+
+def test_gemma_options_are_what_they_say(grid):
+    """--geglu: fc2(gelu_tanh(gate) * up); --embedding-multiplier: the embedding output scaled, nothing else."""
+    from megalite.moe.activation import activation
+    from megalite.cli.parser import model_config
+    c = model_config(parse_args(list(BASE) + list(LLAMA) + ["--geglu"], world_size=1), 128)
+    assert c.swiglu and c.geglu
+    h = torch.randn(3, 2, 16)
+    gate, up = h.chunk(2, dim=-1)
+    assert torch.equal(activation(c, h), torch.nn.functional.gelu(gate, approximate="tanh") * up)
+    ids = torch.randint(0, 128, (2, 8))
+    plain, scaled = (GPTModel(model_config(parse_args(list(BASE) + list(LLAMA) + extra, world_size=1), 128))
+                     for extra in ([], ["--embedding-multiplier", "3.0"]))
+    scaled.load_state_dict(plain.state_dict())
+    assert torch.equal(scaled.embedding.embed(ids), plain.embedding.embed(ids) * 3.0)
 
 
 @pytest.mark.parametrize("cls", [LayerNorm, RMSNorm])

@@ -244,6 +244,22 @@ class GPT2:
         return rows
 
 
+def llama_rows(c):
+    """A Llama-layout model's tensors (norm weights as megalite holds them: Llama's table adds --apply-layernorm-1p's
+    one back, Gemma's stores them so)."""
+    ident = (lambda x: x)
+    rows = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", ident, ident)]
+    for i in range(c["num_layers"]):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        rows += attention_rows(c, m, h)
+        rows += swiglu_rows(m + "mlp.", h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight",
+                            h + "mlp.down_proj.weight")
+    rows.append(("model.norm.weight", "decoder.final_layernorm.weight", ident, ident))
+    if c["untie_embeddings_and_output_weights"]:
+        rows.append(("lm_head.weight", "output_layer.weight", ident, ident))
+    return rows
+
+
 class Llama:
     """LlamaForCausalLM: rope, RMSNorm, SwiGLU, GQA, no biases, tied or untied."""
     hf_class = "LlamaForCausalLM"
@@ -274,20 +290,7 @@ class Llama:
             if h.get(f):
                 raise CheckpointError(f"Llama {f}=True has no megalite equivalent (megalite's Llama has no biases)")
 
-    @staticmethod
-    @_gamma_rows
-    def table(c):
-        ident = (lambda x: x)
-        rows = [("model.embed_tokens.weight", "embedding.word_embeddings.weight", ident, ident)]
-        for i in range(c["num_layers"]):
-            m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-            rows += attention_rows(c, m, h)
-            rows += swiglu_rows(m + "mlp.", h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight",
-                                h + "mlp.down_proj.weight")
-        rows.append(("model.norm.weight", "decoder.final_layernorm.weight", ident, ident))
-        if c["untie_embeddings_and_output_weights"]:
-            rows.append(("lm_head.weight", "output_layer.weight", ident, ident))
-        return rows
+    table = staticmethod(_gamma_rows(lambda c: llama_rows(c)))
 
 
 class Bert:

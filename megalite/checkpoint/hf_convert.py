@@ -8,17 +8,17 @@ import os
 from megalite.checkpoint.convert import Reader, Writer, _save_file, find_checkpoint
 from megalite.checkpoint.hf import EXPORT_ONLY, GPT2, Bert, Llama
 from megalite.checkpoint.hf_deepseek import DeepseekV3
-from megalite.checkpoint.hf_dense import Mistral, Phi3, Qwen2, Qwen3
+from megalite.checkpoint.hf_dense import Gemma, Mistral, Phi3, Qwen2, Qwen3
 from megalite.checkpoint.hf_fields import read_hf_config
 from megalite.checkpoint.hf_moe import Mixtral, Qwen2Moe, Qwen3Moe, fused_expert_tensor, moe_arch_for
 from megalite.checkpoint.storage import DTYPES, CheckpointError, open_safetensors, read_json
 
-BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "mistral": Mistral, "phi3": Phi3, "qwen2": Qwen2, "qwen3": Qwen3,
-              "bert": Bert, "mixtral": Mixtral, "qwen2_moe": Qwen2Moe, "qwen3_moe": Qwen3Moe, "deepseek_v3": DeepseekV3}
+BY_HF_TYPE = {"gpt2": GPT2, "llama": Llama, "mistral": Mistral, "phi3": Phi3, "gemma": Gemma, "qwen2": Qwen2,
+              "qwen3": Qwen3, "bert": Bert, "mixtral": Mixtral, "qwen2_moe": Qwen2Moe, "qwen3_moe": Qwen3Moe,
+              "deepseek_v3": DeepseekV3}
 
 # architectures not mapped yet -> the nearest one that is, and what the difference is
-NEAREST = {"gemma": "llama (Gemma scales the embedding and uses (1 + w) RMSNorm and GeLU-tanh)",
-           "gemma2": "llama (Gemma 2 adds soft-capping, local/global windows and post-norms)",
+NEAREST = {"gemma2": "llama (Gemma 2 adds soft-capping, local/global windows and post-norms)",
            "gemma3_text": "llama (Gemma 3 adds local/global windows, QK-norm and post-norms)",
            "olmo2": "qwen3 (OLMo 2 normalises after attention and the MLP, and q/k over all heads)",
            "gpt_neox": "gpt2 (GPT-NeoX has rotary positions and a parallel residual)", "qwen2_vl": "qwen2 (text only)",
@@ -52,6 +52,8 @@ def _arch_for(config):
         return moe_arch_for(config)
     if config["position_embedding_type"] != "rope":
         return GPT2
+    if config.get("geglu"):
+        return Gemma
     return Qwen3 if config.get("qk_layernorm") else Qwen2 if config.get("add_qkv_bias") else Llama
 
 
@@ -77,6 +79,10 @@ def export_hf(load_dir, save_dir, max_shard_bytes=1 << 30, model_type=None, hf_c
     if cfg.get("mtp_num_layers") and not getattr(arch, "holds_mtp", False):
         raise CheckpointError(f"{arch.hf_class} cannot hold the {cfg['mtp_num_layers']} multi-token prediction layers "
                               "(--mtp-num-layers); DeepseekV3ForCausalLM's layout can")
+    gemma = {"geglu": cfg.get("geglu", False), "embedding_multiplier": cfg.get("embedding_multiplier", 1.0)}
+    if gemma != {"geglu": False, "embedding_multiplier": 1.0} and arch.hf_class != "GemmaForCausalLM":
+        raise CheckpointError(f"{arch.hf_class} cannot represent --geglu / --embedding-multiplier ({gemma}); "
+                              "GemmaForCausalLM can (--hf-architecture)")
     arch.check(cfg)
     src = Reader(path)
     read = _weights(src, arch.table(cfg), cfg["params_dtype"], dtype)

@@ -8,8 +8,8 @@ other on asking (hf_convert.arch_for)."""
 
 import torch
 
-from megalite.checkpoint.hf import (Llama, _gamma_rows, _need, _plain, llama_hf_config, llama_model_config, qkv_join,
-                                    qkv_split)
+from megalite.checkpoint.hf import (Llama, _gamma_rows, _need, _plain, llama_hf_config, llama_model_config, llama_rows,
+                                    qkv_join, qkv_split)
 from megalite.checkpoint.storage import CheckpointError
 
 
@@ -165,3 +165,40 @@ class Phi3:
         if c["untie_embeddings_and_output_weights"]:
             rows.append(("lm_head.weight", "output_layer.weight", ident, ident))
         return rows
+
+
+class Gemma:
+    """GemmaForCausalLM (Gemma 1, CodeGemma): Llama's tensors with the embeddings times sqrt(hidden)
+    (--embedding-multiplier), (1 + w) RMSNorm whose w HF stores as megalite's --apply-layernorm-1p holds it, and a
+    tanh-GeLU gated MLP (--geglu)."""
+    hf_class = "GemmaForCausalLM"
+    table = staticmethod(llama_rows)
+    TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
+
+    @staticmethod
+    def check(c):
+        _plain(c, Gemma.hf_class, ("qk_layernorm", "rotary_percent", "rotary_interleaved", "squared_relu",
+                                   "add_qkv_bias"))
+        if c.get("layernorm_position", "pre") != "pre":
+            raise CheckpointError(f"{Gemma.hf_class} cannot represent a post-norm model")
+        _need(c, Gemma.hf_class, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, geglu=True,
+              add_bias_linear=False, apply_layernorm_1p=True, embedding_multiplier=c["hidden_size"] ** 0.5)
+
+    @staticmethod
+    def hf_config(c):
+        return dict(llama_hf_config(c, Gemma.hf_class, "gemma"), intermediate_size=c["ffn_hidden_size"],
+                    hidden_act="gelu_pytorch_tanh", attention_bias=False, attention_dropout=0.0)
+
+    @staticmethod
+    def model_config(h):
+        return dict(llama_model_config(h), ffn_hidden_size=h["intermediate_size"], swiglu=True, geglu=True,
+                    apply_layernorm_1p=True, embedding_multiplier=h["hidden_size"] ** 0.5)
+
+    @staticmethod
+    def check_hf(h):
+        act = h.get("hidden_activation") or h.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in Gemma.TANH:
+            raise CheckpointError(f"Gemma hidden_act={act!r}: megalite's GeGLU is the tanh GeLU's (gelu_pytorch_tanh)")
+        for field in ("attention_bias", "use_bidirectional_attention"):
+            if h.get(field):
+                raise CheckpointError(f"Gemma {field}=True has no megalite equivalent")

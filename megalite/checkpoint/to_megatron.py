@@ -107,6 +107,8 @@ def export_megatron(load_dir, save_dir, tp=1):
         raise CheckpointError("--saver megatron writes GPT models, dense, MoE or MLA (no MTP or BERT yet)")
     band = tuple(cfg.get(f) for f in ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                                       "rope_scaling_original_max_position_embeddings"))
+    if cfg.get("geglu") or cfg.get("embedding_multiplier", 1.0) != 1.0:
+        raise CheckpointError("--geglu / --embedding-multiplier (Gemma's) have no Megatron-LM equivalent")
     if cfg.get("use_rope_scaling") and band != MEGATRON_ROPE_SCALING_BAND:
         raise CheckpointError(f"--use-rope-scaling with low/high frequency factors and original context {band}: "
                               f"Megatron's are fixed at {MEGATRON_ROPE_SCALING_BAND}, so it would build another model")

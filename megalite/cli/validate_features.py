@@ -11,6 +11,10 @@ def validate_features(args):
     if not args.add_position_embedding and args.position_embedding_type != "rope":  # as Megatron
         raise ConfigError("--no-position-embedding is deprecated: use --position-embedding-type (it is accepted "
                           "only with rope)")
+    if args.geglu:  # (Gemma's GeGLU: the gated MLP's shape, another activation)
+        if args.squared_relu:
+            raise ConfigError("--geglu and --squared-relu are exclusive; pick one activation")
+        args.swiglu = True
     _validate_fsdp(args)
     _validate_fim(args)
     _validate_moe(args)

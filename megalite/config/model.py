@@ -42,6 +42,8 @@ class ModelConfig(ExecutionConfig):
     normalization: Annotated[str, SHAPE_RESTORED] = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: Annotated[float, Field("norm_epsilon", restored=True)] = 1e-5
     swiglu: Annotated[bool, SHAPE_RESTORED] = False
+    geglu: Annotated[bool, SHAPE_RESTORED] = False  # the gated MLP's gate through tanh GeLU, not SiLU (Gemma)
+    embedding_multiplier: Annotated[float, SHAPE_RESTORED] = 1.0  # the embeddings times it (Gemma: sqrt(hidden))
     # MLP activation relu(x)^2 instead of GeLU (Megatron's --squared-relu)
     squared_relu: Annotated[bool, SHAPE_RESTORED] = False
     add_bias_linear: Annotated[bool, Field(flag=None, shape=True, restored=True)] = True
@@ -151,6 +153,9 @@ class ModelConfig(ExecutionConfig):
                 raise ConfigError(f"--hidden-size {h} is not divisible by --num-attention-heads {a}; "
                                   "pick sizes with hidden = heads x head dim")
             self.kv_channels = h // a
+        if self.geglu and not self.swiglu:
+            raise ConfigError("--geglu is a gated MLP: it takes --swiglu's [gate | up] shape (the command line sets "
+                              "it)")
         if self.ffn_hidden_size is None:
             # Megatron's SwiGLU size: 2/3 of 4h, rounded *down* to a multiple of 64
             self.ffn_hidden_size = 4 * h if not self.swiglu else int(8 * h / 3 / 64) * 64

@@ -61,14 +61,14 @@ class GPTEmbedding(nn.Module):
         return ids
 
     def embed(self, input_ids, position_ids=None):
-        """Word + position embeddings (times muP's embedding multiplier), [s(/TP under SP), b, h], before
-        dropout."""
+        """Word + position embeddings (times muP's embedding multiplier and --embedding-multiplier), [s(/TP under
+        SP), b, h], before dropout."""
         x = self.word_embeddings(input_ids.t())  # [s(/TP under SP), b, h]
         if self.position_embeddings is not None:
             if position_ids is None:  # under CP: the global positions of this rank's tokens
                 position_ids = global_token_index(input_ids.shape[1], input_ids.device, self.grid).unsqueeze(0)
             x = x + self.position_embeddings(self.sequence_slice(position_ids.t()))  # [s, b or 1]
-        mult = mup.embedding_mult(self.config)
+        mult = mup.embedding_mult(self.config) * self.config.embedding_multiplier
         return x * mult if mult != 1.0 else x
 
     def dropout(self, x):

@@ -30,7 +30,11 @@ def swiglu(x, bias, fused):
 
 
 def activation(c, h, b=None):
-    """The MLP's activation of fc1's output h and bias b (or None): SwiGLU, squared ReLU, erf or tanh GeLU."""
+    """The MLP's activation of fc1's output h and bias b (or None): SwiGLU or GeGLU, squared ReLU, erf or tanh
+    GeLU."""
+    if c.swiglu and getattr(c, "geglu", False):  # (Gemma's GeGLU: torch's ops, no fused kernel)
+        gate, up = (h if b is None else h + b).chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
     if c.swiglu:
         return swiglu(h, b, c.fused_kernels)
     if c.squared_relu:  # Megatron's squared_relu, after the bias

@@ -43,6 +43,10 @@ def add_model_flags(a):
       help="fp16: attention scores computed divided by the layer number and multiplied back in the fp32 "
            "softmax (same function, no fp16 overflow of large scores)")
     a("--swiglu", action="store_true")
+    a("--geglu", action="store_true", help="the gated MLP (--swiglu's [gate | up]) with tanh GeLU on its gate "
+                                            "instead of SiLU (Gemma's GeGLU; megalite's)")
+    a("--embedding-multiplier", type=float, default=1.0,
+      help="the word (and position) embeddings times this before dropout (Gemma: sqrt(hidden); megalite's)")
     _moe_flags(a)
     _mup_flags(a)
     _mla_flags(a)
