@@ -29,7 +29,9 @@ ROPE_LN = ("--position-embedding-type", "rope")
 def runs():
     lays = [layout("tp2_sp_pp2_llama_qk_1p_rot50", tp=2, pp=2, sp=True, model=LLAMA + NEW),
             layout("tp2_sp_pp2_layernorm_qk_1p_rot50_interleaved_relu2", tp=2, pp=2, sp=True,
-                   model=ROPE_LN + NEW + ("--rotary-interleaved", "--squared-relu")),
+                   model=ROPE_LN + NEW + ("--rotary-interleaved", "--squared-relu",
+                                          # (tied: the last stage's output-layer copy drawn as the embedding)
+                                          "--embedding-init-method-std", "0.05")),
             # Gemma's options: the embeddings times a multiplier (the first stage's), the gated MLP's tanh GeLU
             layout("tp2_sp_pp2_gemma_geglu_embedding_multiplier", tp=2, pp=2, sp=True,
                    model=LLAMA + ("--geglu", "--embedding-multiplier", "5.0", "--apply-layernorm-1p"))]
@@ -54,6 +56,18 @@ def test_gemma_options_match_single_process_at_tp2_sp_pp2(runs):
     lays, results = runs
     check_reference(reference(lays[2]))
     assert_parity(lays[2], results[2])
+
+
+def test_embedding_init_method_std_draws_the_embeddings_only(grid):
+    """--embedding-init-method-std (Megatron's): the word and position embeddings drawn at that std, every other
+    weight as without it, bit for bit."""
+    from megalite.cli.parser import model_config
+    plain, wide = (GPTModel(model_config(parse_args(list(BASE) + extra, world_size=1), 128)).state_dict()
+                   for extra in ([], ["--embedding-init-method-std", "0.5"]))
+    emb = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+    for name in emb:  # (the same draws, scaled: 0.5 / 0.02)
+        torch.testing.assert_close(wide[name], plain[name] * 25.0, rtol=1e-6, atol=0)
+    assert all(torch.equal(wide[n], p) for n, p in plain.items() if n not in emb)
 
 
 def test_gemma_options_are_what_they_say(grid):

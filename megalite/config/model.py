@@ -52,6 +52,12 @@ class ModelConfig(ExecutionConfig):
     hidden_dropout: Annotated[float, RESTORED] = 0.1
     attention_dropout: Annotated[float, RESTORED] = 0.1
     init_method_std: float = 0.02
+    embedding_init_method_std: Optional[float] = None  # the embeddings' (and a tied output layer's); None: the above
+
+    @property
+    def embedding_std(self):
+        """The word, position and token-type embeddings' init std (Megatron's --embedding-init-method-std)."""
+        return self.init_method_std if self.embedding_init_method_std is None else self.embedding_init_method_std
     untie_embeddings_and_output_weights: Annotated[bool, SHAPE_RESTORED] = False
     # "gpt" or "bert": which model (and HF architecture) the weights are
     model_type: Annotated[str, Field(shape=True)] = "gpt"

@@ -72,7 +72,7 @@ class BertEmbedding(GPTEmbedding):
         if c.num_tokentypes > 0:
             shape, seed = (c.num_tokentypes, c.hidden_size), param_seed(c.seed, "embedding.tokentype_embeddings")
             self.tokentype_embeddings = nn.Embedding(*shape, device=ps.get_device(), dtype=c.params_dtype)
-            w, recipe = replicated_init(shape, init_normal(c.init_method_std), seed, ps.get_device())
+            w, recipe = replicated_init(shape, init_normal(c.embedding_std), seed, ps.get_device())
             with torch.no_grad():
                 with_recipe(self.tokentype_embeddings.weight, recipe).copy_(w)
             self.tokentype_embeddings.weight.sequence_parallel = sp  # partial grads under SP, summed over TP
@@ -126,7 +126,7 @@ class BertModel(nn.Module):
             # The tied projection (x @ E^T) with the head's own bias; input replicated (no SP gather here).
             self.output_layer = ColumnParallelLinear(
                 c.hidden_size, self.padded_vocab_size, bias=True,
-                init_method=init_normal(c.init_method_std, real_rows=c.vocab_size), sequence_parallel=False,
+                init_method=init_normal(c.embedding_std, real_rows=c.vocab_size), sequence_parallel=False,
                 init_seed=param_seed(c.seed, "embedding.word_embeddings"), params_dtype=c.params_dtype, grid=grid)
             self.output_layer.weight.real_vocab_size = c.vocab_size
             self.output_layer.weight.is_embedding_or_output_parameter = True  # --decoupled-lr

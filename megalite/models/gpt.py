@@ -37,7 +37,7 @@ class GPTEmbedding(nn.Module):
         c = config
         self.config, self.grid = c, ps.current_grid(grid)
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab, c.hidden_size, init_method=init_normal(c.init_method_std), real_vocab_size=c.vocab_size,
+            padded_vocab, c.hidden_size, init_method=init_normal(c.embedding_std), real_vocab_size=c.vocab_size,
             init_seed=param_seed(c.seed, "embedding.word_embeddings"), reduce_scatter=c.sequence_parallel,
             params_dtype=c.params_dtype, grid=self.grid)
         self.word_embeddings.weight.is_embedding_or_output_parameter = True  # --decoupled-lr
@@ -47,7 +47,7 @@ class GPTEmbedding(nn.Module):
             shape = (c.max_position_embeddings, c.hidden_size)
             seed = param_seed(c.seed, "embedding.position_embeddings")
             self.position_embeddings = nn.Embedding(*shape, device=ps.get_device(), dtype=c.params_dtype)
-            w, recipe = replicated_init(shape, init_normal(c.init_method_std), seed, ps.get_device())
+            w, recipe = replicated_init(shape, init_normal(c.embedding_std), seed, ps.get_device())
             with torch.no_grad():
                 with_recipe(self.position_embeddings.weight, recipe).copy_(w)
             self.position_embeddings.weight.is_embedding_parameter = True
@@ -106,7 +106,7 @@ class GPTModel(nn.Module):
         self.mtp = MTPBlock(c, grid) if self.mtp_process else None
         self.aux_tracker = share_tracker([self])  # the routers', DSA's and MTP's recorded losses (the log line's)
         if post_process:
-            std = c.init_method_std
+            std = c.embedding_std if self.share_embeddings_and_output_weights else c.init_method_std
             self.output_layer = ColumnParallelLinear(
                 c.hidden_size, self.padded_vocab_size, bias=False,
                 init_method=init_normal(std, real_rows=c.vocab_size),  # zero padding rows

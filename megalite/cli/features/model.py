@@ -134,6 +134,8 @@ def _mla_flags(a):
     a("--hidden-dropout", type=float, default=0.1)
     a("--attention-dropout", type=float, default=0.1)
     a("--init-method-std", type=float, default=0.02)
+    a("--embedding-init-method-std", type=float, default=None,
+      help="the embeddings' init std, a tied output layer's with them (default --init-method-std)")
     a("--make-vocab-size-divisible-by", type=int, default=128)
     a("--recompute-granularity", default=None, choices=["full", "selective"])
     a("--recompute-method", default=None, choices=["uniform", "block"])
