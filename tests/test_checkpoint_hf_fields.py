@@ -160,7 +160,7 @@ def _refused(src, tmp_path, **changes):
     ("qwen2", dict(use_sliding_window=True, sliding_window=8), "qwen2 sliding_window=8"),
     ("llama", dict(model_type="olmo2"), "'olmo2' (LlamaForCausalLM) is not one megalite converts; the nearest it "
                                         "has is qwen3"),
-    ("gemma", dict(hidden_act="gelu"), "Gemma hidden_act='gelu': megalite's GeGLU is the tanh GeLU's"),
+    ("gemma", dict(hidden_act="relu"), "Gemma hidden_act='relu': megalite's GeGLU is the tanh GeLU's"),
     ("phi3", dict(sliding_window=2047), "phi3 sliding_window=2047 (sliding-window attention) is not implemented"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope"}), "phi3 rope scaling 'longrope' is not implemented"),
     ("mistral", dict(sliding_window=4096), "mistral sliding_window=4096 (sliding-window attention) is not "
@@ -169,6 +169,27 @@ def _refused(src, tmp_path, **changes):
 def test_a_field_megalite_does_not_represent_is_one_line_naming_it(name, changes, message, saved, tmp_path):
     rc, err = _refused(saved[name], tmp_path, **changes)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_gemmas_released_configs_say_gelu_and_mean_tanh(saved, tmp_path):
+    """The official Gemma files carry hidden_act "gelu" (and older ones hidden_activation "gelu_pytorch_tanh"):
+    transformers reads the tanh GeLU, and so does the import (the same logits)."""
+    src = saved["gemma"]
+    with open(os.path.join(src, "config.json")) as f:
+        original = f.read()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    _, ref = hf_logits(src, tokens)
+    try:
+        for n, changes in enumerate((dict(hidden_act="gelu"), dict(hidden_act="gelu",
+                                                                   hidden_activation="gelu_pytorch_tanh"))):
+            _edit(src, **changes)
+            rc, _, err = _import(src, str(tmp_path / f"m{n}"))
+            assert rc == 0, err
+            ours = megalite_logits(str(tmp_path / f"m{n}"), tokens)
+            assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), changes
+    finally:
+        with open(os.path.join(src, "config.json"), "w") as f:
+            f.write(original)
 
 
 def test_llama3_rope_scaling_is_what_the_logits_need(saved, tmp_path):

@@ -80,6 +80,7 @@ def test_a_data_path_per_split_trains_and_evaluates(tmp_path, capsys):
     assert len(losses) == 10
     out = capsys.readouterr().out
     assert "validation loss at iteration 10" in out, out
+    assert "evaluation skipped: the test split holds no sample; give --test-data-path to evaluate it" in out, out
     for extra, says in ((["--split", "9,1,0"], "--train-data-path gives each split its own data; --split does too"),
                         (["--data-path", str(tmp_path / "a")], "; --data-path does too: drop one")):
         with pytest.raises(SystemExit):

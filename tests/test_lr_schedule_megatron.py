@@ -225,12 +225,19 @@ def test_checkpoint_schedule_rules():
     wsd_sd = json.loads(json.dumps(wsd.state_dict()))
     with pytest.raises(ConfigError, match="wsd_decay_steps=100"):
         LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "WSD", wsd=(50, "cosine")).load_state_dict(wsd_sd)
-    taken = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine", use_checkpoint=True)
     with pytest.raises(ConfigError, match="has --lr-wsd-decay-iters/--lr-wsd-decay-samples but this run's flags"):
+        LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine", override=False).load_state_dict(
+            {k: v for k, v in wsd_sd.items() if k != "lr_decay_style"} | {"lr_decay_style": "cosine"})
+    for flags in (("cosine", (None, None)), ("WSD", (60, "linear"))):  # --use-checkpoint-opt_param-scheduler
+        taken = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, flags[0], use_checkpoint=True, wsd=flags[1])
         taken.load_state_dict(wsd_sd)
-    again = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "WSD", use_checkpoint=True, wsd=(60, "linear"))
-    again.load_state_dict(wsd_sd)
-    assert again.optimizer.param_groups[0]["lr"] == wsd.optimizer.param_groups[0]["lr"] < 1e-3
+        assert taken.optimizer.param_groups[0]["lr"] == wsd.optimizer.param_groups[0]["lr"] < 1e-3, flags
+    megatrons = {k: v for k, v in wsd_sd.items() if k not in ("wsd_decay_steps", "lr_wsd_decay_style")}
+    flagged = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "WSD", wsd=(100, "cosine"))  # (Megatron records neither)
+    flagged.load_state_dict(megatrons)
+    assert flagged.optimizer.param_groups[0]["lr"] == wsd.optimizer.param_groups[0]["lr"]
+    with pytest.raises(ConfigError, match="records no annealing length"):
+        LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine", use_checkpoint=True).load_state_dict(megatrons)
     # A checkpoint from before the schedule was saved: {"num_steps": iterations}.
     old = LRScheduler(_Opt(), 1e-3, 1e-5, 40, 400, "cosine", legacy_step=8)
     old.load_state_dict({"num_steps": 12})
@@ -395,7 +402,8 @@ def test_decoupled_lr_equals_megatron_core(flags):
      "--end-weight-decay 0.01 does not hold"),
     ("--lr-decay-style WSD", "--lr-decay-style WSD with --train-iters anneals over its last --lr-wsd-decay-iters"),
     ("--lr-wsd-decay-iters 5", "--lr-wsd-decay-iters is --lr-decay-style WSD's annealing length"),
-    ("--lr-decay-style WSD --lr-wsd-decay-samples 40", "anneals over its last --lr-wsd-decay-iters: give it")])
+    ("--lr-decay-style WSD --lr-wsd-decay-samples 40", "--lr-wsd-decay-samples is not read with --train-iters (as "
+                                                       "Megatron): give --lr-wsd-decay-iters instead")])
 def test_wsd_errors_are_one_line(flags, says, capsys):
     with pytest.raises(SystemExit):
         parse_args((MODEL + "--mock-data --micro-batch-size 2 --global-batch-size 8 --train-iters 20 " + flags).split(),

@@ -207,7 +207,8 @@ def import_megatron(load_dir, save_dir, tp, pp, model_config_of, load_optim=True
         scaler = src.optimizer_common().get("grad_scaler") or {"scale": 1.0}
         meta.update(optimizer={"step": step, "kind": "adam"},
                     scheduler={k: sched[k] for k in ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
-                                                     "lr_decay_style", "num_steps") if k in sched},
+                                                     "lr_decay_style", "num_steps", "start_wd", "end_wd",
+                                                     "wd_incr_style", "wd_incr_steps") if k in sched},
                     loss_scaler={k: float(v) if k == "scale" else int(v) for k, v in scaler.items()
                                  if k in ("scale", "growth_tracker", "hysteresis_tracker")})
     w.close(meta)

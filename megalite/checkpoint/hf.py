@@ -39,7 +39,9 @@ def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_perc
                 "squared_relu": False, "add_qkv_bias": False}
     for field in fields:
         if cfg.get(field, defaults[field]) != defaults[field]:
-            raise CheckpointError(f"{arch} cannot represent {field}={cfg[field]!r}; convert a model trained "
+            hint = " (Phi3ForCausalLM can: --hf-architecture)" if field == "rotary_percent" and \
+                arch == "LlamaForCausalLM" else ""
+            raise CheckpointError(f"{arch} cannot represent {field}={cfg[field]!r}{hint}; convert a model trained "
                                   f"without --{field.replace('_', '-')}")
 
 

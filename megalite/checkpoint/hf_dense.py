@@ -1,10 +1,12 @@
 """Hugging Face's dense Llama-family classes beyond Llama itself: Qwen2 (biases on q, k and v), Qwen3 (per-head
-RMSNorm of queries and keys), Mistral (Llama's tensors; a sliding window, refused where it is set) and Phi-3 /
-Phi-4 (Llama's function in fused qkv and gate_up tensors, with a partial rotary). Qwen's tensors are Llama's with
-those rows added (hf.attention_rows maps both); their configs are Llama's with the flag that tells them apart, so
-a megalite model with --add-qkv-bias exports as Qwen2 and one with --qk-layernorm as Qwen3. Mistral without a
-window and Phi-3 hold every Llama model (`same_models_as`): a checkpoint imported from one goes back as it, any
-other on asking (hf_convert.arch_for)."""
+RMSNorm of queries and keys), Mistral (Llama's tensors; a sliding window, refused where it is set), Phi-3 / Phi-4
+(Llama's function in fused qkv and gate_up tensors, with a partial rotary) and Gemma (--geglu, an embedding
+multiplier, (1 + w) norms). Qwen's tensors are Llama's with those rows added (hf.attention_rows maps both); their
+configs are Llama's with the flag that tells them apart, so a megalite model with --add-qkv-bias exports as Qwen2
+and one with --qk-layernorm as Qwen3, one with --geglu as Gemma. Mistral without a window and Phi-3 hold Llama's
+models (`same_models_as`; Phi-3 those whose head dim is hidden / heads): a checkpoint converted from one goes back
+as it, any other (a checkpoint saved by training keeps no source) on asking with --hf-architecture
+(hf_convert.arch_for)."""
 
 import torch
 
@@ -105,7 +107,8 @@ class Mistral:
 class Phi3:
     """Phi3ForCausalLM (Phi-3, Phi-4): Llama's function in fused tensors, q, k and v in one qkv_proj (rows: q, k,
     v) and gate and up in one gate_up_proj, split on import and fused on export; a partial rotary
-    (rope_parameters' partial_rotary_factor: --rotary-percent). Holds every Llama model (`same_models_as`)."""
+    (rope_parameters' partial_rotary_factor: --rotary-percent). Holds the Llama models whose head dim is hidden /
+    heads (`same_models_as`; Phi3.check refuses the others)."""
     hf_class = "Phi3ForCausalLM"
     same_models_as = "LlamaForCausalLM"
 
@@ -196,7 +199,10 @@ class Gemma:
 
     @staticmethod
     def check_hf(h):
-        act = h.get("hidden_activation") or h.get("hidden_act") or "gelu_pytorch_tanh"
+        # (the official releases say hidden_act "gelu" and mean the tanh GeLU, as transformers reads it; older files
+        # add hidden_activation, which older transformers preferred)
+        act, legacy = h.get("hidden_act") or "gelu_pytorch_tanh", h.get("hidden_activation")
+        act = legacy or ("gelu_pytorch_tanh" if act == "gelu" else act)
         if act not in Gemma.TANH:
             raise CheckpointError(f"Gemma hidden_act={act!r}: megalite's GeGLU is the tanh GeLU's (gelu_pytorch_tanh)")
         for field in ("attention_bias", "use_bidirectional_attention"):

@@ -138,7 +138,8 @@ def _training_flags(a):
       help="a separate peak LR for the input embedding and the output layer (same schedule)")
     a("--decoupled-min-lr", type=float, default=None, help="their minimum LR (default --min-lr)")
     a("--apply-wd-to-qk-layernorm", action="store_true",
-      help="weight decay on the q/k layernorm weights too (Qwen3-Next's; other norms and biases stay undecayed)")
+      help="weight decay on the q/k layernorms' parameters too (Megatron's Qwen3-Next rule; other norms and biases "
+           "stay undecayed)")
     a("--lr-warmup-iters", type=int, default=0)
     a("--lr-warmup-fraction", type=float, default=None, help="warmup as a fraction of the decay iterations/samples")
     a("--lr-warmup-samples", type=int, default=0)

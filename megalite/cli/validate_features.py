@@ -29,7 +29,7 @@ def validate_split_paths(args):
     for other, on in (("--data-path", args.data_path), ("--mock-data", args.mock_data), ("--split", args.split)):
         if on:
             raise ConfigError(f"{given[0]} gives each split its own data; {other} does too: drop one")
-    if not args.train_data_path and args.train_iters:
+    if not args.train_data_path and (args.train_iters or args.train_samples) and not args.skip_train:
         raise ConfigError(f"{given[0]} without --train-data-path: the train split has no data")
     if args.model_type == "bert":
         raise ConfigError(f"{given[0]} is not built yet for BERT in megalite: use --data-path and --split")

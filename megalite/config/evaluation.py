@@ -21,6 +21,7 @@ class EvaluationConfig(Section):
     skip_train: bool
     data_path: list  # (an empty split's reason: the documents --split gives it)
     split: str
+    train_data_path: list  # (per-split paths: an empty split is one without its --valid/--test-data-path)
     model_type: str  # (BERT's splits count documents)
     manual_gc: bool  # --manual-gc-eval: collections around each evaluation
     manual_gc_eval: bool

@@ -34,11 +34,12 @@ class ModelConfig(ExecutionConfig):
     position_embedding_type: Annotated[str, SHAPE_RESTORED] = "learned_absolute"  # or "rope"
     rotary_base: Annotated[float, RESTORED] = 10000.0
     # Llama 3.1's rope scaling (transformer/rope.py): Megatron's two flags; the band and original context megalite's
-    use_rope_scaling: Annotated[bool, RESTORED] = False
-    rope_scaling_factor: Annotated[float, RESTORED] = 8.0
-    rope_scaling_low_freq_factor: Annotated[float, RESTORED] = 1.0
-    rope_scaling_high_freq_factor: Annotated[float, RESTORED] = 4.0
-    rope_scaling_original_max_position_embeddings: Annotated[int, RESTORED] = 8192
+    # (shape fields: what the weights mean, so a checkpoint and the run must agree)
+    use_rope_scaling: Annotated[bool, SHAPE_RESTORED] = False
+    rope_scaling_factor: Annotated[float, SHAPE_RESTORED] = 8.0
+    rope_scaling_low_freq_factor: Annotated[float, SHAPE_RESTORED] = 1.0
+    rope_scaling_high_freq_factor: Annotated[float, SHAPE_RESTORED] = 4.0
+    rope_scaling_original_max_position_embeddings: Annotated[int, SHAPE_RESTORED] = 8192
     normalization: Annotated[str, SHAPE_RESTORED] = "LayerNorm"  # or "RMSNorm"
     layernorm_epsilon: Annotated[float, Field("norm_epsilon", restored=True)] = 1e-5
     swiglu: Annotated[bool, SHAPE_RESTORED] = False
@@ -53,11 +54,6 @@ class ModelConfig(ExecutionConfig):
     attention_dropout: Annotated[float, RESTORED] = 0.1
     init_method_std: float = 0.02
     embedding_init_method_std: Optional[float] = None  # the embeddings' (and a tied output layer's); None: the above
-
-    @property
-    def embedding_std(self):
-        """The word, position and token-type embeddings' init std (Megatron's --embedding-init-method-std)."""
-        return self.init_method_std if self.embedding_init_method_std is None else self.embedding_init_method_std
     untie_embeddings_and_output_weights: Annotated[bool, SHAPE_RESTORED] = False
     # "gpt" or "bert": which model (and HF architecture) the weights are
     model_type: Annotated[str, Field(shape=True)] = "gpt"
@@ -149,6 +145,11 @@ class ModelConfig(ExecutionConfig):
         f = self.moe_layer_freq
         layer_number = min(layer_number, self.num_layers)  # an MTP layer is built as the decoder's last
         return bool(f[layer_number - 1]) if isinstance(f, (list, tuple)) else (layer_number - 1) % f == 0
+
+    @property
+    def embedding_std(self):
+        """The word, position and token-type embeddings' init std (Megatron's --embedding-init-method-std)."""
+        return self.init_method_std if self.embedding_init_method_std is None else self.embedding_init_method_std
 
     def __post_init__(self):
         h, a = self.hidden_size, self.num_attention_heads

@@ -11,5 +11,6 @@ from .tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 __all__ = ["BlendedDataset", "GPTDataset", "IndexedDataset", "IndexedDatasetBuilder",
            "MegatronPretrainingSampler", "SharesPretrainingSampler", "TOKENIZER_TYPES", "build_gpt_datasets",
+           "build_gpt_datasets_per_split",
            "build_tokenizer",
            "parse_data_path"]

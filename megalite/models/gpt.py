@@ -68,8 +68,11 @@ class GPTEmbedding(nn.Module):
             if position_ids is None:  # under CP: the global positions of this rank's tokens
                 position_ids = global_token_index(input_ids.shape[1], input_ids.device, self.grid).unsqueeze(0)
             x = x + self.position_embeddings(self.sequence_slice(position_ids.t()))  # [s, b or 1]
-        mult = mup.embedding_mult(self.config) * self.config.embedding_multiplier
-        return x * mult if mult != 1.0 else x
+        mult = mup.embedding_mult(self.config)
+        x = x * mult if mult != 1.0 else x
+        if self.config.embedding_multiplier != 1.0:  # (rounded to the activations' dtype first, as Gemma's normalizer)
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype, device=x.device)
+        return x
 
     def dropout(self, x):
         sp = self.word_embeddings.reduce_scatter

@@ -60,6 +60,7 @@ _CHECKED = {"max_lr": "--lr", "min_lr": "--min-lr",
             "end_wd": "--end-weight-decay", "wd_incr_style": "--weight-decay-incr-style",
             "wd_incr_steps": "--train-iters/--train-samples (the weight decay's increment)"}
 WD_KEYS = ("start_wd", "end_wd", "wd_incr_style", "wd_incr_steps")  # (Megatron's names)
+_UNRECORDED_BY_MEGATRON = ("wsd_decay_steps", "lr_wsd_decay_style")  # (its scheduler state leaves them out)
 _CHECKED_IF_SET = ("decoupled_lr", "decoupled_min_lr", "wsd_decay_steps", "lr_wsd_decay_style") + WD_KEYS
 
 
@@ -168,8 +169,10 @@ class LRScheduler:
             if self.override or key not in sd and key not in mine:
                 continue
             if key not in sd or key not in mine:  # --decoupled-lr in only one of the two runs
-                if key not in _CHECKED_IF_SET:
-                    continue  # an older checkpoint's schedule without this key
+                constant_wd = key in WD_KEYS and sd.get("wd_incr_style", "constant") == "constant" and key not in mine
+                if key not in _CHECKED_IF_SET or self.use_checkpoint or constant_wd or \
+                        key in _UNRECORDED_BY_MEGATRON and key not in sd:
+                    continue  # an older (or Megatron's) schedule without this key, or the checkpoint's taken
                 raise ConfigError(f"the checkpoint's LR schedule {'has' if key in sd else 'lacks'} {flags} but this "
                                   f"run's flags {'do not' if key in sd else 'do'}: pass the same {flags} or "
                                   "--override-opt_param-scheduler to take the flags'")
@@ -183,9 +186,13 @@ class LRScheduler:
             self.style = sd.get("lr_decay_style", self.style)
             if self.decoupled_lr is not None:
                 self.decoupled_lr, self.decoupled_min_lr = sd["decoupled_lr"], sd["decoupled_min_lr"]
-            if self.style == "WSD":
-                self.wsd_decay_steps, self.wsd_style = sd["wsd_decay_steps"], sd["lr_wsd_decay_style"]
-            if self.weight_decay is not None:
+            if self.style == "WSD":  # (Megatron's checkpoints do not record the annealing: the flags give it)
+                self.wsd_decay_steps = sd.get("wsd_decay_steps", self.wsd_decay_steps)
+                self.wsd_style = sd.get("lr_wsd_decay_style", self.wsd_style)
+                if not self.wsd_decay_steps:
+                    raise ConfigError("the checkpoint's LR schedule is WSD but records no annealing length (a "
+                                      "Megatron-LM checkpoint): pass --lr-decay-style WSD --lr-wsd-decay-iters")
+            if sd.get("wd_incr_style", "constant") != "constant":
                 self.weight_decay = tuple(sd[k] for k in WD_KEYS)
         self.num_steps = 0
         self.step(sd["num_steps"])

@@ -213,6 +213,7 @@ def _rowwise_dgrad(site, dy2, weight, dtype):
 def _rowwise_wgrad(site, dy2, x2):
     g, m = site.grid, site.margin
     dytq, sdyt = along(dy2.t(), 0, site.grad_dtype, m, False, g)  # dw = dy^T x: contraction over M (whole here)
+    dytq = dytq.contiguous()  # (cuBLASLt's A is row-major; dy^T's rows come strided)
     xq, sx = along(x2, 1, site.forward_dtype, m, False, g)  # [1, K]
     return scaled_mm(dytq, _column_major(xq), sdyt, sx, torch.float32)
 
@@ -309,7 +310,7 @@ class _Fp8Linear(torch.autograd.Function):
         site = ctx.site
         dy2 = dy.reshape(-1, dy.shape[-1])
         if site.recipe in _REQUANTIZED:
-            x2, weight = saved = ctx.saved_tensors
+            x2, weight = ctx.saved_tensors
             dgrad, wgrad = _REQUANTIZED[site.recipe]
             with site.kernels():
                 dx = dgrad(site, dy2, weight, ctx.dtypes[0])

@@ -47,6 +47,9 @@ def report_splits(cfg, datasets, wanted):
 def _skip_line(cfg, empty):
     it, which = ("it", f"the {empty[0]} split holds") if len(empty) == 1 else \
         ("them", "the validation and test splits hold")
+    if cfg.train_data_path:  # (Megatron's per-split paths)
+        flags = " or ".join(f"--{'valid' if n == 'validation' else n}-data-path" for n in empty)
+        return f"megalite: evaluation skipped: {which} no sample; give {flags} to evaluate {it}"
     why = ""
     if cfg.data_path:  # how many documents --split gives them (mock data: none to count)
         from megalite.data.builder import split_document_counts

@@ -35,7 +35,7 @@ def kernel_shapes(c, micro_batch_size, tp, cp, device, adam=True):
             out.append(("flash_attention", (b, s, hq, d), e))
         if c.position_embedding_type == "rope" and not c.rotary_interleaved:
             out += [("rotary", (b, s, hq, d), e), ("rotary", (b, s, hkv, d), e)]
-    if c.swiglu:
+    if c.swiglu and not c.geglu:  # (GeGLU runs torch's ops: no kernel to choose)
         out.append(("swiglu", (s, b, 2 * c.ffn_hidden_size // tp), e))
     elif c.add_bias_linear and not c.squared_relu and c.gelu == "tanh":
         out.append(("bias_gelu", (s, b, c.ffn_hidden_size // tp), e))

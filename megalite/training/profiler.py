@@ -1,4 +1,4 @@
-"""--profile (Megatron's): iterations --profile-step-start to --profile-step-end profiled on --profile-ranks, by
+"""--profile (Megatron's): iterations --profile-step-start + 1 to --profile-step-end profiled on --profile-ranks, by
 torch.profiler into --tensorboard-dir (--use-pytorch-profiler: Megatron's schedule, a warm-up iteration before the
 first active one) or as nsys' capture range (cudaProfilerStart at the start, Stop after the end, NVTX ranges
 between). Profiling only watches: the run's values are the same."""
@@ -22,7 +22,9 @@ class Profiler(Part):
         self.prof.start()
 
     def before(self, it):
-        if self.prof is None and it == self.cfg.profile_step_start:
+        # (Megatron opens the range once `start` iterations are done, as the torch.profiler schedule's first active
+        # step is iteration start + 1)
+        if self.prof is None and it == self.cfg.profile_step_start + 1:
             torch.cuda.cudart().cudaProfilerStart()
             self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=self.cfg.pytorch_profiler_collect_shapes)
             self.nvtx.__enter__()
@@ -30,12 +32,17 @@ class Profiler(Part):
     def after(self, it, step):
         if self.prof is not None:
             self.prof.step()
-        elif it == self.cfg.profile_step_end and self.nvtx is not None:
+        elif it == self.cfg.profile_step_end:
+            self._close_nvtx()
+
+    def _close_nvtx(self):
+        if self.nvtx is not None:
             self.nvtx.__exit__(None, None, None)
             torch.cuda.cudart().cudaProfilerStop()
             self.nvtx = None
 
     def finish(self, last):
+        self._close_nvtx()  # (a run that ends inside the range)
         if self.prof is not None:  # (a run shorter than the schedule: what was recorded is still written)
             self.prof.stop()
             self.prof = None

@@ -51,6 +51,10 @@ def _validate_wsd(args):
                               "drop it")
         return
     want = "--lr-wsd-decay-samples" if args.train_samples is not None else "--lr-wsd-decay-iters"
+    if len(given) == 2 or given and want not in given:
+        unread = [f for f in given if f != want][0]
+        raise ConfigError(f"{unread} is not read with --{'train-samples' if 'samples' in want else 'train-iters'} "
+                          f"(as Megatron): give {want} instead")
     if want not in given:
         raise ConfigError(f"--lr-decay-style WSD with --{'train-samples' if 'samples' in want else 'train-iters'} "
                           f"anneals over its last {want}: give it")
