@@ -52,14 +52,18 @@ def use_checkpoint_args(args, defaults):
 
 
 def _megatron_model_config(root):
-    """(its iteration directory, megalite's model config JSON) of the Megatron-LM checkpoint at root."""
+    """(its iteration directory, the model fields of its saved arguments, as a megalite checkpoint's model config
+    holds them) of the Megatron-LM checkpoint at root: megalite's flags are Megatron's (megalite/cli/megatron_args.py
+    maps them the same way for --load); validation then checks them as any command line's."""
     from megalite.checkpoint.megatron import MegatronCheckpoint
-    from megalite.cli.megatron_args import model_config_of
     src = MegatronCheckpoint(root)
-    vocab = getattr(src.args, "vocab_size", None) or getattr(src.args, "padded_vocab_size", None)
-    if not vocab:
-        raise CheckpointError(f"{src.path}: Megatron's args give neither vocab_size nor padded_vocab_size")
-    return src.path, model_config_of(src.args, vocab)
+    saved = {}
+    for dest, field in CHECKPOINT_ARGS.items():
+        value = getattr(src.args, field if dest == "disable_bias_linear" else dest, None)  # (add_bias_linear)
+        if value is not None:
+            saved[field] = value
+    saved["vocab_size"] = getattr(src.args, "vocab_size", None) or getattr(src.args, "padded_vocab_size", None)
+    return src.path, saved
 
 
 def _take(args, saved, defaults):
