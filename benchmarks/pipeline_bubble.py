@@ -7,10 +7,12 @@ underneath (gloo ranks). Idle fraction of a stage = 1 - busy / iteration wall ti
 Theory: 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v m+p-1); ZB-H1 (--pipeline-schedule
 zb-h1: the backward split into B, the input gradient, and W, the weight gradient, t_f each) (p-1)/(3m+p-1) for m >= p;
 ZB-V (--pipeline-schedule zbv: two chunks per rank in a V, each half the stage's cost, the backward split) at
-p = 2, 4 (p-1)/(6m+p-1) for m >= p (its plan's; a few units more at other p).
+p = 2, 4 (p-1)/(6m+p-1) for m >= p (its plan's; a few units more at other p); DualPipeV (--pipeline-schedule
+dualpipev: ZB-V's V in DualPipe's order, m >= 2p) its plan's, as ZB-V's at p = 2, 4 (the V schedules' theory is
+their plan's unit-cost step, megalite/pipeline/zero_bubble.py).
 Also prints the peak number of micro-batches whose activations are alive on each stage,
-1F1B and ZB-H1 vs all-forwards-then-all-backwards (GPipe), and ZB-V's in chunk-activations (half a stage's each;
-1F1B's first stage holds 2p of them).
+1F1B and ZB-H1 vs all-forwards-then-all-backwards (GPipe), and ZB-V's and DualPipeV's in chunk-activations (half a
+stage's each; 1F1B's first stage holds 2p of them, DualPipeV 2p + 1).
 
     python benchmarks/pipeline_bubble.py [--p 4 --ms 4 8 16 --v 2 --tf-ms 10]
 """
@@ -31,8 +33,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from megalite.pipeline.zero_bubble import make_plan
+
 BUSY = [0.0]
 SHAPE = (8, 1, 16)
+V_KINDS = {}  # (the schedules of two chunks per rank in a V: kind -> its megalite schedule, set in the ranks)
+PLANS = {"ZB-V": "zbv", "DualPipeV": "dualpipev"}
 
 
 def _sleep(seconds):
@@ -138,24 +144,27 @@ def _rank(rank, p, port, args, q):
     from megalite.pipeline import schedules
     from megalite.pipeline.interleaved import forward_backward_pipelining_with_interleaving
     from megalite.pipeline.run import ScheduleTrace
+    V_KINDS.update({"ZB-V": schedules.forward_backward_pipelining_zero_bubble_v,
+                    "DualPipeV": schedules.forward_backward_pipelining_dualpipe_v})
     tf = args.tf_ms / 1000
     trace = ScheduleTrace()
     rows = []
-    for kind, v in (("1F1B", 1), ("ZB-H1", 1), ("ZB-V", 2), ("interleaved", args.v)):
-        ps.initialize_model_parallel(1, p, v if v > 1 else None, pipeline_placement="v" if kind == "ZB-V" else "loop")
+    for kind, v in (("1F1B", 1), ("ZB-H1", 1), ("ZB-V", 2), ("DualPipeV", 2), ("interleaved", args.v)):
+        ps.initialize_model_parallel(1, p, v if v > 1 else None,
+                                     pipeline_placement="v" if kind in V_KINDS else "loop")
         # Interleaving (and the V) splits the stage's work into v chunks of 1/v the cost each.
         g = ps.current_grid()
         chunks = [SleepStage(tf / v, 2 * tf / v, g.stage_of(i) == 0) for i in range(v)]
         for m in args.ms:
-            if kind == "interleaved" and m % p:
+            if (kind == "interleaved" and m % p) or (kind == "DualPipeV" and m < 2 * p):
                 continue
             fracs = []
             for _ in range(args.repeats + 1):  # (the first call is a warm-up: gloo's first messages of a kind)
                 dist.barrier()
                 BUSY[0] = 0.0
                 t0 = time.perf_counter()
-                if kind == "ZB-V":
-                    schedules.forward_backward_pipelining_zero_bubble_v(
+                if kind in V_KINDS:
+                    V_KINDS[kind](
                         _forward_step, [None] * v, chunks, m, tensor_shape=SHAPE, dtype=torch.float32, trace=trace)
                 elif kind == "ZB-H1":
                     schedules.forward_backward_pipelining_zero_bubble(
@@ -210,20 +219,21 @@ def main():
     print(f"{'schedule':<13}{'v':>3}{'m':>5}{'theory':>9}{'measured (mean of stages)':>28}{'ratio':>8}"
           f"{'worst stage':>13}")
     for i, (kind, v, m, _, _) in enumerate(results[0][0]):
-        work = {"ZB-H1": 3 * m, "ZB-V": 6 * m}.get(kind, v * m)  # (ZB-H1's and ZB-V's: m >= p)
-        theory = (p - 1) / (work + p - 1)
+        work = {"ZB-H1": 3 * m}.get(kind, v * m)  # (ZB-H1's: m >= p)
+        theory = 1 - 6 * m / make_plan(PLANS[kind], p, m).makespan if kind in PLANS else (p - 1) / (work + p - 1)
         per_stage = [results[r][0][i][3] for r in range(p)]
         mean = sum(per_stage) / p
         print(f"{kind:<13}{v:>3}{m:>5}{theory:>9.3f}{mean:>28.3f}{mean / theory:>8.3f}{max(per_stage):>13.3f}")
-    print("\npeak micro-batches with live activations per stage (1F1B, ZB-H1 vs all-forward-then-backward; ZB-V: "
-          "chunk-activations, half a stage's each):")
-    print(f"{'m':>4}  " + "  ".join(f"stage {s}: 1F1B/ZB-H1/GPipe/ZB-V" for s in range(p)))
+    print("\npeak micro-batches with live activations per stage (1F1B, ZB-H1 vs all-forward-then-backward; ZB-V, "
+          "DualPipeV: chunk-activations, half a stage's each; '-': not run at that m):")
+    print(f"{'m':>4}  " + "  ".join(f"stage {s}: 1F1B/ZB-H1/GPipe/ZB-V/DualPipeV" for s in range(p)))
     for m in args.ms:
-        idx = [next(i for i, row in enumerate(results[0][0]) if row[0] == kind and row[2] == m)
-               for kind in ("1F1B", "ZB-H1", "ZB-V")]
-        cells = [f"{results[s][0][idx[0]][4]:>9}/{results[s][0][idx[1]][4]}/{results[s][1][m]}/"
-                 f"{results[s][0][idx[2]][4]:<5}" for s in range(p)]
-        print(f"{m:>4}  " + "  ".join(f"{c:>25}" for c in cells))
+        def alive(kind, s):
+            row = [row for row in results[s][0] if row[0] == kind and row[2] == m]
+            return str(row[0][4]) if row else "-"
+        cells = ["/".join([alive("1F1B", s), alive("ZB-H1", s), str(results[s][1][m]), alive("ZB-V", s),
+                           alive("DualPipeV", s)]) for s in range(p)]
+        print(f"{m:>4}  " + "  ".join(f"{c:>35}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""A real GPT's step under 1F1B, ZB-H1 and ZB-V (--pipeline-schedule zb-h1|zbv) side by side: `pretrain_gpt.py`
+"""A real GPT's step under 1F1B, ZB-H1, ZB-V and DualPipeV (--pipeline-schedule zb-h1|zbv|dualpipev; DualPipeV
+where the micro-batches are at least 2 x --pp) side by side: `pretrain_gpt.py`
 on --pp CPU ranks (gloo, one thread each, torchrun), mock data, the same model and batch; the arms alternate so the
 machine's drift falls on all. Prints per schedule the median time per iteration (warm-up left out) and its ratio to
 1F1B's, the measured F / B / W of each rank's chunks (ms; 1F1B's B is its whole backward), each rank's busy share,
 and two predictions of the ratio: the bubble theory's with F = B = W (1F1B (m+p-1)(F+B+W) against ZB-H1's 3m+p-1
-units and ZB-V's 3m+(p-1)/2, its units half a stage's; exact at p = 2, 4 for m >= p), and the plan replayed with
+units and the V's plans' steps, their units half a stage's: ZB-V's and DualPipeV's 3m+(p-1)/2 at p = 2, 4 for
+m >= p), and the plan replayed with
 the measured costs (each rank's actions in the plan's order, each waiting for the message it needs; messages
 free), which tells the schedule's share of a gap from the machine's.
 
@@ -24,7 +26,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCHEDULES = ("1f1b", "zb-h1", "zbv")
+SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")
 OPS = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W"}
 
 
@@ -124,25 +126,27 @@ def main():
     a = ap.parse_args()
     if a.layers % (2 * a.pp):
         raise SystemExit(f"--layers {a.layers} must divide into 2 x --pp {a.pp} for zbv's two chunks a rank")
-    got, costs = {s: [] for s in SCHEDULES}, {}
+    schedules = [s for s in SCHEDULES if s != "dualpipev" or a.micro_batches >= 2 * a.pp]
+    got, costs = {s: [] for s in schedules}, {}
     for _ in range(a.rounds):
-        for schedule in SCHEDULES:
+        for schedule in schedules:
             times, costs[schedule] = _run(schedule, a)  # (the last round's costs)
             got[schedule] += times
     median = {s: statistics.median(t) for s, t in got.items()}
     p, m = a.pp, a.micro_batches
-    theory = {"1f1b": 1.0, "zb-h1": (3 * m + p - 1) / (3 * (m + p - 1)),
-              "zbv": (3 * m + (p - 1) / 2) / (3 * (m + p - 1))}
-    replayed = {s: replay(s, p, m, costs[s]) for s in SCHEDULES}
+    from megalite.pipeline.zero_bubble import make_plan
+    theory = {s: make_plan(s, p, m).makespan / (2 if s in ("zbv", "dualpipev") else 1) / (3 * (m + p - 1))
+              for s in schedules}  # (1F1B's plan: 3 (m + p - 1) units)
+    replayed = {s: replay(s, p, m, costs[s]) for s in schedules}
     print(f"GPT {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch {a.micro}, {m} micro-batches, "
           f"PP{p} on {os.cpu_count()} cores (gloo, 1 thread a rank); median of {len(got['1f1b'])} iterations each")
-    print(f"{'schedule':<8}{'ms / iter':>11}{'x 1f1b':>8}{'theory F=B=W':>14}{'replayed':>10}{'x 1f1b':>8}"
+    print(f"{'schedule':<10}{'ms / iter':>11}{'x 1f1b':>8}{'theory F=B=W':>14}{'replayed':>10}{'x 1f1b':>8}"
           f"{'busy by rank':>16}   F / B / W ms by rank and chunk")
-    for s in SCHEDULES:
+    for s in schedules:
         busy = [m * sum(sum(ops.values()) for ops in costs[s][r].values()) / median[s] for r in range(p)]
         fbw = "  ".join(f"r{r}c{c} " + "/".join(f"{ops.get(op, 0.0):.1f}" for op in "FBW")
                         for r in range(p) for c, ops in sorted(costs[s][r].items()))
-        print(f"{s:<8}{median[s]:>11.1f}{median[s] / median['1f1b']:>8.3f}{theory[s]:>14.3f}{replayed[s]:>10.1f}"
+        print(f"{s:<10}{median[s]:>11.1f}{median[s] / median['1f1b']:>8.3f}{theory[s]:>14.3f}{replayed[s]:>10.1f}"
               f"{replayed[s] / replayed['1f1b']:>8.3f}{' '.join(f'{b:.2f}' for b in busy):>16}   {fbw}")
 
 

@@ -72,6 +72,9 @@ CROSS = {
     "zbv_to_pp4_1f1b": (["--pipeline-model-parallel-size", "4", "--use-distributed-optimizer"], "pp2_zbv_dp2_zero1"),
     "interleaved_to_zbv": (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"],
                            "pp2_interleaved_dp2_zero1"),
+    # (TP2, DP1: DualPipeV's 2p = 4 micro-batches of the global batch of 4)
+    "zbv_to_tp2_dualpipev": (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                              "--pipeline-schedule", "dualpipev", "--use-distributed-optimizer"], "pp2_zbv_dp2_zero1"),
 }
 
 

@@ -203,6 +203,7 @@ LAYOUTS = [layout("pp2_fp8_tensorwise", pp=2, model=TENSORWISE), layout("dp2_fp8
            layout("pp2_fp8_rowwise_zb_h1", pp=2, model=ROWWISE, flags=("--pipeline-schedule", "zb-h1")),
            layout("pp2_fp8_blockwise_zbv_full_recompute", pp=2, model=BLOCKWISE, recompute="full",
                   flags=("--pipeline-schedule", "zbv")),
+           layout("pp2_fp8_tensorwise_dualpipev", pp=2, model=TENSORWISE, flags=("--pipeline-schedule", "dualpipev")),
            # MoE experts under EP2: an expert gets two micro-batches' rows at once and runs each apart, as the single
            # process does (tensorwise scales, row-wise and blockwise weight gradients' scales along the tokens)
            *(layout(f"ep2_fp8_{name}_{kind}", dp=2, model=MB2 + MOE + recipe,

@@ -131,7 +131,6 @@ def test_zbv_runs_two_chunks_per_rank_at_any_micro_batch_count():
 
 
 @pytest.mark.parametrize("extra,says", [
-    ("--pipeline-schedule dualpipev", "--pipeline-schedule dualpipev is not built yet in megalite"),
     ("--pipeline-schedule zbv --num-layers 6", "--pipeline-schedule zbv cuts the model into 2 x "
      "--pipeline-model-parallel-size 2 = 4 stages: --num-layers 6 does not divide evenly"),
     ("--pipeline-schedule zbv --num-virtual-stages-per-pipeline-rank 4 --num-layers 8",
@@ -245,13 +244,20 @@ def four():
 def test_zero_bubble_matches_single_process(four, lay):
     ranks = four[lay.name]
     assert_parity(lay, ranks)
-    pp, v = 4 if "pp4" in lay.name else 2, 2 if "zbv" in lay.name else 1
+    v = 2 if "zbv" in lay.name else 1
+    assert_ran_the_plan(lay, ranks, "zbv" if v == 2 else "zb-h1", v, lambda pp, m: v * min(pp, m))
+
+
+def assert_ran_the_plan(lay, ranks, schedule, v, most_alive):
+    """Every stage ran `schedule`'s plan action for action (v chunks per rank; PP4 where the layout's name says),
+    with at most most_alive(pp, m) chunk-activations alive."""
+    pp = 4 if "pp4" in lay.name else 2
     for r in ranks:
-        schedule, stage = r["record"].schedule, r["coords"][1]
-        m = len([op for op in schedule.ops if op[0] == F]) // v
-        want = [(a.op, a.chunk, a.mb) for a in make_plan("zbv" if v == 2 else "zb-h1", pp, m).actions[stage]]
-        assert schedule.ops == want, f"{lay.name} stage {stage}: {schedule.ops}"
-        assert schedule.max_alive <= v * min(pp, m), f"{lay.name} stage {stage}: {schedule.max_alive} alive"
+        ran, stage = r["record"].schedule, r["coords"][1]
+        m = len([op for op in ran.ops if op[0] == F]) // v
+        want = [(a.op, a.chunk, a.mb) for a in make_plan(schedule, pp, m).actions[stage]]
+        assert ran.ops == want, f"{lay.name} stage {stage}: {ran.ops}"
+        assert ran.max_alive <= most_alive(pp, m), f"{lay.name} stage {stage}: {ran.max_alive} alive"
 
 
 @pytest.mark.parametrize("lay", FAULTY, ids=lambda lay: lay.name)
@@ -383,9 +389,12 @@ def _evaluations(runs):
 
 def test_zbv_evaluates_as_1f1b():
     """Forward only, the V's plan runs its forwards alone (each rank's two chunks, the turning point handed over
-    within rank 0): the same losses as 1F1B's, bit for bit (the same arithmetic per layer)."""
+    within rank 0): the same losses as 1F1B's, bit for bit (the same arithmetic per layer); dualpipev's too, at
+    fewer micro-batches than its training needs (2 < 2p)."""
     from dist_util import run_on_ranks
-    last = run_on_ranks(_evaluations, 2, [(), ZBV, ZBV + UNTIED], timeout=300)[1]
-    one, zbv, untied = last
+    small = ("--eval-global-batch-size", "2")
+    runs = [(), ZBV, ZBV + UNTIED, small, ("--pipeline-schedule", "dualpipev") + small]
+    one, zbv, untied, one_small, dualpipev = run_on_ranks(_evaluations, 2, runs, timeout=300)[1]
     assert one and one == zbv, (one, zbv)
+    assert one_small and one_small == dualpipev and one_small != one, (one_small, dualpipev)
     assert untied and untied != one  # (another model: the losses are not constants)

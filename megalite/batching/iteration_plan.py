@@ -31,7 +31,7 @@ rule every rank computes from the same gathered times.
 import math
 
 from megalite.config import ConfigError
-from megalite.batching.microbatches import BatchSchedule, interleaving_problem, parse_step_schedule
+from megalite.batching.microbatches import DUALPIPE_V, BatchSchedule, interleaving_problem, parse_step_schedule
 
 
 def parse_shares(text, dp):
@@ -211,7 +211,7 @@ def auto_shares(cfg, plan, grid):
     interleaved), else None."""
     if cfg.data_parallel_shares != "auto":
         return None
-    unit = cfg.pipeline_model_parallel_size if interleaving(cfg) else 1
+    unit = cfg.pipeline_model_parallel_size if interleaving(cfg) not in (False, DUALPIPE_V) else 1
     return AutoShares(plan, cfg.data_parallel_shares_profile_iters, unit, grid)
 
 
@@ -267,7 +267,15 @@ def batch_schedule(cfg):
 
 
 def interleaving(cfg):
-    """The `interleaved` argument of the checks: False, True (groups of PP) or the group size."""
+    """The `interleaved` argument of the checks: False, True (groups of PP), the group size, or DUALPIPE_V
+    (training only: evaluation runs the V's forwards, any count)."""
+    if cfg.pipeline_schedule == "dualpipev":
+        return DUALPIPE_V
     if cfg.virtual_pipeline_model_parallel_size is None or cfg.pipeline_schedule == "zbv":
         return False
     return cfg.microbatch_group_size_per_virtual_pipeline_stage or True
+
+
+def evaluation_interleaving(cfg):
+    """interleaving(cfg) for the evaluation's forwards (DualPipeV's: ZB-V's, any micro-batch count)."""
+    return False if (rule := interleaving(cfg)) == DUALPIPE_V else rule

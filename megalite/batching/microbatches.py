@@ -47,10 +47,17 @@ def parse_step_schedule(text, seq_length=None):
     return entries
 
 
+DUALPIPE_V = "dualpipev"  # (interleaving_problem's group for --pipeline-schedule dualpipev: its count rule)
+
+
 def interleaving_problem(m, pp, group=None):
     """Why m micro-batches cannot run the interleaved schedule, or None. Megatron's rules: groups of
     G contiguous micro-batches per virtual stage (--microbatch-group-size-per-virtual-pipeline-stage,
-    default PP), PP <= G <= m, and a last group of 0 or at least PP micro-batches."""
+    default PP), PP <= G <= m, and a last group of 0 or at least PP micro-batches. group DUALPIPE_V:
+    DualPipeV's rule instead, at least 2 PP micro-batches (a full V in flight)."""
+    if group == DUALPIPE_V:
+        return None if m >= 2 * pp else (f"--pipeline-schedule dualpipev needs at least 2 x "
+                                         f"--pipeline-model-parallel-size {pp} = {2 * pp} micro-batches, not {m}")
     g = pp if group is None or group is True else group
     if group in (None, True) and m % pp:
         return (f"interleaved pipelining needs the number of micro-batches ({m}) to be a multiple of "

@@ -20,8 +20,8 @@ class Validator:
             argv = [a for a in argv if a != "--overlap-param-gather"]
         if layout.pp == 1 or layout.vp:  # (a split backward fills a plain pipeline's bubble: those layouts only)
             argv = _without_schedule(argv, "zb-h1")
-        if layout.pp == 1 or not layout.vp:  # (zbv: the layouts of two chunks per rank, search.candidates')
-            argv = _without_schedule(argv, "zbv")
+        if layout.pp == 1 or not layout.vp:  # (zbv, dualpipev: the layouts of two chunks per rank, search's)
+            argv = _without_schedule(_without_schedule(argv, "zbv"), "dualpipev")
         key = tuple(argv)
         if key not in self.models:
             self.models[key] = ModelFlags(argv)
@@ -49,7 +49,7 @@ def validated(model_argv, layout, world_size):
     """The PlanConfig (config/plan.py) of the user's model flags at this layout; ConfigError where megalite
     would refuse to launch it. The user's --overlap-param-gather (ZeRO's) applies to the layouts with ZeRO; those
     without run without it (and --pipeline-schedule zb-h1 / --delay-wgrad-compute to plain pipelines, PP > 1
-    without virtual stages; zbv to PP > 1 with virtual stages, which it takes two per rank)."""
+    without virtual stages; zbv and dualpipev to PP > 1 with virtual stages, which they take two per rank)."""
     return Validator()(model_argv, layout, world_size)
 
 

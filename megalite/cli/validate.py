@@ -14,7 +14,7 @@ from megalite.cli.features.semi_sync import validate_semi_sync
 from megalite.cli.features.ft import validate_ft
 from megalite.cli.features.fp8 import validate_fp8
 from megalite.cli.features.lr_schedule import validate_lr_schedule
-from megalite.cli.features.pipeline_schedule import v_split, validate_pipeline_schedule
+from megalite.cli.features.pipeline_schedule import V_SCHEDULES, v_split, validate_pipeline_schedule
 from megalite.cli.features.optimizer import validate_optimizer
 from megalite.cli.features.profiling import validate_profiling
 from megalite.cli.validate_features import validate_data_parallel_reduction, validate_features, validate_split_paths
@@ -173,19 +173,18 @@ def _validate_eval_batch(args):
     g, m, dp = args.eval_global_batch_size, args.eval_micro_batch_size, args.data_parallel_size
     shares = args.data_parallel_shares if isinstance(args.data_parallel_shares, list) else None
     if (shares or args.eval_micro_batch_sizes) and g >= 1 and m >= 1:
-        from megalite.batching.iteration_plan import IterationPlan
-        from megalite.batching.iteration_plan import interleaving
+        from megalite.batching.iteration_plan import IterationPlan, evaluation_interleaving
         from megalite.batching.microbatches import BatchSchedule
         plan = IterationPlan(BatchSchedule(g, m, dp), shares, micros=args.eval_micro_batch_sizes)
-        plan.check(0, args.pipeline_model_parallel_size, interleaving(BatchingConfig.of(args)),
+        plan.check(0, args.pipeline_model_parallel_size, evaluation_interleaving(BatchingConfig.of(args)),
                    what="--eval-global-batch-size")
         return
     if g < 1 or m < 1 or g % (m * dp):
         raise ConfigError(f"--eval-global-batch-size {g} must be a positive multiple of --eval-micro-batch-size {m} x "
                           f"data-parallel size {dp} = {m * dp}")
-    from megalite.batching.iteration_plan import interleaving
+    from megalite.batching.iteration_plan import evaluation_interleaving
     from megalite.batching.microbatches import interleaving_problem
-    interleaved = interleaving(BatchingConfig.of(args))
+    interleaved = evaluation_interleaving(BatchingConfig.of(args))
     if interleaved and (why := interleaving_problem(g // (m * dp), args.pipeline_model_parallel_size, interleaved)):
         raise ConfigError(f"evaluation: {why}; change --eval-global-batch-size")
 
@@ -288,7 +287,7 @@ def _validate_pipeline(args):
         if args.virtual_pipeline_model_parallel_size == 1:
             args.virtual_pipeline_model_parallel_size = None  # one chunk per stage: plain 1F1B
         return
-    if args.pipeline_schedule == "zbv":
+    if args.pipeline_schedule in V_SCHEDULES:
         return v_split(args)
     stage_layer_counts(L, pp, args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 

@@ -27,7 +27,7 @@ class ExecutionConfig:
     # interleaved: contiguous micro-batches (default PP)
     microbatch_group_size_per_vp_stage: Annotated[Optional[int], Field(
         "microbatch_group_size_per_virtual_pipeline_stage", layout=True)] = None
-    # 1f1b | interleaved | zb-h1 (megalite/pipeline/schedules.py; None: by the layout)
+    # 1f1b | interleaved | zb-h1 | zbv | dualpipev (megalite/pipeline/schedules.py; None: by the layout)
     pipeline_schedule: Annotated[Optional[str], LAYOUT] = None
     fused_kernels: Annotated[bool, Field(flag=None)] = True  # Triton kernels on CUDA; CPU always uses the torch path
     seed: int = 1234  # initialisation seed (topology independent)

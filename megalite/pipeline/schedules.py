@@ -120,6 +120,15 @@ def forward_backward_pipelining_zero_bubble_v(forward_step_func, data_iterator, 
                                       forward_only, loss_scale, tensor_shape, dtype, loss_divisor, trace, timer)
 
 
+def forward_backward_pipelining_dualpipe_v(forward_step_func, data_iterator, model, num_microbatches,
+                                           forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None,
+                                           loss_divisor=None, trace=None, timer=None):
+    """DualPipeV (--pipeline-schedule dualpipev): ZB-V's two chunks per rank in a V, in DualPipe's order
+    (zero_bubble.py's dualpipe_v_order); forward only: ZB-V's forwards."""
+    return forward_backward_with_plan("dualpipev", forward_step_func, data_iterator, model, num_microbatches,
+                                      forward_only, loss_scale, tensor_shape, dtype, loss_divisor, trace, timer)
+
+
 def get_forward_backward_func(grid=None, schedule=None):
     """Megatron's: the schedule of `grid`'s layout (default the global one, as Megatron's takes none); schedule:
     --pipeline-schedule's (None: by the layout)."""
@@ -127,7 +136,8 @@ def get_forward_backward_func(grid=None, schedule=None):
     if g.pp == 1:
         return forward_backward_no_pipelining
     if g.pipeline_placement == "v":
-        return forward_backward_pipelining_zero_bubble_v
+        return forward_backward_pipelining_dualpipe_v if schedule == "dualpipev" else \
+            forward_backward_pipelining_zero_bubble_v
     if g.vpp is not None:
         return forward_backward_pipelining_with_interleaving
     if schedule == "zb-h1":

@@ -12,7 +12,8 @@ placed in a V (megalite/parallel/pipeline_stages.py): a free rank runs a B whose
 whose input has come (the later chunk's first) while fewer than 2p chunk-activations are alive (1F1B's first
 stage: p micro-batches of a p-th of the model; one kept free for the later chunk), else the oldest W it owes; at
 p = 2 and 4 its step is the least any plan can take once m >= p, 6m + p - 1 (unit costs per chunk: only the
-rank of the V's turning point waits, p - 1 units, for its first input). check_plan proves a plan runs: every
+rank of the V's turning point waits, p - 1 units, for its first input). dualpipev's plan is DualPipe's fixed
+order on the same V (dualpipe_v_order), timed with unit costs. check_plan proves a plan runs: every
 (chunk, micro-batch) of a rank has one F, one B and one W in that order, each chunk's in micro-batch order; every
 message a rank waits for is sent by the stage before or after (no rank waits for one never issued, no circle of
 waits). A rank posts its receives from each peer in the order that peer sends them (zero_bubble_run.py), as NCCL,
@@ -24,7 +25,7 @@ import functools
 from megalite.parallel.pipeline_stages import PipelineStages
 
 F, B, W = "F", "B", "W"
-SCHEDULES = ("1f1b", "zb-h1", "zbv")
+SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,13 +181,79 @@ def _simulate_v(p, m):
     return Plan(tuple(tuple(a) for a in actions), done, max(done.values()), st)
 
 
+def dualpipe_v_order(p, m, rank):
+    """DualPipeV's actions on `rank` (DeepSeek's DualPipe folded into a V, as Sea AI Lab's DualPipeV and
+    torch.distributed.pipelining's ScheduleDualPipeV order them), the V as PipelineStages places it: rank r is
+    d = p - 1 - r stages from the first, holding stage d (chunk 0, going down) and 2p - 1 - d (chunk 1, coming
+    back). Its phases: chunk-0 forwards to fill the V; forwards of both chunks; a backward of chunk 1 with its W
+    and a forward; the steady state, pairs of one chunk's forward and the other chunk's backward (each pair what
+    DualPipe overlaps: its W right after its B); the drain, where the later half of the backwards defer their W
+    into the bubble. Needs m >= 2p (a full V in flight)."""
+    d, k = p - 1 - rank, rank  # (k: the stages after this rank's chunk 0 on the way down)
+    acts, fwd, bwd, owed = [], [0, 0], [0, 0], []
+
+    def f(c):
+        acts.append(Action(F, c, fwd[c]))
+        fwd[c] += 1
+
+    def b(c, defer=False):
+        acts.append(Action(B, c, bwd[c]))
+        (owed if defer else acts).append(Action(W, c, bwd[c]))
+        bwd[c] += 1
+
+    def w():
+        acts.append(owed.pop(0))
+    for _ in range(2 * k):
+        f(0)
+    for _ in range(d + 1):
+        f(0), f(1)
+    for _ in range(k):
+        b(1, defer=True), w(), f(1)
+    for _ in range(m - 2 * p + d + 1):  # the steady state: F0 with B1, F1 with B0
+        f(0), b(1), f(1), b(0)
+    for _ in range(k):
+        b(1), f(1), b(0)
+    defer = False
+    for i in range(d + 1):  # the drain: from its middle on (chunk 1's B first on odd d) each W waits
+        defer = defer or (i == (d + 1) // 2 and d % 2 == 1)
+        b(1, defer)
+        defer = defer or (i == (d + 1) // 2 and d % 2 == 0)
+        b(0, defer)
+    for _ in range(k):
+        w(), b(0, defer=True)
+    while owed:
+        w()
+    return acts
+
+
+def _timed(orders, st):
+    """Plan of fixed per-rank orders, each action at unit cost once what it waits for has finished."""
+    p, nxt, free, done = st.p, [0] * st.p, [0.0] * st.p, {}
+    t = 0.0
+    while any(nxt[r] < len(orders[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if free[r] <= t and nxt[r] < len(orders[r]) and _ready(a := orders[r][nxt[r]], r, st, done, t):
+                done[(r, a)] = free[r] = t + 1
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            t = _next_event(free, done, t, f"the {p}-rank plan")
+    return Plan(tuple(tuple(o) for o in orders), done, max(done.values()), st)
+
+
 @functools.lru_cache(maxsize=256)
 def make_plan(schedule, p, m):
-    """The Plan of `schedule` (1f1b | zb-h1 | zbv) for p pipeline ranks and m micro-batches, checked
+    """The Plan of `schedule` (1f1b | zb-h1 | zbv | dualpipev) for p pipeline ranks and m micro-batches, checked
     (check_plan)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"no plan for schedule {schedule!r}")
-    plan = _simulate_v(p, m) if schedule == "zbv" else _simulate(p, m, defer=schedule == "zb-h1")
+    if schedule == "dualpipev":
+        if m < 2 * p:
+            raise PlanError(f"DualPipeV over {p} ranks needs at least {2 * p} micro-batches, not {m}")
+        plan = _timed([dualpipe_v_order(p, m, r) for r in range(p)], PipelineStages(p, 2, "v"))
+    else:
+        plan = _simulate_v(p, m) if schedule == "zbv" else _simulate(p, m, defer=schedule == "zb-h1")
     check_plan(plan.actions, m, plan.stages)
     return plan
 

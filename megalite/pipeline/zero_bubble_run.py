@@ -79,12 +79,13 @@ class _Hand:
 def forward_backward_with_plan(schedule, forward_step_func, data_iterator, model, num_microbatches,
                                forward_only=False, loss_scale=1.0, tensor_shape=None, dtype=None, loss_divisor=None,
                                trace=None, timer=None):
-    """One iteration's micro-batches by `schedule`'s plan (zb-h1: one model chunk per rank; zbv: two, in a V);
+    """One iteration's micro-batches by `schedule`'s plan (zb-h1: one model chunk per rank; zbv, dualpipev: two,
+    in a V; forward only, DualPipeV's needs no 2p micro-batches: ZB-V's forwards, the same stages);
     returns what the loss function reported per micro-batch (last stage)."""
     run = Run(forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale, loss_divisor,
               trace, timer)
     g, m = run.grid, num_microbatches
-    plan = make_plan(schedule, g.pp, m)
+    plan = make_plan("zbv" if forward_only and schedule == "dualpipev" else schedule, g.pp, m)  # (the same V)
     actions = [[a for a in acts if a.op == F or not forward_only] for acts in plan.actions]
     hand, st = _Hand(run, actions, plan.stages, tensor_shape, dtype), plan.stages
     store = WeightGradStore()

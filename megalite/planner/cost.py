@@ -34,9 +34,12 @@ from megalite.batching.iteration_plan import batch_schedule, training_plan
 from megalite.planner import activations, data_parallel, memory, optimizer_step, semi_sync, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
 from megalite.planner.memory import zero_as_run
+from megalite.parallel.pipeline_stages import V_SCHEDULES, placement_of
 from megalite.pipeline.zero_bubble import make_plan
 from megalite.tensor_parallel.layers import padded_vocab_size
 from megalite.transformer.pipeline_layers import chunk_layers
+
+PLANNED = ("zb-h1",) + V_SCHEDULES  # (the schedules run by a plan, pipeline/zero_bubble.py)
 
 GiB = 1 << 30
 RESERVED = 1.5 * GiB  # CUDA context, NCCL buffers (not modelled in detail)
@@ -143,7 +146,7 @@ def predict(cfg, layout, cluster):
     stage_times, worst, dp_bytes, opt, outer_elements = [], None, {}, 0.0, []
     inner_dp = layout.dp // semi_sync.replicas(cfg)  # (semi-synchronous replicas: each its own inner DP)
     slow_gpu = min(cluster.gpus, key=lambda g: g.peak_tflops)
-    placement = "v" if c.pipeline_schedule == "zbv" else "loop"
+    placement = placement_of(c.pipeline_schedule)
     for i in range(layout.pp):
         grid = ps.Grid.of(layout.tp, layout.pp, inner_dp, layout.cp, v if v > 1 else None, layout.ep,
                           layout.expert_tp if layout.ep else None, pp_rank=i, placement=placement)
@@ -189,7 +192,7 @@ def predict(cfg, layout, cluster):
     for r, n in enumerate(counts):  # each replica's pipeline over its own micro-batches
         per_micro = [sum(stage_times[i][r].values()) for i in range(layout.pp)]
         top = max(per_micro)
-        pipes.append((n * top + (layout.pp - 1) * top / v if v > 1 and c.pipeline_schedule != "zbv" else
+        pipes.append((n * top + (layout.pp - 1) * top / v if v > 1 and placement == "loop" else
                       n * top + (sum(per_micro) - top) * _bubble_share(c, layout.pp, n), top, r, n,
                       per_micro.index(top)))
     pipe, slowest, r, n, i = max(pipes)
@@ -254,18 +257,18 @@ def balanced_shares(cfg, layout, cluster):
 
 def _bubble_share(c, p, m):
     """The schedule's bubble over 1F1B's, from its plan's unit-cost simulation (pipeline/zero_bubble.py: F = B =
-    W, as the paper's): zb-h1 leaves a third of it once m >= p, zbv (costs per chunk, a rank's 6m of work) almost
-    none."""
-    if c.pipeline_schedule not in ("zb-h1", "zbv") or p == 1:
+    W, as the paper's): zb-h1 leaves a third of it once m >= p, zbv and dualpipev (costs per chunk, a rank's 6m
+    of work) almost none."""
+    if c.pipeline_schedule not in PLANNED or p == 1:
         return 1.0
-    work = 6 * m if c.pipeline_schedule == "zbv" else 3 * m
+    work = 6 * m if c.pipeline_schedule in V_SCHEDULES else 3 * m
     return (make_plan(c.pipeline_schedule, p, m).makespan - work) / (work / m * (p - 1))
 
 
 def _in_flight(c, layout, i, m, v):
     """Micro-batches (interleaved: chunks) whose activations stage i holds at its peak (zb-h1: from a forward
-    until its weight gradients, the plan's count; zbv: its chunks')."""
-    if c.pipeline_schedule in ("zb-h1", "zbv") and layout.pp > 1:
+    until its weight gradients, the plan's count; zbv, dualpipev: its chunks')."""
+    if c.pipeline_schedule in PLANNED and layout.pp > 1:
         return make_plan(c.pipeline_schedule, layout.pp, m).most_alive(i)
     if v == 1:
         return min(layout.pp - i, m)

@@ -3,8 +3,8 @@ predicted step time among those that fit.
 
 Candidates: TP over the divisors of the GPUs per node (a TP group stays in a node), CP 1 (or powers of two
 up to 8 for sequences of 8k tokens and more), PP over the divisors of the layer count, plain or interleaved
-with 1 or 2 layers per virtual stage (only where that gives at least 2 chunks per stage; --pipeline-schedule zbv:
-its two chunks per stage instead), DP the rest, EP over
+with 1 or 2 layers per virtual stage (only where that gives at least 2 chunks per stage; --pipeline-schedule zbv
+or dualpipev: their two chunks per stage instead), DP the rest, EP over
 the divisors of the experts that divide DP x CP x TP (MoE) with the experts' TP 1 or TP, ZeRO 0-3, recompute
 none / selective / full and micro-batch sizes 1, 2, 4, 8 that divide the batch per DP rank. On mixed clusters
 the layers go to the stages and the micro-batches to the replicas by their GPUs' speed, and a replica on a GPU
@@ -13,6 +13,7 @@ that runs out of memory gets smaller micro-batches, then its optimizer on the ho
 import dataclasses
 
 from megalite.config import ConfigError
+from megalite.parallel.pipeline_stages import V_SCHEDULES
 from megalite.planner import shares
 from megalite.planner.cost import balanced_layout, balanced_shares, check_plannable, predict
 from megalite.planner.layout import Layout
@@ -23,8 +24,8 @@ def _divisors(n, limit=None):
 
 
 def candidates(cfg, world, gpus_per_node, recomputes=(None, "selective", "full"), zeros=(0, 1, 2, 3), v_shaped=False):
-    """The layouts to try (the module's docstring); v_shaped (--pipeline-schedule zbv asked): the pipelines of two
-    chunks per stage instead of the interleaved ones."""
+    """The layouts to try (the module's docstring); v_shaped (--pipeline-schedule zbv or dualpipev asked): the
+    pipelines of two chunks per stage instead of the interleaved ones."""
     L, gbs = cfg.num_layers, cfg.global_batch_size
     cps = [1] + ([2, 4, 8] if cfg.seq_length >= 8192 else [])
     experts = cfg.num_experts or 0
@@ -110,7 +111,7 @@ def search(model_argv, cluster, top=5, limit=None, *, validate, **choices):
     check_plannable(cfg0, cluster)
     fits, tight, n = [], [], 0
     offload = _given_offload(model_argv)
-    v_shaped = any(a in ("zbv", "--pipeline-schedule=zbv") for a in model_argv)
+    v_shaped = any(a.removeprefix("--pipeline-schedule=") in V_SCHEDULES for a in model_argv)
     for lay in candidates(cfg0, cluster.size, cluster.gpus_per_node, v_shaped=v_shaped, **choices):
         if offload is not None:
             lay = dataclasses.replace(lay, offload=(offload,) * lay.dp)

@@ -26,6 +26,7 @@ from megalite.config.from_flags import with_rank_precision
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.optimizer.distributed_optimizer import DistributedOptimizer
 from megalite.optimizer.lr_scheduler import schedule_steps, weight_decay_schedule, wsd_steps
+from megalite.parallel.pipeline_stages import placement_of
 from megalite.pipeline.schedules import pipeline_tensor_shape
 from megalite.rerun import initialize_rerun_state_machine
 from megalite.tensor_parallel import model_parallel_manual_seed
@@ -127,7 +128,7 @@ def initialize_grid(cfg):
         else None,
         expert_model_parallel_size=cfg.expert_model_parallel_size if cfg.num_experts else None,
         expert_tensor_parallel_size=cfg.expert_tensor_parallel_size, replicas=cfg.semi_sync_replicas,
-        pipeline_placement="v" if cfg.pipeline_schedule == "zbv" else "loop")
+        pipeline_placement=placement_of(cfg.pipeline_schedule))
 
 
 def _describe(batching, r):

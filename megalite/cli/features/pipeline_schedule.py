@@ -2,9 +2,9 @@
 megalite/pipeline/zero_bubble.py): its flags and their checks, each user error one line."""
 
 from megalite.config import ConfigError
+from megalite.parallel.pipeline_stages import V_SCHEDULES
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
-NOT_BUILT = ("dualpipev",)  # (its forward of one micro-batch overlapped with another's backward)
 
 
 def add_pipeline_schedule_flags(a):
@@ -13,7 +13,8 @@ def add_pipeline_schedule_flags(a):
            "B (the input gradient, sent at once) and W (the weight gradients, placed in the bubble): a third of "
            "1F1B's bubble at its activation memory (Qi et al., ICLR 2024); zbv: the same split over two model chunks "
            "per rank placed in a V (the last rank holds the first and the last stage): almost no bubble, at 1F1B's "
-           "activation memory")
+           "activation memory; dualpipev: ZB-V's V in DeepSeek's DualPipe order (one chunk's forward beside the "
+           "other's backward), at least 2 x PP micro-batches")
     a("--delay-wgrad-compute", action="store_true",
       help="Megatron's: the weight gradients computed apart from the input gradients; with a pipeline, "
            "--pipeline-schedule zb-h1")
@@ -26,9 +27,6 @@ def validate_pipeline_schedule(args):
         if given not in (None, "zb-h1"):
             raise ConfigError(f"--delay-wgrad-compute is --pipeline-schedule zb-h1's split, not {given}'s")
         given = "zb-h1"
-    if given in NOT_BUILT:
-        raise ConfigError(f"--pipeline-schedule {given} is not built yet in megalite (one micro-batch's forward "
-                          "overlapped with another's backward): use zbv, zb-h1, or interleaved for virtual stages")
     schedule = given or ("interleaved" if vp else "1f1b")
     if schedule == "interleaved" and not vp:
         raise ConfigError("--pipeline-schedule interleaved needs virtual stages (--num-layers-per-virtual-pipeline-"
@@ -39,38 +37,41 @@ def validate_pipeline_schedule(args):
     if schedule == "zb-h1":
         _check_zero_bubble(args, pp, "--delay-wgrad-compute" if args.delay_wgrad_compute and
                            not args.pipeline_schedule else "--pipeline-schedule zb-h1")
-    if schedule == "zbv":
-        _check_zero_bubble(args, pp, "--pipeline-schedule zbv")
-        _check_v(args, vp)
+    if schedule in V_SCHEDULES:
+        _check_zero_bubble(args, pp, f"--pipeline-schedule {schedule}")
+        _check_v(args, vp, schedule)
+    if schedule == "dualpipev" and args.data_parallel_shares == "auto":
+        raise ConfigError("--pipeline-schedule dualpipev with --data-parallel-shares auto is not built yet in "
+                          "megalite (a share could fall below its 2 x PP micro-batches): give the shares")
     args.pipeline_schedule = schedule
 
 
 def v_split(args):
-    """--pipeline-schedule zbv with the layers left to split (no virtual stages, no layout given): two chunks per
-    rank, the layers even over the 2 PP stages (megalite/parallel/pipeline_stages.py places them)."""
+    """--pipeline-schedule zbv | dualpipev with the layers left to split (no virtual stages, no layout given): two
+    chunks per rank, the layers even over the 2 PP stages (megalite/parallel/pipeline_stages.py places them)."""
     pp, L = args.pipeline_model_parallel_size, args.num_layers
     if pp == 1 or args.decoder_first_pipeline_num_layers is not None or \
             args.decoder_last_pipeline_num_layers is not None:
         return  # (refused by validate_pipeline_schedule, one line)
     if L % (2 * pp):
-        raise ConfigError(f"--pipeline-schedule zbv cuts the model into 2 x --pipeline-model-parallel-size {pp} = "
-                          f"{2 * pp} stages: --num-layers {L} does not divide evenly; change one, or give every "
-                          "stage's layers with --pipeline-model-parallel-layout")
+        raise ConfigError(f"--pipeline-schedule {args.pipeline_schedule} cuts the model into 2 x "
+                          f"--pipeline-model-parallel-size {pp} = {2 * pp} stages: --num-layers {L} does not divide "
+                          "evenly; change one, or give every stage's layers with --pipeline-model-parallel-layout")
     args.virtual_pipeline_model_parallel_size = 2
 
 
-def _check_v(args, vp):
+def _check_v(args, vp, schedule):
     if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
-        raise ConfigError("--pipeline-schedule zbv with --decoder-first/last-pipeline-num-layers: its V puts the "
-                          "first and the last stage on one rank; give every stage's layers with "
+        raise ConfigError(f"--pipeline-schedule {schedule} with --decoder-first/last-pipeline-num-layers: its V puts "
+                          "the first and the last stage on one rank; give every stage's layers with "
                           "--pipeline-model-parallel-layout instead")
     if vp != 2:
-        raise ConfigError(f"--pipeline-schedule zbv runs two model chunks per rank (its V), not {vp or 1}: leave "
-                          "out the virtual stages, or give 2 per rank (a --pipeline-model-parallel-layout of "
+        raise ConfigError(f"--pipeline-schedule {schedule} runs two model chunks per rank (its V), not {vp or 1}: "
+                          "leave out the virtual stages, or give 2 per rank (a --pipeline-model-parallel-layout of "
                           f"{2 * args.pipeline_model_parallel_size} stages)")
     if args.microbatch_group_size_per_virtual_pipeline_stage is not None:
         raise ConfigError("--microbatch-group-size-per-virtual-pipeline-stage groups interleaved 1F1B's "
-                          "micro-batches; --pipeline-schedule zbv has its own plan: leave it out")
+                          f"micro-batches; --pipeline-schedule {schedule} has its own plan: leave it out")
 
 
 def _check_zero_bubble(args, pp, flag):
