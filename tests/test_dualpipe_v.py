@@ -177,3 +177,29 @@ def test_the_planner_prices_dualpipe_vs_bubble_and_activations():
     lay = Layout(1, 4, 1, 2, 1, None, 0, None, 1, False)
     with pytest.raises(Exception, match="dualpipev needs at least 2 x --pipeline-model-parallel-size 4"):
         validated(gpt + ["--global-batch-size", "8"] + list(DPV), lay, 8)
+
+
+def test_a_w_right_after_its_b_is_computed_within_b():
+    """Where the plan's next action is the W of the B that runs (DualPipeV's steady state: a whole backward), the
+    linear layers' weight-gradient GEMMs run inside B's pass (store.collecting's now) and W only accumulates: the
+    same gradient, bit for bit, and nothing read at W (the layer's input changed after B changes nothing)."""
+    import torch
+    from megalite.pipeline.wgrad import WeightGradStore
+    from megalite.tensor_parallel.deferred_wgrad import deferred_linear
+    torch.manual_seed(0)
+    w, store = torch.nn.Parameter(torch.randn(3, 4)), WeightGradStore()
+    got = {}
+    for now in (False, True):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+        y = deferred_linear(x, w, None, store)
+        with store.collecting((0, 0), now=now):
+            y.square().sum().backward()
+        assert w.grad is None
+        x.add_(1.0)  # (after B: read only by a W computed at W)
+        [(p, got[now])] = store.run((0, 0))
+        assert p is w
+    x, plain = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)), w.detach().clone().requires_grad_()
+    torch.nn.functional.linear(x, plain).square().sum().backward()  # (an ordinary backward's gradient)
+    want = plain.grad
+    torch.testing.assert_close(got[True], want, rtol=0, atol=0)
+    assert not torch.equal(got[False], want)  # (deferred: it read the changed input)

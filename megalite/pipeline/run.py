@@ -112,10 +112,11 @@ class Run:
         self.alive -= 1
         return None if input_tensor is None else input_tensor.grad
 
-    def backward_input(self, chunk, input_tensor, output_tensor, output_grad, store):
+    def backward_input(self, chunk, input_tensor, output_tensor, output_grad, store, w_next=False):
         """B of a split backward: the input gradient, returned; the weight gradients it computes at once (norms,
         biases, embeddings) are kept and those the linear layers defer go to `store` (pipeline/wgrad.py), all
-        accumulated by this micro-batch's W (backward_weight), so the DP hooks fire there."""
+        accumulated by this micro-batch's W (backward_weight), so the DP hooks fire there. w_next: that W is the
+        plan's next action (the deferred GEMMs run within this pass: store.collecting's `now`)."""
         mb = self.bwd_mb[chunk]
         self.bwd_mb[chunk] += 1
         if self.trace is not None:
@@ -127,7 +128,7 @@ class Run:
         if output_grad is None:  # the last stage's loss
             output_grad = torch.ones_like(output_tensor)
         units = getattr(self.chunks[chunk], "units", None)  # (ZeRO-3: freed as the backward passes them)
-        with store.collecting((chunk, mb)), self._timed("B"), \
+        with store.collecting((chunk, mb), now=w_next), self._timed("B"), \
                 units.split_backward() if units is not None else contextlib.nullcontext():
             grads = torch.autograd.Variable._execution_engine.run_backward(  # (the engine, as _backward's)
                 (output_tensor,), (output_grad,), False, False, given + params, True, False)

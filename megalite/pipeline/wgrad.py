@@ -8,19 +8,24 @@ import contextlib
 class WeightGradStore:
     def __init__(self):
         self.key, self.pending = None, {}  # the (chunk, micro-batch) whose B runs; closures per (chunk, mb)
+        self.now = False  # (collecting's `now`)
 
     def put(self, weight_gradient):
         if self.key is None:
             raise RuntimeError("a deferred weight gradient outside a split backward's B")
+        if self.now:  # (computed here, its inputs still in cache; handed to W as it is)
+            weight_gradient = (lambda done=weight_gradient(): done)
         self.pending.setdefault(self.key, []).append(weight_gradient)
 
     @contextlib.contextmanager
-    def collecting(self, key):
-        self.key = key
+    def collecting(self, key, now=False):
+        """B of `key`; now: its W comes right after it (the plan says so), so each weight gradient is computed as
+        its layer's backward passes (one pass, as a whole backward's) and only accumulated at W."""
+        self.key, self.now = key, now
         try:
             yield
         finally:
-            self.key = None
+            self.key, self.now = None, False
 
     def run(self, key):
         """W: the weight gradients B of `key` deferred, computed now ([(parameter, gradient)]; what they read is

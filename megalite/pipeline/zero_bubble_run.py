@@ -13,7 +13,7 @@ from megalite import parallel_state as ps
 from megalite.pipeline.p2p import ACTIVATION_TAG, GRADIENT_TAG, P2P
 from megalite.pipeline.run import Run, free_output
 from megalite.pipeline.wgrad import WeightGradStore
-from megalite.pipeline.zero_bubble import B, F, make_plan, messages
+from megalite.pipeline.zero_bubble import B, F, W, Action, make_plan, messages
 
 TAGS = {"activation": ACTIVATION_TAG, "gradient": GRADIENT_TAG}
 
@@ -92,7 +92,8 @@ def forward_backward_with_plan(schedule, forward_step_func, data_iterator, model
     store.attach(run.chunks)
     inputs, outputs = {}, {}
     try:
-        for a in actions[g.pp_rank]:
+        mine = actions[g.pp_rank]
+        for i, a in enumerate(mine):
             s = st.stage(g.pp_rank, a.chunk)
             if a.op == F:
                 inp = None if s == 0 else hand.take("activation", s, s - 1, a.mb)
@@ -105,7 +106,8 @@ def forward_backward_with_plan(schedule, forward_step_func, data_iterator, model
             elif a.op == B:
                 grad = None if s == st.count - 1 else hand.take("gradient", s, s + 1, a.mb)
                 key = (a.chunk, a.mb)
-                in_grad = run.backward_input(a.chunk, inputs.pop(key), outputs.pop(key), grad, store)
+                w_next = i + 1 < len(mine) and mine[i + 1] == Action(W, a.chunk, a.mb)
+                in_grad = run.backward_input(a.chunk, inputs.pop(key), outputs.pop(key), grad, store, w_next)
                 if s > 0:
                     hand.give(in_grad, "gradient", s - 1, a.mb)
             else:
