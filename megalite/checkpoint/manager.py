@@ -5,12 +5,16 @@
                                               iteration, consumed samples, scheduler, loss scaler, version
     DIR/iter_0000010/tensors.json + __<r>_0.safetensors   global tensors (checkpoint/storage.py)
     DIR/iter_0000010/rng/rank_<r>.json        each rank's RNG states
+    DIR/iter_0000010/checksums.json           every file's size and xxh3 checksum (checkpoint/integrity.py)
 
 A save writes into DIR/iter_0000010.tmp, fsyncs every file, renames the directory once
 every rank has written, and only then rewrites the tracker (via a renamed temporary
 file): a crash at any moment leaves the previous checkpoint the newest complete one.
 With --async-save the tensors are copied to host memory and written by a background
 thread (DCP over a gloo group of its own); the next save, or the end of training, waits.
+A failed save (a full disk) removes its partial directory (checkpoint/commit.py). A load verifies the
+checksums first; a checkpoint that fails them is skipped for the newest earlier one that passes, said in one line
+(--no-checkpoint-fallback: the run stops instead).
 """
 
 import dataclasses
@@ -26,7 +30,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import __version__
 from megalite import parallel_state as ps
-from megalite.checkpoint.integrity import verify_integrity, write_integrity
+from megalite.checkpoint.commit import (  # noqa: F401  (TRACKER, read_tracker, iteration_dir: read here by tools)
+    TRACKER, CommittingWriter, iteration_dir, read_tracker, removing_partial, unwrap_checkpoint_error)
+from megalite.checkpoint.integrity import newest_verified, verify_checksums, written
 from megalite.checkpoint.planner import ChunkLoadPlanner, ChunkSavePlanner
 from megalite.checkpoint.writer import CheckpointIO
 from megalite.checkpoint.state import (
@@ -46,14 +52,10 @@ from megalite.config import LAYOUT_FIELDS, SHAPE_FIELDS  # noqa: F401  (SHAPE_FI
 from megalite.checkpoint.storage import (
     CheckpointError,
     SafetensorsReader,
-    SafetensorsWriter,
-    fsync_dir,
-    fsync_write,
     read_json,
     validate_files,
 )
 
-TRACKER = "latest_checkpointed_iteration.txt"
 META = "megalite.json"
 FORMAT = "megalite-checkpoint"
 
@@ -61,23 +63,6 @@ FORMAT = "megalite-checkpoint"
 def optimizer_kind(cfg):
     """What the saved optimizer state is (Muon's scalar parameters have their own optimizer's state)."""
     return f"muon+{cfg.muon_scalar_optimizer}" if cfg.optimizer == "muon" else cfg.optimizer
-
-
-def iteration_dir(root, iteration):
-    return os.path.join(root, "release" if iteration == "release" else f"iter_{iteration:07d}")
-
-
-def read_tracker(root):
-    """The newest complete checkpoint's iteration (int or "release"), or None."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return text
-    if not text.isdigit():
-        raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number")
-    return int(text)
 
 
 def config_json(config):
@@ -116,42 +101,6 @@ def check_save_dir(root):
         raise CheckpointError(f"--save {root} is not writable")
 
 
-class _CommittingWriter(SafetensorsWriter):
-    """Runs on the coordinator once every rank's data is written: index, rename, tracker, and
-    with --save-retain-interval R the previous checkpoint goes unless its iteration is a
-    multiple of R (Megatron's rule: the newest is always kept)."""
-
-    def __init__(self, tmp, root, iteration, hash_files=False, retain_interval=None):
-        super().__init__(tmp)
-        self.root, self.iteration, self.hash_files = root, iteration, hash_files
-        self.retain_interval = retain_interval
-
-    def finish(self, metadata, results):
-        super().finish(metadata, results)
-        if self.hash_files:  # --verify-integrity
-            write_integrity(self.path)
-        final, tmp = iteration_dir(self.root, self.iteration), self.path
-        for d in (os.path.join(tmp, "rng"), os.path.join(tmp, "fp8"), tmp):
-            fsync_dir(d)
-        if os.path.exists(final):  # the same iteration saved again: replace it
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_dir(self.root)
-        previous = read_tracker(self.root) if self.retain_interval else None
-        fsync_write(os.path.join(self.root, TRACKER + ".tmp"), f"{self.iteration}\n", mode="w")
-        os.replace(os.path.join(self.root, TRACKER + ".tmp"), os.path.join(self.root, TRACKER))
-        fsync_dir(self.root)
-        if isinstance(previous, int) and 0 < previous != self.iteration and previous % self.retain_interval:
-            old = iteration_dir(self.root, previous)
-            if not os.path.islink(old):  # as Megatron: a linked checkpoint is the user's
-                shutil.rmtree(old, ignore_errors=True)
-
-
 def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, cfg, consumed_train, consumed_valid, *,
                     io):
     """Every rank calls this at the same iteration (cfg: the CheckpointConfig, config/checkpoint.py; io: the run's
@@ -163,6 +112,7 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, cfg, 
     root, rank = cfg.save, g.rank
     tmp = iteration_dir(root, iteration) + ".tmp"
     group = io.group()
+    writer = CommittingWriter(tmp, root, iteration, cfg.verify_integrity, cfg.save_retain_interval)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
         os.makedirs(os.path.join(tmp, "rng"))
@@ -182,39 +132,24 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, cfg, 
                 "scheduler": scheduler.state_dict(), "loss_scaler": optimizer.scaler.state_dict(),
                 "tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
                               "vocab_file": cfg.vocab_file, "merge_file": cfg.merge_file}}
-        fsync_write(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
+        written(writer.sums, tmp, META, json.dumps(meta, indent=1).encode())
     if group is not None:
         dist.barrier(group=group)
     if not cfg.no_save_rng:
-        fsync_write(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), json.dumps(rng_state()).encode())
+        written(writer.sums, tmp, f"rng/rank_{rank:05d}.json", json.dumps(rng_state()).encode())
     # delayed FP8 scaling's amax histories (as TE's modules keep them in the model; each replica its own)
     if fp8 := {_replica_prefix(g) + n: h for n, h in fp8_state(chunks).items()}:
-        fsync_write(os.path.join(tmp, "fp8", f"rank_{rank:05d}.json"), json.dumps(fp8).encode())
+        written(writer.sums, tmp, f"fp8/rank_{rank:05d}.json", json.dumps(fp8).encode())
     entries = model_entries(chunks, for_save=True)
     if not cfg.no_save_optim:  # each semi-synchronous replica its own inner state, the first the outer one
         entries.update(optimizer_entries(optimizer, chunks, for_save=True, prefix=_replica_prefix(g)))
         entries.update(outer_momentum_entries(optimizer, chunks, for_save=True))
-    kw = dict(storage_writer=_CommittingWriter(tmp, root, iteration, cfg.verify_integrity,
-                                               cfg.save_retain_interval),
-              planner=ChunkSavePlanner(entries),
-              process_group=group, no_dist=group is None)
+    kw = dict(storage_writer=writer, planner=ChunkSavePlanner(entries), process_group=group, no_dist=group is None)
     if not cfg.async_save:
-        _dcp(dcp.save, {}, **kw)
-        return
+        return removing_partial(lambda: _dcp(dcp.save, {}, **kw), tmp, root, group)
     for e in entries.values():  # training goes on mutating these: write host copies
         e.chunks = [(o, t.detach().to("cpu", copy=True)) for o, t in e.chunks]
-    io.submit(_dcp, dcp.save, {}, **kw)
-
-
-def unwrap_checkpoint_error(exc):
-    """DCP reports failures as CheckpointException(rank -> (exception, traceback)); give the
-    first user-facing CheckpointError back (or a one-line summary)."""
-    for err, _ in exc.failures.values():
-        if isinstance(err, CheckpointError):
-            return err
-    err = next(iter(exc.failures.values()))[0]
-    first = str(err).splitlines()[0] if str(err) else ''
-    return CheckpointError(f"checkpoint I/O failed: {type(err).__name__}: {first}")
+    io.submit(removing_partial, lambda: _dcp(dcp.save, {}, **kw), tmp, root, group)
 
 
 def _check_compatible(meta, model_config, path):
@@ -245,7 +180,10 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, cfg, root=None, 
         if g.rank == 0:
             print(f"megalite: no checkpoint in --load {root}; training from scratch", flush=True)
         return None
-    path = iteration_dir(root, it)
+    group = io.group()
+    say = (lambda m: print(m, flush=True)) if g.rank == 0 else (lambda m: None)
+    it, path = newest_verified(_candidates(root, it), group, cfg.verify_integrity, not cfg.no_checkpoint_fallback,
+                               say)
     meta = read_json(os.path.join(path, META), "checkpoint metadata")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{os.path.join(path, META)} is not a megalite checkpoint's metadata")
@@ -269,9 +207,6 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, cfg, root=None, 
         optional |= set(momentum)  # a synchronous (or Local SGD) checkpoint has none: the momentum starts at 0
         entries.update(opt)
         entries.update(momentum)
-    group = io.group()
-    if cfg.verify_integrity:
-        verify_integrity(path, group)
     validate_files(path)  # a corrupt or foreign file: one clean line on every rank, before DCP
     planner = ChunkLoadPlanner(entries, optional)
     _dcp(dcp.load, {}, storage_reader=SafetensorsReader(path), planner=planner, process_group=group,
@@ -304,6 +239,15 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, cfg, root=None, 
     return meta["iteration"], meta["consumed_train_samples"], meta["consumed_valid_samples"]
 
 
+def _candidates(root, it):
+    """[(iteration, directory)] to load from, newest first: the tracker's, then every earlier complete one."""
+    if it == "release":
+        return [(it, iteration_dir(root, it))]
+    earlier = sorted((int(n[5:]) for n in os.listdir(root) if n.startswith("iter_") and n[5:].isdigit()
+                      and int(n[5:]) < it and os.path.isdir(os.path.join(root, n))), reverse=True)
+    return [(i, iteration_dir(root, i)) for i in [it] + earlier]
+
+
 def _replica_prefix(grid):
     """Checkpoint names of this semi-synchronous replica's inner optimizer state (the first's are the
     ordinary ones, which a synchronous run loads)."""
@@ -318,6 +262,7 @@ def load_weights(chunks, root):
     if it is None:
         raise CheckpointError(f"{root} holds no checkpoint ({TRACKER} is missing)")
     path = iteration_dir(root, it)
+    verify_checksums(path)
     meta = read_json(os.path.join(path, META), "checkpoint metadata")
     validate_files(path)
     io = CheckpointIO()

@@ -19,6 +19,7 @@ import os
 import re
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -73,10 +74,13 @@ def _key(fqn, offsets):
 
 
 class SafetensorsWriter(StorageWriter):
+    """sums: this rank's files as written, rel -> [bytes, xxh3-64] (checkpoint/integrity.py records them)."""
+
     def __init__(self, path):
         super().__init__()
         self.path = str(path)
         self.rank = 0
+        self.sums = {}
 
     def reset(self, checkpoint_id=None):
         if checkpoint_id:
@@ -103,7 +107,9 @@ class SafetensorsWriter(StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
                                        storage_data={"file": name, "key": key}))
         if tensors:
-            fsync_write(os.path.join(self.path, name), save(tensors))
+            data = save(tensors)
+            fsync_write(os.path.join(self.path, name), data)
+            self.sums[name] = [len(data), xxhash.xxh3_64_hexdigest(data)]
         fut = Future()
         fut.set_result(results)
         return fut
@@ -118,8 +124,9 @@ class SafetensorsWriter(StorageWriter):
                 chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes), **loc})
             index[fqn] = {"dtype": str(md.properties.dtype).replace("torch.", ""), "size": list(md.size),
                           "chunks": chunks}
-        body = json.dumps({"format": INDEX_FORMAT, "version": 1, "tensors": index}, indent=1)
-        fsync_write(os.path.join(self.path, INDEX_FILE), body.encode())
+        body = json.dumps({"format": INDEX_FORMAT, "version": 1, "tensors": index}, indent=1).encode()
+        fsync_write(os.path.join(self.path, INDEX_FILE), body)
+        self.sums[INDEX_FILE] = [len(body), xxhash.xxh3_64_hexdigest(body)]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
@@ -142,15 +149,33 @@ def read_index(path):
     return doc["tensors"]
 
 
+def _safetensors_size(path, head):
+    """The bytes a safetensors file's header says it holds (header and data), or None where it does not parse."""
+    n = int.from_bytes(head[:8], "little")
+    try:
+        with open(path, "rb") as f:
+            f.seek(8)
+            header = json.loads(f.read(n))
+        return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return 8 + n if os.path.getsize(path) < 8 + n else None  # (a header cut short: truncated)
+
+
 def open_safetensors(path):
-    """safe_open, with a foreign file (e.g. a pickle) refused in one line."""
+    """safe_open, with a foreign file (e.g. a pickle) refused in one line, and a truncated one called so."""
     from safetensors import safe_open
     try:
         with open(path, "rb") as f:
             head = f.read(9)
         if len(head) < 9 or head[8:9] != b"{":
             raise ValueError("no safetensors header")
+        size, want = os.path.getsize(path), _safetensors_size(path, head)
+        if want is not None and size < want:
+            raise CheckpointError(f"{path} is truncated: {size} of the {want} bytes its header describes; "
+                                  "refusing to load it")
         return safe_open(path, framework="pt")
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
     except Exception as e:  # noqa: BLE001 - any parse failure means "not ours"

@@ -261,7 +261,11 @@ def _checkpoint_flags(a):
     a("--use-checkpoint-args", action="store_true",
       help="take the model flags (sizes, positions, norms, ...) from --load's newest checkpoint")
     a("--verify-integrity", action="store_true",
-      help="record each checkpoint file's SHA-256 at save; check them at load before reading a tensor")
+      help="record each checkpoint file's SHA-256 at save; check them at load before reading a tensor (every "
+           "save records each file's size and xxh3 checksum anyway, and every load checks them)")
+    a("--no-checkpoint-fallback", action="store_true",
+      help="a --load checkpoint whose files do not verify stops the run, instead of loading the newest earlier "
+           "one that does")
     a("--exit-interval", type=int, default=None, help="stop after an iteration divisible by N (saving first)")
     a("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
       help="every N iterations, stop if the data-parallel replicas' weights differ in any bit")

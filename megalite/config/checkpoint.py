@@ -19,6 +19,7 @@ class CheckpointConfig(Section):
     no_load_optim: bool
     no_load_rng: bool
     verify_integrity: bool
+    no_checkpoint_fallback: bool  # (a --load checkpoint that does not verify: stop, not the newest one that does)
     exit_on_missing_checkpoint: bool  # (--load: a directory without a checkpoint ends the run)
     save_retain_interval: int
     use_distributed_optimizer: bool  # (recorded: the optimizer state's layout)

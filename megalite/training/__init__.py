@@ -14,6 +14,7 @@ import gc
 import time
 
 from megalite import parallel_state as ps
+from megalite.checkpoint.storage import CheckpointError
 from megalite.config import ConfigError, fail
 from megalite.config.loop import LoopConfig
 from megalite.config.parallel import ParallelConfig
@@ -53,6 +54,10 @@ def pretrain(datasets_provider, model_provider, forward_step_func, args=None, re
             ps.shutdown_distributed(barrier=False)
         fail(f"communication failed ({first[:300]}); a peer rank died or hung past "
              f"--distributed-timeout-minutes {parallel.distributed_timeout_minutes}")
+    except CheckpointError as e:  # a save that failed during training (a full disk): one line, every rank
+        if owns:
+            ps.shutdown_distributed(barrier=False)
+        fail(str(e))
     finally:
         if manual_gc and gc_enabled:
             gc.enable()
