@@ -22,6 +22,8 @@ DIFFERENT_ON_PURPOSE = {
     "--profile-ranks": "[0], Megatron's documented default (this parser's list is empty, which profiles no rank)",
     "--rerun-mode": "disabled (Megatron's validate_results needs a second host read and a world all-reduce per "
                     "iteration); a NaN/Inf loss or gradient still stops the run, and no value changes",
+    "--rope-scaling-factor": "None, so that one given without --use-rope-scaling is refused instead of ignored; "
+                             "with it, Megatron's 8.0 (cli/features/model.py's fill_rope_scaling)",
 }
 
 

@@ -318,8 +318,16 @@ def test_rope_scaling_flags_refuse_in_one_line(capsys):
     for extra, says in ((("--use-rope-scaling",), "--use-rope-scaling (Llama 3.1's) scales rotary embeddings: it "
                                                   "needs --position-embedding-type rope"),
                         (LLAMA + ("--use-rope-scaling", "--rope-scaling-factor", "0.5"),
-                         "--use-rope-scaling needs --rope-scaling-factor >= 1 (got 0.5)")):
+                         "--use-rope-scaling needs --rope-scaling-factor >= 1 (got 0.5)"),
+                        # a band flag without the scaling would change nothing: refused, not ignored
+                        (LLAMA + ("--rope-scaling-factor", "32"), "--rope-scaling-factor applies only with "
+                                                                  "--use-rope-scaling"),
+                        (LLAMA + ("--rope-scaling-original-max-position-embeddings", "4096"),
+                         "--rope-scaling-original-max-position-embeddings applies only with --use-rope-scaling")):
         with pytest.raises(SystemExit):
             parse_args(list(BASE) + list(extra), world_size=1)
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1, err
+    args = parse_args(list(BASE) + list(LLAMA) + ["--use-rope-scaling"], world_size=1)  # Llama 3.1's defaults
+    assert (args.rope_scaling_factor, args.rope_scaling_low_freq_factor, args.rope_scaling_high_freq_factor,
+            args.rope_scaling_original_max_position_embeddings) == (8.0, 1.0, 4.0, 8192)

@@ -18,7 +18,7 @@ from megalite.config.run import freeze
 from megalite.config.from_flags import model_config, training_config  # noqa: F401 (imported from here too)
 from megalite.cli.compat import print_notices, sort_unknown
 from megalite.cli.features.lr_schedule import add_lr_schedule_flags
-from megalite.cli.features.model import add_model_flags
+from megalite.cli.features.model import ROPE_SCALING_DEFAULTS, add_model_flags, fill_rope_scaling
 from megalite.cli.features.profiling import add_profiling_flags
 from megalite.cli.features.mixed_gpu import add_mixed_gpu_flags
 from megalite.cli.features.semi_sync import add_semi_sync_flags
@@ -325,6 +325,7 @@ def _finish(args, unknown, parser, world_size):
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.world_size = world_size
+    fill_rope_scaling(args)
     if args.use_checkpoint_args:  # as Megatron: the checkpoint's model flags first, then validation
         _take_checkpoint_args(args, parser)
     from megalite.cli.validate import validate_args  # it maps args through this module's configs
@@ -337,7 +338,8 @@ def _take_checkpoint_args(args, parser):
     from megalite.checkpoint.storage import CheckpointError
     from megalite.cli.checkpoint_args import use_checkpoint_args  # imported only with the flag (torch's DCP)
     try:
-        path, replaced = use_checkpoint_args(args, {a.dest: a.default for a in parser._actions})
+        path, replaced = use_checkpoint_args(args, {a.dest: ROPE_SCALING_DEFAULTS.get(a.dest, a.default)
+                                                    for a in parser._actions})
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     print_notices([f"--use-checkpoint-args: model flags from {path}" + (

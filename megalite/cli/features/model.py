@@ -4,6 +4,7 @@ adds them to its parser and maps them to ModelConfig (model_config)."""
 
 import argparse
 
+from megalite.config import ConfigError
 from megalite.cli.features.mup import MUP_FLAGS
 
 
@@ -28,11 +29,14 @@ def add_model_flags(a):
       help="Llama 3.1's rope scaling: frequencies whose wavelength exceeds the original context / low factor "
            "divided by --rope-scaling-factor, those below the original context / high factor kept, a smooth "
            "blend between")
-    a("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling (Llama 3.1: 8, 3.2: 32)")
-    a("--rope-scaling-low-freq-factor", type=float, default=1.0, help="with --use-rope-scaling (megalite's)")
-    a("--rope-scaling-high-freq-factor", type=float, default=4.0, help="with --use-rope-scaling (megalite's)")
-    a("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
-      help="with --use-rope-scaling: the context the model was first trained at (megalite's)")
+    a("--rope-scaling-factor", type=float, default=None,
+      help="with --use-rope-scaling (default 8, Llama 3.1's; 3.2: 32)")
+    a("--rope-scaling-low-freq-factor", type=float, default=None,
+      help="with --use-rope-scaling (megalite's; default 1)")
+    a("--rope-scaling-high-freq-factor", type=float, default=None,
+      help="with --use-rope-scaling (megalite's; default 4)")
+    a("--rope-scaling-original-max-position-embeddings", type=int, default=None,
+      help="with --use-rope-scaling: the context the model was first trained at (megalite's; default 8192)")
     a("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     a("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     a("--apply-layernorm-1p", action="store_true", help="norm weights stored as w - 1 (zero-centred gamma)")
@@ -190,3 +194,19 @@ def moe_layer_freq(text):
     if isinstance(out, int) and out >= 1 or isinstance(out, list) and out and all(v in (0, 1) for v in out):
         return out
     raise argparse.ArgumentTypeError(f"{text!r}: an int >= 1 or a list of 0/1 per layer")
+
+
+ROPE_SCALING_DEFAULTS = {"rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0,
+                         "rope_scaling_high_freq_factor": 4.0, "rope_scaling_original_max_position_embeddings": 8192}
+
+
+def fill_rope_scaling(args):
+    """The rope-scaling flags' defaults (Llama 3.1's), after refusing one given without --use-rope-scaling (it would
+    change nothing)."""
+    given = [f"--{k.replace('_', '-')}" for k in ROPE_SCALING_DEFAULTS if getattr(args, k) is not None]
+    if given and not args.use_rope_scaling:
+        raise ConfigError(f"{given[0]} applies only with --use-rope-scaling (Llama 3.1's scaling): add it, or drop "
+                          f"{given[0]}")
+    for k, v in ROPE_SCALING_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
