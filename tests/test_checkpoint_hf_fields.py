@@ -268,3 +268,19 @@ def test_a_bf16_run_exports_its_fp32_main_weights_on_asking(tmp_path):
                                                                   "weight"))  # (the parity model's 128: no padding)
     with open(os.path.join(str(tmp_path / "full"), "config.json")) as f:
         assert json.load(f)["torch_dtype"] == "float32"
+
+
+def test_a_trained_import_exports_back_as_its_class(saved, tmp_path):
+    """A Mistral imported, trained (its checkpoints carry the class it came from, read from --load's) and trained
+    again from those: exported without --hf-architecture, it goes back as MistralForCausalLM, not Llama."""
+    from test_checkpoint import _train
+    ck, first, second = (str(tmp_path / n) for n in ("imported", "first", "second"))
+    assert _import(saved["mistral"], ck)[0] == 0
+    flags = ["--use-checkpoint-args", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "1"]
+    _train(["--load", ck, "--finetune", "--save", first, "--train-iters", "2", "--exit-interval", "1"] + flags)
+    _train(["--load", first, "--save", second, "--train-iters", "2"] + flags)
+    rc, _, err = convert("--loader", "megalite", "--saver", "hf", "--load-dir", second, "--save-dir",
+                         str(tmp_path / "hf"))
+    assert rc == 0, err
+    with open(os.path.join(str(tmp_path / "hf"), "config.json")) as f:
+        assert json.load(f)["architectures"] == ["MistralForCausalLM"]

@@ -131,7 +131,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, cfg, 
                 "semi_sync": semi.state() if (semi := getattr(optimizer, "semi_sync", None)) else None,
                 "scheduler": scheduler.state_dict(), "loss_scaler": optimizer.scaler.state_dict(),
                 "tokenizer": {"type": cfg.tokenizer_type, "model": cfg.tokenizer_model,
-                              "vocab_file": cfg.vocab_file, "merge_file": cfg.merge_file}}
+                              "vocab_file": cfg.vocab_file, "merge_file": cfg.merge_file},
+                **_carried_source(cfg.load)}
         written(writer.sums, tmp, META, json.dumps(meta, indent=1).encode())
     if group is not None:
         dist.barrier(group=group)
@@ -237,6 +238,20 @@ def load_checkpoint(chunks, optimizer, scheduler, model_config, cfg, root=None, 
     if weights_only:
         return 0, 0, 0
     return meta["iteration"], meta["consumed_train_samples"], meta["consumed_valid_samples"]
+
+
+def _carried_source(load):
+    """{"source": ...} of the Hugging Face class the --load checkpoint was imported from (read from its newest
+    checkpoint, which carried it from its own --load), so that training's checkpoints export back as that class;
+    {} where there is none (a model made here, a Megatron-LM one, nothing loaded)."""
+    try:
+        it = read_tracker(load) if load and os.path.isdir(load) else None
+        meta = read_json(os.path.join(iteration_dir(load, it), META), "checkpoint metadata") if it else None
+    except CheckpointError:
+        return {}
+    source = meta.get("source") if isinstance(meta, dict) else None
+    hf = source.get("hf_class") if isinstance(source, dict) else None
+    return {"source": {"hf_class": hf, "path": source.get("path")}} if isinstance(hf, str) else {}
 
 
 def _candidates(root, it):
