@@ -57,7 +57,10 @@ CASES = {
     "load_missing_exit": (1, "--load {tmp}/empty --exit-on-missing-checkpoint", "holds no checkpoint"),
     "ckpt_other_shape": (1, "--load {tmp}/ckpt --hidden-size 64",
                          "saved with hidden_size=32 but this run has hidden_size=64"),
-    "ckpt_corrupt_index": (1, "--load {tmp}/ckpt_corrupt", "tensors.json is not the JSON tensor index"),
+    "ckpt_corrupt_index": (1, "--load {tmp}/ckpt_corrupt", "iter_0000001: tensors.json is truncated (9 of its "),
+    # (a checkpoint with no checksums recorded: the index's own parse names it)
+    "ckpt_corrupt_index_unrecorded": (1, "--load {tmp}/ckpt_corrupt_unrecorded",
+                                      "tensors.json is not the JSON tensor index"),
     "ckpt_pickle_payload": (1, "--load {tmp}/ckpt_pickle", "refusing to load it"),
     "ckpt_format": (1, "--ckpt-format zarr", "--ckpt-format zarr: megalite writes one checkpoint layout"),
     "save_interval_no_save": (1, "--save-interval 5", "--save-interval needs --save DIR"),
@@ -89,10 +92,12 @@ def _make_files(tmp):
     os.makedirs(os.path.join(tmp, "empty"))
     code, err = run_case(1, OK.split() + ["--save", os.path.join(tmp, "ckpt")])  # in process: no torch import
     assert code == 0, err
-    for name in ("ckpt_corrupt", "ckpt_pickle"):
+    for name in ("ckpt_corrupt", "ckpt_pickle", "ckpt_corrupt_unrecorded"):
         shutil.copytree(os.path.join(tmp, "ckpt"), os.path.join(tmp, name))
-    with open(os.path.join(tmp, "ckpt_corrupt", "iter_0000001", "tensors.json"), "w") as f:
-        f.write("{not json")
+    for name in ("ckpt_corrupt", "ckpt_corrupt_unrecorded"):
+        with open(os.path.join(tmp, name, "iter_0000001", "tensors.json"), "w") as f:
+            f.write("{not json")
+    os.remove(os.path.join(tmp, "ckpt_corrupt_unrecorded", "iter_0000001", "checksums.json"))
     import numpy as np
     from megalite.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
     for name in ("good", "trunc", "badidx"):
