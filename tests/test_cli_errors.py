@@ -23,11 +23,11 @@ CASES = {
                      "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
     "global_batch": (2, "--global-batch-size 5", "--global-batch-size 5 is not divisible by --micro-batch-size 1"),
     "hidden_vs_heads": (2, "--hidden-size 50", "--hidden-size 50 is not divisible by --num-attention-heads 4"),
-    "not_implemented": (2, "--fp8-output-proj --no-such-flag --grad-reduce-in-bf16",
+    "not_implemented": (2, "--fp8-output-proj --no-such-flag --disable-mamba-mem-eff-path",
                         "--fp8-output-proj: this FP8 option (Transformer Engine's) is not implemented in megalite (it "
                         "has --fp8-format with the tensorwise and delayed recipes); remove it"
                         " | --no-such-flag: unrecognized: neither a megalite nor a Megatron-LM flag (see --help) | "
-                        "--grad-reduce-in-bf16: megalite reduces gradients in fp32"),
+                        "--disable-mamba-mem-eff-path: hybrid/Mamba models are not implemented in megalite"),
     "missing_required": (2, "--lr", "expected one argument"),
     "seq_vs_cp": (2, "--context-parallel-size 2 --seq-length 6",
                   "--seq-length 6 must be a multiple of 2 x --context-parallel-size 2 = 4"),

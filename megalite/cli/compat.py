@@ -148,7 +148,6 @@ RENAMED = {
 
 # Why a Megatron flag is not implemented, by keyword: the first match names the feature.
 _WHY = (
-    (("grad-reduce-in-bf16",), "megalite reduces gradients in fp32; bf16 gradient reduction is not implemented"),
     (("fp4",), "FP4 training (Transformer Engine's NVFP4) is not implemented in megalite"),
     (("fp8", "quantiz", "kitchen"), "this FP8 option (Transformer Engine's) is not implemented in megalite (it has "
                                     "--fp8-format with the tensorwise and delayed recipes)"),

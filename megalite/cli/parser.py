@@ -110,6 +110,9 @@ def _parallel_flags(a):
     a("--hierarchical-grad-reduce", action="store_true",
       help="DP all-reduce in three steps: reduce-scatter within each node (torchrun's LOCAL_WORLD_SIZE ranks), "
            "all-reduce the shards across nodes, all-gather within the node (1/k of the bytes cross nodes)")
+    a("--grad-reduce-in-bf16", action="store_true",
+      help="Megatron's: the DP reduction (all-reduce, ZeRO's reduce-scatter) sends the gradients in bf16, half the "
+           "bytes; megalite still accumulates them in fp32 (each bucket rounded to bf16 once, as it is sent)")
     a("--grad-compression", default="none", choices=["none", "powersgd", "topk"],
       help="compress the DP all-reduce for slow links, with error feedback (lossy: not the single-process update)")
     a("--grad-compression-ratio", type=float, default=0.1,

@@ -193,6 +193,9 @@ def validate_data_parallel_reduction(args):
         raise ConfigError("--hierarchical-grad-reduce splits the plain data-parallel all-reduce; the distributed "
                           "optimizer's reduce-scatter is flat: drop one of --hierarchical-grad-reduce and "
                           "--use-distributed-optimizer")
+    if args.grad_reduce_in_bf16 and (args.hierarchical_grad_reduce or args.grad_compression != "none"):
+        other = "--hierarchical-grad-reduce" if args.hierarchical_grad_reduce else "--grad-compression"
+        raise ConfigError(f"--grad-reduce-in-bf16 with {other} is not built yet in megalite: drop one")
     if args.grad_compression != "none":
         if args.use_distributed_optimizer or args.hierarchical_grad_reduce:
             raise ConfigError(f"--grad-compression {args.grad_compression} compresses the plain data-parallel "

@@ -16,3 +16,4 @@ class DistributedDataParallelConfig:
     hierarchical: bool = False  # --hierarchical-grad-reduce: the plain all-reduce through the node groups
     prefetch: bool = True  # ZeRO-3: the next unit gathered while this one computes (distributed/param_units.py)
     reshard_after_forward: bool = True  # ZeRO-3: a unit's gathered weights freed after its forward
+    grad_reduce_in_bf16: bool = False  # --grad-reduce-in-bf16: the buckets sent in bf16 (accumulated in fp32)

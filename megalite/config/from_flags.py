@@ -61,7 +61,7 @@ def ddp_config(args):
         bucket_size=args.ddp_bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=bool(args.use_distributed_optimizer), zero_stage=args.zero_stage or 1,
         overlap_param_gather=args.overlap_param_gather, hierarchical=args.hierarchical_grad_reduce,
-        reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        reshard_after_forward=args.torch_fsdp2_reshard_after_forward, grad_reduce_in_bf16=args.grad_reduce_in_bf16)
 
 
 def with_rank_precision(args, dp_rank):

@@ -35,6 +35,7 @@ class _Bucket:
     reduce-scatter among the ranks of a node, an all-reduce of each shard across the nodes
     (1/k of the bucket crosses nodes, k ranks per node) and an all-gather within the node."""
     reduce_every_microbatch = False
+    wire_dtype = None  # --grad-reduce-in-bf16: what the all-reduce sends (the fp32 bucket rounded to it)
 
     def __init__(self, params, data, dp, group, divisor, nodes=None, compressor=None):
         self.params, self.data, self.dp, self.group, self.divisor = params, data, dp, group, divisor
@@ -62,6 +63,9 @@ class _Bucket:
             self.shard = torch.empty(self.data.numel() // len(self.nodes[1]), dtype=self.data.dtype,
                                      device=self.data.device)
             self.handle = comm.reduce_scatter(self.shard, self.data, group=self.nodes[0], async_op=True)
+        elif self.wire_dtype is not None:
+            self.wire = self.data.to(self.wire_dtype)
+            self.handle = comm.all_reduce(self.wire, group=self.group, async_op=True)
         else:
             self.handle = comm.all_reduce(self.data, group=self.group, async_op=True)
 
@@ -72,6 +76,9 @@ class _Bucket:
         elif self.handle is not None and self.handle is not True:
             self.handle.wait()
             self.handle = True
+            if self.wire_dtype is not None and self.nodes is None:
+                self.data.copy_(self.wire)  # (the sum, back in the fp32 buffer)
+                self.wire = None
             if self.nodes is not None:  # the node's shard summed over the nodes, then shared in the node
                 if len(self.nodes[3]) > 1:
                     comm.all_reduce(self.shard, group=self.nodes[2])
@@ -221,6 +228,7 @@ class DistributedDataParallel(nn.Module):
                 b = _Bucket(bucket_params, grad, size, group, self.grad_divisor, nodes if dense else None,
                             compressor if dense else None)
             b.index = len(self.buckets)
+            b.wire_dtype = torch.bfloat16 if cfg.grad_reduce_in_bf16 else None
             self.buckets.append(b)
             for p in bucket_params:
                 self._bucket_of[p] = b

@@ -50,6 +50,8 @@ class Piece:
 
 
 class ShardedBucket:
+    wire_dtype = None  # --grad-reduce-in-bf16: what the reduce-scatter sends (the fp32 bucket rounded to it)
+
     def __init__(self, params, padded, stage, grad, param_data, dp, dp_rank, group, divisor=None):
         """dp, dp_rank, group: the ranks that shard (DP x CP); divisor: the gradient average's
         (DP; default dp)."""
@@ -133,15 +135,16 @@ class ShardedBucket:
             self.data.div_(self.divisor)  # group is one rank (EP = DP: nothing to reduce, still averaged)
         if self.dp > 1:
             # A separate output: an output aliasing the input is not safe on every backend.
-            self._out = torch.empty(self.shard, dtype=torch.float32, device=self.data.device)
-            self._handle = comm.reduce_scatter(self._out, self.data, group=self.group, async_op=True)
+            wire = self.wire_dtype or torch.float32
+            self._out = torch.empty(self.shard, dtype=wire, device=self.data.device)
+            self._handle = comm.reduce_scatter(self._out, self.data.to(wire), group=self.group, async_op=True)
 
     def finish(self):
         if self.state != "inflight":
             return
         if self.dp > 1:
             self._handle.wait()
-            own = self._out
+            own = self._out.float()  # (a no-op in fp32)
         else:
             own = self.data[self.lo:self.hi]
         if self.stage == 1:
