@@ -34,7 +34,10 @@ def runs():
                                           "--embedding-init-method-std", "0.05")),
             # Gemma's options: the embeddings times a multiplier (the first stage's), the gated MLP's tanh GeLU
             layout("tp2_sp_pp2_gemma_geglu_embedding_multiplier", tp=2, pp=2, sp=True,
-                   model=LLAMA + ("--geglu", "--embedding-multiplier", "5.0", "--apply-layernorm-1p"))]
+                   model=LLAMA + ("--geglu", "--embedding-multiplier", "5.0", "--apply-layernorm-1p")),
+            # sliding-window attention, the window (3 keys back) under the sequence (16), every 2nd layer global
+            layout("tp2_sp_pp2_llama_sliding_window_every_2nd_global", tp=2, pp=2, sp=True,
+                   model=LLAMA + ("--window-size", "3,0", "--window-attn-skip-freq", "2"))]
     return lays, run_layouts(lays, 4)
 
 
@@ -52,10 +55,11 @@ def test_flags_match_single_process_at_tp2_sp_pp2(runs, i):
     assert_parity(lays[i], results[i])
 
 
-def test_gemma_options_match_single_process_at_tp2_sp_pp2(runs):
+@pytest.mark.parametrize("i", [2, 3], ids=["gemma", "sliding_window"])
+def test_gemma_and_window_options_match_single_process_at_tp2_sp_pp2(runs, i):
     lays, results = runs
-    check_reference(reference(lays[2]))
-    assert_parity(lays[2], results[2])
+    check_reference(reference(lays[i]))
+    assert_parity(lays[i], results[i])
 
 
 def test_embedding_init_method_std_draws_the_embeddings_only(grid):

@@ -5,6 +5,7 @@ import torch
 
 from megalite.config import ConfigError
 from megalite.cli.compat import print_notices
+from megalite.cli.features.model import validate_window
 
 
 def validate_features(args):
@@ -15,6 +16,7 @@ def validate_features(args):
         if args.squared_relu:
             raise ConfigError("--geglu and --squared-relu are exclusive; pick one activation")
         args.swiglu = True
+    validate_window(args)
     _validate_fsdp(args)
     _validate_fim(args)
     _validate_moe(args)

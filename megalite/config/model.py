@@ -70,6 +70,10 @@ class ModelConfig(ExecutionConfig):
     # norm weights stored as (gamma - 1): zero-centred, as Megatron's 1p
     apply_layernorm_1p: Annotated[bool, SHAPE_RESTORED] = False
     qk_layernorm: Annotated[bool, SHAPE_RESTORED] = False  # normalize queries and keys per head before attention
+    # sliding-window attention (Megatron's --window-size L,0): a query at i sees keys i - L .. i; None: all before it.
+    # --window-attn-skip-freq N: every N-th layer (layer_number % N == 0) attends to everything (Gemma 2, gpt-oss: 2)
+    window_size: Annotated[Optional[int], SHAPE_RESTORED] = None
+    window_attn_skip_freq: Annotated[Optional[int], SHAPE_RESTORED] = None
     # fp16 attention scores computed / layer_number, multiplied back inside the fp32 softmax (Megatron)
     apply_query_key_layer_scaling: Annotated[bool, RESTORED] = False
     reset_attention_mask: bool = False  # document masks: attention on every pipeline stage needs the batch

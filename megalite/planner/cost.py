@@ -29,7 +29,7 @@ import dataclasses
 
 from megalite import parallel_state as ps
 from megalite.config import ConfigError
-from megalite.planner.flops import num_floating_point_operations
+from megalite.planner.flops import num_floating_point_operations, window_share
 from megalite.batching.iteration_plan import batch_schedule, training_plan
 from megalite.planner import activations, data_parallel, memory, optimizer_step, semi_sync, shares, stages, traffic
 from megalite.planner import gemm as gemm_shapes
@@ -322,7 +322,7 @@ def _stage_time(c, layout, cluster, i, gpu, e, layers, last, vocab, micro=None):
         / c.num_layers * (1.5 if c.swiglu else 1.0)  # a token's FFN width, MoE layers' k experts (as flops.py)
     proj, score = _attention_terms(c)
     gemm = 4 * b * s * h * h * (proj + ffn / h) * layers / t
-    attn = 4 * b * s * c.seq_length * h * score * layers / t * 0.5  # causal: half of the convention's s^2 term
+    attn = 4 * b * s * c.seq_length * h * score * layers / t * 0.5 * window_share(c)  # causal: half the s^2 term
     passes = 3 + (1 if c.recompute_granularity == "full" else 0)
     # the GEMMs' FLOPs x passes, each pass at its shapes' tile and wave utilisation (gemm.py)
     dense = not (c.multi_latent_attention or moe)

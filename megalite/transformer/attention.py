@@ -19,8 +19,16 @@ from megalite.transformer.rope import apply_rotary
 from megalite.transformer.utils import output_init_std, param_seed
 
 
+def sliding_window_mask(sq, sk, window, device):
+    """bool [1, 1, sq, sk], True = masked out: the keys after each query (the sq queries are the last sq of the sk
+    positions, as under a KV cache) and those more than `window` before it."""
+    i = torch.arange(sk - sq, sk, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    return ((j > i) | (i - j > window))[None, None]
+
+
 def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=False, layer_scale=None,
-                   softmax_scale=None):
+                   softmax_scale=None, window=None):
     """q [b, s, hq, d]; k, v [b, s, hkv, d (v: dv)] -> [b, s, hq, dv]. Causal unless attn_mask is given
     (bool [b, 1 or h, sq, sk], True = masked out; a key-padding mask [b, 1, 1, sk] runs flash
     attention on CUDA).
@@ -35,7 +43,12 @@ def core_attention(q, k, v, dropout_p, fused, training, attn_mask=None, flash=Fa
     softmax, as Megatron's DotProductAttention; other dtypes never hold scores in fp16, so
     for them it changes nothing and the fast paths stay.
     softmax_scale: default 1/sqrt(q's head dim). v may have another head dim than q and k (MLA): the
-    flash kernel, which takes one, gets zero-padded heads and the output is cut back."""
+    flash kernel, which takes one, gets zero-padded heads and the output is cut back.
+    window (--window-size): each query sees the `window` keys before it and itself, as an explicit mask (added to
+    attn_mask's); the flash kernel, which has no window yet, is not used then."""
+    if window is not None:
+        band = sliding_window_mask(q.shape[1], k.shape[1], window, q.device)
+        attn_mask = band if attn_mask is None else attn_mask | band
     p = dropout_p if training else 0.0
     triton = fused and kernels.use_triton(q, kernel="flash_attention")
     key_padding = attn_mask is not None and attn_mask.shape[1:3] == (1, 1)  # [b, 1, 1, sk]: BERT's padding
@@ -111,6 +124,8 @@ class SelfAttention(nn.Module):
             params_dtype=c.params_dtype, grid=grid)
         self.max_logits = None  # --qk-clip: the largest q.k / sqrt(d) per local head since the last step
         self.query_scale = mup.query_scale(c)  # muP's softmax scale (megalite/mup.py); None: 1/sqrt(d)
+        skip = c.window_attn_skip_freq
+        self.window = c.window_size if skip is None or layer_number % skip else None  # (None: all keys before)
         if c.qk_layernorm:  # per head, weights shared by the heads; a TP rank sees only its heads
             self.q_layernorm = build_norm(c, self.d, partial_grads=True, grid=grid)
             self.k_layernorm = build_norm(c, self.d, partial_grads=True, grid=grid)
@@ -150,6 +165,6 @@ class SelfAttention(nn.Module):
         else:
             fn = core_attention
             args = (q, k, v, c.attention_dropout, c.fused_kernels, self.training, attn_mask, c.use_flash_attn,
-                    self.layer_number if c.apply_query_key_layer_scaling else None)
+                    self.layer_number if c.apply_query_key_layer_scaling else None, None, self.window)
         ctx = checkpoint(fn, *args) if c.recompute_granularity == "selective" else fn(*args)
         return self.linear_proj(ctx.reshape(b, s, -1), batch_first=True)  # [b, s, heads_local * d] in

@@ -41,6 +41,11 @@ def add_model_flags(a):
     a("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     a("--apply-layernorm-1p", action="store_true", help="norm weights stored as w - 1 (zero-centred gamma)")
     a("--qk-layernorm", action="store_true", help="normalize each head's queries and keys (--normalization)")
+    a("--window-size", type=_window, default=None,
+      help="Megatron's sliding-window attention, 'L,0' (or L): a query at position i attends to keys i - L .. i "
+           "(Hugging Face's sliding_window is L + 1); default: every key before it")
+    a("--window-attn-skip-freq", type=int, default=None,
+      help="with --window-size: every N-th layer attends to all keys (Gemma 2, gpt-oss: 2; Gemma 3: 6)")
     a("--rotary-interleaved", action="store_true",
       help="rotary embeddings rotate adjacent pairs of dims (2i, 2i+1) instead of the two halves of each head")
     a("--apply-query-key-layer-scaling", action="store_true",
@@ -210,3 +215,31 @@ def fill_rope_scaling(args):
     for k, v in ROPE_SCALING_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+
+
+def _window(text):
+    """--window-size 'L,R' (Megatron's tuple; R, the keys after a query, 0 for a causal model) or 'L' -> L."""
+    parts = text.strip("()[] ").split(",")
+    try:
+        left, right = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window-size {text!r}: give 'L,0' (keys before a query; none after it)")
+    if len(parts) > 2 or left < 0 or right != 0:
+        raise argparse.ArgumentTypeError(f"--window-size {text!r}: a causal model takes 'L,0' with L >= 0 (keys after "
+                                         "a query: 0)")
+    return left
+
+
+def validate_window(args):
+    """--window-size / --window-attn-skip-freq against what they do not compose with yet, one line each."""
+    if args.window_attn_skip_freq is not None and (args.window_size is None or args.window_attn_skip_freq < 1):
+        raise ConfigError(f"--window-attn-skip-freq {args.window_attn_skip_freq} needs --window-size (and N >= 1)")
+    if args.window_size is None:
+        return
+    if args.context_parallel_size > 1:
+        raise ConfigError("--window-size with --context-parallel-size > 1 is not built yet in megalite (the ring's "
+                          "blocks outside the window): drop one")
+    if args.model_type == "bert":
+        raise ConfigError("--window-size is a causal model's (GPT's) sliding window; BERT attends both ways")
+    if args.multi_latent_attention:
+        raise ConfigError("--window-size with --multi-latent-attention is not built yet in megalite")
