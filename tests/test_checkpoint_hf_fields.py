@@ -36,6 +36,15 @@ CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(**dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**MOE, num_experts=4, shared_expert_intermediate_size=24),
     "mistral": lambda: transformers.MistralConfig(**SMALL, head_dim=8, sliding_window=None),  # (v0.3, Nemo, Small)
+    # sliding windows (4 keys, the 12-token test sequence longer): Mistral v0.1's, Mixtral's, Qwen2's switched on
+    # for every layer, and alternating with full attention (Gemma 2's and gpt-oss's pattern, as Qwen2 layer types)
+    "mistral_window": lambda: transformers.MistralConfig(**SMALL, head_dim=8, sliding_window=4),
+    "mixtral_window": lambda: transformers.MixtralConfig(**dict(SMALL, num_local_experts=4, num_experts_per_tok=2),
+                                                         sliding_window=4),
+    "qwen2_window": lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4,
+                                                     max_window_layers=0),
+    "qwen2_alternating": lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4,
+                                                          layer_types=["sliding_attention", "full_attention"]),
     # Phi-3 / Phi-4: fused qkv and gate_up tensors; a partial rotary (3 of each head's 4 rotary pairs), tied
     "phi3": lambda: transformers.Phi3Config(**SMALL, tie_word_embeddings=True, pad_token_id=0,
                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -110,6 +119,7 @@ def test_a_bert_config_of_its_defaults_imports(tmp_path):
 @pytest.mark.parametrize("name, cls", [("gpt2_untied", "GPT2LMHeadModel"), ("qwen2", "Qwen2ForCausalLM"),
                                        ("qwen3", "Qwen3ForCausalLM"), ("llama3_1", "LlamaForCausalLM"),
                                        ("mistral", "MistralForCausalLM"), ("phi3", "Phi3ForCausalLM"),
+                                       ("mistral_window", "MistralForCausalLM"), ("qwen2_window", "Qwen2ForCausalLM"),
                                        ("gemma", "GemmaForCausalLM")])
 def test_hf_to_megalite_to_hf_is_the_same_class_bit_for_bit(name, cls, saved, tmp_path):
     """An untied GPT-2 keeps its lm_head; dense Qwen2 (q/k/v biases) and Qwen3 (q/k norms) come back as themselves."""
@@ -124,6 +134,9 @@ def test_hf_to_megalite_to_hf_is_the_same_class_bit_for_bit(name, cls, saved, tm
     assert type(model).__name__ == cls
     if name == "llama3_1":  # (the scaling written back as transformers reads it)
         assert {k: model.config.rope_parameters[k] for k in LLAMA3_1} == LLAMA3_1, model.config.rope_parameters
+    if name.endswith("_window"):  # (the window written back as transformers reads it)
+        types = getattr(model.config, "layer_types", None) or ["sliding_attention"]  # (Mistral has none: all)
+        assert model.config.sliding_window == 4 and set(types) == {"sliding_attention"}, model.config
     if name == "gpt2_untied":
         assert model.config.tie_word_embeddings is False
         assert not torch.equal(a["lm_head.weight"], a["transformer.wte.weight"])
@@ -143,10 +156,11 @@ def _refused(src, tmp_path, **changes):
 
 
 @pytest.mark.parametrize("name, changes, message", [
-    ("mixtral", dict(sliding_window=8), "mixtral sliding_window=8 (sliding-window attention) is not implemented"),
-    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8), "sliding_window=8"),
-    ("qwen2_moe", dict(layer_types=["sliding_attention", "full_attention"]), "layer types ['full_attention', "
-                                                                             "'sliding_attention']"),
+    # a window on some layers only, in no pattern megalite has (every layer, or all but every N-th)
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
+     "qwen2_moe sliding_window=8 on layers [1] only: megalite windows every layer or all but every N-th"),
+    ("qwen2_moe", dict(layer_types=["sliding_attention", "full_attention"]),
+     "qwen2_moe layer_types ['full_attention', 'sliding_attention'] without a sliding_window megalite can read"),
     ("gpt2", dict(scale_attn_weights=False), "GPT-2 scale_attn_weights=False"),
     ("gpt2", dict(add_cross_attention=True), "GPT-2 add_cross_attention=True"),
     ("llama", dict(logit_softcapping=30.0), "field logit_softcapping=30.0 not represented"),
@@ -157,14 +171,10 @@ def _refused(src, tmp_path, **changes):
      "llama rope scaling 'llama3' without low_freq_factor, high_freq_factor, original_max_position_embeddings"),
     ("qwen3_moe", dict(attention_bias=True), "attention_bias=True"),
     ("qwen3", dict(attention_bias=True), "Qwen3 attention_bias=True"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8), "qwen2 sliding_window=8"),
     ("llama", dict(model_type="olmo2"), "'olmo2' (LlamaForCausalLM) is not one megalite converts; the nearest it "
                                         "has is qwen3"),
     ("gemma", dict(hidden_act="relu"), "Gemma hidden_act='relu': megalite's GeGLU is the tanh GeLU's"),
-    ("phi3", dict(sliding_window=2047), "phi3 sliding_window=2047 (sliding-window attention) is not implemented"),
     ("phi3", dict(rope_parameters={"rope_type": "longrope"}), "phi3 rope scaling 'longrope' is not implemented"),
-    ("mistral", dict(sliding_window=4096), "mistral sliding_window=4096 (sliding-window attention) is not "
-                                           "implemented"),
 ])
 def test_a_field_megalite_does_not_represent_is_one_line_naming_it(name, changes, message, saved, tmp_path):
     rc, err = _refused(saved[name], tmp_path, **changes)

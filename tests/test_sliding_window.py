@@ -108,3 +108,17 @@ def test_the_flops_count_the_window():
     c, s, h, L = cfg[""], 16, 32, 4
     scores = 12 * 8 * s * L * h * h * (s / h) * (c.kv_channels * c.num_attention_heads / h)  # the full scores' term
     assert f["15"] == f[""] and f[""] - f["0"] == pytest.approx(scores * (1 - 16 / 136))
+
+
+def test_megatrons_window_pair_goes_both_ways():
+    """A Megatron checkpoint's window_size is the pair (keys before, 0): read as --window-size, written back so."""
+    from megalite.checkpoint.manager import config_json
+    from megalite.checkpoint.to_megatron import megatron_namespace
+    from megalite.cli.megatron_args import model_flags
+    from megalite.config.from_flags import model_config
+    cfg = config_json(model_config(parse_args(ARGV + ["--window-size", "5", "--vocab-size", "64"], world_size=1)))
+    ns = megatron_namespace(cfg, 1, 1, (0, 0))
+    assert ns.window_size == (5, 0)
+    back = parse_args(model_flags(ns, 64) + ["--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1"],
+                      world_size=1)
+    assert back.window_size == 5 and back.window_attn_skip_freq is None

@@ -9,6 +9,7 @@ q/k/v (Llama, BERT) or [Q | K | V] in a transposed Conv1D (GPT-2).
 
 import torch
 
+from megalite.checkpoint.hf_window import check_window, window_fields
 from megalite.checkpoint.storage import CheckpointError
 
 
@@ -32,7 +33,9 @@ EXPORT_ONLY = "export only"  # a table row's from_hf: a copy the HF layout repea
 
 def _plain(cfg, arch, fields=("qk_layernorm", "apply_layernorm_1p", "rotary_percent", "rotary_interleaved",
                               "squared_relu", "add_qkv_bias")):
-    """Megatron-only variations no HF class of ours represents (absent in older checkpoints)."""
+    """Megatron-only variations no HF class of ours represents (absent in older checkpoints), and a sliding window
+    where `arch` has none."""
+    check_window(cfg, arch)
     if cfg.get("num_moe_experts"):
         raise CheckpointError(f"{arch} cannot represent a Mixture of Experts model ({cfg['num_moe_experts']} experts)")
     defaults = {"qk_layernorm": False, "apply_layernorm_1p": False, "rotary_percent": 1.0, "rotary_interleaved": False,
@@ -130,22 +133,9 @@ def _rope_fields(h):
     return out
 
 
-def _full_attention_only(h):
-    """Refuse a sliding window: Mixtral and Mistral window whenever sliding_window is set, Qwen only with
-    use_sliding_window (its layer_types say where; max_window_layers which layers a switched-on window covers)."""
-    window, types = h.get("sliding_window"), h.get("layer_types") or []
-    h.get("max_window_layers")
-    on = h.get("use_sliding_window") if "use_sliding_window" in h else window is not None
-    if on or any(t != "full_attention" for t in types):
-        raise CheckpointError(f"{h.get('model_type')} sliding_window={window!r} (sliding-window attention"
-                              f"{', layer types ' + str(sorted(set(types))) if types else ''}) is not implemented "
-                              "in megalite: importing it as full attention would be another model")
-
-
 def llama_model_config(h):
     """The megalite fields of a Llama-family HF config (rope, RMSNorm, SwiGLU, GQA, no biases)."""
-    rope = _rope_fields(h)
-    _full_attention_only(h)
+    rope, window = _rope_fields(h), window_fields(h)
     heads = h["num_attention_heads"]
     return {"num_layers": h["num_hidden_layers"], "hidden_size": h["hidden_size"], "num_attention_heads": heads,
             "num_query_groups": h.get("num_key_value_heads") or heads,
@@ -153,7 +143,7 @@ def llama_model_config(h):
             "max_position_embeddings": h["max_position_embeddings"], "seq_length": h["max_position_embeddings"],
             "position_embedding_type": "rope", **rope, "normalization": "RMSNorm",
             "layernorm_epsilon": h.get("rms_norm_eps", 1e-6), "swiglu": True, "add_bias_linear": False,
-            "untie_embeddings_and_output_weights": not h.get("tie_word_embeddings", False)}
+            "untie_embeddings_and_output_weights": not h.get("tie_word_embeddings", False), **window}
 
 
 class GPT2:

@@ -10,6 +10,7 @@ as it, any other (a checkpoint saved by training keeps no source) on asking with
 
 import torch
 
+from megalite.checkpoint.hf_window import window_hf
 from megalite.checkpoint.hf import (Llama, _gamma_rows, _need, _plain, llama_hf_config, llama_model_config, llama_rows,
                                     qkv_join, qkv_split)
 from megalite.checkpoint.storage import CheckpointError
@@ -42,7 +43,7 @@ class Qwen2:
     @staticmethod
     def hf_config(c):
         return dict(llama_hf_config(c, Qwen2.hf_class, "qwen2"), intermediate_size=c["ffn_hidden_size"],
-                    use_sliding_window=False, sliding_window=None, attention_dropout=0.0)
+                    attention_dropout=0.0, **window_hf(c))
 
     @staticmethod
     def model_config(h):
@@ -80,8 +81,8 @@ class Qwen3:
 
 
 class Mistral:
-    """MistralForCausalLM (Mistral 7B v0.3, Nemo, Small): Llama's tensors and function once no sliding window is
-    set (v0.1's 4096 is refused by llama_model_config: megalite has no windowed attention yet)."""
+    """MistralForCausalLM (Mistral 7B v0.1's sliding window of 4096 too; v0.3, Nemo, Small: none): Llama's tensors;
+    its window megalite's --window-size (checkpoint/hf_window.py)."""
     hf_class = "MistralForCausalLM"
     same_models_as = "LlamaForCausalLM"
     table = Llama.table
@@ -93,7 +94,7 @@ class Mistral:
     @staticmethod
     def hf_config(c):
         return dict(llama_hf_config(c, Mistral.hf_class, "mistral"), intermediate_size=c["ffn_hidden_size"],
-                    sliding_window=None, attention_dropout=0.0)
+                    sliding_window=window_hf(c)["sliding_window"], attention_dropout=0.0)
 
     @staticmethod
     def model_config(h):

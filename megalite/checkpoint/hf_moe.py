@@ -12,6 +12,7 @@ losses are training-time choices: the HF model runs dropless.
 
 import re
 
+from megalite.checkpoint.hf_window import window_hf
 from megalite.checkpoint.hf import _need, attention_rows, llama_hf_config, llama_model_config, swiglu_rows
 from megalite.checkpoint.storage import CheckpointError
 
@@ -43,8 +44,9 @@ def _router_hf(c):
 
 
 def _llama_like_hf(c, arch, model_type):
-    return dict(llama_hf_config(c, arch, model_type), attention_dropout=0.0, use_sliding_window=False,
-                sliding_window=None)
+    w = window_hf(c)
+    return dict(llama_hf_config(c, arch, model_type), attention_dropout=0.0, use_sliding_window=w["use_sliding_window"],
+                sliding_window=w["sliding_window"])
 
 
 def _llama_like_config(h):

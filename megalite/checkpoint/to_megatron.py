@@ -52,6 +52,8 @@ def megatron_namespace(cfg, tp, iteration, consumed):
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, consumed_train_samples=consumed[0],
         consumed_valid_samples=consumed[1], ckpt_format="torch_dist", iteration=iteration,
         bf16=cfg["params_dtype"] == "bfloat16", fp16=cfg["params_dtype"] == "float16")
+    if cfg.get("window_size") is not None:  # (Megatron's --window-size is the pair (keys before, keys after))
+        ns["window_size"] = (cfg["window_size"], 0)
     return argparse.Namespace(**ns)
 
 

@@ -4,6 +4,7 @@ megalite's flags are Megatron's (same names, defaults, meanings), so the archite
 launched with is its values of the flags megalite records in a checkpoint (config.CHECKPOINT_ARGS), passed
 through megalite's own parser and validation: a model megalite cannot build is refused there, in one line."""
 
+from megalite.cli.features.model import ROPE_SCALING_DEFAULTS
 from megalite.config import CHECKPOINT_ARGS
 
 # Megatron's dest where it differs from megalite's (Megatron's --disable-bias-linear stores add_bias_linear=False)
@@ -22,8 +23,9 @@ def model_flags(margs, vocab_size):
         else:
             value = getattr(margs, dest, None)
         a = actions.get(dest)
-        if a is None or value is None:
-            continue
+        if a is None or value is None or (dest in ROPE_SCALING_DEFAULTS and not getattr(margs, "use_rope_scaling",
+                                                                                            False)):
+            continue  # (Megatron keeps the rope-scaling values, unused, without --use-rope-scaling)
         flag = a.option_strings[0]
         if a.nargs == 0:  # store_true / store_false
             if bool(value) != bool(a.default):
