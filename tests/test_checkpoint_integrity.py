@@ -172,3 +172,21 @@ def test_verify_checkpoint_tool(saved, tmp_path):
     assert bad.returncode == 1 and "iter_0000004: tensors.json changed since it was saved" in bad.stdout, \
         bad.stdout + bad.stderr
     assert "iter_0000002: verified" in bad.stdout
+
+
+def test_a_full_disk_at_the_metadata_leaves_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
+    """The small files written before the tensors (metadata, RNG) fail the same way, on every rank at once."""
+    from megalite.checkpoint import integrity
+    d = str(tmp_path / "ckpt")
+    real = integrity.fsync_write
+
+    def writing(path, data, mode="wb"):
+        if "iter_0000004" in str(path) and str(path).endswith("megalite.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path, data, mode)
+    monkeypatch.setattr(integrity, "fsync_write", writing)
+    with pytest.raises(SystemExit):
+        _train(["--save", d, "--save-interval", "2", "--exit-interval", "6"])
+    line = _error_line(capsys)
+    assert "saving iter_0000004 failed: no space left on device" in line and "megalite.json" in line, line
+    assert sorted(os.listdir(d)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]

@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -95,12 +96,36 @@ def removing_partial(save, tmp, root, group):
         save()
     except (CheckpointException, CheckpointError) as e:
         err = unwrap_checkpoint_error(e) if isinstance(e, CheckpointException) else e
-        if group is None or dist.get_rank(group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        kept = read_tracker(root)
-        raise CheckpointError(f"{err}; removed the partial {tmp}, "
-                              f"{f'the previous checkpoint (iteration {kept})' if kept else 'no earlier checkpoint'}"
-                              f" and {TRACKER} left as they were") from None
+        raise _removed(err, tmp, root, group) from None
+
+
+def agreed_writes(write, tmp, root, group):
+    """Run this rank's `write` (the files before DCP's: metadata, RNG, FP8 state); every rank of `group` learns
+    whether any failed (one all-reduce, which also orders them as a barrier would), so a full disk on one rank
+    ends the save on all with the partial directory removed, not a rank waiting in DCP for ever."""
+    try:
+        write()
+        mine = None
+    except OSError as e:
+        mine = _write_failed(e, tmp)
+    failed = mine is not None
+    if group is not None:
+        flag = torch.tensor([int(failed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        failed = bool(flag.item())
+    if failed:
+        err = mine or CheckpointError(f"saving {os.path.basename(tmp)[:-4]} failed on another rank's write")
+        raise _removed(err, tmp, root, group)
+
+
+def _removed(err, tmp, root, group):
+    """The partial directory removed (by the group's first rank), and the one line saying so."""
+    if group is None or dist.get_rank(group) == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = read_tracker(root)
+    return CheckpointError(f"{err}; removed the partial {tmp}, "
+                           f"{f'the previous checkpoint (iteration {kept})' if kept else 'no earlier checkpoint'}"
+                           f" and {TRACKER} left as they were")
 
 
 def unwrap_checkpoint_error(exc):

@@ -24,14 +24,13 @@ import shutil
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megalite import __version__
 from megalite import parallel_state as ps
 from megalite.checkpoint.commit import (  # noqa: F401  (TRACKER, read_tracker, iteration_dir: read here by tools)
-    TRACKER, CommittingWriter, iteration_dir, read_tracker, removing_partial, unwrap_checkpoint_error)
+    TRACKER, CommittingWriter, agreed_writes, iteration_dir, read_tracker, removing_partial, unwrap_checkpoint_error)
 from megalite.checkpoint.integrity import newest_verified, verify_checksums, written
 from megalite.checkpoint.planner import ChunkLoadPlanner, ChunkSavePlanner
 from megalite.checkpoint.writer import CheckpointIO
@@ -115,6 +114,14 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, cfg, 
     writer = CommittingWriter(tmp, root, iteration, cfg.verify_integrity, cfg.save_retain_interval)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+    def _write_rank_files():
+        if not cfg.no_save_rng:
+            written(writer.sums, tmp, f"rng/rank_{rank:05d}.json", json.dumps(rng_state()).encode())
+        # delayed FP8 scaling's amax histories (as TE's modules keep them in the model; each replica its own)
+        if fp8 := {_replica_prefix(g) + n: h for n, h in fp8_state(chunks).items()}:
+            written(writer.sums, tmp, f"fp8/rank_{rank:05d}.json", json.dumps(fp8).encode())
+
+    def _write_meta():
         os.makedirs(os.path.join(tmp, "rng"))
         os.makedirs(os.path.join(tmp, "fp8"))
         meta = {"format": FORMAT, "version": 1, "megalite_version": __version__, "iteration": iteration,
@@ -134,13 +141,8 @@ def save_checkpoint(iteration, chunks, optimizer, scheduler, model_config, cfg, 
                               "vocab_file": cfg.vocab_file, "merge_file": cfg.merge_file},
                 **_carried_source(cfg.load)}
         written(writer.sums, tmp, META, json.dumps(meta, indent=1).encode())
-    if group is not None:
-        dist.barrier(group=group)
-    if not cfg.no_save_rng:
-        written(writer.sums, tmp, f"rng/rank_{rank:05d}.json", json.dumps(rng_state()).encode())
-    # delayed FP8 scaling's amax histories (as TE's modules keep them in the model; each replica its own)
-    if fp8 := {_replica_prefix(g) + n: h for n, h in fp8_state(chunks).items()}:
-        written(writer.sums, tmp, f"fp8/rank_{rank:05d}.json", json.dumps(fp8).encode())
+    agreed_writes(lambda: rank == 0 and _write_meta(), tmp, root, group)  # (the others write into its folders)
+    agreed_writes(_write_rank_files, tmp, root, group)
     entries = model_entries(chunks, for_save=True)
     if not cfg.no_save_optim:  # each semi-synchronous replica its own inner state, the first the outer one
         entries.update(optimizer_entries(optimizer, chunks, for_save=True, prefix=_replica_prefix(g)))
