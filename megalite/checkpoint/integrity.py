@@ -20,7 +20,7 @@ import shutil
 import torch.distributed as dist
 import xxhash
 
-from megalite.checkpoint.storage import CheckpointError, fsync_write, read_json
+from megalite.checkpoint.storage import CheckpointError, checksum, fsync_write, read_json
 
 INTEGRITY = "integrity.json"
 CHECKSUMS = "checksums.json"
@@ -30,10 +30,6 @@ CHECKSUM_FORMAT = "megalite-checksums"
 
 class IntegrityError(CheckpointError):
     """A checkpoint whose files are not those it recorded (corrupted, truncated, missing)."""
-
-
-def checksum(data):
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 def written(sums, root, rel, data):

@@ -41,6 +41,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is one line for the user."""
 
 
+def checksum(data):
+    """The xxh3-64 of bytes as they are written (checkpoint/integrity.py records and checks it)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
 def fsync_write(path, data, mode="wb"):
     with open(path, mode) as f:
         f.write(data)
@@ -109,7 +114,7 @@ class SafetensorsWriter(StorageWriter):
         if tensors:
             data = save(tensors)
             fsync_write(os.path.join(self.path, name), data)
-            self.sums[name] = [len(data), xxhash.xxh3_64_hexdigest(data)]
+            self.sums[name] = [len(data), checksum(data)]
         fut = Future()
         fut.set_result(results)
         return fut
@@ -126,7 +131,7 @@ class SafetensorsWriter(StorageWriter):
                           "chunks": chunks}
         body = json.dumps({"format": INDEX_FORMAT, "version": 1, "tensors": index}, indent=1).encode()
         fsync_write(os.path.join(self.path, INDEX_FILE), body)
-        self.sums[INDEX_FILE] = [len(body), xxhash.xxh3_64_hexdigest(body)]
+        self.sums[INDEX_FILE] = [len(body), checksum(body)]
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):

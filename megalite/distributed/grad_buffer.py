@@ -39,7 +39,7 @@ class _Bucket:
 
     def __init__(self, params, data, dp, group, divisor, nodes=None, compressor=None):
         self.params, self.data, self.dp, self.group, self.divisor = params, data, dp, group, divisor
-        self.nodes, self.shard, self.compressor = nodes, None, compressor
+        self.nodes, self.shard, self.compressor, self.wire = nodes, None, compressor, None
         self.ready, self.handle = set(), None
         offset = 0
         for p in params:
@@ -76,7 +76,7 @@ class _Bucket:
         elif self.handle is not None and self.handle is not True:
             self.handle.wait()
             self.handle = True
-            if self.wire_dtype is not None and self.nodes is None:
+            if self.wire is not None:
                 self.data.copy_(self.wire)  # (the sum, back in the fp32 buffer)
                 self.wire = None
             if self.nodes is not None:  # the node's shard summed over the nodes, then shared in the node
