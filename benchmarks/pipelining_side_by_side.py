@@ -17,19 +17,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (not benchmarks/kernels.py)
 
-import argparse
-import queue
-import socket
-import statistics
-import time
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
-from megalite.tensor_parallel.deferred_wgrad import deferred_linear
+from gloo_ranks import spawn  # noqa: E402
+from megalite.tensor_parallel.deferred_wgrad import deferred_linear  # noqa: E402
 
 SCHEDULES = (("1F1B", "1f1b", "Schedule1F1B"), ("ZB-V", "zbv", "ScheduleZBVZeroBubble"),
              ("DualPipeV", "dualpipev", "ScheduleDualPipeV"))
@@ -105,8 +103,8 @@ def _torch_schedule(cls_name, v, p, r, a):
 
 
 def _grads(modules):
-    """{stage.parameter: its gradient}, as numpy (pickled by value: a rank's shared tensors die with it)."""
-    return {f"{mod.index}.{n}": p.grad.numpy().copy() for mod in modules for n, p in mod.named_parameters()}
+    """{stage.parameter: its gradient}."""
+    return {f"{mod.index}.{n}": p.grad.clone() for mod in modules for n, p in mod.named_parameters()}
 
 
 def _timed(step, modules, steps):
@@ -122,11 +120,10 @@ def _timed(step, modules, steps):
     return times[1:]
 
 
-def _rank(r, p, port, a, q):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=r, world_size=p)
+def _measure(a):
+    """On each rank (gloo_ranks.spawn's): {schedule: (megalite ms, torch ms, megalite's grads, torch's grads)}."""
     from megalite import parallel_state as ps
+    r, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     batch = torch.randn(a.micro * a.micro_batches, a.seq, a.hidden)
     out = {}
@@ -141,9 +138,7 @@ def _rank(r, p, port, a, q):
         target = batch if any(mod.index == v * p - 1 for mod in modules) else None  # (the loss ignores it)
         theirs = _timed(lambda: sched.step(*args, target=target), modules, a.steps)
         out[name] = (statistics.median(ours), statistics.median(theirs), our_grads, _grads(modules))
-    q.put((r, out))
-    dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
 def main():
@@ -158,25 +153,7 @@ def main():
     a = ap.parse_args()
     if a.layers % (2 * a.pp) or a.micro_batches < 2 * a.pp:
         raise SystemExit(f"--layers must divide by 2 x --pp and --micro-batches be at least 2 x --pp {a.pp}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, a.pp, port, a, q)) for r in range(a.pp)]
-    for pr in procs:
-        pr.start()
-    got = {}
-    while len(got) < len(procs):
-        if any(pr.exitcode not in (None, 0) for pr in procs):
-            raise SystemExit("a rank failed (its traceback above)")
-        try:
-            r, out = q.get(timeout=5)
-            got[r] = out
-        except queue.Empty:  # (look at the ranks again)
-            continue
-    for pr in procs:
-        pr.join()
+    got = dict(enumerate(spawn(a.pp, _measure, a)))
     print(f"residual MLP, {a.layers} blocks, hidden {a.hidden}, seq {a.seq}, micro-batch {a.micro}, "
           f"{a.micro_batches} micro-batches, PP{a.pp} (gloo, 1 thread a rank), torch {torch.__version__}; "
           f"median of {a.steps} steps after a warm-up")
@@ -184,8 +161,8 @@ def main():
     for name, _, _ in SCHEDULES:
         ours = max(got[r][name][0] for r in got)
         theirs = max(got[r][name][1] for r in got)
-        ours_g = {k: torch.from_numpy(g) for r in got for k, g in got[r][name][2].items()}  # (on other ranks)
-        theirs_g = {k: torch.from_numpy(g) for r in got for k, g in got[r][name][3].items()}
+        ours_g = {k: g for r in got for k, g in got[r][name][2].items()}  # (each side's stages on other ranks)
+        theirs_g = {k: g for r in got for k, g in got[r][name][3].items()}
         assert sorted(ours_g) == sorted(theirs_g), name
         diff = max(((ours_g[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for k, g in theirs_g.items())
         print(f"{name:<11}{ours:>12.1f}{theirs:>10.1f}{theirs / ours:>18.3f}{diff:>15.2e}")
