@@ -107,6 +107,21 @@ def test_a_config_class_of_its_defaults_imports_as_the_same_model(name, saved, t
     assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), name
 
 
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_alternating"])
+def test_a_windowed_import_at_tp2_pp2_is_the_same_model(name, saved, tmp_path):
+    """The window and the alternating layers, imported into a TP2 x PP2 checkpoint and read back whole:
+    transformers' logits (a window run at TP2 + SP x PP2 itself, each stage windowing by global layer number:
+    tests/test_model_flags.py's parity)."""
+    rc, _, err = convert("--loader", "hf", "--saver", "megalite", "--load-dir", saved[name], "--save-dir",
+                         str(tmp_path / "m"), "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size",
+                         "2")
+    assert rc == 0, err
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    _, ref = hf_logits(saved[name], tokens)
+    ours = megalite_logits(str(tmp_path / "m"), tokens)
+    assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item()), name
+
+
 def test_a_bert_config_of_its_defaults_imports(tmp_path):
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=48, max_position_embeddings=32)
